@@ -1,0 +1,30 @@
+"""cce_inductor: Cut Cross-Entropy for unmodified PyTorch models.
+
+* :func:`linear_cross_entropy` -- the fused op, callable directly.
+* :func:`backend` / :func:`make_backend` -- ``torch.compile(model, backend=cce_inductor.backend)``.
+* :func:`enable` / :func:`disable` -- the pass for every plain ``torch.compile`` (``CCE_INDUCTOR=1`` does this
+  at ``import torch``).
+* :func:`stats` -- which loss sites were rewritten and why the others were not.
+"""
+
+__version__ = "0.1.0"
+
+from .ops import linear_cross_entropy  # noqa: E402  (registers torch.ops.cce_inductor.*)
+from .options import CCEOptions  # noqa: E402
+from .diagnostics import reset_stats, stats  # noqa: E402
+from .graph_pass import CCEGraphPass, disable, enable, is_enabled  # noqa: E402
+from .backend import backend, make_backend  # noqa: E402
+
+__all__ = [
+    "__version__",
+    "linear_cross_entropy",
+    "CCEOptions",
+    "backend",
+    "make_backend",
+    "enable",
+    "disable",
+    "is_enabled",
+    "stats",
+    "reset_stats",
+    "CCEGraphPass",
+]

@@ -1,0 +1,140 @@
+"""Chunked PyTorch implementation of linear-cross-entropy: the CPU path and the CUDA fallback.
+
+Same contract as the Triton kernels in ``cce_inductor.kernels`` (``forward`` / ``backward``), computed with
+plain matmuls over row chunks of ``e`` and vocabulary chunks of ``c``, so at most one
+``row_chunk x vocab_chunk`` block of logits exists at a time: memory O(chunk + N*D + V*D), never O(N*V).
+
+    logits[n, v] = softcap * tanh((e[n] . c[v] + bias[v]) / softcap)        (no tanh without softcap)
+    lse[n]       = log sum_v exp(logits[n, v])                                (online over vocab chunks)
+    dlogits[n,v] = grad_rows[n] * (exp(logits[n, v] - lse[n]) - [v == targets[n]])
+    draw         = dlogits * (1 - tanh^2)                                    (softcap chain rule)
+    dE = draw @ c,   dC = draw^T @ e,   dbias = sum_n draw
+
+The backward walks the vocabulary in the outer loop so each ``dC`` chunk is accumulated in full precision
+and written once in ``c``'s dtype; ``dE`` is accumulated in full precision (O(N*D)).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+# Rows x vocabulary entries of one logits block: 1024 x 4096 fp32 = 16 MiB.
+ROW_CHUNK = 1024
+VOCAB_CHUNK = 4096
+
+
+def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _logits_block(e_rows: Tensor, c_block: Tensor, bias_block: Optional[Tensor], softcap: Optional[float]):
+    """Logits of one block in the accumulation dtype, and tanh (for the softcap gradient) or None."""
+    raw = e_rows @ c_block.T
+    if bias_block is not None:
+        raw = raw + bias_block
+    if softcap is None:
+        return raw, None
+    capped = torch.tanh(raw / softcap)
+    return capped * softcap, capped
+
+
+def forward(
+    e: Tensor,
+    c: Tensor,
+    targets: Tensor,
+    bias: Optional[Tensor],
+    *,
+    softcap: Optional[float],
+    ignore_index: int,
+    row_chunk: int = ROW_CHUNK,
+    vocab_chunk: int = VOCAB_CHUNK,
+) -> tuple[Tensor, Tensor]:
+    """Returns ``(lse, target_logit)``, each ``(N,)`` in the accumulation dtype; ignored rows hold finite junk."""
+    n_rows, vocab = e.shape[0], c.shape[0]
+    acc = accumulation_dtype(e.dtype)
+    lse = torch.empty(n_rows, dtype=acc, device=e.device)
+    target_logit = torch.empty(n_rows, dtype=acc, device=e.device)
+    bias_acc = None if bias is None else bias.to(acc)
+    for r0 in range(0, n_rows, row_chunk):
+        e_rows = e[r0 : r0 + row_chunk].to(acc)
+        running_max = torch.full((e_rows.shape[0],), float("-inf"), dtype=acc, device=e.device)
+        running_sum = torch.zeros(e_rows.shape[0], dtype=acc, device=e.device)
+        for v0 in range(0, vocab, vocab_chunk):
+            bias_block = None if bias_acc is None else bias_acc[v0 : v0 + vocab_chunk]
+            logits, _ = _logits_block(e_rows, c[v0 : v0 + vocab_chunk].to(acc), bias_block, softcap)
+            new_max = torch.maximum(running_max, logits.amax(dim=1))
+            running_sum = running_sum * torch.exp(running_max - new_max) + torch.exp(
+                logits - new_max[:, None]
+            ).sum(dim=1)
+            running_max = new_max
+        lse[r0 : r0 + row_chunk] = running_max + torch.log(running_sum)
+
+        rows_targets = targets[r0 : r0 + row_chunk]
+        safe_targets = torch.where(rows_targets == ignore_index, 0, rows_targets)
+        raw = (e_rows * c[safe_targets].to(acc)).sum(dim=1)
+        if bias_acc is not None:
+            raw = raw + bias_acc[safe_targets]
+        target_logit[r0 : r0 + row_chunk] = raw if softcap is None else torch.tanh(raw / softcap) * softcap
+    return lse, target_logit
+
+
+def backward(
+    e: Tensor,
+    c: Tensor,
+    targets: Tensor,
+    bias: Optional[Tensor],
+    lse: Tensor,
+    grad_rows: Tensor,
+    *,
+    softcap: Optional[float],
+    need_e: bool,
+    need_c: bool,
+    need_bias: bool,
+    row_chunk: int = ROW_CHUNK,
+    vocab_chunk: int = VOCAB_CHUNK,
+) -> tuple[Optional[Tensor], Optional[Tensor], Optional[Tensor]]:
+    """Gradients w.r.t. ``e``, ``c``, ``bias`` (each ``None`` unless asked for). ``grad_rows`` is 0 at ignored rows."""
+    n_rows, vocab = e.shape[0], c.shape[0]
+    acc = accumulation_dtype(e.dtype)
+    grad_e = torch.zeros(e.shape, dtype=acc, device=e.device) if need_e else None
+    grad_c = torch.empty(c.shape, dtype=c.dtype, device=c.device) if need_c else None
+    grad_bias = torch.empty(vocab, dtype=bias.dtype, device=bias.device) if need_bias else None
+    if not (need_e or need_c or need_bias):
+        return None, None, None
+
+    e_acc = e.to(acc)
+    grad_rows = grad_rows.to(acc)
+    bias_acc = None if bias is None else bias.to(acc)
+    for v0 in range(0, vocab, vocab_chunk):
+        c_block = c[v0 : v0 + vocab_chunk].to(acc)
+        width = c_block.shape[0]
+        bias_block = None if bias_acc is None else bias_acc[v0 : v0 + vocab_chunk]
+        grad_c_block = torch.zeros_like(c_block) if need_c else None
+        grad_bias_block = torch.zeros(width, dtype=acc, device=e.device) if need_bias else None
+        for r0 in range(0, n_rows, row_chunk):
+            e_rows = e_acc[r0 : r0 + row_chunk]
+            logits, capped = _logits_block(e_rows, c_block, bias_block, softcap)
+            grad_logits = torch.exp(logits - lse[r0 : r0 + row_chunk, None])
+            # Subtract the one-hot with a masked scatter: no data-dependent shapes, so no device sync.
+            local_targets = targets[r0 : r0 + row_chunk] - v0
+            in_block = (local_targets >= 0) & (local_targets < width)
+            grad_logits.scatter_add_(
+                1, local_targets.clamp(0, width - 1)[:, None], -in_block.to(acc)[:, None]
+            )
+            grad_logits *= grad_rows[r0 : r0 + row_chunk, None]
+            if capped is not None:
+                grad_logits *= 1.0 - capped * capped
+            if need_e:
+                grad_e[r0 : r0 + row_chunk] += grad_logits @ c_block
+            if need_c:
+                grad_c_block += grad_logits.T @ e_rows
+            if need_bias:
+                grad_bias_block += grad_logits.sum(dim=0)
+        if need_c:
+            grad_c[v0 : v0 + width] = grad_c_block
+        if need_bias:
+            grad_bias[v0 : v0 + width] = grad_bias_block
+    return (None if grad_e is None else grad_e.to(e.dtype)), grad_c, grad_bias

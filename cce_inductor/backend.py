@@ -1,0 +1,51 @@
+"""Dynamo backends: Inductor with the cce_inductor pass on.
+
+    torch.compile(model, backend=cce_inductor.backend)
+    torch.compile(model, backend=cce_inductor.make_backend(drop_logits=True))
+    torch.compile(model, backend="cce")          # registered through the torch_dynamo_backends entry point
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+import torch
+import torch._inductor.config as inductor_config
+
+from .graph_pass import CCEGraphPass, _find_ours
+from .options import CCEOptions
+
+
+def make_backend(
+    options: Optional[CCEOptions] = None,
+    *,
+    filter_eps: Optional[float] = None,
+    vocab_sort: Optional[bool] = None,
+    exact: Optional[bool] = None,
+    drop_logits: Optional[bool] = None,
+    inductor_options: Optional[dict[str, Any]] = None,
+) -> Callable:
+    """A Dynamo backend compiling with Inductor and the pass, configured by ``options`` / keywords / env."""
+    if options is None:
+        options = CCEOptions.from_env(
+            filter_eps=filter_eps, vocab_sort=vocab_sort, exact=exact, drop_logits=drop_logits
+        )
+
+    def cce_backend(gm: torch.fx.GraphModule, example_inputs, **kwargs):
+        from torch._inductor.compile_fx import compile_fx
+
+        current = inductor_config.pre_grad_custom_pass
+        ours = _find_ours(current)
+        chained = ours.chained if ours is not None else current
+        patches = dict(inductor_options or {})
+        patches["pre_grad_custom_pass"] = CCEGraphPass(options, chained=chained)
+        with inductor_config.patch(patches):
+            return compile_fx(gm, example_inputs, **kwargs)
+
+    cce_backend.options = options  # type: ignore[attr-defined]
+    return cce_backend
+
+
+def backend(gm: torch.fx.GraphModule, example_inputs, **kwargs):
+    """Inductor with the pass; options from the ``CCE_INDUCTOR_*`` environment at compile time."""
+    return make_backend()(gm, example_inputs, **kwargs)

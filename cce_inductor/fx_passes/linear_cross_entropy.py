@@ -1,0 +1,500 @@
+"""Rewrite ``linear -> [softcap] -> cross_entropy`` in Dynamo graphs into ``cce_inductor::linear_cross_entropy``.
+
+Runs on the graph Dynamo hands to Inductor (before AOTAutograd: torch IR with ``call_method`` views), so the
+logits are never created, neither in the forward nor as a saved activation for the backward.
+
+The matched graph, read from the loss back to the head (every part but the two ends is optional and may come
+in any order)::
+
+    hidden  (..., D)        weight (V, D)      [bias (V,)]
+        \\                      |                /
+         linear(hidden, weight, bias) | hidden @ weight.T | matmul(hidden, weight_t)
+                  |
+          logits (..., V)   ---- row views:   view/reshape/flatten over leading dims, contiguous,
+                  |                           getitem slices of leading dims (label shift logits[..., :-1, :])
+                  |         ---- upcasts:     .float(), .to(torch.float32)
+                  |         ---- softcap:     tanh(logits / cap) * cap  (or  * (1 / cap))
+          logits2d (M, V)           targets (M,) int   (any computation: shifts, F.pad(labels, (0, 1), value=ignore))
+                   \\                /
+                 cross_entropy(logits2d, targets, ignore_index=i, reduction=r)   [weight=None, label_smoothing=0]
+
+is replaced by::
+
+    rows = <the same row views replayed on hidden, with D in place of V>           (M, D)
+    loss = cce_inductor::linear_cross_entropy(rows, weight, targets, bias, cap, i, r, ...)[0]
+    loss = loss.to(<dtype cross_entropy returned>)
+
+Every ``cross_entropy`` that is not rewritten gets a reason in :func:`cce_inductor.stats` and the
+``cce_inductor`` log. The tables below are the whole vocabulary of the matcher.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import math
+import operator
+from typing import Any, Optional, Union
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+
+from .. import diagnostics
+from ..ops import AUTO_FILTER_EPS, NO_SOFTCAP, Reduction
+from ..options import CCEOptions
+
+# --------------------------------------------------------------------------------------------------------------
+# The patterns, as data: how each operation can be spelled in a Dynamo graph.
+# A spelling is ("call_function", target) or ("call_method", name).
+# --------------------------------------------------------------------------------------------------------------
+
+
+def _functions(*targets) -> set:
+    return {("call_function", t) for t in targets}
+
+
+def _methods(*names) -> set:
+    return {("call_method", n) for n in names}
+
+
+CROSS_ENTROPY = _functions(F.cross_entropy)
+LINEAR = _functions(F.linear, torch._C._nn.linear)
+MATMUL = _functions(operator.matmul, torch.matmul, torch.mm) | _methods("matmul", "mm", "__matmul__")
+TRANSPOSE_2D = _functions(torch.t, torch.transpose, torch.permute) | _methods("t", "transpose", "permute")
+TRANSPOSE_ATTRS = ("T", "mT")
+RESHAPE = _functions(torch.reshape) | _methods("view", "reshape")
+FLATTEN = _functions(torch.flatten) | _methods("flatten")
+IDENTITY_VIEW = _methods("contiguous")
+GETITEM = _functions(operator.getitem)
+TO_DTYPE = _methods("to", "type")
+FLOAT = _methods("float")
+TANH = _functions(torch.tanh, F.tanh) | _methods("tanh")
+MUL = _functions(operator.mul, torch.mul) | _methods("mul")
+DIV = _functions(operator.truediv, torch.div, torch.true_divide) | _methods("div", "true_divide")
+
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+SUPPORTED_DEVICES = ("cpu", "cuda")
+_CE_SIGNATURE = inspect.signature(F.cross_entropy)
+
+
+def _spelling(node: fx.Node):
+    if node.op in ("call_function", "call_method"):
+        return (node.op, node.target)
+    return None
+
+
+def _is(node: Any, spellings: set) -> bool:
+    return isinstance(node, fx.Node) and _spelling(node) in spellings
+
+
+def _meta(node: Any):
+    """Dynamo's example value of ``node`` (a FakeTensor, SymInt, ...) or the constant itself."""
+    if isinstance(node, fx.Node):
+        return node.meta.get("example_value", node.meta.get("val"))
+    return node
+
+
+class NoMatch(Exception):
+    """The site is left alone; the message says why (it reaches stats() and the log)."""
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Matching
+# --------------------------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class RowStep:
+    """One row view on the logits, to be replayed on the hidden states."""
+
+    kind: str  # "reshape" | "flatten" | "getitem"
+    args: tuple
+
+
+@dataclasses.dataclass
+class Site:
+    cross_entropy: fx.Node
+    head: fx.Node
+    hidden: fx.Node
+    weight: fx.Node
+    weight_is_transposed: bool  # the graph holds weight as (D, V): pass weight.t() to the op
+    bias: Optional[fx.Node]
+    compute_dtype: torch.dtype
+    row_steps: list[RowStep]  # in forward order
+    softcap: Optional[float]
+    targets: fx.Node
+    ignore_index: int
+    reduction: str
+    chain: list[fx.Node]  # head ... cross_entropy input, forward order
+    escaping: list[fx.Node]  # chain nodes that are also graph outputs
+
+
+def _short(node: fx.Node) -> str:
+    if node.op == "call_method":
+        return f"{node.name} (.{node.target}())"
+    if node.op == "call_function":
+        return f"{node.name} ({getattr(node.target, '__name__', node.target)})"
+    return f"{node.name} ({node.op})"
+
+
+def _const_float(value: Any) -> Optional[float]:
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    return None
+
+
+def _match_softcap(node: fx.Node) -> Optional[tuple[float, fx.Node, list[fx.Node]]]:
+    """``tanh(x / cap) * cap`` or ``tanh(x * (1/cap)) * cap`` ending at ``node``: (cap, x, inner nodes)."""
+    if not _is(node, MUL):
+        return None
+    lhs, rhs = node.args[0], node.args[1] if len(node.args) > 1 else node.kwargs.get("other")
+    tanh_node, cap = (lhs, _const_float(rhs)) if _is(lhs, TANH) else (rhs, _const_float(lhs))
+    if cap is None or not _is(tanh_node, TANH) or cap <= 0:
+        return None
+    scaled = tanh_node.args[0]
+    if _is(scaled, DIV) and _const_float(scaled.args[1]) is not None:
+        x, inner_cap = scaled.args[0], _const_float(scaled.args[1])
+    elif _is(scaled, MUL):
+        a, b = scaled.args[0], scaled.args[1]
+        x, inv = (a, _const_float(b)) if _const_float(b) is not None else (b, _const_float(a))
+        if inv is None or inv == 0:
+            return None
+        inner_cap = 1.0 / inv
+    else:
+        return None
+    if not isinstance(x, fx.Node) or not math.isclose(inner_cap, cap, rel_tol=1e-6):
+        return None
+    return cap, x, [scaled, tanh_node]
+
+
+def _reshape_shape(node: fx.Node) -> list:
+    """The target shape of ``x.view(*shape)``, ``x.reshape(shape)`` or ``torch.reshape(x, shape)``."""
+    if node.op == "call_function":
+        args = node.args[1:] or (node.kwargs.get("shape"),)
+    else:
+        args = node.args[1:] or (node.kwargs.get("shape", node.kwargs.get("size")),)
+    if len(args) == 1 and isinstance(args[0], (tuple, list, torch.Size)):
+        return list(args[0])
+    return list(args)
+
+
+def _arg(node: fx.Node, index: int, name: str, default: Any = None) -> Any:
+    """Argument ``index`` (positional) or ``name`` (keyword) of a call; builtins have no inspectable signature."""
+    if len(node.args) > index:
+        return node.args[index]
+    return node.kwargs.get(name, default)
+
+
+def _normalize_dim(dim: int, ndim: int) -> int:
+    return dim + ndim if dim < 0 else dim
+
+
+def _row_step(node: fx.Node, vocab) -> RowStep:
+    """Classify a view on the logits; raise NoMatch if it touches the vocabulary dimension."""
+    src, out = _meta(node.args[0]), _meta(node)
+    if not isinstance(out, torch.Tensor) or out.dim() < 1 or out.shape[-1] != vocab:
+        raise NoMatch(f"{_short(node)} changes the vocabulary dimension")
+    if _is(node, RESHAPE):
+        shape = _reshape_shape(node)
+        if not shape or _meta(shape[-1]) not in (vocab, -1):
+            raise NoMatch(f"{node.name} reshapes across the vocabulary dimension")
+        if _meta(shape[-1]) == -1 and any(_meta(s) == -1 for s in shape[:-1]):
+            raise NoMatch(f"{node.name} has two inferred dimensions")
+        return RowStep("reshape", tuple(shape[:-1]))
+    if _is(node, FLATTEN):
+        start = _normalize_dim(_arg(node, 1, "start_dim", 0), src.dim())
+        end = _normalize_dim(_arg(node, 2, "end_dim", -1), src.dim())
+        if end >= src.dim() - 1:
+            raise NoMatch(f"{node.name} flattens the vocabulary dimension into the rows")
+        return RowStep("flatten", (start, end))
+    if _is(node, GETITEM):
+        index = node.args[1] if isinstance(node.args[1], tuple) else (node.args[1],)
+        if any(i is None or isinstance(i, fx.Node) and isinstance(_meta(i), torch.Tensor) for i in index):
+            raise NoMatch(f"{node.name} uses advanced indexing or None on the logits")
+        if Ellipsis in index:
+            last = index[-1]
+            if index[-1] is not Ellipsis and last != slice(None):
+                raise NoMatch(f"{node.name} slices the vocabulary dimension")
+        elif len(index) >= src.dim() and index[src.dim() - 1] != slice(None):
+            raise NoMatch(f"{node.name} slices the vocabulary dimension")
+        return RowStep("getitem", (node.args[1],))
+    raise AssertionError(node)
+
+
+def _upcast_target(node: fx.Node) -> Optional[torch.dtype]:
+    """The dtype a cast node converts to, or None if the node is not a pure dtype cast."""
+    if _is(node, FLOAT):
+        return torch.float32
+    if _is(node, TO_DTYPE):
+        dtypes = [a for a in list(node.args[1:]) + list(node.kwargs.values()) if isinstance(a, torch.dtype)]
+        others = [a for a in node.args[1:] if not isinstance(a, torch.dtype)]
+        others += [k for k in node.kwargs if k not in ("dtype", "copy", "non_blocking")]
+        if len(dtypes) == 1 and not others:
+            return dtypes[0]
+    return None
+
+
+def _match_head(node: fx.Node) -> tuple[fx.Node, fx.Node, bool, Optional[fx.Node]]:
+    """(hidden, weight, weight_is_transposed, bias) of the linear layer producing ``node``."""
+    if _is(node, LINEAR):
+        bias = _arg(node, 2, "bias")
+        if bias is not None and not isinstance(bias, fx.Node):
+            raise NoMatch(f"{node.name} has a non-tensor bias")
+        return _arg(node, 0, "input"), _arg(node, 1, "weight"), False, bias
+    if _is(node, MATMUL):
+        hidden = node.args[0]
+        rhs = _arg(node, 1, "other")
+        rhs_meta = _meta(rhs)
+        if not isinstance(rhs_meta, torch.Tensor) or rhs_meta.dim() != 2:
+            raise NoMatch(f"{node.name} multiplies by a {getattr(rhs_meta, 'dim', lambda: '?')()}-D tensor, not a weight matrix")
+        weight = _transposed_source(rhs)
+        if weight is not None:
+            return hidden, weight, False, None
+        return hidden, rhs, True, None
+    raise NoMatch(
+        f"the input of cross_entropy comes from {_short(node)}, "
+        "not from a linear layer in the same graph (a graph break between the head and the loss?)"
+    )
+
+
+def _transposed_source(node: fx.Node) -> Optional[fx.Node]:
+    """``w`` if ``node`` is ``w.T`` / ``w.t()`` / ``w.transpose(0, 1)`` / ``w.permute(1, 0)`` of a 2-D ``w``."""
+    if not isinstance(node, fx.Node):
+        return None
+    if node.op == "call_function" and node.target is getattr and node.args[1] in TRANSPOSE_ATTRS:
+        return node.args[0]
+    if _is(node, TRANSPOSE_2D):
+        src, dims = node.args[0], node.args[1:]
+        if len(dims) == 1 and isinstance(dims[0], (tuple, list)):
+            dims = tuple(dims[0])
+        if _spelling(node)[1] in ("t", torch.t) or tuple(_normalize_dim(d, 2) for d in dims) in ((0, 1), (1, 0)):
+            return src
+    return None
+
+
+def match_site(ce: fx.Node) -> Site:
+    """Match the chain feeding one cross_entropy call, or raise NoMatch with the reason."""
+    bound = _CE_SIGNATURE.bind(*ce.args, **ce.kwargs)
+    bound.apply_defaults()
+    args = bound.arguments
+    if args["weight"] is not None:
+        raise NoMatch("cross_entropy has class weights (weight=...)")
+    if args["label_smoothing"] != 0.0:
+        raise NoMatch(f"cross_entropy has label_smoothing={args['label_smoothing']}")
+    if args["size_average"] is not None or args["reduce"] is not None:
+        raise NoMatch("cross_entropy uses the deprecated size_average/reduce arguments")
+    if not isinstance(args["ignore_index"], int) or not isinstance(args["reduction"], str):
+        raise NoMatch("ignore_index or reduction is not a constant")
+    if args["reduction"] not in Reduction.BY_NAME:
+        raise NoMatch(f"unknown reduction {args['reduction']!r}")
+    logits2d, targets = args["input"], args["target"]
+    logits_meta, targets_meta = _meta(logits2d), _meta(targets)
+    if not isinstance(logits_meta, torch.Tensor) or not isinstance(targets_meta, torch.Tensor):
+        raise NoMatch("cross_entropy input or target is not a tensor")
+    if targets_meta.dtype.is_floating_point:
+        raise NoMatch("cross_entropy has probability (floating-point) targets")
+    if logits_meta.dim() != 2 or targets_meta.dim() != 1:
+        raise NoMatch(
+            f"cross_entropy input is {logits_meta.dim()}-D and target {targets_meta.dim()}-D; "
+            "only (N, V) logits with (N,) class targets are matched"
+        )
+    vocab = logits_meta.shape[-1]
+
+    chain: list[fx.Node] = []  # cross_entropy input ... head, backwards
+    row_steps: list[RowStep] = []
+    softcap: Optional[float] = None
+    node = logits2d
+    while True:
+        if not isinstance(node, fx.Node):
+            raise NoMatch("cross_entropy input is not computed in the graph")
+        chain.append(node)
+        softcap_match = _match_softcap(node)
+        if softcap_match is not None:
+            if softcap is not None:
+                raise NoMatch("logits are soft-capped twice")
+            softcap, node, inner = softcap_match
+            chain.extend(inner[::-1])
+            continue
+        if _is(node, RESHAPE) or _is(node, FLATTEN) or _is(node, GETITEM):
+            row_steps.append(_row_step(node, vocab))
+            node = node.args[0]
+            continue
+        if _is(node, IDENTITY_VIEW):
+            node = node.args[0]
+            continue
+        cast_to = _upcast_target(node)
+        if cast_to is not None:
+            src_dtype = _meta(node.args[0]).dtype
+            if cast_to not in SUPPORTED_DTYPES or (
+                torch.finfo(cast_to).bits < torch.finfo(src_dtype).bits
+            ):
+                raise NoMatch(f"{node.name} casts the logits down from {src_dtype} to {cast_to}")
+            node = node.args[0]
+            continue
+        break
+
+    head = chain[-1]
+    hidden, weight, weight_is_transposed, bias = _match_head(head)
+    head_meta, hidden_meta, weight_meta = _meta(head), _meta(hidden), _meta(weight)
+    if not all(isinstance(m, torch.Tensor) for m in (head_meta, hidden_meta, weight_meta)):
+        raise NoMatch(f"{head.name}: operands are not tensors")
+    if hidden_meta.dim() < 1 or head_meta.shape[-1] != vocab:
+        raise NoMatch(f"{head.name} does not produce the vocabulary dimension of cross_entropy")
+    compute_dtype = head_meta.dtype
+    if compute_dtype not in SUPPORTED_DTYPES:
+        raise NoMatch(f"logits dtype {compute_dtype} is not supported")
+    device = head_meta.device
+    if device.type not in SUPPORTED_DEVICES:
+        raise NoMatch(f"device {device} is not supported")
+
+    # The chain must be private to this loss, except for being returned from the graph (HF returns logits).
+    chain.reverse()
+    escaping = []
+    for i, node in enumerate(chain):
+        consumer = chain[i + 1] if i + 1 < len(chain) else ce
+        others = [user for user in node.users if user is not consumer]
+        if any(user.op != "output" for user in others):
+            names = ", ".join(_short(user) for user in others if user.op != "output")
+            raise NoMatch(f"the logits ({node.name}) are also used by {names}, not only by the loss")
+        if others:
+            escaping.append(node)
+
+    return Site(
+        cross_entropy=ce,
+        head=head,
+        hidden=hidden,
+        weight=weight,
+        weight_is_transposed=weight_is_transposed,
+        bias=bias,
+        compute_dtype=compute_dtype,
+        row_steps=row_steps[::-1],
+        softcap=softcap,
+        targets=targets,
+        ignore_index=args["ignore_index"],
+        reduction=args["reduction"],
+        chain=chain,
+        escaping=escaping,
+    )
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Rewriting
+# --------------------------------------------------------------------------------------------------------------
+
+
+def _cast(graph: fx.Graph, node: fx.Node, dtype: torch.dtype) -> fx.Node:
+    if _meta(node).dtype == dtype:
+        return node
+    return graph.call_method("to", (node, dtype))
+
+
+def _hidden_size(graph: fx.Graph, hidden: fx.Node) -> Union[int, fx.Node]:
+    size = _meta(hidden).shape[-1]
+    if isinstance(size, int):
+        return size
+    return graph.call_method("size", (hidden, -1))
+
+
+def rewrite_site(graph: fx.Graph, site: Site, options: CCEOptions) -> fx.Node:
+    ce = site.cross_entropy
+    with graph.inserting_before(ce):
+        rows = _cast(graph, site.hidden, site.compute_dtype)
+        hidden_size = _hidden_size(graph, site.hidden)
+        for step in site.row_steps:
+            if step.kind == "reshape":
+                rows = graph.call_method("reshape", (rows, *step.args, hidden_size))
+            elif step.kind == "flatten":
+                rows = graph.call_method("flatten", (rows, *step.args))
+            else:
+                rows = graph.call_function(operator.getitem, (rows, *step.args))
+        weight = _cast(graph, site.weight, site.compute_dtype)
+        if site.weight_is_transposed:
+            weight = graph.call_method("t", (weight,))
+        bias = None if site.bias is None else _cast(graph, site.bias, site.compute_dtype)
+        fused = graph.call_function(
+            torch.ops.cce_inductor.linear_cross_entropy.default,
+            (
+                rows,
+                weight,
+                site.targets,
+                bias,
+                NO_SOFTCAP if site.softcap is None else site.softcap,
+                site.ignore_index,
+                Reduction.BY_NAME[site.reduction],
+                AUTO_FILTER_EPS if options.filter_eps is None else options.filter_eps,
+                options.vocab_sort,
+                options.exact,
+            ),
+        )
+        loss = graph.call_function(operator.getitem, (fused, 0))
+        out_dtype = _meta(ce).dtype
+        if out_dtype != torch.float32:
+            loss = graph.call_method("to", (loss, out_dtype))
+
+    ce.replace_all_uses_with(loss)
+    graph.erase_node(ce)
+
+    if site.escaping:
+        output = next(n for n in graph.nodes if n.op == "output")
+        for node in site.escaping:
+            meta = _meta(node)
+            with graph.inserting_before(output):
+                empty = graph.call_function(torch.empty, ((0,),), {"dtype": meta.dtype, "device": meta.device})
+            output.replace_input_with(node, empty)
+
+    for node in reversed(site.chain):
+        if not node.users:
+            transposed_weight = site.head.args[1] if node is site.head and _is(site.head, MATMUL) else None
+            graph.erase_node(node)
+            if isinstance(transposed_weight, fx.Node) and not transposed_weight.users:
+                if _transposed_source(transposed_weight) is not None:
+                    graph.erase_node(transposed_weight)
+    return fused
+
+
+def _describe(site: Site) -> str:
+    parts = [f"{site.head.name}: {'matmul' if _is(site.head, MATMUL) else 'linear'}"]
+    if site.bias is not None:
+        parts.append("bias")
+    if site.softcap is not None:
+        parts.append(f"softcap={site.softcap:g}")
+    parts.append(f"reduction={site.reduction}")
+    parts.append(f"ignore_index={site.ignore_index}")
+    if site.escaping:
+        parts.append("logits dropped from the outputs")
+    return ", ".join(parts)
+
+
+def rewrite_linear_cross_entropy(graph: fx.Graph, options: CCEOptions) -> int:
+    """Rewrite every matching site in ``graph``; returns how many were rewritten."""
+    graph_id = diagnostics.new_graph()
+    sites = [n for n in graph.nodes if _is(n, CROSS_ENTROPY)]
+    rewritten = 0
+    for ce in sites:
+        try:
+            try:
+                site = match_site(ce)
+            except NoMatch:
+                raise
+            except Exception as exc:  # an unforeseen graph shape must never break compilation
+                raise NoMatch(f"not understood ({type(exc).__name__}: {exc})") from exc
+            if site.escaping and not options.drop_logits:
+                names = ", ".join(n.name for n in site.escaping)
+                raise NoMatch(
+                    f"logits escape the compiled region ({names} is a graph output, as in Hugging Face models); "
+                    "set CCE_INDUCTOR_DROP_LOGITS=1 or cce_inductor.make_backend(drop_logits=True) "
+                    "to return an empty tensor in their place"
+                )
+        except NoMatch as why:
+            diagnostics.record(diagnostics.SiteDecision(graph_id, ce.name, False, str(why)))
+            continue
+        description = _describe(site)
+        rewrite_site(graph, site, options)
+        rewritten += 1
+        diagnostics.record(diagnostics.SiteDecision(graph_id, ce.name, True, description))
+    if not sites:
+        diagnostics.log.debug("cce_inductor: graph %d has no cross_entropy call", graph_id)
+    if rewritten:
+        graph.lint()
+    return rewritten

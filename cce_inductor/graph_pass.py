@@ -1,0 +1,95 @@
+"""The Inductor hook: a ``CustomGraphPass`` for ``config.pre_grad_custom_pass``, and how it is installed.
+
+Inductor caches compiled graphs (FX graph cache, AOTAutograd cache) keyed on, among others, the custom passes'
+``uuid()``. Ours covers the package version, the source of every module that decides what the pass does and
+every option, and the uuid of a user pass we chain with, so caches stay on and a hit is never stale. A cache
+hit skips the pass (the cached code already calls our op by name), so importing ``cce_inductor`` is what a
+cached graph needs.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+import torch._inductor.config as inductor_config
+from torch._inductor.custom_graph_pass import CustomGraphPass
+
+from . import __version__
+from .fx_passes.linear_cross_entropy import rewrite_linear_cross_entropy
+from .options import CCEOptions
+
+_PACKAGE_DIR = Path(__file__).resolve().parent
+
+
+@functools.lru_cache(maxsize=None)
+def _source_hash() -> str:
+    digest = hashlib.sha256(__version__.encode())
+    for path in sorted(_PACKAGE_DIR.rglob("*.py")):
+        digest.update(path.name.encode())
+        digest.update(path.read_bytes())
+    return digest.hexdigest()
+
+
+class CCEGraphPass(CustomGraphPass):
+    """Rewrites linear -> cross_entropy sites; runs ``chained`` (a pass that was installed before) first."""
+
+    def __init__(self, options: Optional[CCEOptions] = None, chained: Any = None) -> None:
+        self.options = options or CCEOptions()
+        self.chained = chained
+        self.last_rewrites = 0
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        if self.chained is not None:
+            for user_pass in self.chained if isinstance(self.chained, (list, tuple)) else [self.chained]:
+                user_pass(graph)
+        self.last_rewrites = rewrite_linear_cross_entropy(graph, self.options)
+
+    def uuid(self) -> Optional[Any]:
+        chained_ids = []
+        for user_pass in self.chained if isinstance(self.chained, (list, tuple)) else [self.chained]:
+            if user_pass is None:
+                continue
+            user_uuid = user_pass.uuid() if hasattr(user_pass, "uuid") else None
+            if not user_uuid:
+                return None  # a pass we cannot key: caching must be bypassed, as Inductor does for it
+            chained_ids.append(repr(user_uuid))
+        return f"cce_inductor-{__version__}-{_source_hash()}-{self.options.cache_key()}-{'|'.join(chained_ids)}"
+
+
+def _installed() -> Any:
+    return inductor_config.pre_grad_custom_pass
+
+
+def _find_ours(hook: Any) -> Optional[CCEGraphPass]:
+    return hook if isinstance(hook, CCEGraphPass) else None
+
+
+def enable(options: Optional[CCEOptions] = None, **overrides) -> CCEGraphPass:
+    """Install the pass globally, so that a plain ``torch.compile(model)`` uses it.
+
+    ``options`` default to the ``CCE_INDUCTOR_*`` environment variables; keyword overrides win. A pass that was
+    already installed in ``pre_grad_custom_pass`` keeps running, before ours. Calling ``enable`` again replaces
+    our pass (with the new options) and keeps the chain.
+    """
+    options = options or CCEOptions.from_env(**overrides)
+    current = _installed()
+    ours = _find_ours(current)
+    chained = ours.chained if ours is not None else current
+    graph_pass = CCEGraphPass(options, chained=chained)
+    inductor_config.pre_grad_custom_pass = graph_pass
+    return graph_pass
+
+
+def disable() -> None:
+    """Remove our pass; a pass that was installed before ``enable`` is put back."""
+    ours = _find_ours(_installed())
+    if ours is not None:
+        inductor_config.pre_grad_custom_pass = ours.chained
+
+
+def is_enabled() -> bool:
+    return _find_ours(_installed()) is not None

@@ -1,0 +1,66 @@
+"""Options of the fused op and of the graph pass, and how they are read from the environment."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Optional
+
+_TRUTHY = ("1", "true", "yes", "on")
+
+
+def _env_flag(name: str, default: bool = False) -> bool:
+    value = os.environ.get(name)
+    if value is None or value.strip() == "":
+        return default
+    return value.strip().lower() in _TRUTHY
+
+
+def _env_float(name: str) -> Optional[float]:
+    value = os.environ.get(name)
+    if value is None or value.strip() == "":
+        return None
+    try:
+        return float(value)
+    except ValueError as exc:
+        raise ValueError(f"{name}={value!r} is not a number") from exc
+
+
+@dataclasses.dataclass(frozen=True)
+class CCEOptions:
+    """How rewritten sites compute their loss.
+
+    Every field is part of the pass's cache key, so changing one never reuses a graph compiled under another.
+
+    filter_eps: skip gradient tiles whose ``|softmax - onehot|`` is everywhere below this (CUDA kernels only).
+        ``None`` picks the paper's threshold for the input dtype (2**-12 for bf16); ``0.0`` disables filtering.
+    vocab_sort: order the vocabulary by average logit before the backward so that surviving tiles cluster.
+    exact: no gradient filtering and fp32 accumulation of dE/dC (pretraining); slower.
+    drop_logits: when the logits also leave the compiled region (Hugging Face models return them), return an
+        empty tensor in their place so the site can still be rewritten. Off by default: it changes what the
+        compiled function returns.
+    """
+
+    filter_eps: Optional[float] = None
+    vocab_sort: bool = True
+    exact: bool = False
+    drop_logits: bool = False
+
+    def __post_init__(self) -> None:
+        if self.filter_eps is not None and not (0.0 <= self.filter_eps < 1.0):
+            raise ValueError(f"filter_eps must be in [0, 1), got {self.filter_eps}")
+
+    @classmethod
+    def from_env(cls, **overrides) -> "CCEOptions":
+        """Options from ``CCE_INDUCTOR_*`` environment variables, then ``overrides`` (ignoring ``None``)."""
+        values = dict(
+            filter_eps=_env_float("CCE_INDUCTOR_FILTER_EPS"),
+            vocab_sort=_env_flag("CCE_INDUCTOR_VOCAB_SORT", True),
+            exact=_env_flag("CCE_INDUCTOR_EXACT"),
+            drop_logits=_env_flag("CCE_INDUCTOR_DROP_LOGITS"),
+        )
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(**values)
+
+    def cache_key(self) -> str:
+        return ",".join(f"{f.name}={getattr(self, f.name)!r}" for f in dataclasses.fields(self))

@@ -1,0 +1,128 @@
+"""Shared configuration of the CCE Triton kernels.
+
+Tile geometry
+-------------
+Both the forward and the backward kernels cut the (rows x vocabulary) logit matrix into tiles of
+``tile_n`` rows by ``tile_v`` vocabulary entries.  Rows are taken in *compacted* order: the rows whose
+target is ``ignore_index`` are moved to the end by a stable sort done on the device, and a device-side
+count ``num_valid`` tells each program whether its row block holds any real row.  Programs whose row
+block lies entirely past ``num_valid`` return at once, so ignored rows cost (almost) nothing.
+
+The forward pass may process ``fwd_v_mult`` summary tiles per step (``BLOCK_V = tile_v * fwd_v_mult``)
+but it always records the per-tile maximum logit at ``tile_n x tile_v`` granularity, which is exactly the
+tile the backward kernel works on.  That is why the aux layout depends on ``tile_n`` / ``tile_v`` only.
+
+Interpreter
+-----------
+``TRITON_INTERPRET=1`` must be set before this package is imported.  The interpreter multiplies the raw
+bit patterns of 16-bit operands in ``tl.dot`` and has no bf16 atomics, so under the interpreter the
+kernels upcast dot operands to fp32 (``UPCAST``) and accumulate bf16 gradients in fp32 buffers.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+
+import torch
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+# Defaults tuned for Hopper (H100/H200).  Under the interpreter tiny tiles keep the CPU tests fast.
+_GPU_DEFAULTS = dict(
+    tile_n=128,          # rows per tile (forward row block == backward row block == aux granularity)
+    tile_v=128,          # vocabulary entries per backward tile / aux summary tile
+    fwd_v_mult=2,        # forward processes tile_v * fwd_v_mult vocab entries per step
+    fwd_block_d=64,
+    fwd_num_warps=8,
+    fwd_num_stages=3,
+    fwd_waves=8,         # forward grid ~ fwd_waves * num_SMs programs (rows blocks x vocab splits)
+    bwd_block_d=64,
+    bwd_num_warps=8,
+    bwd_num_stages=3,
+    bwd_group=0,         # 0: vocab-major program order, >0: row blocks grouped in groups of this size
+)
+_INTERPRET_DEFAULTS = dict(
+    tile_n=16,
+    tile_v=32,
+    fwd_v_mult=2,
+    fwd_block_d=16,
+    fwd_num_warps=4,
+    fwd_num_stages=1,
+    fwd_waves=2,
+    bwd_block_d=16,
+    bwd_num_warps=4,
+    bwd_num_stages=1,
+    bwd_group=0,
+)
+
+CONFIG: dict = dict(_INTERPRET_DEFAULTS if INTERPRET else _GPU_DEFAULTS)
+
+
+@contextlib.contextmanager
+def override_config(**kwargs):
+    """Temporarily change kernel block sizes (tests and benchmarks).  Forward and backward of one
+    loss must run under the same ``tile_n`` / ``tile_v`` because the aux layout depends on them."""
+    unknown = set(kwargs) - set(CONFIG)
+    if unknown:
+        raise KeyError(f"unknown kernel config keys: {sorted(unknown)}")
+    saved = dict(CONFIG)
+    CONFIG.update(kwargs)
+    try:
+        yield CONFIG
+    finally:
+        CONFIG.clear()
+        CONFIG.update(saved)
+
+
+def default_filter_eps(dtype: torch.dtype) -> float:
+    """Gradient-filter threshold.  The paper uses 2**-12 for bf16 (7 mantissa bits); scale with the
+    mantissa: 2**-(mantissa_bits + 5), i.e. fp16 2**-15 and fp32 2**-28."""
+    mantissa_bits = {torch.bfloat16: 7, torch.float16: 10, torch.float32: 23}.get(dtype)
+    if mantissa_bits is None:
+        raise TypeError(f"unsupported dtype {dtype}")
+    return 2.0 ** -(mantissa_bits + 5)
+
+
+def aux_spec(n, v, vocab_sort: bool):
+    """Shape and dtype of the ``aux`` tensor produced by :func:`forward` and consumed by :func:`backward`.
+
+    * ``vocab_sort=True``: per-vocabulary sum of logits over the valid rows, shape ``(v,)`` fp32 (the
+      backward sorts the vocabulary by it, paper sec. 4.3).
+    * ``vocab_sort=False``: per-tile maximum logit, shape ``(row_blocks * vocab_tiles,)`` fp32, laid out
+      row-block-major; the backward skips a tile without recomputing it when
+      ``exp(tile_max - min(lse over the tile's rows)) < filter_eps``.
+
+    Works with symbolic ints (only +, * and //)."""
+    if vocab_sort:
+        return (v,), torch.float32
+    tn, tv = CONFIG["tile_n"], CONFIG["tile_v"]
+    return (((n + tn - 1) // tn) * ((v + tv - 1) // tv),), torch.float32
+
+
+def num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return _cuda_sms(device.index if device.index is not None else torch.cuda.current_device())
+    return 4
+
+
+_SM_CACHE: dict = {}
+
+
+def _cuda_sms(index: int) -> int:
+    if index not in _SM_CACHE:
+        _SM_CACHE[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return _SM_CACHE[index]
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """fp32 inputs use true fp32 products ("ieee"), not tf32, so fp32 results stay fp32-accurate."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def compact_rows(targets: torch.Tensor, ignore_index: int):
+    """Device-side compaction: row indices with valid rows first (stable), and the count of valid rows
+    as a 1-element int32 device tensor.  No host synchronisation."""
+    ignored = targets == ignore_index
+    row_order = torch.argsort(ignored.to(torch.int8), stable=True)
+    num_valid = (~ignored).sum(dtype=torch.int32).reshape(1)
+    return row_order, num_valid
