@@ -201,11 +201,11 @@ def linear_cross_entropy_backward_op(
         grad_e, grad_c, grad_bias = _chunked.backward(
             e, c, targets, bias, lse, grad_rows, softcap=cap, need_e=need_e, need_c=need_c, need_bias=need_bias
         )
-    empty = e.new_empty(0)
+    # Separate empty tensors: custom op outputs may not alias each other.
     return (
-        grad_e if need_e else empty,
-        grad_c if need_c else empty,
-        grad_bias if need_bias else empty,
+        grad_e if need_e else e.new_empty(0),
+        grad_c if need_c else e.new_empty(0),
+        grad_bias if need_bias else e.new_empty(0),
     )
 
 

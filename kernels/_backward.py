@@ -122,7 +122,7 @@ def _dense_grad_kernel(
     if NEED_BIAS:
         tl.atomic_add(DBias + vocab_ids, tl.sum(grad, axis=0), mask=col_mask, sem="relaxed")
 
-    if UPCAST:
+    if UPCAST:  # interpreter: fp32 operands, no split needed
         grad_hi = grad
         grad_lo = grad
     else:
@@ -292,7 +292,7 @@ def backward(e, c, targets, bias, lse, aux, grad_rows, *, softcap, ignore_index,
         HAS_BIAS=bias is not None, HAS_SOFTCAP=softcap is not None,
         PRE_SKIP=filtering and not vocab_sort, FILTER=filtering, SORTED_VOCAB=vocab_sort,
         NEED_E=need_e, NEED_C=need_c, NEED_BIAS=need_bias,
-        SPLIT_G=exact and e.dtype != torch.float32, UPCAST=upcast, DOT_PRECISION=precision,
+        SPLIT_G=exact and e.dtype != torch.float32 and not upcast, UPCAST=upcast, DOT_PRECISION=precision,
         EVEN_D=(d % block_d == 0), GROUP=cfg["bwd_group"],
         BLOCK_N=tile_n, BLOCK_V=tile_v, BLOCK_D=block_d,
         num_warps=cfg["bwd_num_warps"], num_stages=cfg["bwd_num_stages"],

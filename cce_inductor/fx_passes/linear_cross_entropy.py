@@ -68,7 +68,7 @@ FLATTEN = _functions(torch.flatten) | _methods("flatten")
 IDENTITY_VIEW = _methods("contiguous")
 GETITEM = _functions(operator.getitem)
 TO_DTYPE = _methods("to", "type")
-FLOAT = _methods("float")
+DTYPE_METHODS = {"float": torch.float32, "double": torch.float64, "half": torch.float16, "bfloat16": torch.bfloat16}
 TANH = _functions(torch.tanh, F.tanh) | _methods("tanh")
 MUL = _functions(operator.mul, torch.mul) | _methods("mul")
 DIV = _functions(operator.truediv, torch.div, torch.true_divide) | _methods("div", "true_divide")
@@ -224,8 +224,8 @@ def _row_step(node: fx.Node, vocab) -> RowStep:
 
 def _upcast_target(node: fx.Node) -> Optional[torch.dtype]:
     """The dtype a cast node converts to, or None if the node is not a pure dtype cast."""
-    if _is(node, FLOAT):
-        return torch.float32
+    if node.op == "call_method" and node.target in DTYPE_METHODS and len(node.args) == 1 and not node.kwargs:
+        return DTYPE_METHODS[node.target]
     if _is(node, TO_DTYPE):
         dtypes = [a for a in list(node.args[1:]) + list(node.kwargs.values()) if isinstance(a, torch.dtype)]
         others = [a for a in node.args[1:] if not isinstance(a, torch.dtype)]

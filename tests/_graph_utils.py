@@ -1,0 +1,36 @@
+"""Helpers for graph-match tests: capture Dynamo's graph, run the pass on it, print before and after."""
+
+from __future__ import annotations
+
+import re
+
+import torch
+
+from cce_inductor.fx_passes.linear_cross_entropy import rewrite_linear_cross_entropy
+from cce_inductor.options import CCEOptions
+
+
+def graph_code(gm: torch.fx.GraphModule) -> str:
+    """``gm.code`` without blank lines and torch's per-version noise."""
+    lines = [line.rstrip() for line in gm.code.strip().splitlines() if line.strip()]
+    text = "\n".join(lines)
+    text = re.sub(r"  # .*", "", text)  # source comments
+    text = re.sub(r";  [\w ,=]+ = None$", "", text, flags=re.M)  # Dynamo's "free this early" assignments
+    return text
+
+
+class PassCapture:
+    """A Dynamo backend that records the graph before and after the pass and runs the rewritten graph eagerly."""
+
+    def __init__(self, options: CCEOptions | None = None):
+        self.options = options or CCEOptions()
+        self.before: list[str] = []
+        self.after: list[str] = []
+        self.rewrites: list[int] = []
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs):
+        self.before.append(graph_code(gm))
+        self.rewrites.append(rewrite_linear_cross_entropy(gm.graph, self.options))
+        gm.recompile()
+        self.after.append(graph_code(gm))
+        return gm.forward

@@ -1,0 +1,616 @@
+"""Graph-match tests: for every pattern the pass claims (and every refusal), Dynamo's graph before and after the
+pass, plus parity of the loss and of every gradient against eager PyTorch.
+
+Regenerate the expected graphs after an intended change with ``EXPECTTEST_ACCEPT=1 pytest tests/test_patterns.py``
+and review the diff.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from expecttest import TestCase
+
+import cce_inductor
+from cce_inductor.options import CCEOptions
+
+from _graph_utils import PassCapture
+
+V, D = 37, 16  # vocabulary and hidden size: deliberately not multiples of anything
+B, T = 2, 5
+
+
+def _leaves(values):
+    return [v for v in values if isinstance(v, torch.Tensor) and v.requires_grad and v.is_leaf]
+
+
+class PatternTestCase(TestCase):
+    def run_pass(self, fn, *inputs, options=None, rewrites=1, params=(), atol=1e-5, rtol=1e-5):
+        """Compile ``fn`` with the capturing backend; check the rewrite count and parity with eager.
+
+        ``params`` are extra leaf tensors (module parameters, closed-over weights) whose grads are compared.
+        Returns the PassCapture (graphs before/after).
+        """
+        capture = PassCapture(options)
+        compiled = torch.compile(fn, backend=capture, fullgraph=True)
+        leaves = _leaves(list(inputs)) + list(params)
+
+        def loss_and_grads(f):
+            for leaf in leaves:
+                leaf.grad = None
+            out = f(*inputs)
+            loss = out[0] if isinstance(out, tuple) else out
+            if leaves:
+                loss.sum().backward()
+            return out, [leaf.grad.clone() if leaf.grad is not None else None for leaf in leaves]
+
+        expected, expected_grads = loss_and_grads(fn)
+        actual, actual_grads = loss_and_grads(compiled)
+        self.assertEqual(capture.rewrites, [rewrites])
+        expected_loss = expected[0] if isinstance(expected, tuple) else expected
+        actual_loss = actual[0] if isinstance(actual, tuple) else actual
+        self.assertEqual(actual_loss.dtype, expected_loss.dtype)
+        self.assertEqual(actual_loss.shape, expected_loss.shape)
+        torch.testing.assert_close(actual_loss, expected_loss, atol=atol, rtol=rtol, equal_nan=True)
+        for got, want in zip(actual_grads, expected_grads):
+            if want is None:
+                self.assertIsNone(got)
+            else:
+                torch.testing.assert_close(got, want, atol=atol, rtol=rtol)
+        self.compiled_output = actual
+        return capture
+
+
+def _weight(*shape, requires_grad=True):
+    return torch.randn(*shape, requires_grad=requires_grad)
+
+
+def _hidden(*shape):
+    return torch.randn(*shape, requires_grad=True)
+
+
+def _labels(*shape, ignore_index=-100, fraction_ignored=0.3):
+    labels = torch.randint(0, V, shape)
+    labels[torch.rand(shape) < fraction_ignored] = ignore_index
+    return labels
+
+
+class TestMatchedPatterns(PatternTestCase):
+    def setUp(self):
+        super().setUp()
+        torch.manual_seed(0)
+
+    def test_functional_linear_no_bias(self):
+        weight = _weight(V, D)
+
+        def f(hidden, labels):
+            return F.cross_entropy(F.linear(hidden, weight), labels)
+
+        cap = self.run_pass(f, _hidden(B * T, D), _labels(B * T), params=[weight])
+        self.assertExpectedInline(cap.before[0], """\
+def forward(self, L_hidden_ : torch.Tensor, L_weight_ : torch.Tensor, L_labels_ : torch.Tensor):
+    l_hidden_ = L_hidden_
+    l_weight_ = L_weight_
+    l_labels_ = L_labels_
+    linear = torch._C._nn.linear(l_hidden_, l_weight_)
+    cross_entropy = torch.nn.functional.cross_entropy(linear, l_labels_)
+    return (cross_entropy,)""")
+        self.assertExpectedInline(cap.after[0], """\
+def forward(self, L_hidden_ : torch.Tensor, L_weight_ : torch.Tensor, L_labels_ : torch.Tensor):
+    l_hidden_ = L_hidden_
+    l_weight_ = L_weight_
+    l_labels_ = L_labels_
+    linear_cross_entropy_default = torch.ops.cce_inductor.linear_cross_entropy.default(l_hidden_, l_weight_, l_labels_, None, 0.0, -100, 1, -1.0, True, False)
+    getitem = linear_cross_entropy_default[0]
+    return (getitem,)""")
+
+    def test_nn_linear_with_bias_and_cross_entropy_module(self):
+        head = nn.Linear(D, V)
+        criterion = nn.CrossEntropyLoss()
+
+        def f(hidden, labels):
+            return criterion(head(hidden), labels)
+
+        cap = self.run_pass(f, _hidden(B * T, D), _labels(B * T), params=list(head.parameters()))
+        self.assertExpectedInline(cap.after[0], """\
+def forward(self, L_head_parameters_weight_ : torch.nn.parameter.Parameter, L_head_parameters_bias_ : torch.nn.parameter.Parameter, L_hidden_ : torch.Tensor, L_labels_ : torch.Tensor):
+    l_head_parameters_weight_ = L_head_parameters_weight_
+    l_head_parameters_bias_ = L_head_parameters_bias_
+    l_hidden_ = L_hidden_
+    l_labels_ = L_labels_
+    linear_cross_entropy_default = torch.ops.cce_inductor.linear_cross_entropy.default(l_hidden_, l_head_parameters_weight_, l_labels_, l_head_parameters_bias_, 0.0, -100, 1, -1.0, True, False)
+    getitem = linear_cross_entropy_default[0]
+    return (getitem,)""")
+
+    def test_matmul_with_transposed_weight(self):
+        weight = _weight(V, D)
+
+        def f(hidden, labels):
+            logits = hidden @ weight.T
+            return F.cross_entropy(logits.view(-1, V), labels.view(-1))
+
+        cap = self.run_pass(f, _hidden(B, T, D), _labels(B, T), params=[weight])
+        self.assertExpectedInline(cap.before[0], """\
+def forward(self, L_weight_ : torch.Tensor, L_hidden_ : torch.Tensor, L_labels_ : torch.Tensor):
+    l_weight_ = L_weight_
+    l_hidden_ = L_hidden_
+    l_labels_ = L_labels_
+    getattr_1 = l_weight_.T
+    logits = l_hidden_ @ getattr_1
+    view = logits.view(-1, 37)
+    view_1 = l_labels_.view(-1)
+    cross_entropy = torch.nn.functional.cross_entropy(view, view_1)
+    return (cross_entropy,)""")
+        self.assertExpectedInline(cap.after[0], """\
+def forward(self, L_weight_ : torch.Tensor, L_hidden_ : torch.Tensor, L_labels_ : torch.Tensor):
+    l_weight_ = L_weight_
+    l_hidden_ = L_hidden_
+    l_labels_ = L_labels_
+    view_1 = l_labels_.view(-1)
+    reshape = l_hidden_.reshape(-1, 16)
+    linear_cross_entropy_default = torch.ops.cce_inductor.linear_cross_entropy.default(reshape, l_weight_, view_1, None, 0.0, -100, 1, -1.0, True, False)
+    getitem = linear_cross_entropy_default[0]
+    return (getitem,)""")
+
+    def test_torch_matmul_with_t_and_weight_stored_transposed(self):
+        weight = _weight(V, D)
+        weight_t = _weight(D, V)  # a head stored as (D, V): the op gets weight_t.t()
+
+        def f(hidden, labels):
+            first = F.cross_entropy(torch.matmul(hidden, weight.t()), labels)
+            second = F.cross_entropy(torch.matmul(hidden, weight_t), labels, reduction="sum")
+            return first + second
+
+        cap = self.run_pass(f, _hidden(B * T, D), _labels(B * T), rewrites=2, params=[weight, weight_t])
+        self.assertExpectedInline(cap.after[0], """\
+def forward(self, L_weight_ : torch.Tensor, L_hidden_ : torch.Tensor, L_labels_ : torch.Tensor, L_weight_t_ : torch.Tensor):
+    l_weight_ = L_weight_
+    l_hidden_ = L_hidden_
+    l_labels_ = L_labels_
+    l_weight_t_ = L_weight_t_
+    linear_cross_entropy_default = torch.ops.cce_inductor.linear_cross_entropy.default(l_hidden_, l_weight_, l_labels_, None, 0.0, -100, 1, -1.0, True, False)
+    getitem = linear_cross_entropy_default[0]
+    t_1 = l_weight_t_.t()
+    linear_cross_entropy_default_1 = torch.ops.cce_inductor.linear_cross_entropy.default(l_hidden_, t_1, l_labels_, None, 0.0, -100, 2, -1.0, True, False)
+    getitem_1 = linear_cross_entropy_default_1[0]
+    add = getitem + getitem_1
+    return (add,)""")
+
+    def test_views_contiguous_flatten_and_upcast(self):
+        weight = _weight(V, D)
+
+        def f(hidden, labels):
+            logits = F.linear(hidden, weight.to(torch.bfloat16).float())  # not a param: still a (V, D) tensor
+            return F.cross_entropy(logits.contiguous().flatten(0, 1).to(torch.float32), labels.flatten())
+
+        cap = self.run_pass(f, _hidden(B, T, D), _labels(B, T), params=[weight])
+        self.assertExpectedInline(cap.after[0], """\
+def forward(self, L_weight_ : torch.Tensor, L_hidden_ : torch.Tensor, L_labels_ : torch.Tensor):
+    l_weight_ = L_weight_
+    l_hidden_ = L_hidden_
+    l_labels_ = L_labels_
+    to = l_weight_.to(torch.bfloat16)
+    float_1 = to.float()
+    flatten_1 = l_labels_.flatten()
+    flatten_2 = l_hidden_.flatten(0, 1)
+    linear_cross_entropy_default = torch.ops.cce_inductor.linear_cross_entropy.default(flatten_2, float_1, flatten_1, None, 0.0, -100, 1, -1.0, True, False)
+    getitem = linear_cross_entropy_default[0]
+    return (getitem,)""")
+
+    def test_bf16_logits_upcast_with_float(self):
+        weight = torch.randn(V, D, dtype=torch.bfloat16, requires_grad=True)
+
+        def f(hidden, labels):
+            logits = F.linear(hidden, weight)
+            return F.cross_entropy(logits.float().view(-1, V), labels.view(-1))
+
+        hidden = torch.randn(B, T, D, dtype=torch.bfloat16, requires_grad=True)
+        # eager rounds the logits to bf16 before the loss; the op keeps them in fp32: bf16 tolerance
+        cap = self.run_pass(f, hidden, _labels(B, T), params=[weight], atol=2e-2, rtol=2e-2)
+        self.assertExpectedInline(cap.after[0], """\
+def forward(self, L_hidden_ : torch.Tensor, L_weight_ : torch.Tensor, L_labels_ : torch.Tensor):
+    l_hidden_ = L_hidden_
+    l_weight_ = L_weight_
+    l_labels_ = L_labels_
+    view_1 = l_labels_.view(-1)
+    reshape = l_hidden_.reshape(-1, 16)
+    linear_cross_entropy_default = torch.ops.cce_inductor.linear_cross_entropy.default(reshape, l_weight_, view_1, None, 0.0, -100, 1, -1.0, True, False)
+    getitem = linear_cross_entropy_default[0]
+    return (getitem,)""")
+
+    def test_bf16_loss_dtype_is_kept(self):
+        weight = torch.randn(V, D, dtype=torch.bfloat16, requires_grad=True)
+
+        def f(hidden, labels):
+            return F.cross_entropy(F.linear(hidden, weight), labels)  # bf16 logits -> bf16 loss in eager
+
+        hidden = torch.randn(B * T, D, dtype=torch.bfloat16, requires_grad=True)
+        cap = self.run_pass(f, hidden, _labels(B * T), params=[weight], atol=2e-2, rtol=2e-2)
+        self.assertExpectedInline(cap.after[0], """\
+def forward(self, L_hidden_ : torch.Tensor, L_weight_ : torch.Tensor, L_labels_ : torch.Tensor):
+    l_hidden_ = L_hidden_
+    l_weight_ = L_weight_
+    l_labels_ = L_labels_
+    linear_cross_entropy_default = torch.ops.cce_inductor.linear_cross_entropy.default(l_hidden_, l_weight_, l_labels_, None, 0.0, -100, 1, -1.0, True, False)
+    getitem = linear_cross_entropy_default[0]
+    to = getitem.to(torch.bfloat16)
+    return (to,)""")
+
+    def test_softcap_divide_form(self):
+        weight = _weight(V, D)
+
+        def f(hidden, labels):
+            logits = F.linear(hidden, weight).float()
+            logits = torch.tanh(logits / 3.0) * 3.0
+            return F.cross_entropy(logits.view(-1, V), labels.view(-1))
+
+        cap = self.run_pass(f, _hidden(B, T, D), _labels(B, T), params=[weight])
+        self.assertExpectedInline(cap.before[0], """\
+def forward(self, L_hidden_ : torch.Tensor, L_weight_ : torch.Tensor, L_labels_ : torch.Tensor):
+    l_hidden_ = L_hidden_
+    l_weight_ = L_weight_
+    l_labels_ = L_labels_
+    linear = torch._C._nn.linear(l_hidden_, l_weight_)
+    logits = linear.float()
+    truediv = logits / 3.0
+    tanh = torch.tanh(truediv)
+    logits_1 = tanh * 3.0
+    view = logits_1.view(-1, 37)
+    view_1 = l_labels_.view(-1)
+    cross_entropy = torch.nn.functional.cross_entropy(view, view_1)
+    return (cross_entropy,)""")
+        self.assertExpectedInline(cap.after[0], """\
+def forward(self, L_hidden_ : torch.Tensor, L_weight_ : torch.Tensor, L_labels_ : torch.Tensor):
+    l_hidden_ = L_hidden_
+    l_weight_ = L_weight_
+    l_labels_ = L_labels_
+    view_1 = l_labels_.view(-1)
+    reshape = l_hidden_.reshape(-1, 16)
+    linear_cross_entropy_default = torch.ops.cce_inductor.linear_cross_entropy.default(reshape, l_weight_, view_1, None, 3.0, -100, 1, -1.0, True, False)
+    getitem = linear_cross_entropy_default[0]
+    return (getitem,)""")
+
+    def test_softcap_multiply_by_reciprocal_after_views(self):
+        weight = _weight(V, D)
+        cap_value = 2.5
+
+        def f(hidden, labels):
+            logits = F.linear(hidden, weight).view(-1, V)
+            logits = cap_value * (logits * (1.0 / cap_value)).tanh()
+            return F.cross_entropy(logits, labels.view(-1))
+
+        cap = self.run_pass(f, _hidden(B, T, D), _labels(B, T), params=[weight])
+        self.assertExpectedInline(cap.after[0], """\
+def forward(self, L_hidden_ : torch.Tensor, L_weight_ : torch.Tensor, L_labels_ : torch.Tensor):
+    l_hidden_ = L_hidden_
+    l_weight_ = L_weight_
+    l_labels_ = L_labels_
+    view_1 = l_labels_.view(-1)
+    reshape = l_hidden_.reshape(-1, 16)
+    linear_cross_entropy_default = torch.ops.cce_inductor.linear_cross_entropy.default(reshape, l_weight_, view_1, None, 2.5, -100, 1, -1.0, True, False)
+    getitem = linear_cross_entropy_default[0]
+    return (getitem,)""")
+
+    def test_hf_shift_by_slicing_logits_and_labels(self):
+        weight = _weight(V, D)
+
+        def f(hidden, labels):
+            logits = F.linear(hidden, weight)
+            shift_logits = logits[..., :-1, :].contiguous()
+            shift_labels = labels[..., 1:].contiguous()
+            return F.cross_entropy(shift_logits.view(-1, shift_logits.size(-1)), shift_labels.view(-1))
+
+        cap = self.run_pass(f, _hidden(B, T, D), _labels(B, T), params=[weight])
+        self.assertExpectedInline(cap.before[0], """\
+def forward(self, L_hidden_ : torch.Tensor, L_weight_ : torch.Tensor, L_labels_ : torch.Tensor):
+    l_hidden_ = L_hidden_
+    l_weight_ = L_weight_
+    l_labels_ = L_labels_
+    logits = torch._C._nn.linear(l_hidden_, l_weight_)
+    getitem = logits[(Ellipsis, slice(None, -1, None), slice(None, None, None))]
+    shift_logits = getitem.contiguous()
+    getitem_1 = l_labels_[(Ellipsis, slice(1, None, None))]
+    shift_labels = getitem_1.contiguous()
+    view = shift_logits.view(-1, 37)
+    view_1 = shift_labels.view(-1)
+    cross_entropy = torch.nn.functional.cross_entropy(view, view_1)
+    return (cross_entropy,)""")
+        self.assertExpectedInline(cap.after[0], """\
+def forward(self, L_hidden_ : torch.Tensor, L_weight_ : torch.Tensor, L_labels_ : torch.Tensor):
+    l_hidden_ = L_hidden_
+    l_weight_ = L_weight_
+    l_labels_ = L_labels_
+    getitem_1 = l_labels_[(Ellipsis, slice(1, None, None))]
+    shift_labels = getitem_1.contiguous()
+    view_1 = shift_labels.view(-1)
+    getitem_2 = l_hidden_[(Ellipsis, slice(None, -1, None), slice(None, None, None))]
+    reshape = getitem_2.reshape(-1, 16)
+    linear_cross_entropy_default = torch.ops.cce_inductor.linear_cross_entropy.default(reshape, l_weight_, view_1, None, 0.0, -100, 1, -1.0, True, False)
+    getitem_3 = linear_cross_entropy_default[0]
+    return (getitem_3,)""")
+
+    def test_hf_shift_by_padding_labels_and_num_items_in_batch(self):
+        weight = _weight(V, D)
+
+        def f(hidden, labels, num_items_in_batch):
+            logits = F.linear(hidden, weight).float()
+            labels = F.pad(labels, (0, 1), value=-100)
+            shift_labels = labels[..., 1:].contiguous()
+            loss = F.cross_entropy(logits.view(-1, V), shift_labels.view(-1), ignore_index=-100, reduction="sum")
+            return loss / num_items_in_batch
+
+        cap = self.run_pass(f, _hidden(B, T, D), _labels(B, T), torch.tensor(7), params=[weight])
+        self.assertExpectedInline(cap.before[0], """\
+def forward(self, L_hidden_ : torch.Tensor, L_weight_ : torch.Tensor, L_labels_ : torch.Tensor, L_num_items_in_batch_ : torch.Tensor):
+    l_hidden_ = L_hidden_
+    l_weight_ = L_weight_
+    l_labels_ = L_labels_
+    l_num_items_in_batch_ = L_num_items_in_batch_
+    linear = torch._C._nn.linear(l_hidden_, l_weight_)
+    logits = linear.float()
+    labels = torch._C._nn.pad(l_labels_, (0, 1), 'constant', -100)
+    getitem = labels[(Ellipsis, slice(1, None, None))]
+    shift_labels = getitem.contiguous()
+    view = logits.view(-1, 37)
+    view_1 = shift_labels.view(-1)
+    loss = torch.nn.functional.cross_entropy(view, view_1, ignore_index = -100, reduction = 'sum')
+    truediv = loss / l_num_items_in_batch_
+    return (truediv,)""")
+        self.assertExpectedInline(cap.after[0], """\
+def forward(self, L_hidden_ : torch.Tensor, L_weight_ : torch.Tensor, L_labels_ : torch.Tensor, L_num_items_in_batch_ : torch.Tensor):
+    l_hidden_ = L_hidden_
+    l_weight_ = L_weight_
+    l_labels_ = L_labels_
+    l_num_items_in_batch_ = L_num_items_in_batch_
+    labels = torch._C._nn.pad(l_labels_, (0, 1), 'constant', -100)
+    getitem = labels[(Ellipsis, slice(1, None, None))]
+    shift_labels = getitem.contiguous()
+    view_1 = shift_labels.view(-1)
+    reshape = l_hidden_.reshape(-1, 16)
+    linear_cross_entropy_default = torch.ops.cce_inductor.linear_cross_entropy.default(reshape, l_weight_, view_1, None, 0.0, -100, 2, -1.0, True, False)
+    getitem_1 = linear_cross_entropy_default[0]
+    truediv = getitem_1 / l_num_items_in_batch_
+    return (truediv,)""")
+
+    def test_ignore_index_inside_vocabulary(self):
+        weight = _weight(V, D)
+
+        def f(hidden, labels):
+            return F.cross_entropy(F.linear(hidden, weight), labels, ignore_index=0)
+
+        labels = _labels(B * T, ignore_index=0, fraction_ignored=0.5)
+        cap = self.run_pass(f, _hidden(B * T, D), labels, params=[weight])
+        self.assertIn(", 0, 1, ", cap.after[0])  # ignore_index=0, reduction=mean in the op call
+
+    def test_reduction_none_then_mask_and_mean(self):
+        head = nn.Linear(D, V, bias=True)
+
+        def f(hidden, labels):
+            per_token = F.cross_entropy(head(hidden).view(-1, V), labels.view(-1), reduction="none")
+            return per_token.view(B, T).sum(dim=1).mean()
+
+        cap = self.run_pass(f, _hidden(B, T, D), _labels(B, T), params=list(head.parameters()))
+        self.assertExpectedInline(cap.after[0], """\
+def forward(self, L_head_parameters_weight_ : torch.nn.parameter.Parameter, L_head_parameters_bias_ : torch.nn.parameter.Parameter, L_hidden_ : torch.Tensor, L_labels_ : torch.Tensor):
+    l_head_parameters_weight_ = L_head_parameters_weight_
+    l_head_parameters_bias_ = L_head_parameters_bias_
+    l_hidden_ = L_hidden_
+    l_labels_ = L_labels_
+    view_1 = l_labels_.view(-1)
+    reshape = l_hidden_.reshape(-1, 16)
+    linear_cross_entropy_default = torch.ops.cce_inductor.linear_cross_entropy.default(reshape, l_head_parameters_weight_, view_1, l_head_parameters_bias_, 0.0, -100, 0, -1.0, True, False)
+    getitem = linear_cross_entropy_default[0]
+    view_2 = getitem.view(2, 5)
+    sum_1 = view_2.sum(dim = 1)
+    mean = sum_1.mean()
+    return (mean,)""")
+
+    def test_all_targets_ignored(self):
+        weight = _weight(V, D)
+
+        def f(hidden, labels):
+            return F.cross_entropy(F.linear(hidden, weight), labels, reduction="mean")
+
+        labels = torch.full((B * T,), -100)
+        self.run_pass(f, _hidden(B * T, D), labels, params=[weight])
+        self.assertTrue(torch.isnan(self.compiled_output))
+
+    def test_several_loss_sites(self):
+        heads = nn.ModuleList([nn.Linear(D, V, bias=False) for _ in range(3)])
+
+        def f(hidden, labels):
+            losses = [F.cross_entropy(head(hidden), labels) for head in heads]  # e.g. multi-token prediction
+            return sum(losses)
+
+        params = [p for head in heads for p in head.parameters()]
+        cap = self.run_pass(f, _hidden(B * T, D), _labels(B * T), rewrites=3, params=params)
+        self.assertEqual(cap.after[0].count("cce_inductor.linear_cross_entropy"), 3)
+
+    def test_frozen_head(self):
+        weight = _weight(V, D, requires_grad=False)
+
+        def f(hidden, labels):
+            return F.cross_entropy(F.linear(hidden, weight), labels)
+
+        hidden = _hidden(B * T, D)
+        self.run_pass(f, hidden, _labels(B * T))
+        self.assertIsNone(weight.grad)
+
+    def test_tied_embedding_and_head(self):
+        embedding = nn.Embedding(V, D)
+
+        def f(tokens, labels):
+            hidden = torch.tanh(embedding(tokens))
+            logits = F.linear(hidden, embedding.weight)
+            return F.cross_entropy(logits.view(-1, V), labels.view(-1), ignore_index=-1)
+
+        tokens = torch.randint(0, V, (B, T))
+        self.run_pass(f, tokens, _labels(B, T, ignore_index=-1), params=[embedding.weight])
+
+    def test_escaping_logits_dropped_on_opt_in(self):
+        weight = _weight(V, D)
+
+        def f(hidden, labels):
+            logits = F.linear(hidden, weight)
+            loss = F.cross_entropy(logits.float().view(-1, V), labels.view(-1))
+            return loss, logits
+
+        capture = PassCapture(CCEOptions(drop_logits=True))
+        hidden, labels = _hidden(B, T, D), _labels(B, T)
+        loss, logits = torch.compile(f, backend=capture, fullgraph=True)(hidden, labels)
+        self.assertEqual(capture.rewrites, [1])
+        torch.testing.assert_close(loss, f(hidden, labels)[0])
+        self.assertEqual(logits.numel(), 0)
+        self.assertFalse(logits.requires_grad)
+        self.assertExpectedInline(capture.after[0], """\
+def forward(self, L_hidden_ : torch.Tensor, L_weight_ : torch.Tensor, L_labels_ : torch.Tensor):
+    l_hidden_ = L_hidden_
+    l_weight_ = L_weight_
+    l_labels_ = L_labels_
+    view_1 = l_labels_.view(-1)
+    reshape = l_hidden_.reshape(-1, 16)
+    linear_cross_entropy_default = torch.ops.cce_inductor.linear_cross_entropy.default(reshape, l_weight_, view_1, None, 0.0, -100, 1, -1.0, True, False)
+    getitem = linear_cross_entropy_default[0]
+    empty = torch.empty((0,), dtype = torch.float32, device = device(type='cpu'))
+    return (getitem, empty)""")
+
+
+class TestRefusals(PatternTestCase):
+    """Sites the pass must leave alone, each with the reason it reports."""
+
+    def setUp(self):
+        super().setUp()
+        torch.manual_seed(0)
+
+    def assert_refused(self, fn, *inputs, reason: str):
+        cap = self.run_pass(fn, *inputs, rewrites=0)
+        self.assertEqual(cap.before, cap.after)
+        reasons = cce_inductor.stats()["reasons"]
+        self.assertEqual(len(reasons), 1, reasons)
+        self.assertIn(reason, next(iter(reasons)))
+        return next(iter(reasons))
+
+    def test_label_smoothing(self):
+        weight = _weight(V, D)
+        f = lambda h, y: F.cross_entropy(F.linear(h, weight), y, label_smoothing=0.1)  # noqa: E731
+        reason = self.assert_refused(f, _hidden(B * T, D), _labels(B * T), reason="label_smoothing")
+        self.assertExpectedInline(reason, """cross_entropy has label_smoothing=0.1""")
+
+    def test_class_weights(self):
+        weight, class_weight = _weight(V, D), torch.rand(V)
+        f = lambda h, y: F.cross_entropy(F.linear(h, weight), y, weight=class_weight)  # noqa: E731
+        reason = self.assert_refused(f, _hidden(B * T, D), _labels(B * T, fraction_ignored=0), reason="weight")
+        self.assertExpectedInline(reason, """cross_entropy has class weights (weight=...)""")
+
+    def test_probability_targets(self):
+        weight = _weight(V, D)
+        f = lambda h, y: F.cross_entropy(F.linear(h, weight), y)  # noqa: E731
+        probabilities = torch.softmax(torch.randn(B * T, V), dim=-1)
+        reason = self.assert_refused(f, _hidden(B * T, D), probabilities, reason="probability")
+        self.assertExpectedInline(reason, """cross_entropy has probability (floating-point) targets""")
+
+    def test_logits_used_for_a_metric(self):
+        weight = _weight(V, D)
+
+        def f(hidden, labels):
+            logits = F.linear(hidden, weight)
+            accuracy = (logits.argmax(-1) == labels).float().mean()
+            return F.cross_entropy(logits, labels) + accuracy
+
+        reason = self.assert_refused(f, _hidden(B * T, D), _labels(B * T), reason="also used by")
+        self.assertExpectedInline(reason, """the logits (logits) are also used by argmax (.argmax()), not only by the loss""")
+
+    def test_logits_returned_without_opt_in(self):
+        weight = _weight(V, D)
+
+        def f(hidden, labels):
+            logits = F.linear(hidden, weight)
+            return F.cross_entropy(logits, labels), logits
+
+        reason = self.assert_refused(f, _hidden(B * T, D), _labels(B * T), reason="CCE_INDUCTOR_DROP_LOGITS=1")
+        self.assertExpectedInline(reason, """logits escape the compiled region (logits is a graph output, as in Hugging Face models); set CCE_INDUCTOR_DROP_LOGITS=1 or cce_inductor.make_backend(drop_logits=True) to return an empty tensor in their place""")
+
+    def test_non_tanh_softcap(self):
+        weight = _weight(V, D)
+        f = lambda h, y: F.cross_entropy(torch.sigmoid(F.linear(h, weight) / 3.0) * 3.0, y)  # noqa: E731
+        reason = self.assert_refused(f, _hidden(B * T, D), _labels(B * T), reason="not from a linear layer")
+        self.assertExpectedInline(reason, """the input of cross_entropy comes from mul (mul), not from a linear layer in the same graph (a graph break between the head and the loss?)""")
+
+    def test_softcap_with_mismatched_constants(self):
+        weight = _weight(V, D)
+        f = lambda h, y: F.cross_entropy(torch.tanh(F.linear(h, weight) / 3.0) * 5.0, y)  # noqa: E731
+        self.assert_refused(f, _hidden(B * T, D), _labels(B * T), reason="not from a linear layer")
+
+    def test_linear_output_is_not_the_cross_entropy_input(self):
+        weight = _weight(V, D)
+        offset = torch.randn(V)
+        f = lambda h, y: F.cross_entropy(F.linear(h, weight) + offset, y)  # noqa: E731
+        reason = self.assert_refused(f, _hidden(B * T, D), _labels(B * T), reason="not from a linear layer")
+        self.assertExpectedInline(reason, """the input of cross_entropy comes from add (add), not from a linear layer in the same graph (a graph break between the head and the loss?)""")
+
+    def test_logits_are_a_graph_input(self):
+        f = lambda logits, y: F.cross_entropy(logits.float(), y)  # noqa: E731
+        logits = torch.randn(B * T, V, requires_grad=True)
+        reason = self.assert_refused(f, logits, _labels(B * T), reason="graph break")
+        self.assertExpectedInline(reason, """the input of cross_entropy comes from l_logits_ (placeholder), not from a linear layer in the same graph (a graph break between the head and the loss?)""")
+
+    def test_vocabulary_slice(self):
+        weight = _weight(V + 3, D)  # a padded vocabulary, sliced back before the loss
+        f = lambda h, y: F.cross_entropy(F.linear(h, weight)[..., :V], y)  # noqa: E731
+        reason = self.assert_refused(f, _hidden(B * T, D), _labels(B * T), reason="vocabulary")
+        self.assertExpectedInline(reason, """getitem slices the vocabulary dimension""")
+
+    def test_downcast_logits(self):
+        weight = _weight(V, D)
+        f = lambda h, y: F.cross_entropy(F.linear(h, weight).bfloat16(), y)  # noqa: E731
+        reason = self.assert_refused(f, _hidden(B * T, D), _labels(B * T), reason="casts the logits down")
+        self.assertExpectedInline(reason, """bfloat16 casts the logits down from torch.float32 to torch.bfloat16""")
+
+    def test_class_dimension_not_last(self):
+        weight = _weight(V, D)
+        f = lambda h, y: F.cross_entropy(F.linear(h, weight).transpose(1, 2), y)  # noqa: E731
+        reason = self.assert_refused(f, _hidden(B, T, D), _labels(B, T), reason="only (N, V) logits")
+        self.assertExpectedInline(reason, """cross_entropy input is 3-D and target 2-D; only (N, V) logits with (N,) class targets are matched""")
+
+    def test_unsupported_device(self):
+        weight = torch.randn(V, D, device="meta")
+
+        def f(hidden, labels):
+            return F.cross_entropy(F.linear(hidden, weight), labels)
+
+        capture = PassCapture()
+        torch.compile(f, backend=capture, fullgraph=True)(
+            torch.randn(B * T, D, device="meta"), torch.zeros(B * T, dtype=torch.long, device="meta")
+        )
+        self.assertEqual(capture.rewrites, [0])
+        self.assertExpectedInline(next(iter(cce_inductor.stats()["reasons"])), """device meta is not supported""")
+
+
+class TestThroughInductor(PatternTestCase):
+    """The same rewrite through the real backend (AOTAutograd + Inductor), with dynamic shapes."""
+
+    def test_gemma_style_head_dynamic_sequence_length(self):
+        torch.manual_seed(0)
+        head = nn.Linear(D, V, bias=False)
+
+        def f(hidden, labels):
+            logits = head(hidden).float()
+            logits = torch.tanh(logits / 30.0) * 30.0
+            shift_logits = logits[..., :-1, :].contiguous()
+            shift_labels = labels[..., 1:].contiguous()
+            return F.cross_entropy(shift_logits.view(-1, V), shift_labels.view(-1))
+
+        compiled = torch.compile(f, backend=cce_inductor.backend, dynamic=True)
+        torch._dynamo.utils.counters.clear()
+        for seq in (5, 9, 12):
+            hidden, labels = _hidden(B, seq, D), _labels(B, seq)
+            expected = f(hidden, labels)
+            expected_grads = torch.autograd.grad(expected, [hidden, head.weight])
+            actual = compiled(hidden, labels)
+            actual_grads = torch.autograd.grad(actual, [hidden, head.weight])
+            torch.testing.assert_close(actual, expected)
+            for got, want in zip(actual_grads, expected_grads):
+                torch.testing.assert_close(got, want)
+        self.assertEqual(cce_inductor.stats()["rewritten"], 1)  # compiled once for all lengths
+        self.assertEqual(torch._dynamo.utils.counters["stats"]["unique_graphs"], 1)
