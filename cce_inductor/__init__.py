@@ -14,6 +14,9 @@ from .options import CCEOptions  # noqa: E402
 from .diagnostics import reset_stats, stats  # noqa: E402
 from .graph_pass import CCEGraphPass, disable, enable, is_enabled  # noqa: E402
 from .backend import backend, make_backend  # noqa: E402
+from . import _compat  # noqa: E402
+
+_compat.install()
 
 __all__ = [
     "__version__",

@@ -12,6 +12,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch._inductor.config as inductor_config
 
+from . import _compat
 from .graph_pass import CCEGraphPass, _find_ours
 from .options import CCEOptions
 
@@ -26,6 +27,7 @@ def make_backend(
     inductor_options: Optional[dict[str, Any]] = None,
 ) -> Callable:
     """A Dynamo backend compiling with Inductor and the pass, configured by ``options`` / keywords / env."""
+    _compat.install()
     if options is None:
         options = CCEOptions.from_env(
             filter_eps=filter_eps, vocab_sort=vocab_sort, exact=exact, drop_logits=drop_logits
@@ -34,6 +36,7 @@ def make_backend(
     def cce_backend(gm: torch.fx.GraphModule, example_inputs, **kwargs):
         from torch._inductor.compile_fx import compile_fx
 
+        _compat.install()
         current = inductor_config.pre_grad_custom_pass
         ours = _find_ours(current)
         chained = ours.chained if ours is not None else current

@@ -54,13 +54,30 @@ def stats() -> dict[str, Any]:
         sites = list(_sites)
         graphs = _graphs
     reasons = collections.Counter(site.reason for site in sites if not site.rewritten)
+    rewritten = sum(site.rewritten for site in sites)
     return {
         "graphs": graphs,
-        "rewritten": sum(site.rewritten for site in sites),
-        "skipped": sum(not site.rewritten for site in sites),
+        "rewritten": rewritten,
+        "skipped": len(sites) - rewritten,
         "reasons": dict(reasons),
         "sites": [dataclasses.asdict(site) for site in sites],
+        "summary": _summary(graphs, rewritten, reasons),
     }
+
+
+def _summary(graphs: int, rewritten: int, reasons: collections.Counter) -> str:
+    if graphs == 0:
+        return (
+            "the pass has not seen any graph: nothing was compiled with it yet, or every graph came from "
+            "Inductor's cache (cached graphs that were rewritten still call the fused op)"
+        )
+    line = f"rewrote {rewritten} of {rewritten + sum(reasons.values())} cross_entropy sites in {graphs} graphs"
+    if reasons:
+        reason, count = reasons.most_common(1)[0]
+        line += f"; left {sum(reasons.values())} alone, most often ({count}x) because {reason}"
+    elif rewritten == 0:
+        line += "; no cross_entropy call was found in the compiled graphs"
+    return line
 
 
 def reset_stats() -> None:

@@ -18,7 +18,7 @@ import torch
 import torch._inductor.config as inductor_config
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
-from . import __version__
+from . import __version__, _compat
 from .fx_passes.linear_cross_entropy import rewrite_linear_cross_entropy
 from .options import CCEOptions
 
@@ -43,6 +43,7 @@ class CCEGraphPass(CustomGraphPass):
         self.last_rewrites = 0
 
     def __call__(self, graph: torch.fx.Graph) -> None:
+        _compat.install()
         if self.chained is not None:
             for user_pass in self.chained if isinstance(self.chained, (list, tuple)) else [self.chained]:
                 user_pass(graph)
@@ -76,6 +77,7 @@ def enable(options: Optional[CCEOptions] = None, **overrides) -> CCEGraphPass:
     our pass (with the new options) and keeps the chain.
     """
     options = options or CCEOptions.from_env(**overrides)
+    _compat.install()
     current = _installed()
     ours = _find_ours(current)
     chained = ours.chained if ours is not None else current

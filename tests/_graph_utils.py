@@ -6,6 +6,7 @@ import re
 
 import torch
 
+from cce_inductor import _compat
 from cce_inductor.fx_passes.linear_cross_entropy import rewrite_linear_cross_entropy
 from cce_inductor.options import CCEOptions
 
@@ -23,6 +24,7 @@ class PassCapture:
     """A Dynamo backend that records the graph before and after the pass and runs the rewritten graph eagerly."""
 
     def __init__(self, options: CCEOptions | None = None):
+        _compat.install()  # as cce_inductor's own backends do: see cce_inductor/_compat.py
         self.options = options or CCEOptions()
         self.before: list[str] = []
         self.after: list[str] = []

@@ -13,6 +13,7 @@ in any order)::
           logits (..., V)   ---- row views:   view/reshape/flatten over leading dims, contiguous,
                   |                           getitem slices of leading dims (label shift logits[..., :-1, :])
                   |         ---- upcasts:     .float(), .to(torch.float32)
+                  |         ---- scale:       logits * k, logits / k  (constant k; before any softcap)
                   |         ---- softcap:     tanh(logits / cap) * cap  (or  * (1 / cap))
           logits2d (M, V)           targets (M,) int   (any computation: shifts, F.pad(labels, (0, 1), value=ignore))
                    \\                /
@@ -20,7 +21,7 @@ in any order)::
 
 is replaced by::
 
-    rows = <the same row views replayed on hidden, with D in place of V>           (M, D)
+    rows = <the same row views replayed on hidden * k, with D in place of V>       (M, D)
     loss = cce_inductor::linear_cross_entropy(rows, weight, targets, bias, cap, i, r, ...)[0]
     loss = loss.to(<dtype cross_entropy returned>)
 
@@ -123,6 +124,7 @@ class Site:
     compute_dtype: torch.dtype
     row_steps: list[RowStep]  # in forward order
     softcap: Optional[float]
+    scale: float  # constant factor on the logits before the softcap, folded into the hidden states and bias
     targets: fx.Node
     ignore_index: int
     reduction: str
@@ -166,6 +168,21 @@ def _match_softcap(node: fx.Node) -> Optional[tuple[float, fx.Node, list[fx.Node
     if not isinstance(x, fx.Node) or not math.isclose(inner_cap, cap, rel_tol=1e-6):
         return None
     return cap, x, [scaled, tanh_node]
+
+
+def _match_scale(node: fx.Node) -> Optional[tuple[float, fx.Node]]:
+    """``x * k``, ``k * x`` or ``x / k`` for a constant ``k`` (Cohere's logit_scale, Granite's logits_scaling)."""
+    if _is(node, MUL) and len(node.args) == 2:
+        a, b = node.args
+        if isinstance(a, fx.Node) and _const_float(b) is not None:
+            return _const_float(b), a
+        if isinstance(b, fx.Node) and _const_float(a) is not None:
+            return _const_float(a), b
+    if _is(node, DIV) and len(node.args) == 2 and isinstance(node.args[0], fx.Node):
+        divisor = _const_float(node.args[1])
+        if divisor:
+            return 1.0 / divisor, node.args[0]
+    return None
 
 
 def _reshape_shape(node: fx.Node) -> list:
@@ -304,6 +321,8 @@ def match_site(ce: fx.Node) -> Site:
     chain: list[fx.Node] = []  # cross_entropy input ... head, backwards
     row_steps: list[RowStep] = []
     softcap: Optional[float] = None
+    scale = 1.0
+    scaled_after_softcap = False  # a factor met before the softcap on the way back is applied after it
     node = logits2d
     while True:
         if not isinstance(node, fx.Node):
@@ -313,6 +332,8 @@ def match_site(ce: fx.Node) -> Site:
         if softcap_match is not None:
             if softcap is not None:
                 raise NoMatch("logits are soft-capped twice")
+            if scaled_after_softcap:
+                raise NoMatch("logits are scaled after the softcap")
             softcap, node, inner = softcap_match
             chain.extend(inner[::-1])
             continue
@@ -322,6 +343,12 @@ def match_site(ce: fx.Node) -> Site:
             continue
         if _is(node, IDENTITY_VIEW):
             node = node.args[0]
+            continue
+        scale_match = _match_scale(node)
+        if scale_match is not None:
+            factor, node = scale_match
+            scale *= factor
+            scaled_after_softcap = scaled_after_softcap or softcap is None
             continue
         cast_to = _upcast_target(node)
         if cast_to is not None:
@@ -370,6 +397,7 @@ def match_site(ce: fx.Node) -> Site:
         compute_dtype=compute_dtype,
         row_steps=row_steps[::-1],
         softcap=softcap,
+        scale=scale,
         targets=targets,
         ignore_index=args["ignore_index"],
         reduction=args["reduction"],
@@ -400,6 +428,8 @@ def rewrite_site(graph: fx.Graph, site: Site, options: CCEOptions) -> fx.Node:
     ce = site.cross_entropy
     with graph.inserting_before(ce):
         rows = _cast(graph, site.hidden, site.compute_dtype)
+        if site.scale != 1.0:
+            rows = graph.call_function(operator.mul, (rows, site.scale))
         hidden_size = _hidden_size(graph, site.hidden)
         for step in site.row_steps:
             if step.kind == "reshape":
@@ -412,6 +442,8 @@ def rewrite_site(graph: fx.Graph, site: Site, options: CCEOptions) -> fx.Node:
         if site.weight_is_transposed:
             weight = graph.call_method("t", (weight,))
         bias = None if site.bias is None else _cast(graph, site.bias, site.compute_dtype)
+        if bias is not None and site.scale != 1.0:
+            bias = graph.call_function(operator.mul, (bias, site.scale))
         fused = graph.call_function(
             torch.ops.cce_inductor.linear_cross_entropy.default,
             (
@@ -457,6 +489,8 @@ def _describe(site: Site) -> str:
     parts = [f"{site.head.name}: {'matmul' if _is(site.head, MATMUL) else 'linear'}"]
     if site.bias is not None:
         parts.append("bias")
+    if site.scale != 1.0:
+        parts.append(f"scale={site.scale:g}")
     if site.softcap is not None:
         parts.append(f"softcap={site.softcap:g}")
     parts.append(f"reduction={site.reduction}")

@@ -1,0 +1,277 @@
+"""Real model code, unmodified: Hugging Face causal LMs built from tiny configs, and hand-written trainers.
+
+Each case checks that the loss site is rewritten (or, where expected, left alone with the right reason) and that
+the loss and every parameter gradient equal eager PyTorch.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import cce_inductor
+from cce_inductor.options import CCEOptions
+
+from _graph_utils import PassCapture
+
+transformers = pytest.importorskip("transformers")
+
+VOCAB = 96
+TINY = dict(
+    vocab_size=VOCAB,
+    hidden_size=32,
+    intermediate_size=48,
+    num_hidden_layers=1,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+    head_dim=8,
+    pad_token_id=0,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+
+# family -> extra config; each one exercises a different head (softcap, scaling, tied weights, ...)
+FAMILIES = {
+    "llama": {},
+    "mistral": {},
+    "qwen2": {},
+    "phi3": {},
+    "gemma2": {"final_logit_softcapping": 30.0, "attn_logit_softcapping": 50.0},
+    "gpt2": None,  # its own config class below
+    "qwen3": {},
+    "gemma3_text": {"final_logit_softcapping": 30.0},
+    "granite": {"logits_scaling": 4.0},
+    "cohere": {"logit_scale": 0.125},
+    "olmo2": {},
+}
+
+
+def _config(family: str):
+    if family == "gpt2":
+        return transformers.GPT2Config(
+            vocab_size=VOCAB, n_embd=32, n_layer=1, n_head=4, n_positions=64, bos_token_id=0, eos_token_id=0
+        )
+    return transformers.AutoConfig.for_model(family, **TINY, **FAMILIES[family])
+
+
+def _model(family: str, seed: int = 0):
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(_config(family))
+    return model.eval()  # no dropout: eager and compiled must see the same function
+
+
+def _batch(batch=2, seq=12, pad=3, seed=1):
+    generator = torch.Generator().manual_seed(seed)
+    input_ids = torch.randint(0, VOCAB, (batch, seq), generator=generator)
+    labels = input_ids.clone()
+    labels[:, :pad] = -100  # e.g. a prompt that is not trained on
+    return input_ids, labels
+
+
+def _grads(model):
+    return {name: p.grad.detach().clone() for name, p in model.named_parameters() if p.grad is not None}
+
+
+def _assert_same_training_step(model, compiled, inputs, atol=2e-5, rtol=1e-4):
+    model.zero_grad(set_to_none=True)
+    expected = model(**inputs)
+    expected.loss.backward()
+    expected_grads = _grads(model)
+    model.zero_grad(set_to_none=True)
+    actual = compiled(**inputs)
+    actual.loss.backward()
+    actual_grads = _grads(model)
+    torch.testing.assert_close(actual.loss, expected.loss, atol=atol, rtol=rtol)
+    assert actual_grads.keys() == expected_grads.keys()
+    for name in expected_grads:
+        torch.testing.assert_close(actual_grads[name], expected_grads[name], atol=atol, rtol=rtol, msg=name)
+    return actual
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_hf_family_rewritten_with_drop_logits(family):
+    model = _model(family)
+    input_ids, labels = _batch()
+    capture = PassCapture(CCEOptions(drop_logits=True))
+    compiled = torch.compile(model, backend=capture)
+    out = _assert_same_training_step(model, compiled, dict(input_ids=input_ids, labels=labels))
+    assert sum(capture.rewrites) == 1, cce_inductor.stats()["reasons"]
+    assert out.logits.numel() == 0
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma2", "gpt2"])
+def test_hf_without_opt_in_says_logits_escape(family):
+    model = _model(family)
+    input_ids, labels = _batch()
+    capture = PassCapture()
+    compiled = torch.compile(model, backend=capture)
+    out = _assert_same_training_step(model, compiled, dict(input_ids=input_ids, labels=labels))
+    assert sum(capture.rewrites) == 0
+    assert out.logits.shape == (2, 12, VOCAB)
+    (reason,) = cce_inductor.stats()["reasons"]
+    assert "logits escape" in reason and "CCE_INDUCTOR_DROP_LOGITS=1" in reason
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma2"])
+def test_hf_num_items_in_batch_and_logits_to_keep(family):
+    model = _model(family)
+    input_ids, labels = _batch()
+    num_items = (labels[:, 1:] != -100).sum() + 5  # gradient accumulation: a count over several micro-batches
+    capture = PassCapture(CCEOptions(drop_logits=True))
+    compiled = torch.compile(model, backend=capture)
+    inputs = dict(input_ids=input_ids, labels=labels, num_items_in_batch=num_items, logits_to_keep=0)
+    _assert_same_training_step(model, compiled, inputs)
+    assert sum(capture.rewrites) == 1
+    (site,) = cce_inductor.stats()["sites"]
+    assert "reduction=sum" in site["reason"]
+
+
+def test_hf_frozen_lm_head_lora_style():
+    model = _model("llama")
+    model.lm_head.weight.requires_grad_(False)
+    input_ids, labels = _batch()
+    capture = PassCapture(CCEOptions(drop_logits=True))
+    compiled = torch.compile(model, backend=capture)
+    _assert_same_training_step(model, compiled, dict(input_ids=input_ids, labels=labels))
+    assert sum(capture.rewrites) == 1
+    assert model.lm_head.weight.grad is None
+
+
+def test_hf_gpt2_tied_embeddings_get_both_gradients():
+    model = _model("gpt2")
+    assert model.lm_head.weight is model.transformer.wte.weight
+    input_ids, labels = _batch()
+    capture = PassCapture(CCEOptions(drop_logits=True))
+    _assert_same_training_step(model, torch.compile(model, backend=capture), dict(input_ids=input_ids, labels=labels))
+    assert sum(capture.rewrites) == 1
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["llama", "gemma2"])
+def test_hf_through_inductor(family):
+    model = _model(family)
+    input_ids, labels = _batch()
+    compiled = torch.compile(model, backend=cce_inductor.make_backend(drop_logits=True))
+    with torch._inductor.config.patch(fx_graph_cache=False), torch._functorch.config.patch(
+        enable_autograd_cache=False
+    ):
+        _assert_same_training_step(model, compiled, dict(input_ids=input_ids, labels=labels), atol=1e-4, rtol=1e-3)
+    assert cce_inductor.stats()["rewritten"] == 1
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Hand-written trainers
+# ---------------------------------------------------------------------------------------------------------------
+
+
+class NanoGPT(nn.Module):
+    """nanoGPT's shape of things: tied wte/lm_head, loss inside forward with ignore_index=-1."""
+
+    def __init__(self, vocab=VOCAB, dim=32):
+        super().__init__()
+        self.wte = nn.Embedding(vocab, dim)
+        self.block = nn.Sequential(nn.LayerNorm(dim), nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
+        self.ln_f = nn.LayerNorm(dim)
+        self.lm_head = nn.Linear(dim, vocab, bias=False)
+        self.wte.weight = self.lm_head.weight
+
+    def forward(self, idx, targets=None):
+        x = self.wte(idx)
+        x = self.ln_f(x + self.block(x))
+        logits = self.lm_head(x)
+        loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1)
+        return logits, loss
+
+
+class TitanStyle(nn.Module):
+    """torchtitan: bf16-friendly head, loss on pred.flatten(0, 1).float()."""
+
+    def __init__(self, vocab=VOCAB, dim=32):
+        super().__init__()
+        self.tok_embeddings = nn.Embedding(vocab, dim)
+        self.norm = nn.RMSNorm(dim)
+        self.output = nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, tokens):
+        return self.output(self.norm(self.tok_embeddings(tokens)))
+
+
+def _nanogpt_batch():
+    idx = torch.randint(0, VOCAB, (2, 10))
+    targets = torch.randint(0, VOCAB, (2, 10))
+    targets[0, -3:] = -1
+    return idx, targets
+
+
+def _compare_training_step(module, step, *args, atol=2e-5, rtol=1e-4):
+    """``step(module, *args)`` returns the loss; compare compiled (PassCapture) against eager."""
+    params = [p for p in module.parameters() if p.requires_grad]
+    expected = step(module, *args)
+    expected_grads = torch.autograd.grad(expected, params)
+    capture = PassCapture(CCEOptions(drop_logits=True))
+    compiled_step = torch.compile(step, backend=capture)
+    actual = compiled_step(module, *args)
+    actual_grads = torch.autograd.grad(actual, params)
+    torch.testing.assert_close(actual, expected, atol=atol, rtol=rtol)
+    for got, want in zip(actual_grads, expected_grads):
+        torch.testing.assert_close(got, want, atol=atol, rtol=rtol)
+    return capture
+
+
+def test_nanogpt_tied_head():
+    torch.manual_seed(0)
+    capture = _compare_training_step(NanoGPT(), lambda m, idx, y: m(idx, y)[1], *_nanogpt_batch())
+    assert sum(capture.rewrites) == 1  # the returned logits are dropped (opt-in), as nanoGPT ignores them
+
+
+def test_nanogpt_without_opt_in_is_left_alone():
+    torch.manual_seed(0)
+    model = NanoGPT()
+    capture = PassCapture()
+    idx, targets = _nanogpt_batch()
+    torch.compile(model, backend=capture)(idx, targets)
+    assert sum(capture.rewrites) == 0
+    assert "logits escape" in next(iter(cce_inductor.stats()["reasons"]))
+
+
+def test_torchtitan_flatten_float():
+    torch.manual_seed(0)
+
+    def step(model, tokens, labels):
+        pred = model(tokens)
+        return F.cross_entropy(pred.flatten(0, 1).float(), labels.flatten(0, 1))
+
+    tokens, labels = _nanogpt_batch()
+    capture = _compare_training_step(TitanStyle(), step, tokens, labels.clamp(min=0))
+    assert sum(capture.rewrites) == 1
+
+
+def test_torchtune_style_loss_outside_model_inside_compiled_region():
+    torch.manual_seed(0)
+    model = TitanStyle()
+
+    def step(model, tokens, labels):
+        logits = model(tokens)
+        labels = torch.hstack((labels[..., 1:], torch.full_like(labels[..., :1], -100)))  # torchtune's shift
+        return nn.CrossEntropyLoss(ignore_index=-100)(logits.reshape(-1, logits.size(-1)).float(), labels.reshape(-1))
+
+    tokens, labels = _nanogpt_batch()
+    capture = _compare_training_step(model, step, tokens, labels.clamp(min=0))
+    assert sum(capture.rewrites) == 1
+
+
+def test_large_class_classifier_head():
+    torch.manual_seed(0)
+    classes, dim = 1000, 24
+    backbone = nn.Sequential(nn.Linear(12, dim), nn.ReLU())
+    head = nn.Linear(dim, classes)
+    model = nn.Sequential(backbone, head)
+
+    def step(model, features, labels):
+        return F.cross_entropy(model(features), labels, reduction="sum")
+
+    capture = _compare_training_step(model, step, torch.randn(33, 12), torch.randint(0, classes, (33,)))
+    assert sum(capture.rewrites) == 1
