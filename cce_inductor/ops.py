@@ -61,25 +61,29 @@ def _aux_spec(n_rows, vocab, device: torch.device, dtype: torch.dtype, vocab_sor
     return (0,), torch.float32
 
 
-def check_inputs(e: Tensor, c: Tensor, targets: Tensor, bias: Optional[Tensor]) -> None:
-    """Shape, dtype and device checks shared by the real and the fake implementations."""
-    if e.dim() != 2 or c.dim() != 2:
-        raise ValueError(f"expected e of shape (N, D) and c of shape (V, D), got {tuple(e.shape)} and {tuple(c.shape)}")
-    torch._check(
-        e.shape[1] == c.shape[1],
-        lambda: f"hidden size mismatch: e is {tuple(e.shape)} but c is {tuple(c.shape)} (c must be (V, D))",
-    )
-    if targets.dim() != 1:
-        raise ValueError(f"expected targets of shape (N,), got {tuple(targets.shape)}")
-    torch._check(
-        targets.shape[0] == e.shape[0],
-        lambda: f"targets has {targets.shape[0]} entries but e has {e.shape[0]} rows",
-    )
+def _check_targets_dtype(targets: Tensor) -> None:
     if targets.dtype.is_floating_point or targets.dtype.is_complex or targets.dtype == torch.bool:
         raise TypeError(
             f"targets must hold class indices (an integer dtype), got {targets.dtype}; "
             "probability targets are not supported"
         )
+
+
+def check_inputs(e: Tensor, c: Tensor, targets: Tensor, bias: Optional[Tensor]) -> None:
+    """Shape, dtype and device checks shared by the real and the fake implementations."""
+    if e.dim() != 2 or c.dim() != 2:
+        raise ValueError(f"expected e of shape (N, D) and c of shape (V, D), got {tuple(e.shape)} and {tuple(c.shape)}")
+    torch._check_value(
+        e.shape[1] == c.shape[1],
+        lambda: f"hidden size mismatch: e is {tuple(e.shape)} but c is {tuple(c.shape)} (c must be (V, D))",
+    )
+    if targets.dim() != 1:
+        raise ValueError(f"expected targets of shape (N,), got {tuple(targets.shape)}")
+    torch._check_value(
+        targets.shape[0] == e.shape[0],
+        lambda: f"targets has {targets.shape[0]} entries but e has {e.shape[0]} rows",
+    )
+    _check_targets_dtype(targets)
     if e.dtype not in _SUPPORTED_DTYPES:
         raise TypeError(f"unsupported dtype {e.dtype}; expected one of {_SUPPORTED_DTYPES}")
     tensors = [("c", c)] + ([] if bias is None else [("bias", bias)])
@@ -92,7 +96,7 @@ def check_inputs(e: Tensor, c: Tensor, targets: Tensor, bias: Optional[Tensor]) 
     if bias is not None:
         if bias.dim() != 1:
             raise ValueError(f"expected bias of shape (V,), got {tuple(bias.shape)}")
-        torch._check(bias.shape[0] == c.shape[0], lambda: f"bias has {bias.shape[0]} entries, c has {c.shape[0]} rows")
+        torch._check_value(bias.shape[0] == c.shape[0], lambda: f"bias has {bias.shape[0]} entries, c has {c.shape[0]} rows")
 
 
 def _check_target_range(targets: Tensor, vocab: int, ignore_index: int) -> None:
@@ -123,6 +127,13 @@ def linear_cross_entropy_op(
     exact: bool,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Returns ``(loss, lse, aux)``: the reduced loss, per-row log-sum-exp, and what the kernels' backward needs."""
+    # Autocast already did its work on the inputs (the public wrapper casts them as F.linear would); inside,
+    # the chunked path's matmuls must run in the accumulation dtype, not be downcast again.
+    with torch.autocast(e.device.type, enabled=False):
+        return _forward_impl(e, c, targets, bias, softcap, ignore_index, reduction, vocab_sort)
+
+
+def _forward_impl(e, c, targets, bias, softcap, ignore_index, reduction, vocab_sort):
     check_inputs(e, c, targets, bias)
     _check_target_range(targets, c.shape[0], ignore_index)
     cap = _softcap_or_none(softcap)
@@ -178,6 +189,15 @@ def linear_cross_entropy_backward_op(
     need_bias: bool,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Returns ``(grad_e, grad_c, grad_bias)``; a gradient not asked for is an empty tensor and costs nothing."""
+    with torch.autocast(e.device.type, enabled=False):
+        return _backward_impl(
+            grad_loss, e, c, targets, bias, lse, aux, softcap, ignore_index, reduction, filter_eps, vocab_sort,
+            exact, need_e, need_c, need_bias,
+        )  # fmt: skip
+
+
+def _backward_impl(grad_loss, e, c, targets, bias, lse, aux, softcap, ignore_index, reduction, filter_eps,
+                   vocab_sort, exact, need_e, need_c, need_bias):  # fmt: skip
     need_bias = need_bias and bias is not None
     valid = targets != ignore_index
     acc = _chunked.accumulation_dtype(e.dtype)
@@ -285,6 +305,7 @@ def linear_cross_entropy(
         raise ValueError(f"filter_eps must be in [0, 1), got {filter_eps}")
     if e.dim() < 1 or c.dim() != 2:
         raise ValueError(f"expected e of shape (..., D) and c of shape (V, D), got {tuple(e.shape)} and {tuple(c.shape)}")
+    _check_targets_dtype(targets)
     if tuple(targets.shape) != tuple(e.shape[:-1]):
         raise ValueError(f"targets must have shape {tuple(e.shape[:-1])} (e's leading dims), got {tuple(targets.shape)}")
 
