@@ -1,0 +1,600 @@
+"""The ways in: ``backend=cce_inductor.backend``, ``make_backend``, ``enable``/``disable`` (plain ``torch.compile``),
+``CCE_INDUCTOR=1`` (the ``torch.backends`` entry point), ``backend="cce"`` (the ``torch_dynamo_backends`` entry
+point), and Inductor's FX graph / AOTAutograd caches across processes.
+
+In-process tests turn Inductor's FX graph and AOTAutograd caches off: a cache hit skips the pass, so a graph
+compiled by an earlier run would not be counted in ``stats()``. Subprocess tests (marked ``slow``) share one
+session-wide ``TORCHINDUCTOR_CACHE_DIR`` so that Inductor's compiled C++ kernels are reused between them; only
+the cache test turns the FX graph and AOTAutograd caches on, and nothing else writes entries there.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+import torch._functorch.config as functorch_config
+import torch._inductor.config as inductor_config
+import torch.nn as nn
+import torch.nn.functional as F
+from torch._inductor.custom_graph_pass import CustomGraphPass
+
+import cce_inductor
+from cce_inductor.graph_pass import CCEGraphPass
+from cce_inductor.options import CCEOptions
+
+# ----------------------------------------------------------------------------------------------------------------
+# The model: source text, so that the subprocess scripts define exactly the same one.
+# ----------------------------------------------------------------------------------------------------------------
+
+MODEL_SRC = textwrap.dedent(
+    '''
+    import torch
+    import torch.nn as nn
+    import torch.nn.functional as F
+
+
+    class TinyGPT(nn.Module):
+        """Embedding, one MLP block, lm_head without bias; the loss as in nanoGPT."""
+
+        def __init__(self, vocab=97, dim=32, return_logits=False):
+            super().__init__()
+            self.wte = nn.Embedding(vocab, dim)
+            self.fc = nn.Linear(dim, 4 * dim)
+            self.proj = nn.Linear(4 * dim, dim)
+            self.lm_head = nn.Linear(dim, vocab, bias=False)
+            self.return_logits = return_logits
+
+        def forward(self, idx, targets):
+            x = self.wte(idx)
+            x = x + self.proj(F.gelu(self.fc(x)))
+            logits = self.lm_head(x)
+            loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1)
+            return (loss, logits) if self.return_logits else loss
+
+
+    def make_batch(vocab=97, batch=2, seq=16, seed=0):
+        gen = torch.Generator().manual_seed(seed)
+        idx = torch.randint(0, vocab, (batch, seq), generator=gen)
+        targets = torch.randint(0, vocab, (batch, seq), generator=gen)
+        targets[0, :3] = -1  # some ignored positions
+        return idx, targets
+    '''
+)
+
+_namespace: dict = {}
+exec(compile(MODEL_SRC, "<tiny_gpt>", "exec"), _namespace)
+TinyGPT = _namespace["TinyGPT"]
+make_batch = _namespace["make_batch"]
+
+
+@pytest.fixture
+def no_inductor_caches():
+    """A cache hit skips the pass (and stats() would not see the site): compile from scratch in-process."""
+    with inductor_config.patch(fx_graph_cache=False), functorch_config.patch(enable_autograd_cache=False):
+        yield
+
+
+@pytest.fixture
+def clean_env(monkeypatch):
+    for name in list(os.environ):
+        if name.startswith("CCE_INDUCTOR"):
+            monkeypatch.delenv(name)
+
+
+@pytest.fixture
+def restore_hook():
+    """Whatever a test does to pre_grad_custom_pass, put the original back."""
+    saved = inductor_config.pre_grad_custom_pass
+    yield
+    inductor_config.pre_grad_custom_pass = saved
+
+
+def loss_and_grads(model, fn, *inputs):
+    model.zero_grad(set_to_none=True)
+    out = fn(*inputs)
+    loss = out[0] if isinstance(out, tuple) else out
+    loss.backward()
+    grads = {name: p.grad.clone() for name, p in model.named_parameters()}
+    return out, grads
+
+
+def assert_grads_close(got: dict, want: dict):
+    assert got.keys() == want.keys()
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+
+
+def op_was_called(fn) -> bool:
+    with torch.profiler.profile() as prof:
+        fn()
+    names = {event.name for event in prof.events()}
+    return "cce_inductor::linear_cross_entropy" in names and "cce_inductor::linear_cross_entropy_backward" in names
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# (a) backend=cce_inductor.backend
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def test_backend_rewrites_tiny_gpt(no_inductor_caches, clean_env):
+    torch.manual_seed(0)
+    model = TinyGPT()
+    idx, targets = make_batch()
+    ref_loss, ref_grads = loss_and_grads(model, model, idx, targets)
+
+    compiled = torch.compile(model, backend=cce_inductor.backend)
+    cce_inductor.reset_stats()
+    loss, grads = loss_and_grads(model, compiled, idx, targets)
+    stats = cce_inductor.stats()
+    assert stats["rewritten"] == 1, stats
+    assert stats["skipped"] == 0, stats["reasons"]
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-6, atol=1e-6)
+    assert_grads_close(grads, ref_grads)
+    # the compiled code really calls the fused op (forward and backward)
+    assert op_was_called(lambda: compiled(idx, targets).backward())
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# (b) make_backend(drop_logits=...)
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def test_make_backend_drop_logits(no_inductor_caches, clean_env):
+    torch.manual_seed(0)
+    model = TinyGPT(return_logits=True)
+    idx, targets = make_batch()
+    (ref_loss, ref_logits), ref_grads = loss_and_grads(model, model, idx, targets)
+
+    compiled = torch.compile(model, backend=cce_inductor.make_backend(drop_logits=True))
+    cce_inductor.reset_stats()
+    (loss, logits), grads = loss_and_grads(model, compiled, idx, targets)
+    stats = cce_inductor.stats()
+    assert stats["rewritten"] == 1, stats
+    assert isinstance(logits, torch.Tensor) and logits.numel() == 0
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-6, atol=1e-6)
+    assert_grads_close(grads, ref_grads)
+
+
+def test_make_backend_without_drop_logits_leaves_site(no_inductor_caches, clean_env):
+    torch.manual_seed(0)
+    model = TinyGPT(return_logits=True)
+    idx, targets = make_batch()
+    (ref_loss, ref_logits), ref_grads = loss_and_grads(model, model, idx, targets)
+
+    compiled = torch.compile(model, backend=cce_inductor.make_backend())
+    cce_inductor.reset_stats()
+    (loss, logits), grads = loss_and_grads(model, compiled, idx, targets)
+    stats = cce_inductor.stats()
+    assert stats["rewritten"] == 0, stats
+    assert stats["skipped"] == 1
+    assert any("CCE_INDUCTOR_DROP_LOGITS" in reason for reason in stats["reasons"]), stats["reasons"]
+    torch.testing.assert_close(logits, ref_logits, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-6, atol=1e-6)
+    assert_grads_close(grads, ref_grads)
+
+
+def test_make_backend_reads_env_for_unset_options(monkeypatch, clean_env):
+    monkeypatch.setenv("CCE_INDUCTOR_DROP_LOGITS", "1")
+    monkeypatch.setenv("CCE_INDUCTOR_EXACT", "1")
+    backend = cce_inductor.make_backend(exact=False)
+    assert backend.options.drop_logits is True
+    assert backend.options.exact is False  # keyword wins over env
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# (c) enable / disable, chaining a user pass, uuid
+# ----------------------------------------------------------------------------------------------------------------
+
+
+class CountingPass(CustomGraphPass):
+    """A user's pre-grad pass: counts its calls; uuid given by the test (None = no uuid)."""
+
+    def __init__(self, uuid="user-pass-v1"):
+        self._uuid = uuid
+        self.calls = 0
+
+    def __call__(self, graph):
+        self.calls += 1
+
+    def uuid(self):
+        return self._uuid
+
+
+def _loss_fn(h, w, y):
+    logits = F.linear(h, w)
+    return F.cross_entropy(logits.view(-1, logits.size(-1)), y.view(-1), ignore_index=-1)
+
+
+def test_enable_then_plain_compile_rewrites_and_chains(no_inductor_caches, clean_env, restore_hook):
+    user = CountingPass()
+    inductor_config.pre_grad_custom_pass = user
+    ours = cce_inductor.enable()
+    try:
+        assert cce_inductor.is_enabled()
+        assert inductor_config.pre_grad_custom_pass is ours
+        assert ours.chained is user
+
+        torch.manual_seed(0)
+        model = TinyGPT()
+        idx, targets = make_batch()
+        ref_loss, ref_grads = loss_and_grads(model, model, idx, targets)
+        cce_inductor.reset_stats()
+        loss, grads = loss_and_grads(model, torch.compile(model), idx, targets)
+        assert cce_inductor.stats()["rewritten"] == 1
+        assert user.calls >= 1, "the chained user pass did not run"
+        torch.testing.assert_close(loss, ref_loss, rtol=1e-6, atol=1e-6)
+        assert_grads_close(grads, ref_grads)
+
+        # enabling again (new options) replaces our pass and keeps the user's pass chained, not our old one
+        again = cce_inductor.enable(exact=True)
+        assert again.chained is user and again.options.exact
+    finally:
+        cce_inductor.disable()
+    assert not cce_inductor.is_enabled()
+    assert inductor_config.pre_grad_custom_pass is user
+
+    # after disable, plain torch.compile runs the user's pass only
+    calls = user.calls
+    torch._dynamo.reset()
+    cce_inductor.reset_stats()
+    h, w = torch.randn(6, 8), torch.randn(11, 8)
+    y = torch.randint(0, 11, (6,))
+    torch.testing.assert_close(torch.compile(_loss_fn)(h, w, y), _loss_fn(h, w, y))
+    assert cce_inductor.stats()["graphs"] == 0
+    assert user.calls == calls + 1
+
+
+def test_enable_disable_without_user_pass(clean_env, restore_hook):
+    inductor_config.pre_grad_custom_pass = None
+    ours = cce_inductor.enable(drop_logits=True)
+    assert isinstance(ours, CCEGraphPass) and ours.chained is None and ours.options.drop_logits
+    cce_inductor.disable()
+    assert inductor_config.pre_grad_custom_pass is None
+    cce_inductor.disable()  # idempotent
+    assert inductor_config.pre_grad_custom_pass is None
+
+
+def test_enable_reads_env(monkeypatch, clean_env, restore_hook):
+    inductor_config.pre_grad_custom_pass = None
+    monkeypatch.setenv("CCE_INDUCTOR_EXACT", "1")
+    monkeypatch.setenv("CCE_INDUCTOR_FILTER_EPS", "0.001")
+    try:
+        ours = cce_inductor.enable()
+        assert ours.options.exact and ours.options.filter_eps == 0.001
+    finally:
+        cce_inductor.disable()
+
+
+def test_backend_chains_enabled_users_pass_once(no_inductor_caches, clean_env, restore_hook):
+    """backend=cce_inductor.backend while enable() is on: the user's pass runs once, our pass once."""
+    user = CountingPass()
+    inductor_config.pre_grad_custom_pass = user
+    cce_inductor.enable()
+    try:
+        h, w = torch.randn(6, 8), torch.randn(11, 8)
+        y = torch.randint(0, 11, (6,))
+        cce_inductor.reset_stats()
+        torch.testing.assert_close(torch.compile(_loss_fn, backend=cce_inductor.backend)(h, w, y), _loss_fn(h, w, y))
+        assert user.calls == 1
+        assert cce_inductor.stats()["graphs"] == 1 and cce_inductor.stats()["rewritten"] == 1
+    finally:
+        cce_inductor.disable()
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [("filter_eps", 0.01), ("filter_eps", 0.0), ("vocab_sort", False), ("exact", True), ("drop_logits", True)],
+)
+def test_uuid_changes_with_every_option(field, value):
+    base = CCEGraphPass(CCEOptions())
+    changed = CCEGraphPass(CCEOptions(**{field: value}))
+    assert base.uuid() and changed.uuid()
+    assert base.uuid() != changed.uuid()
+    assert CCEGraphPass(CCEOptions(**{field: value})).uuid() == changed.uuid()  # deterministic
+
+
+def test_uuid_options_from_env(monkeypatch, clean_env):
+    base = CCEGraphPass(CCEOptions.from_env()).uuid()
+    monkeypatch.setenv("CCE_INDUCTOR_EXACT", "1")
+    assert CCEGraphPass(CCEOptions.from_env()).uuid() != base
+
+
+def test_uuid_follows_chained_pass():
+    plain = CCEGraphPass(CCEOptions()).uuid()
+    v1 = CCEGraphPass(CCEOptions(), chained=CountingPass("user-v1")).uuid()
+    v2 = CCEGraphPass(CCEOptions(), chained=CountingPass("user-v2")).uuid()
+    assert len({plain, v1, v2}) == 3
+    assert CCEGraphPass(CCEOptions(), chained=CountingPass("user-v1")).uuid() == v1
+    both = CCEGraphPass(CCEOptions(), chained=[CountingPass("user-v1"), CountingPass("other")]).uuid()
+    assert both and both not in (plain, v1, v2)
+
+
+@pytest.mark.parametrize("kind", ["function", "uuid_none", "in_list"])
+def test_uuid_none_when_chained_pass_has_none(kind):
+    chained = {
+        "function": lambda graph: None,
+        "uuid_none": CountingPass(uuid=None),
+        "in_list": [CountingPass("ok"), lambda graph: None],
+    }[kind]
+    assert CCEGraphPass(CCEOptions(), chained=chained).uuid() is None
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Subprocesses
+# ----------------------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def kernel_cache_dir(tmp_path_factory):
+    """One Inductor cache dir for every subprocess: compiled C++ kernels are shared; see the module docstring."""
+    return tmp_path_factory.mktemp("inductor_cache")
+
+
+def subprocess_env(cache_dir, caches=False, **extra):
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("CCE_INDUCTOR", "TORCHINDUCTOR", "TORCH_COMPILE"))}
+    env.pop("PYTHONPATH", None)
+    env.update(
+        TORCHINDUCTOR_CACHE_DIR=str(cache_dir),
+        TORCHINDUCTOR_FX_GRAPH_CACHE="1" if caches else "0",
+        TORCHINDUCTOR_AUTOGRAD_CACHE="1" if caches else "0",
+        TORCHINDUCTOR_COMPILE_THREADS="1",  # no worker pool to start on a 2-core machine
+        PYTHONWARNINGS="default::RuntimeWarning",
+    )
+    env.update({k: str(v) for k, v in extra.items()})
+    return env
+
+
+def run_python(args, env, cwd, timeout=240):
+    proc = subprocess.run(
+        [sys.executable, *args], env=env, cwd=cwd, capture_output=True, text=True, timeout=timeout
+    )
+    assert proc.returncode == 0, f"exit {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr[-6000:]}"
+    return proc
+
+
+def last_json(stdout: str) -> dict:
+    lines = [line for line in stdout.splitlines() if line.startswith("{")]
+    assert lines, stdout
+    return json.loads(lines[-1])
+
+
+# (d) An unmodified nanoGPT-style training script: no cce_inductor until it reads the stats at the end.
+NANOGPT_SCRIPT = '''
+import json
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class MLP(nn.Module):
+    def __init__(self, n_embd):
+        super().__init__()
+        self.c_fc = nn.Linear(n_embd, 4 * n_embd)
+        self.gelu = nn.GELU()
+        self.c_proj = nn.Linear(4 * n_embd, n_embd)
+
+    def forward(self, x):
+        return self.c_proj(self.gelu(self.c_fc(x)))
+
+
+class Block(nn.Module):
+    def __init__(self, n_embd):
+        super().__init__()
+        self.ln = nn.LayerNorm(n_embd)
+        self.mlp = MLP(n_embd)
+
+    def forward(self, x):
+        return x + self.mlp(self.ln(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, vocab_size=97, block_size=16, n_embd=32, n_layer=1):
+        super().__init__()
+        self.transformer = nn.ModuleDict(dict(
+            wte=nn.Embedding(vocab_size, n_embd),
+            wpe=nn.Embedding(block_size, n_embd),
+            h=nn.ModuleList([Block(n_embd) for _ in range(n_layer)]),
+            ln_f=nn.LayerNorm(n_embd),
+        ))
+        self.lm_head = nn.Linear(n_embd, vocab_size, bias=False)
+        self.transformer.wte.weight = self.lm_head.weight  # weight tying
+        self.apply(self._init_weights)
+
+    def _init_weights(self, module):
+        if isinstance(module, nn.Linear):
+            torch.nn.init.normal_(module.weight, mean=0.0, std=0.02)
+            if module.bias is not None:
+                torch.nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            torch.nn.init.normal_(module.weight, mean=0.0, std=0.02)
+
+    def forward(self, idx, targets=None):
+        b, t = idx.size()
+        pos = torch.arange(0, t, dtype=torch.long, device=idx.device)
+        x = self.transformer.wte(idx) + self.transformer.wpe(pos)
+        for block in self.transformer.h:
+            x = block(x)
+        x = self.transformer.ln_f(x)
+        if targets is not None:
+            logits = self.lm_head(x)
+            loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1)
+        else:
+            logits = self.lm_head(x[:, [-1], :])
+            loss = None
+        return logits, loss
+
+
+torch.manual_seed(1337)
+data = torch.randint(0, 97, (4096,))
+
+
+def get_batch(batch_size=4, block_size=16):
+    ix = torch.randint(len(data) - block_size, (batch_size,))
+    x = torch.stack([data[i:i + block_size] for i in ix])
+    y = torch.stack([data[i + 1:i + 1 + block_size] for i in ix])
+    return x, y
+
+
+model = GPT()
+optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+model = torch.compile(model)
+losses = []
+for step in range(3):
+    X, Y = get_batch()
+    logits, loss = model(X, Y)
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    optimizer.step()
+    losses.append(loss.item())
+    print(f"step {step}: loss {loss.item():.6f}")
+
+import cce_inductor  # only to read what the pass did
+
+print(json.dumps({"losses": losses, "rewritten": cce_inductor.stats()["rewritten"],
+                  "reasons": cce_inductor.stats()["reasons"]}))
+'''
+
+
+@pytest.mark.slow
+def test_env_autoload_rewrites_unmodified_script(tmp_path, kernel_cache_dir):
+    script = tmp_path / "train_nanogpt.py"
+    script.write_text(NANOGPT_SCRIPT)
+    # nanoGPT returns the logits too, so the site is only rewritten with CCE_INDUCTOR_DROP_LOGITS=1
+    env = subprocess_env(kernel_cache_dir, CCE_INDUCTOR="1", CCE_INDUCTOR_DROP_LOGITS="1")
+    with_cce = last_json(run_python([str(script)], env, tmp_path).stdout)
+    eager = last_json(run_python([str(script)], subprocess_env(kernel_cache_dir, TORCH_COMPILE_DISABLE="1"),
+                                 tmp_path).stdout)
+    assert with_cce["rewritten"] == 1, with_cce
+    assert eager["rewritten"] == 0
+    assert with_cce["losses"][0] == pytest.approx(eager["losses"][0], rel=1e-6)
+    assert with_cce["losses"] == pytest.approx(eager["losses"], rel=1e-5)
+
+
+@pytest.mark.slow
+def test_autoload_off_costs_nothing(tmp_path, kernel_cache_dir):
+    env = subprocess_env(kernel_cache_dir)
+    code = "import torch, sys; print('cce_inductor' in sys.modules, 'torch._inductor.config' in sys.modules)"
+    proc = run_python(["-c", code], env, tmp_path)
+    assert proc.stdout.split() == ["False", "False"]
+    env["CCE_INDUCTOR"] = "0"
+    assert run_python(["-c", code], env, tmp_path).stdout.split() == ["False", "False"]
+
+
+@pytest.mark.slow
+def test_autoload_on_enables_at_import_torch(tmp_path, kernel_cache_dir):
+    env = subprocess_env(kernel_cache_dir, CCE_INDUCTOR="1", CCE_INDUCTOR_EXACT="1")
+    code = (
+        "import torch, sys; import torch._inductor.config as c; "
+        "print('cce_inductor' in sys.modules, type(c.pre_grad_custom_pass).__name__, c.pre_grad_custom_pass.options.exact)"
+    )
+    assert run_python(["-c", code], env, tmp_path).stdout.split() == ["True", "CCEGraphPass", "True"]
+
+
+@pytest.mark.slow
+def test_autoload_broken_install_warns_and_torch_still_imports(tmp_path, kernel_cache_dir):
+    fake = tmp_path / "fake" / "cce_inductor"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text("raise ImportError('simulated broken install')\n")
+    env = subprocess_env(kernel_cache_dir, CCE_INDUCTOR="1", PYTHONPATH=str(tmp_path / "fake"))
+    proc = run_python(["-c", "import torch; print('torch ok', torch.__version__)"], env, tmp_path)
+    assert "torch ok" in proc.stdout
+    assert "RuntimeWarning" in proc.stderr, proc.stderr
+    assert "simulated broken install" in proc.stderr
+    assert "cce_inductor could not be enabled" in proc.stderr
+
+
+# (e) backend="cce" through the torch_dynamo_backends entry point; (f) the caches.
+BACKEND_SCRIPT = MODEL_SRC + '''
+import json
+import sys
+
+import torch
+from torch._dynamo.utils import counters
+
+torch.manual_seed(0)
+model = TinyGPT()
+idx, targets = make_batch()
+ref = model(idx, targets)
+ref.backward()
+ref_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+model.zero_grad(set_to_none=True)
+
+if sys.argv[1] == "by_name":
+    compiled = torch.compile(model, backend="cce")  # no import of cce_inductor before the compile
+else:
+    import cce_inductor
+    compiled = torch.compile(model, backend=cce_inductor.backend)
+loss = compiled(idx, targets)
+loss.backward()
+grad_err = max((p.grad - ref_grads[n]).abs().max().item() for n, p in model.named_parameters())
+
+with torch.profiler.profile() as prof:  # after the compile: only the run is profiled
+    compiled(idx, targets).backward()
+names = {e.name for e in prof.events()}
+
+import cce_inductor
+
+print(json.dumps({
+    "loss": loss.item(), "ref": ref.item(), "grad_err": grad_err,
+    "rewritten": cce_inductor.stats()["rewritten"],
+    "op_called": "cce_inductor::linear_cross_entropy" in names,
+    "bwd_op_called": "cce_inductor::linear_cross_entropy_backward" in names,
+    "inductor": {k: v for k, v in counters["inductor"].items() if "cache" in k},
+    "aot_autograd": {k: v for k, v in counters["aot_autograd"].items() if "cache" in k},
+}))
+'''
+
+
+def _check_run(result):
+    assert result["loss"] == pytest.approx(result["ref"], rel=1e-6)
+    assert result["grad_err"] < 1e-6
+    assert result["op_called"] and result["bwd_op_called"]
+
+
+@pytest.mark.slow
+def test_backend_by_name_in_fresh_process(tmp_path, kernel_cache_dir):
+    script = tmp_path / "by_name.py"
+    script.write_text(BACKEND_SCRIPT)
+    result = last_json(run_python([str(script), "by_name"], subprocess_env(kernel_cache_dir), tmp_path).stdout)
+    _check_run(result)
+    assert result["rewritten"] == 1
+
+
+@pytest.mark.slow
+def test_caches_hit_across_processes_and_miss_on_option_change(tmp_path, kernel_cache_dir):
+    """Process 1 compiles (miss), process 2 loads it (hit: the pass is skipped, the op still runs), process 3 with
+    CCE_INDUCTOR_EXACT=1 must not reuse it (miss, the pass runs again)."""
+    script = tmp_path / "cached.py"
+    script.write_text(BACKEND_SCRIPT)
+    env = subprocess_env(kernel_cache_dir, caches=True)
+
+    def run(**extra):
+        result = last_json(run_python([str(script), "object"], {**env, **extra}, tmp_path).stdout)
+        _check_run(result)
+        return result
+
+    def hits(result):
+        return result["aot_autograd"].get("autograd_cache_hit", 0) + result["inductor"].get("fxgraph_cache_hit", 0)
+
+    first = run()
+    assert hits(first) == 0, first
+    assert first["aot_autograd"].get("autograd_cache_miss", 0) >= 1, first
+    assert first["aot_autograd"].get("autograd_cache_saved", 0) >= 1, first  # not bypassed
+    assert first["rewritten"] == 1
+
+    second = run()
+    assert second["aot_autograd"].get("autograd_cache_hit", 0) >= 1, second
+    assert second["inductor"].get("fxgraph_cache_miss", 0) == 0, second
+    assert second["rewritten"] == 0  # a hit skips the pass: the cached code calls the op by name
+
+    third = run(CCE_INDUCTOR_EXACT="1")
+    assert hits(third) == 0, third
+    assert third["rewritten"] == 1
