@@ -500,11 +500,23 @@ def _describe(site: Site) -> str:
     return ", ".join(parts)
 
 
+def _is_dtensor(value: Any) -> bool:
+    return type(value).__name__ == "DTensor" and type(value).__module__.startswith("torch.distributed")
+
+
 def rewrite_linear_cross_entropy(graph: fx.Graph, options: CCEOptions) -> int:
     """Rewrite every matching site in ``graph``; returns how many were rewritten."""
-    graph_id = diagnostics.new_graph()
     sites = [n for n in graph.nodes if _is(n, CROSS_ENTROPY)]
     rewritten = 0
+    if any(_is_dtensor(_meta(_arg(ce, 0, "input"))) for ce in sites):
+        # Vocabulary-sharded heads (tensor parallel): the DTensor variant of the loss, decided and recorded there.
+        from ..distributed import rewrite_tensor_parallel_sites  # noqa: PLC0415 - needs torch.distributed
+
+        rewritten += rewrite_tensor_parallel_sites(graph, options)
+        sites = [n for n in graph.nodes if _is(n, CROSS_ENTROPY) and not _is_dtensor(_meta(_arg(n, 0, "input")))]
+        if not sites:
+            return rewritten
+    graph_id = diagnostics.new_graph()
     for ce in sites:
         try:
             try:
@@ -520,6 +532,11 @@ def rewrite_linear_cross_entropy(graph: fx.Graph, options: CCEOptions) -> int:
                     "set CCE_INDUCTOR_DROP_LOGITS=1 or cce_inductor.make_backend(drop_logits=True) "
                     "to return an empty tensor in their place"
                 )
+            dtensor_operand = next(
+                (n.name for n in (site.hidden, site.weight, site.bias, site.targets) if _is_dtensor(_meta(n))), None
+            )
+            if dtensor_operand is not None:
+                raise NoMatch(f"{dtensor_operand} is a DTensor but the logits are not: an unsupported parallel layout")
         except NoMatch as why:
             diagnostics.record(diagnostics.SiteDecision(graph_id, ce.name, False, str(why)))
             continue
