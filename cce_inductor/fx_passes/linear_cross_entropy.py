@@ -141,9 +141,21 @@ def _short(node: fx.Node) -> str:
 
 
 def _const_float(value: Any) -> Optional[float]:
+    """A Python number, or a symbolic float/int from the graph specialised to its value.
+
+    ``torch.compile(dynamic=True)`` turns float attributes (Gemma-2's ``final_logit_softcapping``) into graph
+    inputs. ``float()`` on their SymFloat installs a guard on the value, as Inductor does when it specialises, so
+    the compiled code is only reused for the same constant.
+    """
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         return float(value)
+    if isinstance(value, fx.Node) and isinstance(_meta(value), (torch.SymFloat, torch.SymInt)):
+        return float(_meta(value))
     return None
+
+
+def _is_true_division(node: Any) -> bool:
+    return _is(node, DIV) and len(node.args) == 2 and node.kwargs.get("rounding_mode") is None
 
 
 def _match_softcap(node: fx.Node) -> Optional[tuple[float, fx.Node, list[fx.Node]]]:
@@ -155,7 +167,7 @@ def _match_softcap(node: fx.Node) -> Optional[tuple[float, fx.Node, list[fx.Node
     if cap is None or not _is(tanh_node, TANH) or cap <= 0:
         return None
     scaled = tanh_node.args[0]
-    if _is(scaled, DIV) and _const_float(scaled.args[1]) is not None:
+    if _is_true_division(scaled) and _const_float(scaled.args[1]) is not None:
         x, inner_cap = scaled.args[0], _const_float(scaled.args[1])
     elif _is(scaled, MUL):
         a, b = scaled.args[0], scaled.args[1]
@@ -172,13 +184,13 @@ def _match_softcap(node: fx.Node) -> Optional[tuple[float, fx.Node, list[fx.Node
 
 def _match_scale(node: fx.Node) -> Optional[tuple[float, fx.Node]]:
     """``x * k``, ``k * x`` or ``x / k`` for a constant ``k`` (Cohere's logit_scale, Granite's logits_scaling)."""
-    if _is(node, MUL) and len(node.args) == 2:
+    if _is(node, MUL) and len(node.args) == 2 and not node.kwargs:
         a, b = node.args
         if isinstance(a, fx.Node) and _const_float(b) is not None:
             return _const_float(b), a
         if isinstance(b, fx.Node) and _const_float(a) is not None:
             return _const_float(a), b
-    if _is(node, DIV) and len(node.args) == 2 and isinstance(node.args[0], fx.Node):
+    if _is_true_division(node) and isinstance(node.args[0], fx.Node):
         divisor = _const_float(node.args[1])
         if divisor:
             return 1.0 / divisor, node.args[0]
@@ -285,9 +297,72 @@ def _transposed_source(node: fx.Node) -> Optional[fx.Node]:
         src, dims = node.args[0], node.args[1:]
         if len(dims) == 1 and isinstance(dims[0], (tuple, list)):
             dims = tuple(dims[0])
-        if _spelling(node)[1] in ("t", torch.t) or tuple(_normalize_dim(d, 2) for d in dims) in ((0, 1), (1, 0)):
+        dims = tuple(_normalize_dim(d, 2) for d in dims if isinstance(d, int))
+        kind = _spelling(node)[1]
+        if kind in ("t", torch.t):
+            return src
+        if kind in ("transpose", torch.transpose) and sorted(dims) == [0, 1]:
+            return src
+        if kind in ("permute", torch.permute) and dims == (1, 0):  # permute(0, 1) is the identity
             return src
     return None
+
+
+GRAD_MODE = _functions(torch._C._set_grad_enabled)
+VIEW_LIKE = RESHAPE | FLATTEN | GETITEM | IDENTITY_VIEW | TRANSPOSE_2D | _methods("expand", "narrow", "detach")
+INPLACE_FUNCTIONS = _functions(
+    operator.setitem, operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ipow
+)
+
+
+def _mutated_tensor(node: fx.Node) -> Optional[fx.Node]:
+    """The tensor an in-place node writes to, or None if the node does not mutate."""
+    if node.op == "call_method" and node.target.endswith("_") and not node.target.startswith("_"):
+        return node.args[0] if node.args else None
+    if node.op == "call_function":
+        if _spelling(node) in INPLACE_FUNCTIONS:
+            return node.args[0]
+        name = getattr(node.target, "__name__", "")
+        if name.endswith("_") and not name.startswith("_") and node.args:
+            return node.args[0]
+        schema = getattr(node.target, "_schema", None)
+        if schema is not None and any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments):
+            return node.args[0] if node.args else None
+    return None
+
+
+def _storage_roots(node: Any) -> set:
+    """``node`` and everything it may be a view of."""
+    roots, stack = set(), [node]
+    while stack:
+        current = stack.pop()
+        if not isinstance(current, fx.Node) or current in roots:
+            continue
+        roots.add(current)
+        if _is(current, VIEW_LIKE) or (current.op == "call_function" and current.target is getattr):
+            stack.append(current.args[0])
+    return roots
+
+
+def _check_nothing_in_between(head: fx.Node, ce: fx.Node, protected: list) -> None:
+    """The fused op runs where cross_entropy ran: nothing between the head and it may change what it reads.
+
+    Refuses a switch back to grad mode (a head computed under no_grad must stay non-differentiable) and an in-place
+    update of the hidden states, the weight or the bias (or of anything they are views of).
+    """
+    protected_roots = set().union(*(_storage_roots(p) for p in protected))
+    grad_enabled_at_loss = None  # unchanged since the head
+    node = head.next
+    while node is not ce and node.op != "output":
+        if _is(node, GRAD_MODE):
+            grad_enabled_at_loss = node.args[0] if node.args else node.kwargs.get("mode")
+        mutated = _mutated_tensor(node)
+        if mutated is not None and _storage_roots(mutated) & protected_roots:
+            raise NoMatch(f"{_short(node)} updates an operand of the head in place before the loss")
+        node = node.next
+    # A loss under no_grad is non-differentiable either way; the reverse would make a no_grad head trainable.
+    if grad_enabled_at_loss is not None and grad_enabled_at_loss is not False:
+        raise NoMatch("the head runs under torch.no_grad but the loss does not")
 
 
 def match_site(ce: fx.Node) -> Site:
@@ -311,6 +386,8 @@ def match_site(ce: fx.Node) -> Site:
         raise NoMatch("cross_entropy input or target is not a tensor")
     if targets_meta.dtype.is_floating_point:
         raise NoMatch("cross_entropy has probability (floating-point) targets")
+    if targets_meta.dtype != torch.int64:
+        raise NoMatch(f"targets are {targets_meta.dtype}, not int64 (eager cross_entropy rejects them)")
     if logits_meta.dim() != 2 or targets_meta.dim() != 1:
         raise NoMatch(
             f"cross_entropy input is {logits_meta.dim()}-D and target {targets_meta.dim()}-D; "
@@ -353,9 +430,7 @@ def match_site(ce: fx.Node) -> Site:
         cast_to = _upcast_target(node)
         if cast_to is not None:
             src_dtype = _meta(node.args[0]).dtype
-            if cast_to not in SUPPORTED_DTYPES or (
-                torch.finfo(cast_to).bits < torch.finfo(src_dtype).bits
-            ):
+            if cast_to not in SUPPORTED_DTYPES or torch.promote_types(src_dtype, cast_to) != cast_to:
                 raise NoMatch(f"{node.name} casts the logits down from {src_dtype} to {cast_to}")
             node = node.args[0]
             continue
@@ -374,6 +449,14 @@ def match_site(ce: fx.Node) -> Site:
     device = head_meta.device
     if device.type not in SUPPORTED_DEVICES:
         raise NoMatch(f"device {device} is not supported")
+    if bias is not None:
+        bias_meta = _meta(bias)
+        if not isinstance(bias_meta, torch.Tensor) or tuple(bias_meta.shape) != (vocab,):
+            raise NoMatch(f"the bias has shape {tuple(getattr(bias_meta, 'shape', ()))}, not (V,)")
+    if scale != 1.0 and compute_dtype == torch.float16:
+        # Folding the factor into fp16 hidden states could overflow where the fp32 logits would not.
+        raise NoMatch("a constant logit scale on fp16 logits cannot be folded safely")
+    _check_nothing_in_between(head, ce, protected=[hidden, weight] + ([bias] if bias is not None else []))
 
     # The chain must be private to this loss, except for being returned from the graph (HF returns logits).
     chain.reverse()
