@@ -209,7 +209,10 @@ def _backward_impl(grad_loss, e, c, targets, bias, lse, aux, softcap, ignore_ind
         per_row = grad_loss.to(acc) / valid.sum()
     grad_rows = torch.where(valid, per_row, 0.0)
     cap = _softcap_or_none(softcap)
-    if uses_kernels(e.device, e.dtype) and e.shape[0] > 0:
+    # The kernels accumulate dE/dC with atomics (not bitwise reproducible); under
+    # torch.use_deterministic_algorithms(True) the chunked path (plain matmuls) computes the gradients instead.
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    if uses_kernels(e.device, e.dtype) and e.shape[0] > 0 and not deterministic:
         kernels = _kernels()
         eps = 0.0 if exact else (kernels.default_filter_eps(e.dtype) if filter_eps == AUTO_FILTER_EPS else filter_eps)
         grad_e, grad_c, grad_bias = kernels.backward(
