@@ -406,6 +406,14 @@ def forward(self, L_hidden_ : torch.Tensor, L_weight_ : torch.Tensor, L_labels_ 
         labels = _labels(B * T, ignore_index=0, fraction_ignored=0.5)
         cap = self.run_pass(f, _hidden(B * T, D), labels, params=[weight])
         self.assertIn(", 0, 1, ", cap.after[0])  # ignore_index=0, reduction=mean in the op call
+        self.assertExpectedInline(cap.after[0], """\
+def forward(self, L_hidden_ : torch.Tensor, L_weight_ : torch.Tensor, L_labels_ : torch.Tensor):
+    l_hidden_ = L_hidden_
+    l_weight_ = L_weight_
+    l_labels_ = L_labels_
+    linear_cross_entropy_default = torch.ops.cce_inductor.linear_cross_entropy.default(l_hidden_, l_weight_, l_labels_, None, 0.0, 0, 1, -1.0, True, False)
+    getitem = linear_cross_entropy_default[0]
+    return (getitem,)""")
 
     def test_reduction_none_then_mask_and_mean(self):
         head = nn.Linear(D, V, bias=True)
@@ -450,6 +458,23 @@ def forward(self, L_head_parameters_weight_ : torch.nn.parameter.Parameter, L_he
         params = [p for head in heads for p in head.parameters()]
         cap = self.run_pass(f, _hidden(B * T, D), _labels(B * T), rewrites=3, params=params)
         self.assertEqual(cap.after[0].count("cce_inductor.linear_cross_entropy"), 3)
+        self.assertExpectedInline(cap.after[0], """\
+def forward(self, L_hidden_ : torch.Tensor, L_heads_modules_0_parameters_weight_ : torch.nn.parameter.Parameter, L_labels_ : torch.Tensor, L_heads_modules_1_parameters_weight_ : torch.nn.parameter.Parameter, L_heads_modules_2_parameters_weight_ : torch.nn.parameter.Parameter):
+    l_hidden_ = L_hidden_
+    l_heads_modules_0_parameters_weight_ = L_heads_modules_0_parameters_weight_
+    l_labels_ = L_labels_
+    l_heads_modules_1_parameters_weight_ = L_heads_modules_1_parameters_weight_
+    l_heads_modules_2_parameters_weight_ = L_heads_modules_2_parameters_weight_
+    linear_cross_entropy_default = torch.ops.cce_inductor.linear_cross_entropy.default(l_hidden_, l_heads_modules_0_parameters_weight_, l_labels_, None, 0.0, -100, 1, -1.0, True, False)
+    getitem = linear_cross_entropy_default[0]
+    linear_cross_entropy_default_1 = torch.ops.cce_inductor.linear_cross_entropy.default(l_hidden_, l_heads_modules_1_parameters_weight_, l_labels_, None, 0.0, -100, 1, -1.0, True, False)
+    getitem_1 = linear_cross_entropy_default_1[0]
+    linear_cross_entropy_default_2 = torch.ops.cce_inductor.linear_cross_entropy.default(l_hidden_, l_heads_modules_2_parameters_weight_, l_labels_, None, 0.0, -100, 1, -1.0, True, False)
+    getitem_2 = linear_cross_entropy_default_2[0]
+    value = 0 + getitem
+    value_1 = value + getitem_1
+    value_2 = value_1 + getitem_2
+    return (value_2,)""")
 
     def test_frozen_head(self):
         weight = _weight(V, D, requires_grad=False)
