@@ -281,7 +281,7 @@ def linear_cross_entropy(
     ignore_index: int = -100,
     reduction: str = "mean",
     filter_eps: Optional[float] = None,
-    vocab_sort: bool = True,
+    vocab_sort: bool = False,
     exact: bool = False,
 ) -> Tensor:
     """``F.cross_entropy(softcap(e @ c.T + bias), targets, ...)`` without materialising the logits.

@@ -34,7 +34,9 @@ class CCEOptions:
 
     filter_eps: skip gradient tiles whose ``|softmax - onehot|`` is everywhere below this (CUDA kernels only).
         ``None`` picks the paper's threshold for the input dtype (2**-12 for bf16); ``0.0`` disables filtering.
-    vocab_sort: order the vocabulary by average logit before the backward so that surviving tiles cluster.
+    vocab_sort: order the vocabulary by average logit before the backward so that surviving tiles cluster
+        (the paper's heuristic). Off by default: on an H200 it was never faster than skipping tiles from the
+        forward's per-tile maxima, which sorting rules out (examples/benchmark_notes.md).
     exact: no gradient filtering and fp32 accumulation of dE/dC (pretraining); slower.
     drop_logits: when the logits also leave the compiled region (Hugging Face models return them), return an
         empty tensor in their place so the site can still be rewritten. Off by default: it changes what the
@@ -42,7 +44,7 @@ class CCEOptions:
     """
 
     filter_eps: Optional[float] = None
-    vocab_sort: bool = True
+    vocab_sort: bool = False
     exact: bool = False
     drop_logits: bool = False
 
@@ -55,7 +57,7 @@ class CCEOptions:
         """Options from ``CCE_INDUCTOR_*`` environment variables, then ``overrides`` (ignoring ``None``)."""
         values = dict(
             filter_eps=_env_float("CCE_INDUCTOR_FILTER_EPS"),
-            vocab_sort=_env_flag("CCE_INDUCTOR_VOCAB_SORT", True),
+            vocab_sort=_env_flag("CCE_INDUCTOR_VOCAB_SORT", False),
             exact=_env_flag("CCE_INDUCTOR_EXACT"),
             drop_logits=_env_flag("CCE_INDUCTOR_DROP_LOGITS"),
         )

@@ -15,7 +15,6 @@ import json
 import math
 import os
 import statistics
-import subprocess
 import sys
 import time
 
@@ -35,6 +34,7 @@ MODELS = {
         attn_logit_softcapping=50.0,
         query_pre_attn_scalar=256,
         sliding_window=4096,
+        attn_implementation="eager",  # transformers runs Gemma-2's attention softcap only in eager attention
     ),
     "llama3": dict(
         family="llama",
@@ -45,8 +45,12 @@ MODELS = {
         num_key_value_heads=8,
         head_dim=128,
         rope_theta=500000.0,
+        attn_implementation="sdpa",
     ),
 }
+
+
+DEVICE = "cuda"
 
 
 def build_model(name: str, layers: int, seq: int):
@@ -54,12 +58,16 @@ def build_model(name: str, layers: int, seq: int):
 
     spec = dict(MODELS[name])
     family = spec.pop("family")
+    if DEVICE == "cpu":  # a smoke test of this script: same code, toy sizes
+        spec.update(vocab_size=512, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                    num_key_value_heads=2, head_dim=16)  # fmt: skip
+        spec.pop("query_pre_attn_scalar", None)
     config = transformers.AutoConfig.for_model(
         family, num_hidden_layers=layers, max_position_embeddings=seq, pad_token_id=0, bos_token_id=1,
-        eos_token_id=2, attn_implementation="sdpa", **spec,
+        eos_token_id=2, **spec,
     )  # fmt: skip
     torch.manual_seed(0)
-    with torch.device("cuda"):
+    with torch.device(DEVICE):
         model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     model.config.use_cache = False
     return model.train()
@@ -69,15 +77,15 @@ class MarkovTokens:
     """Token streams from a fixed sparse Markov chain: each token has 8 likely successors (learnable)."""
 
     def __init__(self, vocab: int, seed: int = 0, fanout: int = 8):
-        generator = torch.Generator(device="cuda").manual_seed(seed)
+        generator = torch.Generator(device=DEVICE).manual_seed(seed)
         self.vocab = vocab
-        self.successors = torch.randint(0, vocab, (vocab, fanout), device="cuda", generator=generator)
+        self.successors = torch.randint(0, vocab, (vocab, fanout), device=DEVICE, generator=generator)
         self.generator = generator
 
     def batch(self, batch: int, seq: int) -> torch.Tensor:
-        tokens = torch.empty(batch, seq, dtype=torch.long, device="cuda")
-        tokens[:, 0] = torch.randint(0, self.vocab, (batch,), device="cuda", generator=self.generator)
-        choice = torch.randint(0, self.successors.shape[1], (batch, seq), device="cuda", generator=self.generator)
+        tokens = torch.empty(batch, seq, dtype=torch.long, device=DEVICE)
+        tokens[:, 0] = torch.randint(0, self.vocab, (batch,), device=DEVICE, generator=self.generator)
+        choice = torch.randint(0, self.successors.shape[1], (batch, seq), device=DEVICE, generator=self.generator)
         for t in range(1, seq):
             tokens[:, t] = self.successors[tokens[:, t - 1], choice[:, t]]
         return tokens
@@ -97,22 +105,22 @@ def train(name: str, mode: str, steps: int, batch: int, seq: int, layers: int, l
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), foreach=True)
     data = MarkovTokens(model.config.vocab_size, seed=1)
     losses, times, peaks = [], [], []
+    cuda = DEVICE == "cuda"
     for step in range(steps):
         tokens = data.batch(batch, seq)
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        start = torch.cuda.Event(enable_timing=True)
-        end = torch.cuda.Event(enable_timing=True)
-        start.record()
+        if cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        began = time.perf_counter()
         loss = compiled(input_ids=tokens, labels=tokens).loss
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        end.record()
-        torch.cuda.synchronize()
+        if cuda:
+            torch.cuda.synchronize()
+        times.append(1e3 * (time.perf_counter() - began))  # the step, synchronised: host clock is exact enough
         losses.append(loss.item())
-        times.append(start.elapsed_time(end))
-        peaks.append(torch.cuda.max_memory_allocated() / 2**20)
+        peaks.append(torch.cuda.max_memory_allocated() / 2**20 if cuda else 0.0)
     result = dict(model=name, mode=mode, batch=batch, seq=seq, layers=layers, losses=losses)
     warm = times[3:] or times
     result["step_ms_median"] = statistics.median(warm)
@@ -122,28 +130,49 @@ def train(name: str, mode: str, steps: int, batch: int, seq: int, layers: int, l
 
         result["rewritten"] = cce_inductor.stats()["rewritten"]
     del compiled, model, optimizer
-    torch.cuda.empty_cache()
+    if DEVICE == "cuda":
+        torch.cuda.empty_cache()
     return result
 
 
-def fits(name: str, mode: str, batch: int, seq: int, layers: int) -> bool:
-    """Two training steps of this batch in a fresh process (an OOM leaves the allocator fragmented)."""
-    cmd = [sys.executable, __file__, "--model", name, "--modes", mode, "--steps", "2", "--batch", str(batch),
-           "--seq", str(seq), "--layers", str(layers), "--probe"]  # fmt: skip
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-    return proc.returncode == 0
+def largest_batch(name: str, mode: str, seq: int, layers: int, start: int, limit: int = 512) -> int:
+    """Largest batch (of ``seq`` tokens each) for which one training step fits, probed in this process.
 
+    The batch dimension is marked dynamic so the probes share one compiled graph; after an out-of-memory error
+    the allocator's cache is emptied before the next, smaller probe.
+    """
+    model = build_model(name, layers, seq)
+    compiled = compile_model(model, mode)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, foreach=True)
+    data = MarkovTokens(model.config.vocab_size, seed=2)
 
-def largest_batch(name: str, mode: str, seq: int, layers: int, start: int, limit: int = 256) -> int:
+    def step_fits(batch: int) -> bool:
+        try:
+            tokens = data.batch(batch, seq)
+            torch._dynamo.mark_dynamic(tokens, 0)
+            compiled(input_ids=tokens, labels=tokens).loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            if DEVICE == "cuda":
+                torch.cuda.synchronize()
+            return True
+        except torch.OutOfMemoryError:
+            optimizer.zero_grad(set_to_none=True)
+            return False
+        finally:
+            if DEVICE == "cuda":
+                torch.cuda.empty_cache()
+
     good, batch = 0, start
-    while batch <= limit and fits(name, mode, batch, seq, layers):
+    while batch <= limit and step_fits(batch):
         good, batch = batch, batch * 2
-    if good == 0:
-        return 0
-    low, high = good, min(batch, limit + 1)  # good fits, high does not (or is past the limit)
-    while high - low > max(1, good // 4):  # a few probes, each a process and a compile
+    low, high = good, min(batch, limit + 1)  # low fits (or is 0), high does not
+    while high - low > max(1, low // 8):
         middle = (low + high) // 2
-        low, high = (middle, high) if fits(name, mode, middle, seq, layers) else (low, middle)
+        low, high = (middle, high) if step_fits(middle) else (low, middle)
+    del compiled, model, optimizer
+    if DEVICE == "cuda":
+        torch.cuda.empty_cache()
     return low
 
 
@@ -156,15 +185,15 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=4096)
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--find-max-batch", action="store_true")
-    parser.add_argument("--probe", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
+    parser.add_argument("--device", default="cuda", help="cuda; cpu runs toy sizes as a smoke test of the script")
     args = parser.parse_args()
-    if not torch.cuda.is_available():
-        sys.exit("this benchmark needs a CUDA device; examples/train_tiny_lm.py runs anywhere")
+    global DEVICE
+    DEVICE = args.device
+    if DEVICE == "cuda" and not torch.cuda.is_available():
+        sys.exit("this benchmark needs a CUDA device (--device cpu smoke-tests it at toy sizes)")
+    device_name = torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu"
     modes = args.modes.split(",")
-    if args.probe:
-        train(args.model, modes[0], args.steps, args.batch, args.seq, args.layers)
-        return
 
     results = []
     for mode in modes:
@@ -179,11 +208,11 @@ def main() -> None:
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, f"e2e_{args.model}.json")
     with open(path, "w") as handle:
-        json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__, results=results), handle)
+        json.dump(dict(device=device_name, torch=torch.__version__, results=results), handle)
 
     by_mode = {r["mode"]: r for r in results}
     print(f"\n{args.model}: batch {args.batch} x seq {args.seq}, {args.layers} layers, bf16, "
-          f"{torch.cuda.get_device_name()}, torch {torch.__version__}")  # fmt: skip
+          f"{device_name}, torch {torch.__version__}")  # fmt: skip
     print("| mode | step ms | peak MiB | max batch | final loss |")
     print("| --- | --- | --- | --- | --- |")
     for r in results:
@@ -197,8 +226,9 @@ def main() -> None:
             for r in (base, ours)
         ]
         gap = max((abs(a - b) / a for a, b in zip(*means)), default=math.nan)
+        peak_ratio = ours["peak_mib"] / base["peak_mib"] if base["peak_mib"] else math.nan
         print(f"cce/compile: time {ours['step_ms_median'] / base['step_ms_median']:.2f}x, "
-              f"peak {ours['peak_mib'] / base['peak_mib']:.2f}x; max |diff| of {window}-step running means: "
+              f"peak {peak_ratio:.2f}x; max |diff| of {window}-step running means: "
               f"{100 * gap:.2f}% of the loss; sites rewritten: {ours.get('rewritten')}")  # fmt: skip
 
 

@@ -35,11 +35,16 @@ _GPU_DEFAULTS = dict(
     fwd_block_d=64,
     fwd_num_warps=8,
     fwd_num_stages=3,
-    fwd_waves=8,         # forward grid ~ fwd_waves * num_SMs programs (rows blocks x vocab splits)
+    fwd_flatten=0,       # tl.range(flatten=True) on the vocab loop (pipelining across tiles)
+    fwd_waves=16,        # forward grid ~ fwd_waves * num_SMs programs (rows blocks x vocab splits)
     bwd_block_d=64,
-    bwd_num_warps=8,
+    bwd_num_warps=4,
     bwd_num_stages=3,
-    bwd_group=0,         # 0: vocab-major program order, >0: row blocks grouped in groups of this size
+    bwd_group=8,         # 0: vocab-major program order, >0: row blocks grouped in groups of this size
+    bwd_packed=0,        # 1: packed-pair atomics (red.global.add.noftz.bf16x2); measured slower on H200
+    bwd_filter_e=1,      # 1: filter dE tiles too (paper); 0: dE dense, only dC / dbias filtered
+    flat_row_log2=4,     # rows with max prob < 2**flat_row_log2 * filter_eps get an unfiltered dE
+    tail_frac_pct=25,    # ... and rows with more than this % of their mass in sub-eps entries
 )
 _INTERPRET_DEFAULTS = dict(
     tile_n=16,
@@ -48,11 +53,16 @@ _INTERPRET_DEFAULTS = dict(
     fwd_block_d=16,
     fwd_num_warps=4,
     fwd_num_stages=1,
+    fwd_flatten=0,
     fwd_waves=2,
     bwd_block_d=16,
     bwd_num_warps=4,
     bwd_num_stages=1,
     bwd_group=0,
+    bwd_packed=0,
+    bwd_filter_e=1,
+    flat_row_log2=4,
+    tail_frac_pct=25,
 )
 
 CONFIG: dict = dict(_INTERPRET_DEFAULTS if INTERPRET else _GPU_DEFAULTS)
@@ -86,17 +96,23 @@ def default_filter_eps(dtype: torch.dtype) -> float:
 def aux_spec(n, v, vocab_sort: bool):
     """Shape and dtype of the ``aux`` tensor produced by :func:`forward` and consumed by :func:`backward`.
 
-    * ``vocab_sort=True``: per-vocabulary sum of logits over the valid rows, shape ``(v,)`` fp32 (the
-      backward sorts the vocabulary by it, paper sec. 4.3).
-    * ``vocab_sort=False``: per-tile maximum logit, shape ``(row_blocks * vocab_tiles,)`` fp32, laid out
-      row-block-major; the backward skips a tile without recomputing it when
+    One flat fp32 vector:
+
+    * ``aux[:n]``: per-row maximum logit, and ``aux[n:2n]``: per-row fraction of the softmax mass held by
+      entries below ``default_filter_eps`` relative to the running max.  The backward flags rows whose
+      largest probability ``exp(max - lse)`` is tiny or whose tail fraction is large: their many tiny
+      probabilities carry a real part of dE, so the filter must not drop them from dE.
+    * ``vocab_sort=True``: then ``aux[2n:2n + v]``, the per-vocabulary sum of logits over the valid rows
+      (the backward sorts the vocabulary by it, paper sec. 4.3).
+    * ``vocab_sort=False``: then ``aux[2n:]``, the per-tile maximum logit, ``row_blocks * vocab_tiles``
+      entries, row-block-major; the backward skips a tile without recomputing it when
       ``exp(tile_max - min(lse over the tile's rows)) < filter_eps``.
 
     Works with symbolic ints (only +, * and //)."""
     if vocab_sort:
-        return (v,), torch.float32
+        return (2 * n + v,), torch.float32
     tn, tv = CONFIG["tile_n"], CONFIG["tile_v"]
-    return (((n + tn - 1) // tn) * ((v + tv - 1) // tv),), torch.float32
+    return (2 * n + ((n + tn - 1) // tn) * ((v + tv - 1) // tv),), torch.float32
 
 
 def num_sms(device: torch.device) -> int:

@@ -62,10 +62,10 @@ def make_inputs(n, v, d, dtype, device, *, ignore_frac=0.0, bias=False, logit_st
     gen = torch.Generator().manual_seed(seed)
     c = torch.randn(v, d, generator=gen) / math.sqrt(d)
     e = torch.randn(n, d, generator=gen) * logit_std
-    # make some rows confident: add a multiple of their target's vector
+    # make some rows confident: add their target's vector (|c| ~ 1), raising the target logit by ~12
     targets = torch.randint(0, v, (n,), generator=gen)
     confident = torch.rand(n, generator=gen) < 0.5
-    e[confident] += 4.0 * math.sqrt(d) * c[targets[confident]]
+    e[confident] += 12.0 * c[targets[confident]]
     if ignore_frac > 0:
         ignored = torch.rand(n, generator=gen) < ignore_frac
         if ignore_frac >= 1.0:
@@ -179,14 +179,19 @@ def test_matches_fp64_reference(case, device):
     check_case(case, device)
 
 
-def _tile_filtered_reference(e, c, targets, bias, grad_rows, softcap, eps, vocab_sort, tile_n, tile_v):
-    """fp64 reference of the tile-filter semantics: the dense part (softmax) of a tile is dropped when all
-    its probabilities are < eps; the one-hot part is always kept."""
+def _tile_filtered_reference(e, c, targets, bias, grad_rows, softcap, eps, vocab_sort, tile_n, tile_v, flat_prob):
+    """fp64 reference of the tile-filter semantics: the off-target part (softmax) of a tile is dropped when
+    all its off-target probabilities are < eps; the target entries (p_t - 1) are always kept; rows whose
+    largest probability is < flat_prob keep their whole dE.
+    Returns dE, dC, dbias, the kept-tile mask and the unfiltered dE."""
     e64, c64, t = e.double().cpu(), c.double().cpu(), targets.cpu()
     raw = e64 @ c64.T + (bias.double().cpu() if bias is not None else 0.0)
     logits = softcap * torch.tanh(raw / softcap) if softcap is not None else raw
     prob = torch.softmax(logits, dim=-1)
     valid = t != IGNORE
+    onehot = torch.zeros_like(prob)
+    onehot[valid.nonzero()[:, 0], t[valid]] = 1.0
+    off_target = prob * (1 - onehot)
     order = torch.argsort((~valid).to(torch.int8), stable=True)[: int(valid.sum())]
     if vocab_sort:
         vocab_order = torch.argsort(logits[valid].sum(0), descending=True)
@@ -197,32 +202,49 @@ def _tile_filtered_reference(e, c, targets, bias, grad_rows, softcap, eps, vocab
         rows = order[i:i + tile_n]
         for j in range(0, c.shape[0], tile_v):
             cols = vocab_order[j:j + tile_v]
-            if prob[rows][:, cols].max() >= eps:
+            if off_target[rows][:, cols].max() >= eps:
                 keep[rows[:, None], cols[None, :]] = True
-    onehot = torch.zeros_like(prob)
-    onehot[valid.nonzero()[:, 0], t[valid]] = 1.0
-    grad = grad_rows.double().cpu()[:, None] * (prob * keep - onehot)
+    g = grad_rows.double().cpu()[:, None]
+    flat = (prob.max(-1).values < flat_prob)[:, None]
+    grad = g * (off_target * keep + (prob - 1) * onehot)
+    grad_e = g * (off_target * (keep | flat) + (prob - 1) * onehot)
+    dense = g * (prob - onehot)
     if softcap is not None:
-        grad = grad * (1 - (logits / softcap) ** 2)
+        chain = 1 - (logits / softcap) ** 2
+        grad, grad_e, dense = grad * chain, grad_e * chain, dense * chain
     grad[~valid] = 0
-    return grad @ c64, grad.T @ e64, grad.sum(0), keep
+    grad_e[~valid] = 0
+    dense[~valid] = 0
+    return grad_e @ c64, grad.T @ e64, grad.sum(0), keep, dense @ c64, flat
 
 
+@pytest.mark.parametrize("filter_e", [1, 0])
 @pytest.mark.parametrize("vocab_sort", [False, True])
 @pytest.mark.parametrize("softcap", [None, 15.0])
 @pytest.mark.parametrize("device", DEVICES)
-def test_tile_filter_semantics(device, vocab_sort, softcap):
+def test_tile_filter_semantics(device, vocab_sort, softcap, filter_e):
     """A large filter_eps drops many tiles (pre-skip from aux, post-recompute skip, target kernels);
-    the result must equal the tile-filtered fp64 reference (fp32 inputs, so tightly)."""
+    the result must equal the tile-filtered fp64 reference (fp32 inputs, so tightly).  With
+    ``bwd_filter_e=0`` dE is dense (unfiltered) and only dC / dbias are filtered."""
     _device_ok(device)
+    with K.override_config(bwd_filter_e=filter_e, flat_row_log2=2, tail_frac_pct=101):
+        _check_tile_filter(device, vocab_sort, softcap, filter_e)
+
+
+def _check_tile_filter(device, vocab_sort, softcap, filter_e):
     e, c, targets, b = make_inputs(40, 200, 32, torch.float32, device, ignore_frac=0.2, bias=True, seed=3)
     grad_rows = torch.randn(40, generator=torch.Generator().manual_seed(5)).to(device) * (targets != IGNORE)
     eps = 0.05
     lse, tgt, (de, dc, db) = run_kernels(e, c, targets, b, grad_rows, softcap=softcap, vocab_sort=vocab_sort,
                                          filter_eps=eps, exact=False)
-    de_r, dc_r, db_r, keep = _tile_filtered_reference(e, c, targets, b, grad_rows, softcap, eps, vocab_sort,
-                                                      K.CONFIG["tile_n"], K.CONFIG["tile_v"])
+    de_r, dc_r, db_r, keep, de_dense, flat = _tile_filtered_reference(
+        e, c, targets, b, grad_rows, softcap, eps, vocab_sort, K.CONFIG["tile_n"], K.CONFIG["tile_v"],
+        eps * 2.0 ** K.CONFIG["flat_row_log2"])
+    if not filter_e:
+        de_r = de_dense
     assert 0.0 < keep.double().mean() < 1.0, "the test must have both skipped and kept tiles"
+    valid = (targets != IGNORE).cpu()
+    assert 0 < int(flat[valid].sum()) < int(valid.sum()), "the test must have both flat and peaked rows"
     assert rel(de, de_r) < 1e-5
     assert rel(dc, dc_r) < 1e-5
     assert rel(db, db_r) < 1e-5
@@ -288,8 +310,8 @@ def test_aux_spec_symbolic():
     shape, dtype = K.aux_spec(n, v, False)
     assert dtype == torch.float32 and len(shape) == 1
     tn, tv = K.CONFIG["tile_n"], K.CONFIG["tile_v"]
-    assert shape[0].subs({n: 8192, v: 256000}) == math.ceil(8192 / tn) * math.ceil(256000 / tv)
-    assert K.aux_spec(n, v, True) == ((v,), torch.float32)
+    assert shape[0].subs({n: 8192, v: 256000}) == 2 * 8192 + math.ceil(8192 / tn) * math.ceil(256000 / tv)
+    assert K.aux_spec(n, v, True) == ((2 * n + v,), torch.float32)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -357,3 +379,28 @@ def test_gpu_no_host_sync():
             run_kernels(e, c, targets, b, g, softcap=30.0, vocab_sort=vs, filter_eps=2**-12, exact=False)
     finally:
         torch.cuda.set_sync_debug_mode(0)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_flat_rows_keep_their_de(device):
+    """Flat rows (every probability below filter_eps) must keep their whole dE: their many tiny
+    probabilities add up to a systematic part of dE (here ~7%) that the tile filter would drop.
+    (Confident rows with a heavy flat tail are flagged by the forward's tail-mass estimate; that case needs
+    a large D to build and is covered by test_gpu_real_shapes.)"""
+    _device_ok(device)
+    n, v, d = 16, 16384, 16
+    gen = torch.Generator().manual_seed(11)
+    c = torch.randn(v, d, generator=gen) / math.sqrt(d)
+    e = torch.randn(n, d, generator=gen) * 0.3  # logits ~ N(0, 0.09): every p < filter_eps
+    targets = torch.randint(0, v, (n,), generator=gen)
+    e, c, targets = e.to(torch.bfloat16).to(device), c.to(torch.bfloat16).to(device), targets.to(device)
+    g = mean_grad_rows(targets).to(device)
+    eps = K.default_filter_eps(torch.bfloat16)
+    _, _, de_r, _, _ = reference(e, c, targets, None, g, None)
+    _, _, (de, _, _) = run_kernels(e, c, targets, None, g, softcap=None, vocab_sort=False, filter_eps=eps,
+                                   exact=False, need_c=False)
+    assert rel(de, de_r) < DEFAULT_TOL
+    with K.override_config(flat_row_log2=-60, tail_frac_pct=101):  # no row flagged: the test has teeth
+        _, _, (de_bad, _, _) = run_kernels(e, c, targets, None, g, softcap=None, vocab_sort=False,
+                                           filter_eps=eps, exact=False, need_c=False)
+    assert rel(de_bad, de_r) > DEFAULT_TOL

@@ -756,7 +756,7 @@ def test_every_option_changes_the_uuid():
 
 ENV_OPTIONS = {
     "CCE_INDUCTOR_FILTER_EPS": "0.001",
-    "CCE_INDUCTOR_VOCAB_SORT": "0",
+    "CCE_INDUCTOR_VOCAB_SORT": "1",
     "CCE_INDUCTOR_EXACT": "1",
     "CCE_INDUCTOR_DROP_LOGITS": "1",
 }
