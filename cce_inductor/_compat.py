@@ -17,9 +17,12 @@ def _ignore_warning_once(*_args, **_kwargs) -> None:
     if warning_once is None:
         return
     config = torch._dynamo.config
-    ignored = getattr(config, "ignore_logging_functions", None)
-    if ignored is None:  # older spelling
-        ignored = getattr(config, "ignore_logger_methods", None)
+    # `ignore_logger_methods` first: Dynamo leaves it out of the config it serialises into compile metrics
+    # (torch 2.11 does not for `ignore_logging_functions`, and logs a JSON error per compile); in 2.13 the
+    # two names are one setting.
+    ignored = getattr(config, "ignore_logger_methods", None)
+    if ignored is None:
+        ignored = getattr(config, "ignore_logging_functions", None)
     if ignored is not None and warning_once not in ignored:
         ignored.add(warning_once)
 

@@ -20,7 +20,7 @@ from .options import CCEOptions
 def make_backend(
     options: Optional[CCEOptions] = None,
     *,
-    filter_eps: Optional[float] = None,
+    filter_eps: Optional[float | str] = None,
     vocab_sort: Optional[bool] = None,
     exact: Optional[bool] = None,
     drop_logits: Optional[bool] = None,

@@ -280,7 +280,7 @@ def linear_cross_entropy(
     softcap: Optional[float] = None,
     ignore_index: int = -100,
     reduction: str = "mean",
-    filter_eps: Optional[float] = None,
+    filter_eps: Optional[float] = 0.0,
     vocab_sort: bool = False,
     exact: bool = False,
 ) -> Tensor:
@@ -295,7 +295,8 @@ def linear_cross_entropy(
         reduction: ``"mean"`` (over non-ignored targets; NaN if there are none), ``"sum"`` or ``"none"``
             (shape ``targets.shape``, 0 at ignored positions).
         filter_eps, vocab_sort, exact: backward speed/precision trade-offs of the CUDA kernels, see
-            :class:`cce_inductor.CCEOptions`.
+            :class:`cce_inductor.CCEOptions` (``filter_eps=None``: the paper's per-dtype threshold; the default
+            0.0 computes every gradient entry).
 
     Returns the loss in float32 (float64 for float64 inputs). Under autocast ``e``, ``c`` and ``bias`` are cast
     to the autocast dtype, as ``F.linear`` would be.

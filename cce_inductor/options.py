@@ -16,9 +16,12 @@ def _env_flag(name: str, default: bool = False) -> bool:
     return value.strip().lower() in _TRUTHY
 
 
-def _env_float(name: str) -> Optional[float]:
+def _env_filter_eps(name: str) -> Optional[float]:
+    """A number, or ``auto`` for the paper's per-dtype threshold (``None``); unset gives 0.0 (no filtering)."""
     value = os.environ.get(name)
     if value is None or value.strip() == "":
+        return 0.0
+    if value.strip().lower() == "auto":
         return None
     try:
         return float(value)
@@ -33,7 +36,10 @@ class CCEOptions:
     Every field is part of the pass's cache key, so changing one never reuses a graph compiled under another.
 
     filter_eps: skip gradient tiles whose ``|softmax - onehot|`` is everywhere below this (CUDA kernels only).
-        ``None`` picks the paper's threshold for the input dtype (2**-12 for bf16); ``0.0`` disables filtering.
+        ``0.0`` (default) computes every gradient entry; ``None`` picks the paper's threshold for the input dtype
+        (2**-12 for bf16). Filtering is for fine-tuning: it gives the classifier rows of unlikely tokens an
+        exactly-zero gradient, which Adam turns from a small update into none at all, and it stalled training
+        from scratch in our Gemma-2-like run (README, "Gradient filtering").
     vocab_sort: order the vocabulary by average logit before the backward so that surviving tiles cluster
         (the paper's heuristic). Off by default: on an H200 it was never faster than skipping tiles from the
         forward's per-tile maxima, which sorting rules out (examples/benchmark_notes.md).
@@ -43,7 +49,7 @@ class CCEOptions:
         compiled function returns.
     """
 
-    filter_eps: Optional[float] = None
+    filter_eps: Optional[float] = 0.0
     vocab_sort: bool = False
     exact: bool = False
     drop_logits: bool = False
@@ -54,14 +60,17 @@ class CCEOptions:
 
     @classmethod
     def from_env(cls, **overrides) -> "CCEOptions":
-        """Options from ``CCE_INDUCTOR_*`` environment variables, then ``overrides`` (ignoring ``None``)."""
+        """Options from ``CCE_INDUCTOR_*`` environment variables, then ``overrides`` (ignoring ``None``;
+        ``filter_eps="auto"`` asks for the paper's per-dtype threshold)."""
         values = dict(
-            filter_eps=_env_float("CCE_INDUCTOR_FILTER_EPS"),
+            filter_eps=_env_filter_eps("CCE_INDUCTOR_FILTER_EPS"),
             vocab_sort=_env_flag("CCE_INDUCTOR_VOCAB_SORT", False),
             exact=_env_flag("CCE_INDUCTOR_EXACT"),
             drop_logits=_env_flag("CCE_INDUCTOR_DROP_LOGITS"),
         )
         values.update({k: v for k, v in overrides.items() if v is not None})
+        if values["filter_eps"] == "auto":  # the paper's per-dtype threshold
+            values["filter_eps"] = None
         return cls(**values)
 
     def cache_key(self) -> str:

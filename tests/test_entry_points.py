@@ -289,7 +289,7 @@ def test_backend_chains_enabled_users_pass_once(no_inductor_caches, clean_env, r
 
 @pytest.mark.parametrize(
     "field, value",
-    [("filter_eps", 0.01), ("filter_eps", 0.0), ("vocab_sort", True), ("exact", True), ("drop_logits", True)],
+    [("filter_eps", 0.01), ("filter_eps", None), ("vocab_sort", True), ("exact", True), ("drop_logits", True)],
 )
 def test_uuid_changes_with_every_option(field, value):
     base = CCEGraphPass(CCEOptions())

@@ -723,7 +723,7 @@ def _alternatives(field: dataclasses.Field) -> list:
     if isinstance(default, bool):
         return [not default]
     if field.name == "filter_eps":
-        return [0.0, 2.0**-12, 0.25]
+        return [None, 2.0**-12, 0.25]
     raise AssertionError(f"new CCEOptions field {field.name!r} ({field.type}): add its values to this test")
 
 
@@ -897,3 +897,13 @@ def test_deterministic_mode_uses_the_chunked_backward(monkeypatch):
     assert calls == ["chunked"]
     torch.testing.assert_close(grad_e, torch.autograd.functional.jacobian(lambda x: F.cross_entropy(x @ c.T, targets), e))
     torch.testing.assert_close(grad_c, torch.autograd.functional.jacobian(lambda w: F.cross_entropy(e @ w.T, targets), c))
+
+
+def test_filter_eps_defaults_to_off_and_auto_means_the_paper_threshold(monkeypatch):
+    monkeypatch.delenv("CCE_INDUCTOR_FILTER_EPS", raising=False)
+    assert CCEOptions.from_env().filter_eps == 0.0  # every gradient entry is computed unless asked otherwise
+    monkeypatch.setenv("CCE_INDUCTOR_FILTER_EPS", "auto")
+    assert CCEOptions.from_env().filter_eps is None
+    monkeypatch.delenv("CCE_INDUCTOR_FILTER_EPS")
+    assert cce_inductor.make_backend(filter_eps="auto").options.filter_eps is None
+    assert cce_inductor.make_backend(filter_eps=2.0**-12).options.filter_eps == 2.0**-12
