@@ -56,7 +56,7 @@ import triton
 import triton.language as tl
 
 from . import _config
-from ._tile import logit_tile, tanh
+from ._tile import logit_tile, tanh, target_raw_logit
 
 
 @triton.jit
@@ -255,16 +255,8 @@ def _target_row_kernel(
         return
     target = target.to(tl.int64)
     grad_row = tl.load(GradRows + row)
-    offs_d = tl.arange(0, BLOCK_D)
-    dot = tl.zeros((BLOCK_D,), dtype=tl.float32)
-    for d0 in range(0, D, BLOCK_D):
-        d_mask = (d0 + offs_d) < D
-        e_val = tl.load(E + row * stride_en + (d0 + offs_d) * stride_ed, mask=d_mask, other=0.0).to(tl.float32)
-        c_val = tl.load(C + target * stride_cv + (d0 + offs_d) * stride_cd, mask=d_mask, other=0.0).to(tl.float32)
-        dot += e_val * c_val
-    logit = tl.sum(dot, axis=0)
-    if HAS_BIAS:
-        logit += tl.load(Bias + target).to(tl.float32)
+    logit = target_raw_logit(E, C, Bias, row, target, D, stride_en, stride_ed, stride_cv, stride_cd,
+                             HAS_BIAS, BLOCK_D)
     chain = 1.0
     if HAS_SOFTCAP:
         capped = tanh(logit / softcap)
@@ -276,6 +268,7 @@ def _target_row_kernel(
     if NEED_BIAS:
         tl.atomic_add(DBias + target, coef, sem="relaxed")
     if NEED_E:
+        offs_d = tl.arange(0, BLOCK_D)
         for d0 in range(0, D, BLOCK_D):
             d_mask = (d0 + offs_d) < D
             c_val = tl.load(C + target * stride_cv + (d0 + offs_d) * stride_cd, mask=d_mask, other=0.0).to(tl.float32)

@@ -44,7 +44,7 @@ import triton
 import triton.language as tl
 
 from . import _config
-from ._tile import logit_tile, tanh
+from ._tile import logit_tile, tanh, target_raw_logit
 
 
 @triton.jit
@@ -162,16 +162,8 @@ def _target_ref_kernel(
         tl.store(TargetRef + row, float("-inf"))
         return
     target = target.to(tl.int64)
-    offs_d = tl.arange(0, BLOCK_D)
-    dot = tl.zeros((BLOCK_D,), dtype=tl.float32)
-    for d0 in range(0, D, BLOCK_D):
-        d_mask = (d0 + offs_d) < D
-        e_val = tl.load(E + row * stride_en + (d0 + offs_d) * stride_ed, mask=d_mask, other=0.0).to(tl.float32)
-        c_val = tl.load(C + target * stride_cv + (d0 + offs_d) * stride_cd, mask=d_mask, other=0.0).to(tl.float32)
-        dot += e_val * c_val
-    logit = tl.sum(dot, axis=0)
-    if HAS_BIAS:
-        logit += tl.load(Bias + target).to(tl.float32)
+    logit = target_raw_logit(E, C, Bias, row, target, D, stride_en, stride_ed, stride_cv, stride_cd,
+                             HAS_BIAS, BLOCK_D)
     if HAS_SOFTCAP:
         logit = softcap * tanh(logit / softcap)
     tl.store(TargetRef + row, logit)
