@@ -98,18 +98,6 @@ def _use_kernels(impl: str, e: Tensor) -> bool:
     return ops.uses_kernels(e.device, e.dtype) and e.shape[0] > 0
 
 
-def _check_target_range(targets: Tensor, valid: Tensor, vocab_size: int) -> None:
-    """An IndexError on CPU as in ``F.cross_entropy``; a device-side assert on CUDA and under torch.compile
-    (a Python branch on a tensor would be a host sync / a graph break)."""
-    out_of_range = valid & ((targets < 0) | (targets >= vocab_size))
-    if targets.device.type == "cuda" or torch.compiler.is_compiling():
-        torch._assert_async(
-            ~out_of_range.any(), "cce_inductor: target out of bounds (not ignore_index and not in [0, V))"
-        )  # fmt: skip
-    elif out_of_range.any():
-        raise IndexError(f"Target {int(targets[out_of_range][0])} is out of bounds.")
-
-
 # --------------------------------------------------------------------------------------------------------------
 # The per-shard computation, as two custom ops: opaque to Dynamo / Inductor (the chunked loops are not unrolled
 # into the graph, the Triton launches are not traced), no communication inside.
@@ -223,7 +211,7 @@ class _VocabParallelLinearCrossEntropy(torch.autograd.Function):
     def forward(ctx, e, c, targets, bias, vocab_start, vocab_size, group, softcap, ignore_index, reduction,
                 use_kernels, filter_eps, vocab_sort, exact):  # fmt: skip
         valid = targets != ignore_index
-        _check_target_range(targets, valid, vocab_size)
+        ops.check_target_range(targets, vocab_size, ignore_index)
         local = targets - vocab_start
         in_shard = valid & (local >= 0) & (local < c.shape[0])
         shard_targets = torch.where(valid, torch.where(in_shard, local, _LOCAL_ELSEWHERE), _LOCAL_IGNORED)
@@ -293,8 +281,8 @@ def vocab_parallel_linear_cross_entropy(
     ignore_index: int = -100,
     reduction: str = "mean",
     impl: str = "auto",
-    filter_eps: Optional[float] = None,
-    vocab_sort: bool = True,
+    filter_eps: Optional[float] = 0.0,
+    vocab_sort: bool = False,
     exact: bool = False,
 ) -> Tensor:
     """``F.cross_entropy(softcap(e @ C.T + bias), targets)`` with ``C`` split by rows over the ranks of ``group``.

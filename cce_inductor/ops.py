@@ -99,10 +99,11 @@ def check_inputs(e: Tensor, c: Tensor, targets: Tensor, bias: Optional[Tensor]) 
         torch._check_value(bias.shape[0] == c.shape[0], lambda: f"bias has {bias.shape[0]} entries, c has {c.shape[0]} rows")
 
 
-def _check_target_range(targets: Tensor, vocab: int, ignore_index: int) -> None:
-    """Out-of-range targets are an error as in eager PyTorch: raised on CPU, a device-side assert on CUDA."""
+def check_target_range(targets: Tensor, vocab: int, ignore_index: int) -> None:
+    """Out-of-range targets are an error as in eager PyTorch: an IndexError on CPU, a device-side assert on CUDA
+    and under torch.compile (a Python branch on a tensor would be a host sync / a graph break there)."""
     out_of_range = (targets != ignore_index) & ((targets < 0) | (targets >= vocab))
-    if targets.device.type == "cuda":
+    if targets.device.type == "cuda" or torch.compiler.is_compiling():
         torch._assert_async(~out_of_range.any(), "cce_inductor: target out of bounds (not ignore_index and not in [0, V))")
     elif out_of_range.any():
         bad = int(targets[out_of_range][0])
@@ -135,7 +136,7 @@ def linear_cross_entropy_op(
 
 def _forward_impl(e, c, targets, bias, softcap, ignore_index, reduction, vocab_sort):
     check_inputs(e, c, targets, bias)
-    _check_target_range(targets, c.shape[0], ignore_index)
+    check_target_range(targets, c.shape[0], ignore_index)
     cap = _softcap_or_none(softcap)
     acc = _chunked.accumulation_dtype(e.dtype)
     if uses_kernels(e.device, e.dtype) and e.shape[0] > 0:
