@@ -304,29 +304,14 @@ def vocab_parallel_linear_cross_entropy(
     Returns the loss (float32; float64 for float64 inputs), identical on every rank; ``e.grad`` is the full
     gradient (already summed over the group), ``c_shard.grad`` / ``bias_shard.grad`` this rank's slices.
     """
-    if reduction not in Reduction.BY_NAME:
-        raise ValueError(f"reduction must be one of {sorted(Reduction.BY_NAME)}, got {reduction!r}")
     if impl not in _IMPLS:
         raise ValueError(f"impl must be one of {_IMPLS}, got {impl!r}")
-    if softcap is not None and not softcap > 0:
-        raise ValueError(f"softcap must be positive, got {softcap}")
-    if e.dim() < 1 or c_shard.dim() != 2:
-        raise ValueError(
-            f"expected e of shape (..., D) and c_shard of shape (V_local, D), "
-            f"got {tuple(e.shape)} and {tuple(c_shard.shape)}"
-        )
-    if tuple(targets.shape) != tuple(e.shape[:-1]):
-        raise ValueError(
-            f"targets must have shape {tuple(e.shape[:-1])} (e's leading dims), got {tuple(targets.shape)}"
-        )
+    ops.check_public_args(e, c_shard, targets, softcap=softcap, reduction=reduction, filter_eps=filter_eps)
     if not (0 <= vocab_start and vocab_start + c_shard.shape[0] <= vocab_size):
         raise ValueError(f"shard [{vocab_start}, {vocab_start + c_shard.shape[0]}) is not inside [0, {vocab_size})")
 
     device_type = e.device.type
-    if torch.is_autocast_enabled(device_type) and e.dtype.is_floating_point:
-        autocast_dtype = torch.get_autocast_dtype(device_type)
-        e, c_shard = e.to(autocast_dtype), c_shard.to(autocast_dtype)
-        bias_shard = None if bias_shard is None else bias_shard.to(autocast_dtype)
+    e, c_shard, bias_shard = ops.autocast_inputs(e, c_shard, bias_shard)
 
     if group is None:
         group = dist.group.WORLD

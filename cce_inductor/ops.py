@@ -272,6 +272,31 @@ def _backward(ctx, grad_loss, _grad_lse, _grad_aux):
 linear_cross_entropy_op.register_autograd(_backward, setup_context=_setup_context)
 
 
+def check_public_args(e: Tensor, c: Tensor, targets: Tensor, *, softcap, reduction: str, filter_eps) -> None:
+    """Argument checks of the public entry points (this op and the vocabulary-parallel loss)."""
+    if reduction not in Reduction.BY_NAME:
+        raise ValueError(f"reduction must be one of {sorted(Reduction.BY_NAME)}, got {reduction!r}")
+    if softcap is not None and not softcap > 0:
+        raise ValueError(f"softcap must be positive, got {softcap}")
+    if filter_eps is not None and not (0.0 <= filter_eps < 1.0):
+        raise ValueError(f"filter_eps must be in [0, 1), got {filter_eps}")
+    if e.dim() < 1 or c.dim() != 2:
+        raise ValueError(f"expected e of shape (..., D) and c of shape (V, D), got {tuple(e.shape)} and {tuple(c.shape)}")
+    _check_targets_dtype(targets)
+    if tuple(targets.shape) != tuple(e.shape[:-1]):
+        raise ValueError(f"targets must have shape {tuple(e.shape[:-1])} (e's leading dims), got {tuple(targets.shape)}")
+
+
+def autocast_inputs(e: Tensor, c: Tensor, bias: Optional[Tensor]):
+    """Under autocast, ``e``, ``c`` and ``bias`` in the autocast dtype, as ``F.linear`` would see them."""
+    device_type = e.device.type
+    if torch.is_autocast_enabled(device_type) and e.dtype.is_floating_point:
+        autocast_dtype = torch.get_autocast_dtype(device_type)
+        e, c = e.to(autocast_dtype), c.to(autocast_dtype)
+        bias = None if bias is None else bias.to(autocast_dtype)
+    return e, c, bias
+
+
 def linear_cross_entropy(
     e: Tensor,
     c: Tensor,
@@ -302,23 +327,8 @@ def linear_cross_entropy(
     Returns the loss in float32 (float64 for float64 inputs). Under autocast ``e``, ``c`` and ``bias`` are cast
     to the autocast dtype, as ``F.linear`` would be.
     """
-    if reduction not in Reduction.BY_NAME:
-        raise ValueError(f"reduction must be one of {sorted(Reduction.BY_NAME)}, got {reduction!r}")
-    if softcap is not None and not softcap > 0:
-        raise ValueError(f"softcap must be positive, got {softcap}")
-    if filter_eps is not None and not (0.0 <= filter_eps < 1.0):
-        raise ValueError(f"filter_eps must be in [0, 1), got {filter_eps}")
-    if e.dim() < 1 or c.dim() != 2:
-        raise ValueError(f"expected e of shape (..., D) and c of shape (V, D), got {tuple(e.shape)} and {tuple(c.shape)}")
-    _check_targets_dtype(targets)
-    if tuple(targets.shape) != tuple(e.shape[:-1]):
-        raise ValueError(f"targets must have shape {tuple(e.shape[:-1])} (e's leading dims), got {tuple(targets.shape)}")
-
-    device_type = e.device.type
-    if torch.is_autocast_enabled(device_type) and e.dtype.is_floating_point:
-        autocast_dtype = torch.get_autocast_dtype(device_type)
-        e, c = e.to(autocast_dtype), c.to(autocast_dtype)
-        bias = None if bias is None else bias.to(autocast_dtype)
+    check_public_args(e, c, targets, softcap=softcap, reduction=reduction, filter_eps=filter_eps)
+    e, c, bias = autocast_inputs(e, c, bias)
 
     loss, _, _ = linear_cross_entropy_op(
         e.reshape(-1, e.shape[-1]),
