@@ -210,12 +210,15 @@ def _backward_impl(grad_loss, e, c, targets, bias, lse, aux, softcap, ignore_ind
         per_row = grad_loss.to(acc) / valid.sum()
     grad_rows = torch.where(valid, per_row, 0.0)
     cap = _softcap_or_none(softcap)
-    # The kernels accumulate dE/dC with atomics (not bitwise reproducible); under
-    # torch.use_deterministic_algorithms(True) the chunked path (plain matmuls) computes the gradients instead.
+    # The tile kernel (filtering, exact mode) accumulates dE/dC with atomics, not bitwise reproducible; under
+    # torch.use_deterministic_algorithms(True) the gradients are unfiltered and come from the dense kernel path
+    # (plain products, no atomics), or for exact mode from the chunked path.
     deterministic = torch.are_deterministic_algorithms_enabled()
-    if uses_kernels(e.device, e.dtype) and e.shape[0] > 0 and not deterministic:
+    if uses_kernels(e.device, e.dtype) and e.shape[0] > 0 and not (deterministic and exact):
         kernels = _kernels()
         eps = 0.0 if exact else (kernels.default_filter_eps(e.dtype) if filter_eps == AUTO_FILTER_EPS else filter_eps)
+        if deterministic:
+            eps = 0.0
         grad_e, grad_c, grad_bias = kernels.backward(
             e, c, targets, bias, lse, aux, grad_rows.float(),
             softcap=cap, ignore_index=ignore_index, filter_eps=eps, vocab_sort=vocab_sort, exact=exact,

@@ -6,11 +6,14 @@ Methods (each timed as loss only = "fwd" and loss + gradients = "fwdbwd"):
     matmul     one bf16 N x D @ D x V product (the floor; fwd only)
     eager      F.cross_entropy(F.linear(e, c).float(), t)
     compile    torch.compile of the same function
-    cce        cce_inductor.linear_cross_entropy (vocab_sort=True, default filter) -- or, with --direct or when
-               the op is not importable, the kernels called directly through a small autograd.Function
-    cce_nosort same with vocab_sort=False (tiles skipped from the forward's per-tile max, no recompute)
-    cce_exact  exact=True (no filtering, fp32 accumulation)
-    cce_nofilter  vocab_sort=False, filter_eps=0.0: the op's default since the end-to-end run (README)
+    cce        cce_inductor.linear_cross_entropy with its defaults (no gradient filtering: the dense backward,
+               cuBLAS products + a Triton softmax-gradient kernel) -- or, with --direct or when the op is not
+               importable, the kernels called directly through a small autograd.Function
+    cce_tile   the same through the tile kernel (kernel config bwd_dense=0; the previous default path)
+    cce_filter filter_eps="auto" (the paper's 2^-12 for bf16), vocab_sort=False (tiles skipped from the
+               forward's per-tile max, no recompute)
+    cce_filter_sort  the same with vocab_sort=True
+    cce_exact  exact=True (no filtering, fp32 accumulation, tile kernel)
 Time: median of CUDA-event timings after warm-up (triton.testing.do_bench).  Memory: peak allocated
 above what was allocated before the call (inputs excluded; gradients included for fwdbwd).
 
@@ -146,8 +149,7 @@ def cce_fn(direct, vocab_sort, exact, filter_eps=None):
         from cce_inductor import linear_cross_entropy
 
         def f(e, c, t):
-            # filter_eps=None: the paper's per-dtype threshold, as in the published tables (the op's default
-            # is 0.0, no filtering: method cce_nofilter)
+            # filter_eps=None: the paper's per-dtype threshold; 0.0: no filtering (the op's default)
             return linear_cross_entropy(e, c, t, ignore_index=IGNORE, vocab_sort=vocab_sort, exact=exact,
                                         filter_eps=filter_eps)
         return f
@@ -273,10 +275,15 @@ def sweep(args):
                             bwd = lambda: K.backward(e, c, t, None, lse, aux, grad_rows, softcap=None,  # noqa: E731
                                                      ignore_index=IGNORE, filter_eps=eps, vocab_sort=sort,
                                                      exact=exact, need_e=need_e, need_c=need_c, need_bias=False)
+                            torch.cuda.synchronize()
+                            torch.cuda.reset_peak_memory_stats()
+                            base = torch.cuda.memory_allocated()
                             de, dc, _ = bwd()
+                            torch.cuda.synchronize()
+                            b_mb = (torch.cuda.max_memory_allocated() - base) / 2**20
                             del de, dc
                             b_ms = triton.testing.do_bench(bwd, warmup=args.warmup, rep=args.rep, return_mode="median")
-                            line += f" bwd {b_ms:7.2f} ms total {f_ms + b_ms:7.2f}"
+                            line += f" bwd {b_ms:7.2f} ms total {f_ms + b_ms:7.2f} bwd peak {b_mb:7.0f} MB"
                             if ref is not None:
                                 de, dc, _ = bwd()
                                 if need_e:
@@ -294,7 +301,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", default="gemma2")
     ap.add_argument("--regimes", default="flat,lm,mixed,lm_ign50")
-    ap.add_argument("--methods", default="matmul,eager,compile,cce,cce_nosort,cce_nofilter")
+    ap.add_argument("--methods", default="matmul,eager,compile,cce,cce_filter")
     ap.add_argument("--modes", default="fwd,fwdbwd")
     ap.add_argument("--n", type=int, default=8192)
     ap.add_argument("--direct", action="store_true", help="call the kernels directly, not the custom op")
@@ -324,14 +331,15 @@ def main():
     print(f"# device {dev_name}, torch {torch.__version__}, triton {__import__('triton').__version__}, "
           f"path {'direct kernels' if direct else 'cce_inductor.linear_cross_entropy'}, config {K.CONFIG}")
     compiled = torch.compile(torch_loss)
+    # name -> (loss function, kernel config overrides held while it runs forward and backward)
     methods = {
-        "eager": torch_loss,
-        "compile": compiled,
-        "cce": cce_fn(direct, True, False),
-        "cce_nosort": cce_fn(direct, False, False),
-        "cce_exact": cce_fn(direct, True, True),
-        "cce_nosort_exact": cce_fn(direct, False, True),
-        "cce_nofilter": cce_fn(direct, False, False, filter_eps=0.0),
+        "eager": (torch_loss, {}),
+        "compile": (compiled, {}),
+        "cce": (cce_fn(direct, False, False, filter_eps=0.0), {}),  # the op's defaults: no filtering
+        "cce_tile": (cce_fn(direct, False, False, filter_eps=0.0), {"bwd_dense": 0}),  # ... through the tile kernel
+        "cce_filter": (cce_fn(direct, False, False), {}),  # the paper's threshold (filter_eps="auto")
+        "cce_filter_sort": (cce_fn(direct, True, False), {}),
+        "cce_exact": (cce_fn(direct, False, True), {}),
     }
     rows = []
     for shape in args.shapes.split(","):
@@ -356,7 +364,9 @@ def main():
                     else:
                         t0 = time.time()
                         try:
-                            results[(m, mode)] = measure(methods[m], e, c, t, mode, args.warmup, args.rep)
+                            fn, overrides = methods[m]
+                            with K.override_config(**overrides):
+                                results[(m, mode)] = measure(fn, e, c, t, mode, args.warmup, args.rep)
                         except torch.OutOfMemoryError:
                             results[(m, mode)] = dict(ms=float("nan"), mb=float("nan"))
                             torch.cuda.empty_cache()

@@ -56,6 +56,7 @@ import triton
 import triton.language as tl
 
 from . import _config
+from ._backward_dense import backward_dense
 from ._tile import logit_tile, tanh, target_raw_logit
 
 
@@ -321,6 +322,9 @@ def backward(e, c, targets, bias, lse, aux, grad_rows, *, softcap, ignore_index,
     if exact:
         filter_eps = 0.0
     filtering = filter_eps > 0.0
+    if not filtering and not exact and cfg["bwd_dense"]:
+        return backward_dense(e, c, targets, bias, lse, grad_rows, softcap=softcap, need_e=need_e, need_c=need_c,
+                              need_bias=need_bias)
     filter_e = bool(cfg["bwd_filter_e"])  # 0: dE takes every tile (dense), only dC/dbias are filtered
     # bf16 atomics do not exist in the interpreter; exact mode accumulates in fp32.
     accum_fp32 = exact or (_config.INTERPRET and e.dtype == torch.bfloat16)

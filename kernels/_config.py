@@ -45,6 +45,11 @@ _GPU_DEFAULTS = dict(
     bwd_filter_e=1,      # 1: filter dE tiles too (paper); 0: dE dense, only dC / dbias filtered
     flat_row_log2=4,     # rows with max prob < 2**flat_row_log2 * filter_eps get an unfiltered dE
     tail_frac_pct=25,    # ... and rows with more than this % of their mass in sub-eps entries
+    bwd_dense=1,         # unfiltered, non-exact backward: cuBLAS products + _backward_dense kernel
+    dense_row_chunk=0,   # rows per dense block (0: all rows)
+    dense_vocab_chunk=2048,
+    dense_block_r=8,
+    dense_block_c=256,
 )
 _INTERPRET_DEFAULTS = dict(
     tile_n=16,
@@ -63,6 +68,11 @@ _INTERPRET_DEFAULTS = dict(
     bwd_filter_e=1,
     flat_row_log2=4,
     tail_frac_pct=25,
+    bwd_dense=1,
+    dense_row_chunk=16,
+    dense_vocab_chunk=48,
+    dense_block_r=8,
+    dense_block_c=32,
 )
 
 CONFIG: dict = dict(_INTERPRET_DEFAULTS if INTERPRET else _GPU_DEFAULTS)

@@ -116,7 +116,8 @@ def run_kernels(e, c, targets, bias, grad_rows, *, softcap, vocab_sort, filter_e
 
 
 # (dtype, n, v, d, softcap, bias, ignore_frac, vocab_sort, mode, noncontig)
-# mode: "filter" (default eps), "nofilter" (eps=0, default accumulation), "exact"
+# mode: "filter" (default eps), "nofilter" (eps=0: the dense backward, BLAS products + softmax-gradient kernel),
+# "tile" (eps=0 through the tile kernel, ``bwd_dense=0``), "exact"
 CPU_CASES = [
     (torch.float32, 37, 150, 40, None, False, 0.0, False, "filter", False),
     (torch.float32, 37, 150, 40, 15.0, True, 0.3, True, "filter", False),
@@ -133,6 +134,12 @@ CPU_CASES = [
     (torch.bfloat16, 1, 77, 40, 15.0, True, 0.0, True, "exact", False),
     (torch.float32, 64, 300, 64, 15.0, True, 1.0, False, "filter", False),
     (torch.bfloat16, 17, 300, 64, None, False, 0.0, False, "filter", True),
+    (torch.float32, 37, 150, 40, 15.0, True, 0.3, False, "nofilter", False),
+    (torch.bfloat16, 37, 150, 40, 15.0, True, 0.3, False, "nofilter", True),
+    (torch.bfloat16, 1, 77, 40, 15.0, True, 0.0, False, "nofilter", False),
+    (torch.float32, 64, 300, 64, None, True, 1.0, False, "nofilter", False),
+    (torch.bfloat16, 48, 257, 48, None, True, 0.5, False, "tile", False),
+    (torch.float16, 33, 131, 24, 15.0, True, 0.2, False, "tile", True),
 ]
 
 
@@ -148,8 +155,9 @@ def check_case(case, device, seed=0):
     grad_rows = mean_grad_rows(targets)
     exact = mode == "exact"
     eps = K.default_filter_eps(dtype) if mode == "filter" else 0.0
-    lse, tgt, (de, dc, db) = run_kernels(e, c, targets, b, grad_rows, softcap=softcap, vocab_sort=vocab_sort,
-                                         filter_eps=eps, exact=exact)
+    with K.override_config(bwd_dense=int(mode != "tile")):
+        lse, tgt, (de, dc, db) = run_kernels(e, c, targets, b, grad_rows, softcap=softcap, vocab_sort=vocab_sort,
+                                             filter_eps=eps, exact=exact)
     lse_r, tgt_r, de_r, dc_r, db_r = reference(e, c, targets, b, grad_rows, softcap)
     valid = (targets != IGNORE).cpu()
     assert lse.shape == (n,) and lse.dtype == torch.float32 and tgt.shape == (n,)
@@ -349,15 +357,18 @@ def _gpu_reference_grads(e, c, targets, grad_rows, softcap, chunk=1024):
 @pytest.mark.gpu
 @requires_cuda
 @pytest.mark.parametrize("shape", GPU_SHAPES, ids=lambda s: "x".join(map(str, s)))
-@pytest.mark.parametrize("mode", ["filter", "exact"])
+@pytest.mark.parametrize("mode", ["filter", "exact", "nofilter"])
 @pytest.mark.parametrize("vocab_sort", [False, True])
 def test_gpu_real_shapes(shape, mode, vocab_sort):
+    if mode == "nofilter" and vocab_sort:
+        pytest.skip("without filtering the vocabulary order is unused")
     n, v, d = shape
     e, c, targets, _ = make_inputs(n, v, d, torch.bfloat16, "cuda", ignore_frac=0.1, logit_std=1.0)
     grad_rows = mean_grad_rows(targets).cuda()
     exact = mode == "exact"
     lse, tgt, (de, dc, _) = run_kernels(e, c, targets, None, grad_rows, softcap=None, vocab_sort=vocab_sort,
-                                        filter_eps=K.default_filter_eps(torch.bfloat16), exact=exact)
+                                        filter_eps=0.0 if mode == "nofilter" else K.default_filter_eps(torch.bfloat16),
+                                        exact=exact)
     lse_r, de_r, dc_r = _gpu_reference_grads(e, c, targets, grad_rows, None)
     valid = targets != IGNORE
     assert rel(lse[valid], lse_r[valid]) < LSE_TOL
@@ -377,6 +388,7 @@ def test_gpu_no_host_sync():
     try:
         for vs in (False, True):
             run_kernels(e, c, targets, b, g, softcap=30.0, vocab_sort=vs, filter_eps=2**-12, exact=False)
+        run_kernels(e, c, targets, b, g, softcap=30.0, vocab_sort=False, filter_eps=0.0, exact=False)
     finally:
         torch.cuda.set_sync_debug_mode(0)
 
@@ -404,3 +416,30 @@ def test_flat_rows_keep_their_de(device):
         _, _, (de_bad, _, _) = run_kernels(e, c, targets, None, g, softcap=None, vocab_sort=False,
                                            filter_eps=eps, exact=False, need_c=False)
     assert rel(de_bad, de_r) > DEFAULT_TOL
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_dense_backward_is_reproducible_and_chunking_invariant(device):
+    """The dense backward has no atomics: two runs agree bitwise.  Its row / vocabulary chunking only
+    changes how the products are cut: one block and many blocks agree to fp32 rounding (fp32 inputs)."""
+    _device_ok(device)
+    e, c, targets, b = make_inputs(45, 170, 24, torch.float32, device, ignore_frac=0.2, bias=True, seed=7)
+    g = mean_grad_rows(targets).to(device)
+    lse, _, _ = K.forward(e, c, targets, b, softcap=20.0, ignore_index=IGNORE, vocab_sort=False)
+
+    def grads():
+        return K.backward(e, c, targets, b, lse, None, g, softcap=20.0, ignore_index=IGNORE, filter_eps=0.0,
+                          vocab_sort=False, exact=False, need_e=True, need_c=True, need_bias=True)
+
+    first, second = grads(), grads()
+    for x, y in zip(first, second):
+        assert torch.equal(x, y)
+    with K.override_config(dense_row_chunk=0, dense_vocab_chunk=1 << 20):
+        whole = grads()
+    with K.override_config(dense_row_chunk=7, dense_vocab_chunk=33):
+        pieces = grads()
+    for x, y in zip(whole, pieces):
+        assert rel(y, x) < 1e-6
+    _, _, de_r, dc_r, db_r = reference(e, c, targets, b, g, 20.0)
+    for x, ref in zip(whole, (de_r, dc_r, db_r)):
+        assert rel(x, ref) < 1e-5

@@ -867,34 +867,38 @@ def test_compiled_is_bitwise_deterministic(no_caches):
         _bitwise_equal(results[0], other)
 
 
-def test_deterministic_mode_uses_the_chunked_backward(monkeypatch):
-    """The CUDA kernels' backward uses atomics; torch.use_deterministic_algorithms(True) must route around it."""
+@pytest.mark.parametrize("exact", [False, True])
+def test_deterministic_mode_avoids_the_atomic_backward(monkeypatch, exact):
+    """The tile kernel's backward (filtering, exact mode) uses atomics; under torch.use_deterministic_algorithms
+    the kernels get filter_eps=0 (their dense path: plain products, no atomics) and exact mode goes to the
+    chunked path."""
     import types
 
     from cce_inductor import _chunked, ops
 
     calls = []
+    real_chunked_backward = _chunked.backward
 
-    def kernel_backward(*args, **kwargs):
-        calls.append("kernels")
-        raise AssertionError("kernel backward used in deterministic mode")
+    def kernel_backward(e, c, targets, bias, lse, aux, grad_rows, *, filter_eps, exact, **kwargs):
+        calls.append(("kernels", filter_eps, exact))
+        return real_chunked_backward(e, c, targets, bias, lse, grad_rows, softcap=kwargs["softcap"],
+                                     need_e=kwargs["need_e"], need_c=kwargs["need_c"], need_bias=kwargs["need_bias"])
 
     fake_kernels = types.SimpleNamespace(backward=kernel_backward, default_filter_eps=lambda dtype: 2.0**-12)
     monkeypatch.setattr(ops, "_kernels", lambda: fake_kernels)
     monkeypatch.setattr(ops, "uses_kernels", lambda device, dtype: True)
-    real_chunked_backward = _chunked.backward
     monkeypatch.setattr(_chunked, "backward", lambda *a, **k: calls.append("chunked") or real_chunked_backward(*a, **k))
     e, c = torch.randn(5, 4, dtype=torch.float64), torch.randn(7, 4, dtype=torch.float64)
     targets, lse = torch.randint(0, 7, (5,)), torch.logsumexp(e @ c.T, dim=1)
     args = (torch.tensor(1.0, dtype=torch.float64), e, c, targets, None, lse, torch.zeros(0), 0.0, -100, 1, -1.0,
-            True, False, True, True, False)  # fmt: skip
+            True, exact, True, True, False)  # fmt: skip  (filter_eps=-1.0: "auto", i.e. filtering asked for)
     previous = torch.are_deterministic_algorithms_enabled()
     torch.use_deterministic_algorithms(True)
     try:
         grad_e, grad_c, _ = ops._backward_impl(*args)
     finally:
         torch.use_deterministic_algorithms(previous)
-    assert calls == ["chunked"]
+    assert calls == (["chunked"] if exact else [("kernels", 0.0, False)])
     torch.testing.assert_close(grad_e, torch.autograd.functional.jacobian(lambda x: F.cross_entropy(x @ c.T, targets), e))
     torch.testing.assert_close(grad_c, torch.autograd.functional.jacobian(lambda w: F.cross_entropy(e @ w.T, targets), c))
 
