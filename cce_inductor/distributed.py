@@ -379,13 +379,20 @@ def dtensor_linear_cross_entropy(
 # --------------------------------------------------------------------------------------------------------------
 
 
+def _is_redistribute(node) -> bool:
+    if node.op == "call_method":
+        return node.target == "redistribute"
+    # torch <= 2.11: Dynamo captures DTensor.redistribute as a generated function named prim_redistribute
+    return node.op == "call_function" and getattr(node.target, "__name__", "") == "prim_redistribute"
+
+
 def _is_noop_redistribute(node) -> bool:
     """``x.redistribute(...)`` whose output has the placements of its input (ColwiseParallel's output hook)."""
     from torch.distributed.tensor import DTensor  # noqa: PLC0415
 
     from .fx_passes.linear_cross_entropy import _meta  # noqa: PLC0415
 
-    if node.op != "call_method" or node.target != "redistribute" or not node.args:
+    if not _is_redistribute(node) or not node.args:
         return False
     src, out = _meta(node.args[0]), _meta(node)
     return (

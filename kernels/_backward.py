@@ -242,7 +242,7 @@ def _dense_grad_kernel(
 @triton.jit
 def _target_row_kernel(
     E, C, Bias, Targets, GradRows, Lse, Coef, DE, DBias,
-    D, stride_en, stride_ed, stride_cv, stride_cd, stride_den, stride_ded,
+    V, D, stride_en, stride_ed, stride_cv, stride_cd, stride_den, stride_ded,
     ignore_index, softcap,
     HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, NEED_E: tl.constexpr, NEED_BIAS: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -251,7 +251,7 @@ def _target_row_kernel(
     then dE[n] += coef_n * C[t_n] (after the dense kernel: one rounding) and dbias[t_n] += coef_n."""
     row = tl.program_id(0).to(tl.int64)
     target = tl.load(Targets + row)
-    if target == ignore_index:
+    if (target == ignore_index) | (target < 0) | (target >= V):  # no one-hot term in this (shard of) C
         tl.store(Coef + row, 0.0)
         return
     target = target.to(tl.int64)
@@ -390,13 +390,14 @@ def backward(e, c, targets, bias, lse, aux, grad_rows, *, softcap, ignore_index,
         _target_row_kernel[(n,)](
             e, c, bias if bias is not None else e, targets, grad_rows, lse, coef,
             de_arg, dbias32 if need_bias else dummy,
-            d, e.stride(0), e.stride(1), c.stride(0), c.stride(1), de_strides[0], de_strides[1],
+            v, d, e.stride(0), e.stride(1), c.stride(0), c.stride(1), de_strides[0], de_strides[1],
             ignore_index, softcap_val,
             HAS_BIAS=bias is not None, HAS_SOFTCAP=softcap is not None, NEED_E=need_e, NEED_BIAS=need_bias,
             BLOCK_D=row_block_d, num_warps=4,
         )
         if need_c:
-            keys = torch.where(targets == ignore_index, torch.full_like(targets, v), targets)
+            no_target = (targets == ignore_index) | (targets < 0) | (targets >= v)
+            keys = torch.where(no_target, torch.full_like(targets, v), targets)
             sorted_targets, sorted_rows = torch.sort(keys)
             scatter_block_d = min(256, triton.next_power_of_2(d))
             _target_scatter_kernel[(n, triton.cdiv(d, scatter_block_d))](

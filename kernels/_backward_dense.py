@@ -78,8 +78,9 @@ def _softmax_grad_kernel(
         grad = grad_row[:, None] * (tl.exp(logits - lse[:, None]) - one_hot.to(tl.float32))
         if HAS_SOFTCAP:
             grad = grad * (1.0 - capped * capped)
-        # Ignored rows carry lse = 0 from the forward: exp(logits) may overflow there, and 0 * inf is NaN.
-        grad = tl.where(grad_row[:, None] != 0.0, grad, 0.0)
+        # Rows with g = 0 (ignored) get 0, not g * (p - onehot): their lse is 0 from the forward and exp(logits)
+        # may overflow to inf.  A NaN / inf logit still gives NaN there, as eager's log-softmax backward does.
+        grad = tl.where(grad_row[:, None] != 0.0, grad, logits * 0.0)
         tl.store(G + rows64[:, None] * stride_g + cols[None, :], grad.to(G.dtype.element_ty), mask=mask)
 
 

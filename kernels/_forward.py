@@ -151,14 +151,15 @@ def _lse_forward_kernel(
 
 @triton.jit
 def _target_ref_kernel(
-    E, C, Bias, Targets, TargetRef, D, stride_en, stride_ed, stride_cv, stride_cd, ignore_index, softcap,
+    E, C, Bias, Targets, TargetRef, V, D, stride_en, stride_ed, stride_cv, stride_cd, ignore_index, softcap,
     HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    """One program per row: the target logit by one fp32 D-dot (-inf for ignored rows), the reference
-    of the tail-mass estimate."""
+    """One program per row: the target logit by one fp32 D-dot (-inf for ignored rows and for targets outside
+    [0, V), which a vocabulary shard sees for rows whose target another shard holds), the reference of the
+    tail-mass estimate."""
     row = tl.program_id(0).to(tl.int64)
     target = tl.load(Targets + row)
-    if target == ignore_index:
+    if (target == ignore_index) | (target < 0) | (target >= V):
         tl.store(TargetRef + row, float("-inf"))
         return
     target = target.to(tl.int64)
@@ -232,7 +233,7 @@ def forward(e, c, targets, bias, *, softcap, ignore_index, vocab_sort, row_compa
     log_small = math.log(_config.default_filter_eps(e.dtype))
     softcap_val = float(softcap) if softcap is not None else 1.0
     _target_ref_kernel[(n,)](
-        e, c, bias if bias is not None else e, targets, target_ref, d, e.stride(0), e.stride(1), c.stride(0),
+        e, c, bias if bias is not None else e, targets, target_ref, v, d, e.stride(0), e.stride(1), c.stride(0),
         c.stride(1), ignore_index, softcap_val,
         HAS_BIAS=bias is not None, HAS_SOFTCAP=softcap is not None, BLOCK_D=min(1024, triton.next_power_of_2(d)),
         num_warps=4,

@@ -11,10 +11,23 @@ from cce_inductor.fx_passes.linear_cross_entropy import rewrite_linear_cross_ent
 from cce_inductor.options import CCEOptions
 
 
+def _sorted_placeholders(lines: list[str]) -> list[str]:
+    """Dynamo orders a graph's inputs differently across torch versions (2.11 lists parameters before the
+    tensors passed in, 2.13 in first-use order): sort the signature and the ``l_x = L_x_`` lines after it."""
+    if not lines or not lines[0].startswith("def forward(self, "):
+        return lines
+    params = lines[0][len("def forward(self, ") : -len("):")].split(", ")
+    lines = [f"def forward(self, {', '.join(sorted(params))}):"] + lines[1:]
+    end = 1
+    while end < len(lines) and re.fullmatch(r"\s+\w+ = L_\w+", lines[end]):
+        end += 1
+    return lines[:1] + sorted(lines[1:end]) + lines[end:]
+
+
 def graph_code(gm: torch.fx.GraphModule) -> str:
     """``gm.code`` without blank lines and torch's per-version noise."""
     lines = [line.rstrip() for line in gm.code.strip().splitlines() if line.strip()]
-    text = "\n".join(lines)
+    text = "\n".join(_sorted_placeholders(lines))
     text = re.sub(r"  # .*", "", text)  # source comments
     text = re.sub(r";  [\w ,=]+ = None$", "", text, flags=re.M)  # Dynamo's "free this early" assignments
     return text

@@ -678,6 +678,21 @@ def _tp_graph_pass_worker(rank, world):
     for got, want in zip(results[1], results[0]):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
+    # Through torch 2.11 Dynamo records ColwiseParallel's output redistribute as a call of a generated function
+    # named prim_redistribute (torch 2.13: a call_method); the pass must see through both (H200 run, torch 2.11).
+    from cce_inductor.distributed import _is_noop_redistribute
+
+    def prim_redistribute(x):
+        return x
+
+    graph = torch.fx.Graph()
+    source = graph.placeholder("logits")
+    as_captured = graph.call_function(prim_redistribute, (source,))
+    other = graph.call_function(torch.neg, (source,))
+    for node in (source, as_captured, other):
+        node.meta["example_value"] = head.weight.detach()
+    assert _is_noop_redistribute(as_captured) and not _is_noop_redistribute(other)
+
 
 def test_tensor_parallel_graph_pass(task_results):
     _check(task_results, "tensor_parallel_graph_pass")

@@ -443,3 +443,39 @@ def test_dense_backward_is_reproducible_and_chunking_invariant(device):
     _, _, de_r, dc_r, db_r = reference(e, c, targets, b, g, 20.0)
     for x, ref in zip(whole, (de_r, dc_r, db_r)):
         assert rel(x, ref) < 1e-5
+
+
+@pytest.mark.parametrize("mode", ["filter", "nofilter"])
+@pytest.mark.parametrize("device", DEVICES)
+def test_targets_outside_the_vocabulary_read_nothing(device, mode):
+    """A vocabulary shard sees targets outside [0, V) for rows whose target another shard holds (the
+    vocabulary-parallel loss passes -2): such rows have no one-hot term and no kernel may read C[target].
+    C is a view between NaN rows, so a stray read shows up as NaN (on the GPU it was an illegal address)."""
+    _device_ok(device)
+    n, v, d = 24, 90, 16
+    e, c_full, targets, _ = make_inputs(n, v + 8, d, torch.float32, device, seed=4)
+    c_full[:4] = float("nan")
+    c_full[-4:] = float("nan")
+    c = c_full[4:-4]
+    targets = targets.clamp(max=v - 1)
+    targets[::3] = -2
+    targets[1::5] = v + 2
+    targets[2::7] = IGNORE
+    g = torch.rand(n, generator=torch.Generator().manual_seed(1)).to(device) * (targets != IGNORE)
+    eps = K.default_filter_eps(torch.float32) if mode == "filter" else 0.0
+    lse, tgt, aux = K.forward(e, c, targets, None, softcap=None, ignore_index=IGNORE, vocab_sort=False)
+    de, dc, _ = K.backward(e, c, targets, None, lse, aux, g, softcap=None, ignore_index=IGNORE, filter_eps=eps,
+                           vocab_sort=False, exact=False, need_e=True, need_c=True, need_bias=False)
+    counted = (targets != IGNORE).cpu()
+    logits = e.double().cpu() @ c.double().cpu().T
+    lse_r = torch.logsumexp(logits, dim=-1)
+    assert torch.isfinite(aux).all()
+    assert rel(lse.cpu()[counted], lse_r[counted]) < LSE_TOL
+    grad = torch.softmax(logits, dim=-1)
+    t = targets.cpu()
+    here = (t >= 0) & (t < v)
+    grad[here.nonzero()[:, 0], t[here]] -= 1.0
+    grad *= g.double().cpu()[:, None]
+    with_eps = mode == "filter"
+    assert rel(de, grad @ c.double().cpu()) < (5e-2 if with_eps else 1e-5)
+    assert rel(dc, grad.T @ e.double().cpu()) < (5e-2 if with_eps else 1e-5)

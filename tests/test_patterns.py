@@ -89,18 +89,18 @@ class TestMatchedPatterns(PatternTestCase):
 
         cap = self.run_pass(f, _hidden(B * T, D), _labels(B * T), params=[weight])
         self.assertExpectedInline(cap.before[0], """\
-def forward(self, L_hidden_ : torch.Tensor, L_weight_ : torch.Tensor, L_labels_ : torch.Tensor):
+def forward(self, L_hidden_ : torch.Tensor, L_labels_ : torch.Tensor, L_weight_ : torch.Tensor):
     l_hidden_ = L_hidden_
-    l_weight_ = L_weight_
     l_labels_ = L_labels_
+    l_weight_ = L_weight_
     linear = torch._C._nn.linear(l_hidden_, l_weight_)
     cross_entropy = torch.nn.functional.cross_entropy(linear, l_labels_)
     return (cross_entropy,)""")
         self.assertExpectedInline(cap.after[0], """\
-def forward(self, L_hidden_ : torch.Tensor, L_weight_ : torch.Tensor, L_labels_ : torch.Tensor):
+def forward(self, L_hidden_ : torch.Tensor, L_labels_ : torch.Tensor, L_weight_ : torch.Tensor):
     l_hidden_ = L_hidden_
-    l_weight_ = L_weight_
     l_labels_ = L_labels_
+    l_weight_ = L_weight_
     linear_cross_entropy_default = torch.ops.cce_inductor.linear_cross_entropy.default(l_hidden_, l_weight_, l_labels_, None, 0.0, -100, 1, 0.0, False, False)
     getitem = linear_cross_entropy_default[0]
     return (getitem,)""")
@@ -114,9 +114,9 @@ def forward(self, L_hidden_ : torch.Tensor, L_weight_ : torch.Tensor, L_labels_ 
 
         cap = self.run_pass(f, _hidden(B * T, D), _labels(B * T), params=list(head.parameters()))
         self.assertExpectedInline(cap.after[0], """\
-def forward(self, L_head_parameters_weight_ : torch.nn.parameter.Parameter, L_head_parameters_bias_ : torch.nn.parameter.Parameter, L_hidden_ : torch.Tensor, L_labels_ : torch.Tensor):
-    l_head_parameters_weight_ = L_head_parameters_weight_
+def forward(self, L_head_parameters_bias_ : torch.nn.parameter.Parameter, L_head_parameters_weight_ : torch.nn.parameter.Parameter, L_hidden_ : torch.Tensor, L_labels_ : torch.Tensor):
     l_head_parameters_bias_ = L_head_parameters_bias_
+    l_head_parameters_weight_ = L_head_parameters_weight_
     l_hidden_ = L_hidden_
     l_labels_ = L_labels_
     linear_cross_entropy_default = torch.ops.cce_inductor.linear_cross_entropy.default(l_hidden_, l_head_parameters_weight_, l_labels_, l_head_parameters_bias_, 0.0, -100, 1, 0.0, False, False)
@@ -132,10 +132,10 @@ def forward(self, L_head_parameters_weight_ : torch.nn.parameter.Parameter, L_he
 
         cap = self.run_pass(f, _hidden(B, T, D), _labels(B, T), params=[weight])
         self.assertExpectedInline(cap.before[0], """\
-def forward(self, L_weight_ : torch.Tensor, L_hidden_ : torch.Tensor, L_labels_ : torch.Tensor):
-    l_weight_ = L_weight_
+def forward(self, L_hidden_ : torch.Tensor, L_labels_ : torch.Tensor, L_weight_ : torch.Tensor):
     l_hidden_ = L_hidden_
     l_labels_ = L_labels_
+    l_weight_ = L_weight_
     getattr_1 = l_weight_.T
     logits = l_hidden_ @ getattr_1
     view = logits.view(-1, 37)
@@ -143,10 +143,10 @@ def forward(self, L_weight_ : torch.Tensor, L_hidden_ : torch.Tensor, L_labels_ 
     cross_entropy = torch.nn.functional.cross_entropy(view, view_1)
     return (cross_entropy,)""")
         self.assertExpectedInline(cap.after[0], """\
-def forward(self, L_weight_ : torch.Tensor, L_hidden_ : torch.Tensor, L_labels_ : torch.Tensor):
-    l_weight_ = L_weight_
+def forward(self, L_hidden_ : torch.Tensor, L_labels_ : torch.Tensor, L_weight_ : torch.Tensor):
     l_hidden_ = L_hidden_
     l_labels_ = L_labels_
+    l_weight_ = L_weight_
     view_1 = l_labels_.view(-1)
     reshape = l_hidden_.reshape(-1, 16)
     linear_cross_entropy_default = torch.ops.cce_inductor.linear_cross_entropy.default(reshape, l_weight_, view_1, None, 0.0, -100, 1, 0.0, False, False)
@@ -164,10 +164,10 @@ def forward(self, L_weight_ : torch.Tensor, L_hidden_ : torch.Tensor, L_labels_ 
 
         cap = self.run_pass(f, _hidden(B * T, D), _labels(B * T), rewrites=2, params=[weight, weight_t])
         self.assertExpectedInline(cap.after[0], """\
-def forward(self, L_weight_ : torch.Tensor, L_hidden_ : torch.Tensor, L_labels_ : torch.Tensor, L_weight_t_ : torch.Tensor):
-    l_weight_ = L_weight_
+def forward(self, L_hidden_ : torch.Tensor, L_labels_ : torch.Tensor, L_weight_ : torch.Tensor, L_weight_t_ : torch.Tensor):
     l_hidden_ = L_hidden_
     l_labels_ = L_labels_
+    l_weight_ = L_weight_
     l_weight_t_ = L_weight_t_
     linear_cross_entropy_default = torch.ops.cce_inductor.linear_cross_entropy.default(l_hidden_, l_weight_, l_labels_, None, 0.0, -100, 1, 0.0, False, False)
     getitem = linear_cross_entropy_default[0]
@@ -186,10 +186,10 @@ def forward(self, L_weight_ : torch.Tensor, L_hidden_ : torch.Tensor, L_labels_ 
 
         cap = self.run_pass(f, _hidden(B, T, D), _labels(B, T), params=[weight])
         self.assertExpectedInline(cap.after[0], """\
-def forward(self, L_weight_ : torch.Tensor, L_hidden_ : torch.Tensor, L_labels_ : torch.Tensor):
-    l_weight_ = L_weight_
+def forward(self, L_hidden_ : torch.Tensor, L_labels_ : torch.Tensor, L_weight_ : torch.Tensor):
     l_hidden_ = L_hidden_
     l_labels_ = L_labels_
+    l_weight_ = L_weight_
     to = l_weight_.to(torch.bfloat16)
     float_1 = to.float()
     flatten_1 = l_labels_.flatten()
@@ -209,10 +209,10 @@ def forward(self, L_weight_ : torch.Tensor, L_hidden_ : torch.Tensor, L_labels_ 
         # eager rounds the logits to bf16 before the loss; the op keeps them in fp32: bf16 tolerance
         cap = self.run_pass(f, hidden, _labels(B, T), params=[weight], atol=2e-2, rtol=2e-2)
         self.assertExpectedInline(cap.after[0], """\
-def forward(self, L_hidden_ : torch.Tensor, L_weight_ : torch.Tensor, L_labels_ : torch.Tensor):
+def forward(self, L_hidden_ : torch.Tensor, L_labels_ : torch.Tensor, L_weight_ : torch.Tensor):
     l_hidden_ = L_hidden_
-    l_weight_ = L_weight_
     l_labels_ = L_labels_
+    l_weight_ = L_weight_
     view_1 = l_labels_.view(-1)
     reshape = l_hidden_.reshape(-1, 16)
     linear_cross_entropy_default = torch.ops.cce_inductor.linear_cross_entropy.default(reshape, l_weight_, view_1, None, 0.0, -100, 1, 0.0, False, False)
@@ -228,10 +228,10 @@ def forward(self, L_hidden_ : torch.Tensor, L_weight_ : torch.Tensor, L_labels_ 
         hidden = torch.randn(B * T, D, dtype=torch.bfloat16, requires_grad=True)
         cap = self.run_pass(f, hidden, _labels(B * T), params=[weight], atol=2e-2, rtol=2e-2)
         self.assertExpectedInline(cap.after[0], """\
-def forward(self, L_hidden_ : torch.Tensor, L_weight_ : torch.Tensor, L_labels_ : torch.Tensor):
+def forward(self, L_hidden_ : torch.Tensor, L_labels_ : torch.Tensor, L_weight_ : torch.Tensor):
     l_hidden_ = L_hidden_
-    l_weight_ = L_weight_
     l_labels_ = L_labels_
+    l_weight_ = L_weight_
     linear_cross_entropy_default = torch.ops.cce_inductor.linear_cross_entropy.default(l_hidden_, l_weight_, l_labels_, None, 0.0, -100, 1, 0.0, False, False)
     getitem = linear_cross_entropy_default[0]
     to = getitem.to(torch.bfloat16)
@@ -247,10 +247,10 @@ def forward(self, L_hidden_ : torch.Tensor, L_weight_ : torch.Tensor, L_labels_ 
 
         cap = self.run_pass(f, _hidden(B, T, D), _labels(B, T), params=[weight])
         self.assertExpectedInline(cap.before[0], """\
-def forward(self, L_hidden_ : torch.Tensor, L_weight_ : torch.Tensor, L_labels_ : torch.Tensor):
+def forward(self, L_hidden_ : torch.Tensor, L_labels_ : torch.Tensor, L_weight_ : torch.Tensor):
     l_hidden_ = L_hidden_
-    l_weight_ = L_weight_
     l_labels_ = L_labels_
+    l_weight_ = L_weight_
     linear = torch._C._nn.linear(l_hidden_, l_weight_)
     logits = linear.float()
     truediv = logits / 3.0
@@ -261,10 +261,10 @@ def forward(self, L_hidden_ : torch.Tensor, L_weight_ : torch.Tensor, L_labels_ 
     cross_entropy = torch.nn.functional.cross_entropy(view, view_1)
     return (cross_entropy,)""")
         self.assertExpectedInline(cap.after[0], """\
-def forward(self, L_hidden_ : torch.Tensor, L_weight_ : torch.Tensor, L_labels_ : torch.Tensor):
+def forward(self, L_hidden_ : torch.Tensor, L_labels_ : torch.Tensor, L_weight_ : torch.Tensor):
     l_hidden_ = L_hidden_
-    l_weight_ = L_weight_
     l_labels_ = L_labels_
+    l_weight_ = L_weight_
     view_1 = l_labels_.view(-1)
     reshape = l_hidden_.reshape(-1, 16)
     linear_cross_entropy_default = torch.ops.cce_inductor.linear_cross_entropy.default(reshape, l_weight_, view_1, None, 3.0, -100, 1, 0.0, False, False)
@@ -282,10 +282,10 @@ def forward(self, L_hidden_ : torch.Tensor, L_weight_ : torch.Tensor, L_labels_ 
 
         cap = self.run_pass(f, _hidden(B, T, D), _labels(B, T), params=[weight])
         self.assertExpectedInline(cap.after[0], """\
-def forward(self, L_hidden_ : torch.Tensor, L_weight_ : torch.Tensor, L_labels_ : torch.Tensor):
+def forward(self, L_hidden_ : torch.Tensor, L_labels_ : torch.Tensor, L_weight_ : torch.Tensor):
     l_hidden_ = L_hidden_
-    l_weight_ = L_weight_
     l_labels_ = L_labels_
+    l_weight_ = L_weight_
     view_1 = l_labels_.view(-1)
     reshape = l_hidden_.reshape(-1, 16)
     linear_cross_entropy_default = torch.ops.cce_inductor.linear_cross_entropy.default(reshape, l_weight_, view_1, None, 2.5, -100, 1, 0.0, False, False)
@@ -303,9 +303,9 @@ def forward(self, L_hidden_ : torch.Tensor, L_weight_ : torch.Tensor, L_labels_ 
 
         cap = self.run_pass(f, _hidden(B, T, D), _labels(B, T), params=list(head.parameters()))
         self.assertExpectedInline(cap.after[0], """\
-def forward(self, L_head_parameters_weight_ : torch.nn.parameter.Parameter, L_head_parameters_bias_ : torch.nn.parameter.Parameter, L_hidden_ : torch.Tensor, L_labels_ : torch.Tensor):
-    l_head_parameters_weight_ = L_head_parameters_weight_
+def forward(self, L_head_parameters_bias_ : torch.nn.parameter.Parameter, L_head_parameters_weight_ : torch.nn.parameter.Parameter, L_hidden_ : torch.Tensor, L_labels_ : torch.Tensor):
     l_head_parameters_bias_ = L_head_parameters_bias_
+    l_head_parameters_weight_ = L_head_parameters_weight_
     l_hidden_ = L_hidden_
     l_labels_ = L_labels_
     view_1 = l_labels_.view(-1)
@@ -327,10 +327,10 @@ def forward(self, L_head_parameters_weight_ : torch.nn.parameter.Parameter, L_he
 
         cap = self.run_pass(f, _hidden(B, T, D), _labels(B, T), params=[weight])
         self.assertExpectedInline(cap.before[0], """\
-def forward(self, L_hidden_ : torch.Tensor, L_weight_ : torch.Tensor, L_labels_ : torch.Tensor):
+def forward(self, L_hidden_ : torch.Tensor, L_labels_ : torch.Tensor, L_weight_ : torch.Tensor):
     l_hidden_ = L_hidden_
-    l_weight_ = L_weight_
     l_labels_ = L_labels_
+    l_weight_ = L_weight_
     logits = torch._C._nn.linear(l_hidden_, l_weight_)
     getitem = logits[(Ellipsis, slice(None, -1, None), slice(None, None, None))]
     shift_logits = getitem.contiguous()
@@ -341,10 +341,10 @@ def forward(self, L_hidden_ : torch.Tensor, L_weight_ : torch.Tensor, L_labels_ 
     cross_entropy = torch.nn.functional.cross_entropy(view, view_1)
     return (cross_entropy,)""")
         self.assertExpectedInline(cap.after[0], """\
-def forward(self, L_hidden_ : torch.Tensor, L_weight_ : torch.Tensor, L_labels_ : torch.Tensor):
+def forward(self, L_hidden_ : torch.Tensor, L_labels_ : torch.Tensor, L_weight_ : torch.Tensor):
     l_hidden_ = L_hidden_
-    l_weight_ = L_weight_
     l_labels_ = L_labels_
+    l_weight_ = L_weight_
     getitem_1 = l_labels_[(Ellipsis, slice(1, None, None))]
     shift_labels = getitem_1.contiguous()
     view_1 = shift_labels.view(-1)
@@ -366,11 +366,11 @@ def forward(self, L_hidden_ : torch.Tensor, L_weight_ : torch.Tensor, L_labels_ 
 
         cap = self.run_pass(f, _hidden(B, T, D), _labels(B, T), torch.tensor(7), params=[weight])
         self.assertExpectedInline(cap.before[0], """\
-def forward(self, L_hidden_ : torch.Tensor, L_weight_ : torch.Tensor, L_labels_ : torch.Tensor, L_num_items_in_batch_ : torch.Tensor):
+def forward(self, L_hidden_ : torch.Tensor, L_labels_ : torch.Tensor, L_num_items_in_batch_ : torch.Tensor, L_weight_ : torch.Tensor):
     l_hidden_ = L_hidden_
-    l_weight_ = L_weight_
     l_labels_ = L_labels_
     l_num_items_in_batch_ = L_num_items_in_batch_
+    l_weight_ = L_weight_
     linear = torch._C._nn.linear(l_hidden_, l_weight_)
     logits = linear.float()
     labels = torch._C._nn.pad(l_labels_, (0, 1), 'constant', -100)
@@ -382,11 +382,11 @@ def forward(self, L_hidden_ : torch.Tensor, L_weight_ : torch.Tensor, L_labels_ 
     truediv = loss / l_num_items_in_batch_
     return (truediv,)""")
         self.assertExpectedInline(cap.after[0], """\
-def forward(self, L_hidden_ : torch.Tensor, L_weight_ : torch.Tensor, L_labels_ : torch.Tensor, L_num_items_in_batch_ : torch.Tensor):
+def forward(self, L_hidden_ : torch.Tensor, L_labels_ : torch.Tensor, L_num_items_in_batch_ : torch.Tensor, L_weight_ : torch.Tensor):
     l_hidden_ = L_hidden_
-    l_weight_ = L_weight_
     l_labels_ = L_labels_
     l_num_items_in_batch_ = L_num_items_in_batch_
+    l_weight_ = L_weight_
     labels = torch._C._nn.pad(l_labels_, (0, 1), 'constant', -100)
     getitem = labels[(Ellipsis, slice(1, None, None))]
     shift_labels = getitem.contiguous()
@@ -407,10 +407,10 @@ def forward(self, L_hidden_ : torch.Tensor, L_weight_ : torch.Tensor, L_labels_ 
         cap = self.run_pass(f, _hidden(B * T, D), labels, params=[weight])
         self.assertIn(", 0, 1, ", cap.after[0])  # ignore_index=0, reduction=mean in the op call
         self.assertExpectedInline(cap.after[0], """\
-def forward(self, L_hidden_ : torch.Tensor, L_weight_ : torch.Tensor, L_labels_ : torch.Tensor):
+def forward(self, L_hidden_ : torch.Tensor, L_labels_ : torch.Tensor, L_weight_ : torch.Tensor):
     l_hidden_ = L_hidden_
-    l_weight_ = L_weight_
     l_labels_ = L_labels_
+    l_weight_ = L_weight_
     linear_cross_entropy_default = torch.ops.cce_inductor.linear_cross_entropy.default(l_hidden_, l_weight_, l_labels_, None, 0.0, 0, 1, 0.0, False, False)
     getitem = linear_cross_entropy_default[0]
     return (getitem,)""")
@@ -424,9 +424,9 @@ def forward(self, L_hidden_ : torch.Tensor, L_weight_ : torch.Tensor, L_labels_ 
 
         cap = self.run_pass(f, _hidden(B, T, D), _labels(B, T), params=list(head.parameters()))
         self.assertExpectedInline(cap.after[0], """\
-def forward(self, L_head_parameters_weight_ : torch.nn.parameter.Parameter, L_head_parameters_bias_ : torch.nn.parameter.Parameter, L_hidden_ : torch.Tensor, L_labels_ : torch.Tensor):
-    l_head_parameters_weight_ = L_head_parameters_weight_
+def forward(self, L_head_parameters_bias_ : torch.nn.parameter.Parameter, L_head_parameters_weight_ : torch.nn.parameter.Parameter, L_hidden_ : torch.Tensor, L_labels_ : torch.Tensor):
     l_head_parameters_bias_ = L_head_parameters_bias_
+    l_head_parameters_weight_ = L_head_parameters_weight_
     l_hidden_ = L_hidden_
     l_labels_ = L_labels_
     view_1 = l_labels_.view(-1)
@@ -459,12 +459,12 @@ def forward(self, L_head_parameters_weight_ : torch.nn.parameter.Parameter, L_he
         cap = self.run_pass(f, _hidden(B * T, D), _labels(B * T), rewrites=3, params=params)
         self.assertEqual(cap.after[0].count("cce_inductor.linear_cross_entropy"), 3)
         self.assertExpectedInline(cap.after[0], """\
-def forward(self, L_hidden_ : torch.Tensor, L_heads_modules_0_parameters_weight_ : torch.nn.parameter.Parameter, L_labels_ : torch.Tensor, L_heads_modules_1_parameters_weight_ : torch.nn.parameter.Parameter, L_heads_modules_2_parameters_weight_ : torch.nn.parameter.Parameter):
-    l_hidden_ = L_hidden_
+def forward(self, L_heads_modules_0_parameters_weight_ : torch.nn.parameter.Parameter, L_heads_modules_1_parameters_weight_ : torch.nn.parameter.Parameter, L_heads_modules_2_parameters_weight_ : torch.nn.parameter.Parameter, L_hidden_ : torch.Tensor, L_labels_ : torch.Tensor):
     l_heads_modules_0_parameters_weight_ = L_heads_modules_0_parameters_weight_
-    l_labels_ = L_labels_
     l_heads_modules_1_parameters_weight_ = L_heads_modules_1_parameters_weight_
     l_heads_modules_2_parameters_weight_ = L_heads_modules_2_parameters_weight_
+    l_hidden_ = L_hidden_
+    l_labels_ = L_labels_
     linear_cross_entropy_default = torch.ops.cce_inductor.linear_cross_entropy.default(l_hidden_, l_heads_modules_0_parameters_weight_, l_labels_, None, 0.0, -100, 1, 0.0, False, False)
     getitem = linear_cross_entropy_default[0]
     linear_cross_entropy_default_1 = torch.ops.cce_inductor.linear_cross_entropy.default(l_hidden_, l_heads_modules_1_parameters_weight_, l_labels_, None, 0.0, -100, 1, 0.0, False, False)
@@ -513,10 +513,10 @@ def forward(self, L_hidden_ : torch.Tensor, L_heads_modules_0_parameters_weight_
         self.assertEqual(logits.numel(), 0)
         self.assertFalse(logits.requires_grad)
         self.assertExpectedInline(capture.after[0], """\
-def forward(self, L_hidden_ : torch.Tensor, L_weight_ : torch.Tensor, L_labels_ : torch.Tensor):
+def forward(self, L_hidden_ : torch.Tensor, L_labels_ : torch.Tensor, L_weight_ : torch.Tensor):
     l_hidden_ = L_hidden_
-    l_weight_ = L_weight_
     l_labels_ = L_labels_
+    l_weight_ = L_weight_
     view_1 = l_labels_.view(-1)
     reshape = l_hidden_.reshape(-1, 16)
     linear_cross_entropy_default = torch.ops.cce_inductor.linear_cross_entropy.default(reshape, l_weight_, view_1, None, 0.0, -100, 1, 0.0, False, False)
