@@ -258,12 +258,13 @@ def _check_tile_filter(device, vocab_sort, softcap, filter_e):
     assert rel(db, db_r) < 1e-5
 
 
+@pytest.mark.parametrize("mode", ["filter", "nofilter"])
 @pytest.mark.parametrize("device", DEVICES)
-def test_need_flags_and_no_bias(device):
+def test_need_flags_and_no_bias(device, mode):
     _device_ok(device)
     e, c, targets, b = make_inputs(20, 70, 16, torch.bfloat16, device, bias=True)
     g = mean_grad_rows(targets).to(device)
-    eps = K.default_filter_eps(torch.bfloat16)
+    eps = K.default_filter_eps(torch.bfloat16) if mode == "filter" else 0.0
     _, _, (de, dc, db) = run_kernels(e, c, targets, b, g, softcap=None, vocab_sort=False, filter_eps=eps,
                                      exact=False, need_e=True, need_c=False, need_bias=False)
     assert dc is None and db is None and de is not None
@@ -273,7 +274,10 @@ def test_need_flags_and_no_bias(device):
     _, _, (de3, dc3, db3) = run_kernels(e, c, targets, None, g, softcap=None, vocab_sort=False, filter_eps=eps,
                                         exact=False, need_e=True, need_c=True, need_bias=True)
     assert db3 is None
-    _, _, _, _, _ = reference(e, c, targets, b, g, None)
+    _, _, de_r, dc_r, db_r = reference(e, c, targets, b, g, None)
+    _, _, de_r3, dc_r3, _ = reference(e, c, targets, None, g, None)
+    for got, want in ((de, de_r), (dc2, dc_r), (db2, db_r), (de3, de_r3), (dc3, dc_r3)):
+        assert rel(got, want) < DEFAULT_TOL
 
 
 @pytest.mark.parametrize("device", DEVICES)
