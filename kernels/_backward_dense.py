@@ -28,8 +28,9 @@ The (rows x vocabulary) plane is cut into ``row_chunk x vocab_chunk`` blocks; ro
             dbias32[W] += sum_rows G
         dE[R] = dE32
 
-Memory above the outputs: one fp32 block (G overwrites it) plus the fp32 dE rows of one row chunk: with all
-8192 rows and 2048 vocabulary entries, 64 MB + 72 MB at D = 2304.  G is rounded
+Memory above the outputs: one fp32 block (G overwrites it) plus the fp32 dE rows of one row chunk: with
+8192-row chunks (the default) and 2048 vocabulary entries, 64 MB + 72 MB at D = 2304, whatever N is; longer
+batches pay one extra bf16 rounding of dC per further row chunk.  G is rounded
 to the input dtype before the products, as eager PyTorch does for the logits' gradient.  No atomics, so
 the result is bitwise reproducible (``torch.use_deterministic_algorithms`` uses this path).  Ignored rows
 are not skipped (a cuBLAS product cannot read a device-side row count); they have g = 0.
