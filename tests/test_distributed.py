@@ -118,14 +118,21 @@ def _run_tasks(tasks, result_dir: str) -> None:
     try:
         while not context.join(timeout=2):
             if time.monotonic() > deadline:
+                _note_workers(result_dir, f"the workers were still running after {_SPAWN_TIMEOUT_S} s")
                 break
-    except Exception:  # noqa: BLE001 - a worker exited non-zero: its task's outcome file says why
-        pass
+    except Exception as exc:  # noqa: BLE001 - a worker exited non-zero: its task's outcome file says why, if any
+        # a worker that died before writing an outcome (import, gloo rendezvous) is only visible here
+        _note_workers(result_dir, f"{type(exc).__name__}: {exc}")
     finally:
         for process in context.processes:
             if process.is_alive():
                 process.kill()
                 process.join(5)
+
+
+def _note_workers(result_dir: str, text: str) -> None:
+    with open(os.path.join(result_dir, "_workers"), "w") as out:
+        out.write(text)
 
 
 @pytest.fixture(scope="module")
@@ -135,6 +142,11 @@ def task_results(request, tmp_path_factory):
     tasks = [(name, fn, args) for name, (fn, args) in _TASKS.items() if f"test_{name}" in selected]
     result_dir = str(tmp_path_factory.mktemp("dist_results"))
     _run_tasks(tasks, result_dir)
+    workers_path = os.path.join(result_dir, "_workers")
+    workers = ""
+    if os.path.exists(workers_path):
+        with open(workers_path) as f:
+            workers = f.read()
     results = {}
     for name, _, _ in tasks:
         results[name] = []
@@ -144,7 +156,7 @@ def task_results(request, tmp_path_factory):
                 with open(path) as f:
                     results[name].append(f.read().split("\n", 1)[1])
             else:
-                results[name].append("not run (an earlier task failed or the workers timed out)")
+                results[name].append(f"not run (an earlier task failed or the workers timed out)\n{workers}")
     return results
 
 
