@@ -1,4 +1,6 @@
-"""Backward: dE, dC, dbias of the linear + (softcapped) cross-entropy without materialising logits.
+"""Tile backward: dE, dC, dbias of the linear + (softcapped) cross-entropy without materialising logits,
+skipping tiles below the gradient filter (paper sec. 4) and, in exact mode, accumulating in fp32.  Without
+filtering or exact mode, ``backward`` hands over to ``_backward_dense`` (cuBLAS products), which is faster.
 
 Math
 ----
@@ -8,7 +10,7 @@ s[n, v] = 1 - tanh^2(raw[n, v] / softcap) = 1 - (logits[n, v] / softcap)^2 (s = 
     G[n, v]  = g_n * (p[n, v] - [v == targets[n]]) * s[n, v]        (gradient w.r.t. the raw logits)
     dE       = G @ C,     dC = G^T @ E,     dbias = sum_n G[n, :]
 
-Dense kernel: block / grid layout (paper Alg. 3, with pre-skipping)
+Tile kernel: block / grid layout (paper Alg. 3, with pre-skipping)
 -------------------------------------------------------------------
 1-D grid of ``row_blocks * vocab_tiles`` programs, vocabulary-major (``GROUP > 0``: row blocks in groups of
 GROUP), so the programs resident together work on the same C tile and E stays in L2.  Program (i, j) owns
@@ -99,7 +101,7 @@ def _split_operand(grad, dtype, UPCAST: tl.constexpr):
 
 
 @triton.jit
-def _dense_grad_kernel(
+def _tile_grad_kernel(
     E, C, Bias, Targets, RowOrder, NumValid, Lse, GradRows, VocabOrder, TileMax, RowMax, TailFrac, TargetDone,
     DE, DC, DBias,
     N, V, D,
@@ -248,7 +250,7 @@ def _target_row_kernel(
     BLOCK_D: tl.constexpr,
 ):
     """One program per row n: coef_n = g_n * (p_t - 1) * s_t with the target logit recomputed in fp32,
-    then dE[n] += coef_n * C[t_n] (after the dense kernel: one rounding) and dbias[t_n] += coef_n."""
+    then dE[n] += coef_n * C[t_n] (after the tile kernel: one rounding) and dbias[t_n] += coef_n."""
     row = tl.program_id(0).to(tl.int64)
     target = tl.load(Targets + row)
     if (target == ignore_index) | (target < 0) | (target >= V):  # no one-hot term in this (shard of) C
@@ -359,7 +361,7 @@ def backward(e, c, targets, bias, lse, aux, grad_rows, *, softcap, ignore_index,
     precision = _config.dot_precision(e.dtype)
     softcap_val = float(softcap) if softcap is not None else 1.0
 
-    _dense_grad_kernel[(row_blocks * vocab_tiles,)](
+    _tile_grad_kernel[(row_blocks * vocab_tiles,)](
         e, c, bias if bias is not None else e, targets, row_order, num_valid, lse, grad_rows,
         vocab_order if vocab_sort else row_order, summary, row_max, tail_frac, target_done,
         de_arg, dc_arg, dbias32 if need_bias else dummy,
@@ -382,7 +384,7 @@ def backward(e, c, targets, bias, lse, aux, grad_rows, *, softcap, ignore_index,
         num_warps=cfg["bwd_num_warps"], num_stages=cfg["bwd_num_stages"],
     )
 
-    # target entries: dE / dbias always here, once, after the dense tiles; dC for rows whose target tile
+    # target entries: dE / dbias always here, once, after the tiles; dC for rows whose target tile
     # was dropped (not marked in target_done)
     if True:
         coef = torch.empty((n,), dtype=torch.float32, device=device)
