@@ -42,6 +42,8 @@ import torch.nn.functional as F
 
 import cce_inductor
 
+from _compare import assert_same_run, assert_same_values, run
+
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 DEVICE = "cuda"
@@ -105,57 +107,6 @@ def direct(softcap=None, ignore_index=-100, reduction="mean"):
         return loss.reshape(-1) if reduction == "none" else loss  # as make_fn's flattened logits give it
 
     return fn
-
-
-def run(fn, args, upstream_seed=1):
-    """(output, grads of every leaf that requires grad) after a backward with a random upstream gradient."""
-    leaves = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
-    for leaf in leaves:
-        leaf.grad = None
-    out = fn(*args)
-    if leaves and out.requires_grad:
-        gen = torch.Generator().manual_seed(upstream_seed)
-        upstream = (torch.rand(out.shape, generator=gen) + 0.5).to(out.device, out.dtype)
-        (out * upstream).sum().backward()
-    torch.cuda.synchronize()
-    return out.detach().clone(), [None if leaf.grad is None else leaf.grad.detach().clone() for leaf in leaves]
-
-
-def rel_l2(got: torch.Tensor, want: torch.Tensor) -> float:
-    got, want = got.double(), want.double()
-    return float((got - want).norm() / want.norm().clamp_min(1e-30))
-
-
-def assert_values(got, want, what, *, rtol, atol, grad_l2=None, check_dtype=True):
-    """Same shape (and dtype), NaN and +-Inf at the same places, finite values close (elementwise for a loss,
-    relative L2 for a gradient when ``grad_l2`` is given)."""
-    assert got.shape == want.shape, f"{what}: shape {tuple(got.shape)} != {tuple(want.shape)}"
-    if check_dtype:
-        assert got.dtype == want.dtype, f"{what}: dtype {got.dtype} != {want.dtype}"
-    got, want = got.float(), want.float()
-    assert torch.equal(got.isnan(), want.isnan()), f"{what}: NaN pattern differs\ngot  {got}\nwant {want}"
-    for inf in (float("inf"), float("-inf")):
-        assert torch.equal(got == inf, want == inf), f"{what}: {inf} pattern differs\ngot  {got}\nwant {want}"
-    finite = want.isfinite()
-    if not finite.any():
-        return
-    if grad_l2 is not None:
-        if want[finite].norm() == 0:
-            assert got[finite].norm() == 0, f"{what}: eager gives exact zeros, got norm {got[finite].norm()}"
-        else:
-            err = rel_l2(got[finite], want[finite])
-            assert err < grad_l2, f"{what}: relative L2 error {err:.3g} >= {grad_l2}"
-    else:
-        torch.testing.assert_close(got[finite], want[finite], rtol=rtol, atol=atol, msg=lambda m: f"{what}: {m}")
-
-
-def assert_same_run(got, want, *, rtol, atol, grad_l2, check_dtype=True):
-    assert_values(got[0], want[0], "loss", rtol=rtol, atol=atol, check_dtype=check_dtype)
-    assert len(got[1]) == len(want[1])
-    for k, (g, w) in enumerate(zip(got[1], want[1])):
-        assert (g is None) == (w is None), f"grad {k}: {g is None=} {w is None=}"
-        if w is not None:
-            assert_values(g, w, f"grad {k}", rtol=rtol, atol=atol, grad_l2=grad_l2, check_dtype=check_dtype)
 
 
 def compile_cce(fn, **kwargs):
@@ -510,7 +461,7 @@ def test_nan_in_an_ignored_row_leaves_the_loss_alone(path):
     want = run(make_fn(), args)
     assert want[0].isfinite()
     got = run(direct() if path == "direct" else compile_cce(make_fn()), args)
-    assert_values(got[0], want[0], "loss", rtol=FP32["rtol"], atol=FP32["atol"])
+    assert_same_values(got[0], want[0], "loss", rtol=FP32["rtol"], atol=FP32["atol"])
 
 
 @pytest.mark.parametrize("path", ["direct", "compiled"])

@@ -37,6 +37,7 @@ import cce_inductor
 from cce_inductor.graph_pass import CCEGraphPass
 from cce_inductor.options import CCEOptions
 
+from _compare import assert_same_run, assert_same_values, run
 from _graph_utils import PassCapture
 
 lce = cce_inductor.linear_cross_entropy
@@ -83,37 +84,6 @@ def inputs(n=6, *, dtype=torch.float32, seed=0, bias=False, ignore_index=-100, l
     if bias:
         out.append(torch.randn(V, generator=gen).to(dtype).requires_grad_())
     return out
-
-
-def run(fn, args, upstream_seed=1):
-    """(output, grads of every floating leaf) with a random upstream gradient."""
-    leaves = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
-    for leaf in leaves:
-        leaf.grad = None
-    out = fn(*args)
-    gen = torch.Generator().manual_seed(upstream_seed)
-    if leaves and out.requires_grad:
-        (out * (torch.rand(out.shape, generator=gen) + 0.5).to(out.dtype)).sum().backward()
-    return out.detach(), [None if leaf.grad is None else leaf.grad.clone() for leaf in leaves]
-
-
-def assert_same_values(got: torch.Tensor, want: torch.Tensor, what: str = "", rtol=1e-5, atol=1e-6):
-    """Same dtype and shape, NaN and +-Inf at the same places, finite values close."""
-    assert got.dtype == want.dtype and got.shape == want.shape, (what, got.dtype, want.dtype, got.shape, want.shape)
-    assert torch.equal(got.isnan(), want.isnan()), f"{what}: NaN pattern differs\ngot  {got}\nwant {want}"
-    assert torch.equal(got == float("inf"), want == float("inf")), f"{what}: +Inf pattern differs\n{got}\n{want}"
-    assert torch.equal(got == float("-inf"), want == float("-inf")), f"{what}: -Inf pattern differs\n{got}\n{want}"
-    finite = want.isfinite()
-    torch.testing.assert_close(got[finite], want[finite], rtol=rtol, atol=atol, msg=lambda m: f"{what}: {m}")
-
-
-def assert_same_run(got, want, **tol):
-    assert_same_values(got[0], want[0], "loss", **tol)
-    assert len(got[1]) == len(want[1])
-    for k, (g, w) in enumerate(zip(got[1], want[1])):
-        assert (g is None) == (w is None), f"grad {k}"
-        if w is not None:
-            assert_same_values(g, w, f"grad {k}", **tol)
 
 
 def compile_capture(fn, **kwargs):
