@@ -59,7 +59,7 @@ import triton.language as tl
 
 from . import _config
 from ._backward_dense import backward_dense
-from ._tile import logit_tile, tanh, target_raw_logit
+from ._tile import logit_tile, no_target, tanh, target_raw_logit
 
 
 @triton.jit
@@ -253,7 +253,7 @@ def _target_row_kernel(
     then dE[n] += coef_n * C[t_n] (after the tile kernel: one rounding) and dbias[t_n] += coef_n."""
     row = tl.program_id(0).to(tl.int64)
     target = tl.load(Targets + row)
-    if (target == ignore_index) | (target < 0) | (target >= V):  # no one-hot term in this (shard of) C
+    if no_target(target, ignore_index, V):
         tl.store(Coef + row, 0.0)
         return
     target = target.to(tl.int64)
@@ -398,8 +398,8 @@ def backward(e, c, targets, bias, lse, aux, grad_rows, *, softcap, ignore_index,
             BLOCK_D=row_block_d, num_warps=4,
         )
         if need_c:
-            no_target = (targets == ignore_index) | (targets < 0) | (targets >= v)
-            keys = torch.where(no_target, torch.full_like(targets, v), targets)
+            targetless = (targets == ignore_index) | (targets < 0) | (targets >= v)
+            keys = torch.where(targetless, torch.full_like(targets, v), targets)
             sorted_targets, sorted_rows = torch.sort(keys)
             scatter_block_d = min(256, triton.next_power_of_2(d))
             _target_scatter_kernel[(n, triton.cdiv(d, scatter_block_d))](

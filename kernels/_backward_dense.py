@@ -119,6 +119,7 @@ def backward_dense(e, c, targets, bias, lse, grad_rows, *, softcap, need_e, need
     sixteen_bit = e.dtype in (torch.bfloat16, torch.float16)
     fp32_out = sixteen_bit and _fp32_out_mm_available(device)
     upcast = sixteen_bit and not fp32_out
+    out_dtype = {"out_dtype": torch.float32} if fp32_out else {}  # the products' fp32 results, 16-bit operands
     raw_buf = torch.empty(row_chunk * vocab_chunk, dtype=torch.float32, device=device)
     g_view = raw_buf.view(e.dtype) if sixteen_bit else raw_buf  # 16-bit: twice as many elements
     g_pitch = 2 if sixteen_bit else 1  # G's row stride in units of the chunk width
@@ -138,10 +139,7 @@ def backward_dense(e, c, targets, bias, lse, grad_rows, *, softcap, need_e, need
             c_chunk = c[v0 : v0 + width]
             c_chunk_mm = c_chunk.float() if upcast else c_chunk
             raw = _block(raw_buf, rows, width)
-            if fp32_out:
-                torch.mm(e_rows, c_chunk.T, out_dtype=torch.float32, out=raw)
-            else:
-                torch.mm(e_rows_mm, c_chunk_mm.T, out=raw)
+            torch.mm(e_rows_mm, c_chunk_mm.T, out=raw, **out_dtype)
             grad = _block(g_view, rows, g_pitch * width)[:, :width]
             _softmax_grad_kernel[(triton.cdiv(rows, block_r),)](
                 raw, grad, bias if bias is not None else raw, lse[r0:], grad_rows[r0:], targets[r0:],
@@ -151,22 +149,14 @@ def backward_dense(e, c, targets, bias, lse, grad_rows, *, softcap, need_e, need
             )
             grad_mm = grad.float() if upcast else grad
             if need_e:
-                if fp32_out:
-                    torch.addmm(de_rows, grad, c_chunk, out_dtype=torch.float32, beta=0 if v0 == 0 else 1,
-                                out=de_rows)
-                elif v0 == 0:
-                    torch.mm(grad_mm, c_chunk_mm, out=de_rows)
-                else:
-                    de_rows.addmm_(grad_mm, c_chunk_mm)
+                torch.addmm(de_rows, grad_mm, c_chunk_mm, beta=0 if v0 == 0 else 1, out=de_rows, **out_dtype)
             if need_c:
                 dc_chunk = dc_out[v0 : v0 + width]
                 if upcast:
                     update = grad_mm.T @ e_rows_mm
                     dc_chunk.copy_(update if r0 == 0 else dc_chunk.float() + update)
-                elif r0 == 0:
-                    torch.mm(grad.T, e_rows, out=dc_chunk)
                 else:
-                    dc_chunk.addmm_(grad.T, e_rows)
+                    torch.addmm(dc_chunk, grad.T, e_rows, beta=0 if r0 == 0 else 1, out=dc_chunk)
             if need_bias:
                 dbias32[v0 : v0 + width] += grad.sum(dim=0, dtype=torch.float32)
         if need_e:

@@ -44,7 +44,7 @@ import triton
 import triton.language as tl
 
 from . import _config
-from ._tile import logit_tile, tanh, target_raw_logit
+from ._tile import logit_tile, no_target, tanh, target_raw_logit
 
 
 @triton.jit
@@ -159,7 +159,7 @@ def _target_ref_kernel(
     tail-mass estimate."""
     row = tl.program_id(0).to(tl.int64)
     target = tl.load(Targets + row)
-    if (target == ignore_index) | (target < 0) | (target >= V):
+    if no_target(target, ignore_index, V):
         tl.store(TargetRef + row, float("-inf"))
         return
     target = target.to(tl.int64)

@@ -59,6 +59,13 @@ def logit_tile(
 
 
 @triton.jit
+def no_target(target, ignore_index, V):
+    """Whether the row's target is *not* a row of this C: ``ignore_index``, or outside ``[0, V)`` (a vocabulary
+    shard sees the targets other shards hold as out-of-range codes, and must not read ``C[target]``)."""
+    return (target == ignore_index) | (target < 0) | (target >= V)
+
+
+@triton.jit
 def target_raw_logit(E, C, Bias, row, target, D, stride_en, stride_ed, stride_cv, stride_cd,
                      HAS_BIAS: tl.constexpr, BLOCK_D: tl.constexpr):
     """``E[row] . C[target] (+ bias[target])`` in fp32, before any softcap: one row's target logit as a
