@@ -55,9 +55,15 @@ def uses_kernels(device: torch.device, dtype: torch.dtype) -> bool:
     return device.type == "cuda" and dtype in _KERNEL_DTYPES and _kernels() is not None
 
 
-def _aux_spec(n_rows, vocab, device: torch.device, dtype: torch.dtype, vocab_sort: bool):
+def _backward_filters(filter_eps: float, exact: bool) -> bool:
+    """Whether the kernels' backward may filter, i.e. needs the forward's summaries (``aux``).  Deterministic
+    mode turns filtering off later, in the backward; the summaries are then computed for nothing."""
+    return filter_eps != 0.0 and not exact
+
+
+def _aux_spec(n_rows, vocab, device: torch.device, dtype: torch.dtype, vocab_sort: bool, summaries: bool):
     if uses_kernels(device, dtype):
-        return _kernels().aux_spec(n_rows, vocab, vocab_sort)
+        return _kernels().aux_spec(n_rows, vocab, vocab_sort, summaries)
     return (0,), torch.float32
 
 
@@ -131,21 +137,22 @@ def linear_cross_entropy_op(
     # Autocast already did its work on the inputs (the public wrapper casts them as F.linear would); inside,
     # the chunked path's matmuls must run in the accumulation dtype, not be downcast again.
     with torch.autocast(e.device.type, enabled=False):
-        return _forward_impl(e, c, targets, bias, softcap, ignore_index, reduction, vocab_sort)
+        return _forward_impl(e, c, targets, bias, softcap, ignore_index, reduction, vocab_sort,
+                             _backward_filters(filter_eps, exact))
 
 
-def _forward_impl(e, c, targets, bias, softcap, ignore_index, reduction, vocab_sort):
+def _forward_impl(e, c, targets, bias, softcap, ignore_index, reduction, vocab_sort, summaries):
     check_inputs(e, c, targets, bias)
     check_target_range(targets, c.shape[0], ignore_index)
     cap = _softcap_or_none(softcap)
     acc = _chunked.accumulation_dtype(e.dtype)
     if uses_kernels(e.device, e.dtype) and e.shape[0] > 0:
         lse, target_logit, aux = _kernels().forward(
-            e, c, targets, bias, softcap=cap, ignore_index=ignore_index, vocab_sort=vocab_sort
+            e, c, targets, bias, softcap=cap, ignore_index=ignore_index, vocab_sort=vocab_sort, summaries=summaries
         )
     else:
         lse, target_logit = _chunked.forward(e, c, targets, bias, softcap=cap, ignore_index=ignore_index)
-        shape, dtype = _aux_spec(e.shape[0], c.shape[0], e.device, e.dtype, vocab_sort)
+        shape, dtype = _aux_spec(e.shape[0], c.shape[0], e.device, e.dtype, vocab_sort, summaries)
         aux = torch.zeros(shape, dtype=dtype, device=e.device)
     valid = targets != ignore_index
     row_loss = torch.where(valid, lse.to(acc) - target_logit.to(acc), 0.0)
@@ -166,7 +173,7 @@ def _(e, c, targets, bias, softcap, ignore_index, reduction, filter_eps, vocab_s
     loss = e.new_empty((n_rows,) if reduction == Reduction.NONE else (), dtype=acc)
     lse_dtype = torch.float32 if uses_kernels(e.device, e.dtype) else acc
     lse = e.new_empty((n_rows,), dtype=lse_dtype)
-    shape, dtype = _aux_spec(n_rows, c.shape[0], e.device, e.dtype, vocab_sort)
+    shape, dtype = _aux_spec(n_rows, c.shape[0], e.device, e.dtype, vocab_sort, _backward_filters(filter_eps, exact))
     return loss, lse, e.new_empty(shape, dtype=dtype)
 
 

@@ -2,8 +2,9 @@
 
 Interface used by the custom op:
 
-* ``aux_spec(n, v, vocab_sort) -> (shape, dtype)`` of the ``aux`` tensor the forward returns.
-* ``forward(e, c, targets, bias, *, softcap, ignore_index, vocab_sort) -> (lse, target_logit, aux)``
+* ``aux_spec(n, v, vocab_sort, summaries=True) -> (shape, dtype)`` of the ``aux`` tensor the forward returns
+  (empty with ``summaries=False``: then the backward must not filter).
+* ``forward(e, c, targets, bias, *, softcap, ignore_index, vocab_sort, summaries=True) -> (lse, target_logit, aux)``
 * ``backward(e, c, targets, bias, lse, aux, grad_rows, *, softcap, ignore_index, filter_eps, vocab_sort,
   exact, need_e, need_c, need_bias) -> (dE | None, dC | None, dbias | None)``
 * ``default_filter_eps(dtype) -> float``

@@ -324,6 +324,9 @@ def backward(e, c, targets, bias, lse, aux, grad_rows, *, softcap, ignore_index,
     if exact:
         filter_eps = 0.0
     filtering = filter_eps > 0.0
+    vocab_sort = vocab_sort and filtering  # the order only matters for skipping
+    if filtering and aux.numel() < 2 * n:
+        raise ValueError("filter_eps > 0 needs the forward's summaries: call forward(..., summaries=True)")
     if not filtering and not exact and cfg["bwd_dense"]:
         return backward_dense(e, c, targets, bias, lse, grad_rows, softcap=softcap, need_e=need_e, need_c=need_c,
                               need_bias=need_bias)

@@ -103,10 +103,11 @@ def default_filter_eps(dtype: torch.dtype) -> float:
     return 2.0 ** -(mantissa_bits + 5)
 
 
-def aux_spec(n, v, vocab_sort: bool):
+def aux_spec(n, v, vocab_sort: bool, summaries: bool = True):
     """Shape and dtype of the ``aux`` tensor produced by :func:`forward` and consumed by :func:`backward`.
 
-    One flat fp32 vector:
+    ``summaries=False`` (the backward will not filter, so it reads none of this): empty.  Otherwise one flat
+    fp32 vector:
 
     * ``aux[:n]``: per-row maximum logit, and ``aux[n:2n]``: per-row fraction of the softmax mass held by
       entries below ``default_filter_eps`` relative to the running max.  The backward flags rows whose
@@ -119,6 +120,8 @@ def aux_spec(n, v, vocab_sort: bool):
       ``exp(tile_max - min(lse over the tile's rows)) < filter_eps``.
 
     Works with symbolic ints (only +, * and //)."""
+    if not summaries:
+        return (0,), torch.float32
     if vocab_sort:
         return (2 * n + v,), torch.float32
     tn, tv = CONFIG["tile_n"], CONFIG["tile_v"]

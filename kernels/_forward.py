@@ -23,6 +23,8 @@ buffers; ``_combine_kernel`` (grid ``cdiv(N, BLOCK)``) merges the splits:
 
 Summaries for the backward (``aux``, layout in ``_config.aux_spec``)
 --------------------------------------------------------------------
+Only with ``summaries=True``, i.e. when the backward may filter (the op asks for them when ``filter_eps`` is
+not 0 and not in exact mode); otherwise the kernel is the bare (max, sumexp, target) loop and aux is empty.
 * per-row maximum logit and per-row fraction of the mass held by entries below
   ``default_filter_eps(dtype)`` relative to the running max (written by the combine kernel); the backward
   keeps the whole dE of rows with a flat top or a heavy flat tail.
@@ -53,7 +55,7 @@ def _fold_tile(
     E, C, Bias, TileMax, VocabLogitSum, V, D, stride_en, stride_ed, stride_cv, stride_cd, num_vocab_tiles, softcap,
     log_small,
     HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-    WRITE_TILE_MAX: tl.constexpr, WRITE_VOCAB_SUM: tl.constexpr,
+    TAIL_MASS: tl.constexpr, WRITE_TILE_MAX: tl.constexpr, WRITE_VOCAB_SUM: tl.constexpr,
     UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, EVEN_D: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, TILE_V: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
@@ -72,11 +74,12 @@ def _fold_tile(
     shifted = logits - new_max[:, None]
     weights = tl.exp(shifted)
     run_sum = run_sum * scale + tl.sum(weights, axis=1)
-    # mass of the entries that are < filter_eps relative to max(running max, target logit) (a lower bound of
-    # the mass the gradient filter may drop; large for rows whose mass sits in a long flat tail).  The
-    # target logit makes the threshold independent of which vocabulary split the row's peak falls in.
-    small_cut = tl.maximum(new_max, tail_ref) + log_small
-    run_small = run_small * scale + tl.sum(tl.where(logits < small_cut[:, None], weights, 0.0), axis=1)
+    if TAIL_MASS:
+        # mass of the entries that are < filter_eps relative to max(running max, target logit) (a lower bound of
+        # the mass the gradient filter may drop; large for rows whose mass sits in a long flat tail).  The
+        # target logit makes the threshold independent of which vocabulary split the row's peak falls in.
+        small_cut = tl.maximum(new_max, tail_ref) + log_small
+        run_small = run_small * scale + tl.sum(tl.where(logits < small_cut[:, None], weights, 0.0), axis=1)
     run_max = new_max
     target_logit += tl.sum(tl.where(cols[None, :] == target[:, None], logits, 0.0), axis=1)
 
@@ -100,7 +103,7 @@ def _lse_forward_kernel(
     vblocks_per_split, num_vocab_tiles,
     softcap, log_small,
     HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-    WRITE_TILE_MAX: tl.constexpr, WRITE_VOCAB_SUM: tl.constexpr,
+    TAIL_MASS: tl.constexpr, WRITE_TILE_MAX: tl.constexpr, WRITE_VOCAB_SUM: tl.constexpr,
     UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, EVEN_D: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, TILE_V: tl.constexpr, BLOCK_D: tl.constexpr,
     FLATTEN: tl.constexpr,
@@ -116,7 +119,10 @@ def _lse_forward_kernel(
     rows = tl.load(RowOrder + pos, mask=row_mask, other=0).to(tl.int64)
     target = tl.load(Targets + rows, mask=row_mask, other=-1)
 
-    tail_ref = tl.load(TargetRef + rows, mask=row_mask, other=float("-inf"))
+    if TAIL_MASS:
+        tail_ref = tl.load(TargetRef + rows, mask=row_mask, other=float("-inf"))
+    else:
+        tail_ref = tl.full((BLOCK_N,), float("-inf"), dtype=tl.float32)
     run_max = tl.full((BLOCK_N,), float("-inf"), dtype=tl.float32)
     run_sum = tl.zeros((BLOCK_N,), dtype=tl.float32)
     run_small = tl.zeros((BLOCK_N,), dtype=tl.float32)
@@ -130,7 +136,7 @@ def _lse_forward_kernel(
             run_max, run_sum, run_small, target_logit = _fold_tile(
                 vb, run_max, run_sum, run_small, target_logit, rows, row_mask, target, row_block, tail_ref,
                 E, C, Bias, TileMax, VocabLogitSum, V, D, stride_en, stride_ed, stride_cv, stride_cd, num_vocab_tiles,
-                softcap, log_small, HAS_BIAS, HAS_SOFTCAP, WRITE_TILE_MAX, WRITE_VOCAB_SUM, UPCAST, DOT_PRECISION, EVEN_D,
+                softcap, log_small, HAS_BIAS, HAS_SOFTCAP, TAIL_MASS, WRITE_TILE_MAX, WRITE_VOCAB_SUM, UPCAST, DOT_PRECISION, EVEN_D,
                 BLOCK_N, BLOCK_V, TILE_V, BLOCK_D,
             )
     else:
@@ -138,14 +144,15 @@ def _lse_forward_kernel(
             run_max, run_sum, run_small, target_logit = _fold_tile(
                 vb, run_max, run_sum, run_small, target_logit, rows, row_mask, target, row_block, tail_ref,
                 E, C, Bias, TileMax, VocabLogitSum, V, D, stride_en, stride_ed, stride_cv, stride_cd, num_vocab_tiles,
-                softcap, log_small, HAS_BIAS, HAS_SOFTCAP, WRITE_TILE_MAX, WRITE_VOCAB_SUM, UPCAST, DOT_PRECISION, EVEN_D,
+                softcap, log_small, HAS_BIAS, HAS_SOFTCAP, TAIL_MASS, WRITE_TILE_MAX, WRITE_VOCAB_SUM, UPCAST, DOT_PRECISION, EVEN_D,
                 BLOCK_N, BLOCK_V, TILE_V, BLOCK_D,
             )
 
     out = split * N + rows
     tl.store(PartMax + out, run_max, mask=row_mask)
     tl.store(PartSum + out, run_sum, mask=row_mask)
-    tl.store(PartSmall + out, run_small, mask=row_mask)
+    if TAIL_MASS:
+        tl.store(PartSmall + out, run_small, mask=row_mask)
     tl.store(PartTarget + out, target_logit, mask=row_mask)
 
 
@@ -174,7 +181,7 @@ def _target_ref_kernel(
 def _combine_kernel(
     PartMax, PartSum, PartSmall, PartTarget, Targets, Lse, TargetLogit, RowMax, SmallFrac, N, num_splits,
     ignore_index, log_small,
-    BLOCK: tl.constexpr,
+    SUMMARIES: tl.constexpr, BLOCK: tl.constexpr,
 ):
     rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     in_range = rows < N
@@ -189,29 +196,32 @@ def _combine_kernel(
     for s in range(0, num_splits):
         part_max = tl.load(PartMax + s * N + rows, mask=valid, other=float("-inf"))
         part_sum = tl.load(PartSum + s * N + rows, mask=valid, other=0.0)
-        part_small = tl.load(PartSmall + s * N + rows, mask=valid, other=0.0)
         rescale = tl.exp(part_max - safe_max)
         total += part_sum * rescale
-        # a split whose max is itself below the global cut holds only small entries
-        small += tl.where(part_max < safe_max + log_small, part_sum, part_small) * rescale
+        if SUMMARIES:
+            part_small = tl.load(PartSmall + s * N + rows, mask=valid, other=0.0)
+            # a split whose max is itself below the global cut holds only small entries
+            small += tl.where(part_max < safe_max + log_small, part_sum, part_small) * rescale
         target_logit += tl.load(PartTarget + s * N + rows, mask=valid, other=0.0)
     lse = tl.where(valid, safe_max + tl.log(tl.where(valid, total, 1.0)), 0.0)
     tl.store(Lse + rows, lse, mask=in_range)
     tl.store(TargetLogit + rows, tl.where(valid, target_logit, 0.0), mask=in_range)
-    tl.store(RowMax + rows, safe_max, mask=in_range)
-    tl.store(SmallFrac + rows, tl.where(valid, small / tl.where(valid, total, 1.0), 0.0), mask=in_range)
+    if SUMMARIES:
+        tl.store(RowMax + rows, safe_max, mask=in_range)
+        tl.store(SmallFrac + rows, tl.where(valid, small / tl.where(valid, total, 1.0), 0.0), mask=in_range)
 
 
-def forward(e, c, targets, bias, *, softcap, ignore_index, vocab_sort, row_compaction=None):
-    """Launch helper; see package docstring for the contract."""
+def forward(e, c, targets, bias, *, softcap, ignore_index, vocab_sort, summaries=True, row_compaction=None):
+    """Launch helper; see package docstring for the contract.  ``summaries=False`` (the backward will not filter):
+    no aux summaries are computed and ``aux`` is empty."""
     cfg = _config.CONFIG
     n, d = e.shape
     v = c.shape[0]
     device = e.device
-    aux_shape, aux_dtype = _config.aux_spec(n, v, vocab_sort)
+    aux_shape, aux_dtype = _config.aux_spec(n, v, vocab_sort, summaries)
     aux = torch.empty(aux_shape, dtype=aux_dtype, device=device)
     row_max, small_frac, summary = aux[:n], aux[n:2 * n], aux[2 * n:]
-    if vocab_sort:
+    if summaries and vocab_sort:
         summary.zero_()
     lse = torch.empty((n,), dtype=torch.float32, device=device)
     target_logit = torch.empty((n,), dtype=torch.float32, device=device)
@@ -228,34 +238,40 @@ def forward(e, c, targets, bias, *, softcap, ignore_index, vocab_sort, row_compa
     vblocks_per_split = triton.cdiv(vblocks, splits)
     splits = triton.cdiv(vblocks, vblocks_per_split)
 
-    part = torch.empty((4, splits, n), dtype=torch.float32, device=device)
-    target_ref = torch.empty((n,), dtype=torch.float32, device=device)
+    part = torch.empty((4 if summaries else 3, splits, n), dtype=torch.float32, device=device)
+    part_max, part_sum, part_target = part[0], part[1], part[2]
+    part_small = part[3] if summaries else part_max  # unused without summaries
     log_small = math.log(_config.default_filter_eps(e.dtype))
     softcap_val = float(softcap) if softcap is not None else 1.0
-    _target_ref_kernel[(n,)](
-        e, c, bias if bias is not None else e, targets, target_ref, v, d, e.stride(0), e.stride(1), c.stride(0),
-        c.stride(1), ignore_index, softcap_val,
-        HAS_BIAS=bias is not None, HAS_SOFTCAP=softcap is not None, BLOCK_D=min(1024, triton.next_power_of_2(d)),
-        num_warps=4,
-    )
+    if summaries:
+        target_ref = torch.empty((n,), dtype=torch.float32, device=device)
+        _target_ref_kernel[(n,)](
+            e, c, bias if bias is not None else e, targets, target_ref, v, d, e.stride(0), e.stride(1), c.stride(0),
+            c.stride(1), ignore_index, softcap_val,
+            HAS_BIAS=bias is not None, HAS_SOFTCAP=softcap is not None, BLOCK_D=min(1024, triton.next_power_of_2(d)),
+            num_warps=4,
+        )
+    else:
+        target_ref = lse  # unused
     upcast = _config.INTERPRET and e.dtype != torch.float32
+    summary_arg = summary if summaries else lse  # unused without summaries
     _lse_forward_kernel[(row_blocks, splits)](
         e, c, bias if bias is not None else e, targets, row_order, num_valid, target_ref,
-        part[0], part[1], part[2], part[3], summary, summary,
+        part_max, part_sum, part_small, part_target, summary_arg, summary_arg,
         n, v, d,
         e.stride(0), e.stride(1), c.stride(0), c.stride(1),
         vblocks_per_split, triton.cdiv(v, tile_v),
         softcap_val, log_small,
         HAS_BIAS=bias is not None, HAS_SOFTCAP=softcap is not None,
-        WRITE_TILE_MAX=not vocab_sort, WRITE_VOCAB_SUM=vocab_sort,
+        TAIL_MASS=summaries, WRITE_TILE_MAX=summaries and not vocab_sort, WRITE_VOCAB_SUM=summaries and vocab_sort,
         UPCAST=upcast, DOT_PRECISION=_config.dot_precision(e.dtype), EVEN_D=(d % block_d == 0),
         BLOCK_N=tile_n, BLOCK_V=block_v, TILE_V=tile_v, BLOCK_D=block_d, FLATTEN=bool(cfg["fwd_flatten"]),
         num_warps=cfg["fwd_num_warps"], num_stages=cfg["fwd_num_stages"],
     )
     combine_block = 256
     _combine_kernel[(triton.cdiv(n, combine_block),)](
-        part[0], part[1], part[2], part[3], targets, lse, target_logit, row_max, small_frac, n, splits, ignore_index,
-        log_small,
-        BLOCK=combine_block, num_warps=4,
+        part_max, part_sum, part_small, part_target, targets, lse, target_logit,
+        row_max if summaries else lse, small_frac if summaries else lse, n, splits, ignore_index, log_small,
+        SUMMARIES=summaries, BLOCK=combine_block, num_warps=4,
     )
     return lse, target_logit, aux

@@ -106,8 +106,10 @@ def mean_grad_rows(targets):
 
 def run_kernels(e, c, targets, bias, grad_rows, *, softcap, vocab_sort, filter_eps, exact,
                 need_e=True, need_c=True, need_bias=True):
-    lse, tgt, aux = K.forward(e, c, targets, bias, softcap=softcap, ignore_index=IGNORE, vocab_sort=vocab_sort)
-    shape, dtype = K.aux_spec(e.shape[0], c.shape[0], vocab_sort)
+    summaries = filter_eps > 0 and not exact  # as the op asks: only a filtering backward reads them
+    lse, tgt, aux = K.forward(e, c, targets, bias, softcap=softcap, ignore_index=IGNORE, vocab_sort=vocab_sort,
+                              summaries=summaries)
+    shape, dtype = K.aux_spec(e.shape[0], c.shape[0], vocab_sort, summaries)
     assert tuple(aux.shape) == tuple(shape) and aux.dtype == dtype
     grads = K.backward(e, c, targets, bias, lse, aux, grad_rows, softcap=softcap, ignore_index=IGNORE,
                        filter_eps=filter_eps, vocab_sort=vocab_sort, exact=exact,
@@ -309,6 +311,29 @@ def test_empty_batch(device):
         assert (dc == 0).all()
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("vocab_sort", [False, True])
+def test_forward_without_summaries(device, vocab_sort):
+    """The bare forward (no aux summaries, what an unfiltered backward gets) computes the same lse and target
+    logits bit for bit, returns an empty aux, and a filtering backward refuses that aux."""
+    _device_ok(device)
+    gen = torch.Generator().manual_seed(5)
+    n, v, d = 45, 200, 40
+    e = torch.randn(n, d, generator=gen).to(device, torch.bfloat16)
+    c = torch.randn(v, d, generator=gen).to(device, torch.bfloat16)
+    targets = torch.randint(0, v, (n,), generator=gen).to(device)
+    targets[::4] = IGNORE
+    bias = torch.randn(v, generator=gen).to(device, torch.bfloat16)
+    full = K.forward(e, c, targets, bias, softcap=15.0, ignore_index=IGNORE, vocab_sort=vocab_sort)
+    bare = K.forward(e, c, targets, bias, softcap=15.0, ignore_index=IGNORE, vocab_sort=vocab_sort, summaries=False)
+    assert torch.equal(full[0], bare[0]) and torch.equal(full[1], bare[1])
+    assert full[2].numel() > 2 * n and bare[2].numel() == 0
+    grad_rows = mean_grad_rows(targets).to(device)
+    with pytest.raises(ValueError, match="summaries"):
+        K.backward(e, c, targets, bias, bare[0], bare[2], grad_rows, softcap=15.0, ignore_index=IGNORE,
+                   filter_eps=2.0**-12, vocab_sort=vocab_sort, exact=False, need_e=True, need_c=True, need_bias=True)
+
+
 def test_default_filter_eps():
     assert K.default_filter_eps(torch.bfloat16) == 2.0**-12
     assert K.default_filter_eps(torch.float16) == 2.0**-15
@@ -324,6 +349,7 @@ def test_aux_spec_symbolic():
     tn, tv = K.CONFIG["tile_n"], K.CONFIG["tile_v"]
     assert shape[0].subs({n: 8192, v: 256000}) == 2 * 8192 + math.ceil(8192 / tn) * math.ceil(256000 / tv)
     assert K.aux_spec(n, v, True) == ((2 * n + v,), torch.float32)
+    assert K.aux_spec(n, v, True, summaries=False) == ((0,), torch.float32)
 
 
 # ----------------------------------------------------------------------------------------------------
