@@ -328,8 +328,10 @@ def backward(e, c, targets, bias, lse, aux, grad_rows, *, softcap, ignore_index,
     if filtering and aux.numel() < 2 * n:
         raise ValueError("filter_eps > 0 needs the forward's summaries: call forward(..., summaries=True)")
     if not filtering and not exact and cfg["bwd_dense"]:
-        return backward_dense(e, c, targets, bias, lse, grad_rows, softcap=softcap, need_e=need_e, need_c=need_c,
-                              need_bias=need_bias)
+        counted = (targets != ignore_index if row_compaction is None
+                   else _config.counted_mask(n, row_compaction, device))  # fmt: skip
+        return backward_dense(e, c, targets, bias, lse, grad_rows, counted, softcap=softcap, need_e=need_e,
+                              need_c=need_c, need_bias=need_bias)
     filter_e = bool(cfg["bwd_filter_e"])  # 0: dE takes every tile (dense), only dC/dbias are filtered
     # bf16 atomics do not exist in the interpreter; exact mode accumulates in fp32.
     accum_fp32 = exact or (_config.INTERPRET and e.dtype == torch.bfloat16)

@@ -1,10 +1,10 @@
-"""Dense backward: vendor-BLAS products around one fused Triton softmax-gradient kernel.
+"""Dense backward: one Triton kernel recomputes each logit block and turns it into the softmax gradient; vendor-BLAS
+products do dE and dC.
 
 Used when no gradient is filtered (``filter_eps == 0``, the default): then every logit tile contributes
 to dE and dC, tile skipping has nothing to skip, and the tile kernel of ``_backward`` pays for its
-generality (a recompute and two products per tile with atomic adds into dE and dC).  Here the three
-products are plain GEMMs, which cuBLAS runs near the tensor-core peak, and only the elementwise part is
-ours.
+generality (a recompute and two products per tile with atomic adds into dE and dC).  Here the two
+gradient products are plain GEMMs, which cuBLAS runs near the tensor-core peak.
 
 Math
 ----
@@ -20,20 +20,27 @@ Chunking / layout
 The (rows x vocabulary) plane is cut into ``row_chunk x vocab_chunk`` blocks; rows are the outer loop:
 
     for each row chunk R:                          dE32 = zeros(|R|, D) in fp32
+        compact R on the device: its counted rows first, their number in device memory
         for each vocabulary chunk W:
-            raw   = E[R] @ C[W]^T                  cuBLAS, fp32 out (16-bit inputs: ``mm(..., out_dtype)``)
-            G     = _softmax_grad_kernel(raw)      Triton, grid (|R| / BLOCK_R, |W| / BLOCK_C) -> input dtype
+            G     = _recompute_grad_kernel(E[R], C[W])   Triton, grid (|R| / BLOCK_N, |W| / BLOCK_V), input dtype
             dE32 += G @ C[W]                       cuBLAS, fp32 accumulation across chunks
             dC[W] = G^T @ E[R]  (first R)          cuBLAS, written in place; later R: += (one rounding each)
             dbias32[W] += sum_rows G
         dE[R] = dE32
 
-Memory above the outputs: one fp32 block (G overwrites it) plus the fp32 dE rows of one row chunk: with
-8192-row chunks (the default) and 2048 vocabulary entries, 64 MB + 72 MB at D = 2304, whatever N is; longer
-batches pay one extra bf16 rounding of dC per further row chunk.  G is rounded
-to the input dtype before the products, as eager PyTorch does for the logits' gradient.  No atomics, so
-the result is bitwise reproducible (``torch.use_deterministic_algorithms`` uses this path).  Ignored rows
-are not skipped (a cuBLAS product cannot read a device-side row count); they have g = 0.
+``_recompute_grad_kernel`` program (i, j) takes compacted rows ``i*BLOCK_N ...`` of the chunk and vocabulary
+tile j of the block: ``BLOCK_N x BLOCK_V`` logits from ``_tile.logit_tile`` (loop over ``BLOCK_D`` chunks of D),
+the gradient formed in registers, stored once in the input dtype at the rows' own places in G.  A program whose
+rows all lie past the device-side count of counted rows (ignored rows only) computes nothing and stores G = 0
+there (NaN where that row of E, or any of C / bias, is not finite: the pattern eager's log-softmax backward
+gives an ignored row whose log-sum-exp is NaN, through 0 * NaN).  So ignored rows cost no recompute; the cuBLAS products, whose
+sizes the host must know, still run over every row.
+
+Memory above the outputs: one G block in the input dtype plus the fp32 dE rows of one row chunk: with 8192-row
+chunks (the default) and 2048 vocabulary entries, 32 MB + 72 MB at D = 2304 in bf16, whatever N is; longer
+batches pay one extra bf16 rounding of dC per further row chunk.  G is rounded to the input dtype before the
+products, as eager PyTorch does for the logits' gradient.  No atomics, so the result is bitwise reproducible
+(``torch.use_deterministic_algorithms`` uses this path).
 """
 from __future__ import annotations
 
@@ -42,7 +49,53 @@ import triton
 import triton.language as tl
 
 from . import _config
-from ._tile import tanh
+from ._tile import logit_tile, tanh
+
+
+@triton.jit
+def _recompute_grad_kernel(
+    E, C, Bias, Lse, GradRows, Targets, RowOrder, NumCounted, RowPoison, G,
+    n_rows, width, vocab_start, V, D,
+    stride_en, stride_ed, stride_cv, stride_cd, stride_g, softcap,
+    HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, EVEN_D: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """``G[r, c]`` of one (row chunk, vocabulary chunk) block.  Every pointer but C / Bias starts at the chunk's
+    first row; ``RowOrder`` lists the chunk's rows (local indices), counted rows first."""
+    pos = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    in_chunk = pos < n_rows
+    rows = tl.load(RowOrder + pos, mask=in_chunk, other=0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
+    col_mask = cols < width
+    mask = in_chunk[:, None] & col_mask[None, :]
+    g_ptrs = G + rows[:, None] * stride_g + cols[None, :]
+    vocab_ids = tl.minimum(vocab_start + cols, V - 1).to(tl.int64)
+    num_counted = tl.load(NumCounted)
+    # G of an ignored row: 0, or NaN where eager's 0 * NaN puts it: everywhere in a row with a NaN logit (its
+    # log-sum-exp is NaN), i.e. where that row of E, or any of C / bias, is not finite.
+    poison = tl.load(RowPoison + rows, mask=in_chunk, other=0.0)[:, None] + tl.zeros((BLOCK_N, BLOCK_V), tl.float32)
+    if tl.program_id(0) * BLOCK_N >= num_counted:
+        tl.store(g_ptrs, poison.to(G.dtype.element_ty), mask=mask)
+        return
+
+    lse = tl.load(Lse + rows, mask=in_chunk, other=0.0)
+    grad_row = tl.load(GradRows + rows, mask=in_chunk, other=0.0)
+    target = tl.load(Targets + rows, mask=in_chunk, other=-1)
+    logits = logit_tile(
+        E, C, Bias, rows, vocab_ids, D, stride_en, stride_ed, stride_cv, stride_cd, softcap,
+        HAS_BIAS, HAS_SOFTCAP, UPCAST, DOT_PRECISION, EVEN_D, BLOCK_N, BLOCK_V, BLOCK_D,
+    )
+    one_hot = (vocab_start + cols)[None, :] == target[:, None]
+    grad = grad_row[:, None] * (tl.exp(logits - lse[:, None]) - one_hot.to(tl.float32))
+    if HAS_SOFTCAP:
+        capped = logits / softcap
+        grad = grad * (1.0 - capped * capped)
+    # Rows with g = 0 get 0, not g * (p - onehot): an ignored row's lse is 0 and exp(logits) may overflow to
+    # inf.  A NaN / inf logit still gives NaN there, as eager's log-softmax backward does.
+    grad = tl.where(grad_row[:, None] != 0.0, grad, logits * 0.0)
+    grad = tl.where((pos < num_counted)[:, None], grad, poison)
+    tl.store(g_ptrs, grad.to(G.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -95,8 +148,16 @@ def _block(buffer: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
     return buffer[: rows * cols].view(rows, cols)
 
 
-def backward_dense(e, c, targets, bias, lse, grad_rows, *, softcap, need_e, need_c, need_bias):
-    """Launch helper: ``(dE | None, dC | None, dbias | None)``; ``grad_rows`` fp32, 0 at ignored rows."""
+def _poison(rows: torch.Tensor) -> torch.Tensor:
+    """Per row of a 2-D tensor, fp32: 0 where it is finite, NaN where it holds a NaN / inf (0 * x summed); one
+    matrix-vector product, no temporary the size of ``rows``."""
+    zeros = torch.zeros(rows.shape[1], dtype=rows.dtype, device=rows.device)
+    return torch.mv(rows, zeros).float()
+
+
+def backward_dense(e, c, targets, bias, lse, grad_rows, counted, *, softcap, need_e, need_c, need_bias):
+    """Launch helper: ``(dE | None, dC | None, dbias | None)``; ``grad_rows`` fp32, 0 at ignored rows;
+    ``counted``: bool per row, False for the ignored rows (the recompute skips them)."""
     cfg = _config.CONFIG
     n, d = e.shape
     v = c.shape[0]
@@ -112,41 +173,66 @@ def backward_dense(e, c, targets, bias, lse, grad_rows, *, softcap, need_e, need
 
     row_chunk = min(n, cfg["dense_row_chunk"] or n)
     vocab_chunk = min(v, cfg["dense_vocab_chunk"])
-    block_r, block_c = cfg["dense_block_r"], cfg["dense_block_c"]
-    # Raw logits in fp32 (16-bit inputs: straight from cuBLAS through ``mm(..., out_dtype)``), so that
-    # p = exp(z - lse) is formed from logits as precise as the forward's; where no such product exists (the
-    # CPU interpreter) 16-bit operands are upcast.  G is written over the raw logits (see the kernel).
+    triton_recompute = cfg["dense_recompute"] == "triton"
+    # 16-bit products with fp32 results where cuBLAS has them; where no such product exists (the CPU interpreter)
+    # 16-bit operands are upcast.
     sixteen_bit = e.dtype in (torch.bfloat16, torch.float16)
     fp32_out = sixteen_bit and _fp32_out_mm_available(device)
     upcast = sixteen_bit and not fp32_out
     out_dtype = {"out_dtype": torch.float32} if fp32_out else {}  # the products' fp32 results, 16-bit operands
-    raw_buf = torch.empty(row_chunk * vocab_chunk, dtype=torch.float32, device=device)
-    g_view = raw_buf.view(e.dtype) if sixteen_bit else raw_buf  # 16-bit: twice as many elements
-    g_pitch = 2 if sixteen_bit else 1  # G's row stride in units of the chunk width
+    if triton_recompute:
+        g_buf = torch.empty(row_chunk * vocab_chunk, dtype=e.dtype, device=device)
+    else:
+        # cuBLAS raw logits in fp32, G written over them in the input dtype (see _softmax_grad_kernel).
+        raw_buf = torch.empty(row_chunk * vocab_chunk, dtype=torch.float32, device=device)
+        g_view = raw_buf.view(e.dtype) if sixteen_bit else raw_buf  # 16-bit: twice as many elements
+        g_pitch = 2 if sixteen_bit else 1  # G's row stride in units of the chunk width
     de32 = torch.empty((row_chunk, d), dtype=torch.float32, device=device) if need_e else None
     lse = lse.contiguous()
     grad_rows = grad_rows.to(torch.float32).contiguous()
     targets = targets.contiguous()
     softcap_val = float(softcap) if softcap is not None else 1.0
+    if triton_recompute:
+        # 0, or NaN when any of C / bias is not finite (then every logit row holds a NaN)
+        weight_poison = _poison(c).sum() + (0.0 if bias is None else bias.float().sum() * 0.0)
+        block_n, block_v, block_d = cfg["dense_block_n"], cfg["dense_block_v"], cfg["dense_block_d"]
+        dot_upcast = _config.INTERPRET and e.dtype != torch.float32
 
     for r0 in range(0, n, row_chunk):
         rows = min(row_chunk, n - r0)
         e_rows = e[r0 : r0 + rows]
         e_rows_mm = e_rows.float() if upcast else e_rows
         de_rows = de32[:rows] if need_e else None
+        if triton_recompute:
+            row_order, num_counted = _config.compact_counted(counted[r0 : r0 + rows])
+            row_poison = _poison(e_rows) + weight_poison
         for v0 in range(0, v, vocab_chunk):
             width = min(vocab_chunk, v - v0)
             c_chunk = c[v0 : v0 + width]
             c_chunk_mm = c_chunk.float() if upcast else c_chunk
-            raw = _block(raw_buf, rows, width)
-            torch.mm(e_rows_mm, c_chunk_mm.T, out=raw, **out_dtype)
-            grad = _block(g_view, rows, g_pitch * width)[:, :width]
-            _softmax_grad_kernel[(triton.cdiv(rows, block_r),)](
-                raw, grad, bias if bias is not None else raw, lse[r0:], grad_rows[r0:], targets[r0:],
-                rows, width, v0, raw.stride(0), grad.stride(0), softcap_val,
-                HAS_BIAS=bias is not None, HAS_SOFTCAP=softcap is not None, BLOCK_R=block_r, BLOCK_C=block_c,
-                num_warps=4,
-            )
+            if triton_recompute:
+                grad = _block(g_buf, rows, width)
+                grid = (triton.cdiv(rows, block_n), triton.cdiv(width, block_v))
+                _recompute_grad_kernel[grid](
+                    e_rows, c, bias if bias is not None else lse, lse[r0:], grad_rows[r0:], targets[r0:],
+                    row_order, num_counted, row_poison, grad,
+                    rows, width, v0, v, d,
+                    e.stride(0), e.stride(1), c.stride(0), c.stride(1), grad.stride(0), softcap_val,
+                    HAS_BIAS=bias is not None, HAS_SOFTCAP=softcap is not None,
+                    UPCAST=dot_upcast, DOT_PRECISION=_config.dot_precision(e.dtype), EVEN_D=(d % block_d == 0),
+                    BLOCK_N=block_n, BLOCK_V=block_v, BLOCK_D=block_d,
+                    num_warps=cfg["dense_num_warps"], num_stages=cfg["dense_num_stages"],
+                )
+            else:
+                raw = _block(raw_buf, rows, width)
+                torch.mm(e_rows_mm, c_chunk_mm.T, out=raw, **out_dtype)
+                grad = _block(g_view, rows, g_pitch * width)[:, :width]
+                _softmax_grad_kernel[(triton.cdiv(rows, cfg["dense_block_r"]),)](
+                    raw, grad, bias if bias is not None else raw, lse[r0:], grad_rows[r0:], targets[r0:],
+                    rows, width, v0, raw.stride(0), grad.stride(0), softcap_val,
+                    HAS_BIAS=bias is not None, HAS_SOFTCAP=softcap is not None,
+                    BLOCK_R=cfg["dense_block_r"], BLOCK_C=cfg["dense_block_c"], num_warps=4,
+                )
             grad_mm = grad.float() if upcast else grad
             if need_e:
                 torch.addmm(de_rows, grad_mm, c_chunk_mm, beta=0 if v0 == 0 else 1, out=de_rows, **out_dtype)

@@ -46,9 +46,15 @@ _GPU_DEFAULTS = dict(
     flat_row_log2=4,     # rows with max prob < 2**flat_row_log2 * filter_eps get an unfiltered dE
     tail_frac_pct=25,    # ... and rows with more than this % of their mass in sub-eps entries
     bwd_dense=1,         # unfiltered, non-exact backward: cuBLAS products + _backward_dense kernel
-    dense_row_chunk=8192,  # rows per dense block (0: all rows); bounds the fp32 block and dE rows for long batches
+    dense_row_chunk=8192,  # rows per dense block (0: all rows); bounds the G block and dE rows for long batches
     dense_vocab_chunk=2048,
-    dense_block_r=8,
+    dense_recompute="triton",  # "triton": _recompute_grad_kernel; "cublas": fp32 mm + _softmax_grad_kernel
+    dense_block_n=128,   # _recompute_grad_kernel tile
+    dense_block_v=256,
+    dense_block_d=64,
+    dense_num_warps=8,
+    dense_num_stages=3,
+    dense_block_r=8,     # _softmax_grad_kernel ("cublas" recompute)
     dense_block_c=256,
 )
 _INTERPRET_DEFAULTS = dict(
@@ -71,6 +77,12 @@ _INTERPRET_DEFAULTS = dict(
     bwd_dense=1,
     dense_row_chunk=16,
     dense_vocab_chunk=48,
+    dense_recompute="triton",
+    dense_block_n=16,
+    dense_block_v=32,
+    dense_block_d=16,
+    dense_num_warps=4,
+    dense_num_stages=1,
     dense_block_r=8,
     dense_block_c=32,
 )
@@ -151,7 +163,17 @@ def dot_precision(dtype: torch.dtype) -> str:
 def compact_rows(targets: torch.Tensor, ignore_index: int):
     """Device-side compaction: row indices with valid rows first (stable), and the count of valid rows
     as a 1-element int32 device tensor.  No host synchronisation."""
-    ignored = targets == ignore_index
-    row_order = torch.argsort(ignored.to(torch.int8), stable=True)
-    num_valid = (~ignored).sum(dtype=torch.int32).reshape(1)
-    return row_order, num_valid
+    return compact_counted(targets != ignore_index)
+
+
+def compact_counted(counted: torch.Tensor):
+    """:func:`compact_rows` for a boolean mask of the rows that count."""
+    row_order = torch.argsort((~counted).to(torch.int8), stable=True)
+    return row_order, counted.sum(dtype=torch.int32).reshape(1)
+
+
+def counted_mask(n: int, row_compaction, device: torch.device) -> torch.Tensor:
+    """The boolean mask of counted rows that a ``(row_order, num_valid)`` compaction describes (device ops)."""
+    row_order, num_valid = row_compaction
+    counted = torch.zeros(n, dtype=torch.bool, device=device)
+    return counted.index_put_((row_order,), torch.arange(n, device=device) < num_valid)

@@ -509,3 +509,45 @@ def test_targets_outside_the_vocabulary_read_nothing(device, mode):
     with_eps = mode == "filter"
     assert rel(de, grad @ c.double().cpu()) < (5e-2 if with_eps else 1e-5)
     assert rel(dc, grad.T @ e.double().cpu()) < (5e-2 if with_eps else 1e-5)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_dense_backward_skips_ignored_rows_keeps_eager_nan_pattern(device):
+    """The dense backward's recompute skips whole row blocks of ignored rows (compacted on the device) and
+    partly ignored blocks alike; the gradients still match the fp64 reference.  NaN lands where eager's
+    log-softmax backward puts it through 0 * NaN: an ignored row of E holding a NaN -> dE of that row and all
+    of dC / dbias; a NaN in C with every row ignored -> everything (each row's log-sum-exp is NaN).  The cuBLAS recompute
+    variant agrees on finite inputs."""
+    _device_ok(device)
+    n, v, d = 53, 150, 24
+    e, c, targets, b = make_inputs(n, v, d, torch.float32, device, bias=True, seed=11)
+    targets[10:40] = IGNORE  # whole compacted blocks of ignored rows at any block size <= 16
+    g = mean_grad_rows(targets).to(device)
+
+    def grads(e_in, c_in, recompute="triton", targets=targets, g=g):
+        lse, _, _ = K.forward(e_in, c_in, targets, b, softcap=None, ignore_index=IGNORE, vocab_sort=False,
+                              summaries=False)
+        with K.override_config(dense_recompute=recompute):
+            return K.backward(e_in, c_in, targets, b, lse, torch.empty(0, device=device), g, softcap=None,
+                              ignore_index=IGNORE, filter_eps=0.0, vocab_sort=False, exact=False, need_e=True,
+                              need_c=True, need_bias=True)
+
+    got = grads(e, c)
+    _, _, de_r, dc_r, db_r = reference(e, c, targets, b, g, None)
+    for x, ref in zip(got, (de_r, dc_r, db_r)):
+        assert rel(x, ref) < 1e-5
+    for x, y in zip(got, grads(e, c, "cublas")):
+        assert rel(x, y) < 1e-6
+
+    e_nan = e.clone()
+    e_nan[20, 3] = float("nan")  # an ignored row
+    de, dc, db = grads(e_nan, c)
+    assert de.isnan().any(dim=1).nonzero().flatten().tolist() == [20]
+    assert dc.isnan().all() and db.isnan().all()
+    de, dc, db = grads(e, c)
+    assert not (de.isnan().any() or dc.isnan().any() or db.isnan().any())
+    c_nan = c.clone()
+    c_nan[7, 0] = float("nan")
+    none_counted = torch.full_like(targets, IGNORE)
+    de, dc, db = grads(e, c_nan, "triton", none_counted, torch.zeros_like(g))
+    assert de.isnan().all() and dc.isnan().all() and db.isnan().all()
