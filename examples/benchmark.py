@@ -233,7 +233,13 @@ def _parse_cfg(text):
     cfg = {}
     for kv in filter(None, text.split(",")):
         key, val = kv.split("=")
-        cfg[key] = int(val) if key not in ("eps",) else float(val)
+        if key == "eps":
+            cfg[key] = float(val)
+        else:
+            try:
+                cfg[key] = int(val)
+            except ValueError:
+                cfg[key] = val  # e.g. dense_recompute=cublas
     return cfg
 
 
@@ -241,7 +247,7 @@ def sweep(args):
     """Time the kernels called directly under several configs (``--sweep "k=v,k=v;k=v"``).
 
     Each config may set kernel CONFIG keys plus ``eps`` (filter_eps; -1 = default), ``sort`` (0/1), ``exact``,
-    ``need_e``/``need_c`` (0/1).  Prints forward ms, backward ms (given that forward) and gradient errors
+    ``need_e``/``need_c`` (0/1), ``summ`` (0/1: forward summaries; default: as the op, only when filtering).  Prints forward ms, backward ms (given that forward) and gradient errors
     against the fp32 reference."""
     import triton
     from cce_inductor import kernels as K
@@ -265,9 +271,11 @@ def sweep(args):
                 need_e = bool(cfg.pop("need_e", 1))
                 need_c = bool(cfg.pop("need_c", 1))
                 fwd_only = bool(cfg.pop("fwd_only", 0))
+                summaries = bool(cfg.pop("summ", int(eps > 0 and not exact)))  # as the op asks for them
                 try:
                     with K.override_config(**cfg):
-                        fwd = lambda: K.forward(e, c, t, None, softcap=None, ignore_index=IGNORE, vocab_sort=sort)  # noqa: E731
+                        fwd = lambda: K.forward(e, c, t, None, softcap=None, ignore_index=IGNORE,  # noqa: E731
+                                                vocab_sort=sort, summaries=summaries)
                         lse, tgt, aux = fwd()
                         f_ms = triton.testing.do_bench(fwd, warmup=args.warmup, rep=args.rep, return_mode="median")
                         line = f"  {text:60s} fwd {f_ms:7.2f} ms ({f_ms / mm:.2f}x mm)"
@@ -324,9 +332,7 @@ def main():
             print(f"custom op not importable ({exc!r}); calling the kernels directly", file=sys.stderr)
             direct = True
     if args.config:
-        for kv in args.config.split(","):
-            key, val = kv.split("=")
-            K.CONFIG[key] = int(val)
+        K.CONFIG.update(_parse_cfg(args.config))
     dev_name = torch.cuda.get_device_name()
     print(f"# device {dev_name}, torch {torch.__version__}, triton {__import__('triton').__version__}, "
           f"path {'direct kernels' if direct else 'cce_inductor.linear_cross_entropy'}, config {K.CONFIG}")
@@ -337,6 +343,8 @@ def main():
         "compile": (compiled, {}),
         "cce": (cce_fn(direct, False, False, filter_eps=0.0), {}),  # the op's defaults: no filtering
         "cce_tile": (cce_fn(direct, False, False, filter_eps=0.0), {"bwd_dense": 0}),  # ... through the tile kernel
+        # ... with the dense backward's logits from cuBLAS (fp32 out) and a separate softmax-gradient kernel
+        "cce_cublas": (cce_fn(direct, False, False, filter_eps=0.0), {"dense_recompute": "cublas"}),
         "cce_filter": (cce_fn(direct, False, False), {}),  # the paper's threshold (filter_eps="auto")
         "cce_filter_sort": (cce_fn(direct, True, False), {}),
         "cce_exact": (cce_fn(direct, False, True), {}),

@@ -196,6 +196,7 @@ def backward_dense(e, c, targets, bias, lse, grad_rows, counted, *, softcap, nee
         # 0, or NaN when any of C / bias is not finite (then every logit row holds a NaN)
         weight_poison = _poison(c).sum() + (0.0 if bias is None else bias.float().sum() * 0.0)
         block_n, block_v, block_d = cfg["dense_block_n"], cfg["dense_block_v"], cfg["dense_block_d"]
+        num_stages = _config.fit_num_stages(cfg["dense_num_stages"], block_n, block_v, block_d, e.element_size())
         dot_upcast = _config.INTERPRET and e.dtype != torch.float32
 
     for r0 in range(0, n, row_chunk):
@@ -221,7 +222,7 @@ def backward_dense(e, c, targets, bias, lse, grad_rows, counted, *, softcap, nee
                     HAS_BIAS=bias is not None, HAS_SOFTCAP=softcap is not None,
                     UPCAST=dot_upcast, DOT_PRECISION=_config.dot_precision(e.dtype), EVEN_D=(d % block_d == 0),
                     BLOCK_N=block_n, BLOCK_V=block_v, BLOCK_D=block_d,
-                    num_warps=cfg["dense_num_warps"], num_stages=cfg["dense_num_stages"],
+                    num_warps=cfg["dense_num_warps"], num_stages=num_stages,
                 )
             else:
                 raw = _block(raw_buf, rows, width)
@@ -234,15 +235,22 @@ def backward_dense(e, c, targets, bias, lse, grad_rows, counted, *, softcap, nee
                     BLOCK_R=cfg["dense_block_r"], BLOCK_C=cfg["dense_block_c"], num_warps=4,
                 )
             grad_mm = grad.float() if upcast else grad
+            # First products write with mm, later ones accumulate with addmm: never beta=0 over uninitialised
+            # memory (an addmm may form beta * input, 0 * NaN = NaN).
             if need_e:
-                torch.addmm(de_rows, grad_mm, c_chunk_mm, beta=0 if v0 == 0 else 1, out=de_rows, **out_dtype)
+                if v0 == 0:
+                    torch.mm(grad_mm, c_chunk_mm, out=de_rows, **out_dtype)
+                else:
+                    torch.addmm(de_rows, grad_mm, c_chunk_mm, out=de_rows, **out_dtype)
             if need_c:
                 dc_chunk = dc_out[v0 : v0 + width]
                 if upcast:
                     update = grad_mm.T @ e_rows_mm
                     dc_chunk.copy_(update if r0 == 0 else dc_chunk.float() + update)
+                elif r0 == 0:
+                    torch.mm(grad.T, e_rows, out=dc_chunk)
                 else:
-                    torch.addmm(dc_chunk, grad.T, e_rows, beta=0 if r0 == 0 else 1, out=dc_chunk)
+                    torch.addmm(dc_chunk, grad.T, e_rows, out=dc_chunk)
             if need_bias:
                 dbias32[v0 : v0 + width] += grad.sum(dim=0, dtype=torch.float32)
         if need_e:

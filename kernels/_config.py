@@ -53,7 +53,7 @@ _GPU_DEFAULTS = dict(
     dense_block_v=256,
     dense_block_d=64,
     dense_num_warps=8,
-    dense_num_stages=3,
+    dense_num_stages=4,
     dense_block_r=8,     # _softmax_grad_kernel ("cublas" recompute)
     dense_block_c=256,
 )
@@ -153,6 +153,21 @@ def _cuda_sms(index: int) -> int:
     if index not in _SM_CACHE:
         _SM_CACHE[index] = torch.cuda.get_device_properties(index).multi_processor_count
     return _SM_CACHE[index]
+
+
+# Shared memory a software-pipelined tile loop may take for its operand buffers (Hopper: 227 KB per block;
+# leave room for the compiler's own scratch).
+_PIPELINE_SMEM_BYTES = 200 * 1024
+
+
+def fit_num_stages(num_stages: int, block_rows: int, block_cols: int, block_d: int, element_size: int) -> int:
+    """``num_stages`` lowered until the operand buffers fit: a loop pipelined over ``num_stages`` keeps
+    ``num_stages - 1`` pairs of ``block_rows x block_d`` and ``block_cols x block_d`` tiles in shared memory
+    (fp32 inputs need twice what 16-bit ones do)."""
+    per_stage = (block_rows + block_cols) * block_d * element_size
+    while num_stages > 2 and (num_stages - 1) * per_stage > _PIPELINE_SMEM_BYTES:
+        num_stages -= 1
+    return num_stages
 
 
 def dot_precision(dtype: torch.dtype) -> str:

@@ -266,7 +266,8 @@ def forward(e, c, targets, bias, *, softcap, ignore_index, vocab_sort, summaries
         TAIL_MASS=summaries, WRITE_TILE_MAX=summaries and not vocab_sort, WRITE_VOCAB_SUM=summaries and vocab_sort,
         UPCAST=upcast, DOT_PRECISION=_config.dot_precision(e.dtype), EVEN_D=(d % block_d == 0),
         BLOCK_N=tile_n, BLOCK_V=block_v, TILE_V=tile_v, BLOCK_D=block_d, FLATTEN=bool(cfg["fwd_flatten"]),
-        num_warps=cfg["fwd_num_warps"], num_stages=cfg["fwd_num_stages"],
+        num_warps=cfg["fwd_num_warps"],
+        num_stages=_config.fit_num_stages(cfg["fwd_num_stages"], tile_n, block_v, block_d, e.element_size()),
     )
     combine_block = 256
     _combine_kernel[(triton.cdiv(n, combine_block),)](

@@ -551,3 +551,15 @@ def test_dense_backward_skips_ignored_rows_keeps_eager_nan_pattern(device):
     none_counted = torch.full_like(targets, IGNORE)
     de, dc, db = grads(e, c_nan, "triton", none_counted, torch.zeros_like(g))
     assert de.isnan().all() and dc.isnan().all() and db.isnan().all()
+
+
+def test_pipeline_depth_fits_shared_memory():
+    """fp32 operands take twice the shared memory of 16-bit ones: the dense recompute's default depth (4 stages
+    of 128 x 64 + 256 x 64 tiles) fits in bf16 but would need 288 KB in fp32 (seen failing on an H200), so it is
+    lowered there."""
+    from cce_inductor.kernels._config import fit_num_stages
+
+    assert fit_num_stages(4, 128, 256, 64, 2) == 4
+    assert fit_num_stages(4, 128, 256, 64, 4) == 3
+    assert fit_num_stages(3, 128, 256, 64, 4) == 3
+    assert fit_num_stages(2, 512, 512, 256, 4) == 2  # never below double buffering
