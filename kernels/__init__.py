@@ -11,10 +11,11 @@ Interface used by the custom op:
 
 with ``logits[n, v] = softcap * tanh((e[n] . c[v] + bias[v]) / softcap)`` (no tanh without softcap).
 Kernel files: ``_tile`` (shared logit-tile helper), ``_forward`` (lse / target logit / aux),
-``_backward`` (tile backward: gradient filtering, exact mode), ``_backward_dense`` (the unfiltered default:
-cuBLAS products around a softmax-gradient kernel, chosen by ``backward`` when ``filter_eps == 0`` and not
-``exact``); ``_config`` holds block sizes (``override_config``) and the aux layout.
-No host synchronisation: ignored rows are compacted on the device and the tile kernels read the count.
+``_backward`` (tile backward: gradient filtering, exact mode), ``_backward_dense`` (the unfiltered default: a
+Triton kernel recomputes each logit block into the softmax gradient, cuBLAS does dE and dC; chosen by
+``backward`` when ``filter_eps == 0`` and not ``exact``); ``_config`` holds block sizes (``override_config``)
+and the aux layout.
+No host synchronisation: ignored rows are compacted on the device and the kernels read the count.
 """
 from ._backward import backward
 from ._config import CONFIG, INTERPRET, aux_spec, default_filter_eps, override_config

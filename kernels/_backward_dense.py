@@ -36,6 +36,10 @@ there (NaN where that row of E, or any of C / bias, is not finite: the pattern e
 gives an ignored row whose log-sum-exp is NaN, through 0 * NaN).  So ignored rows cost no recompute; the cuBLAS products, whose
 sizes the host must know, still run over every row.
 
+``dense_recompute="cublas"`` (config) is the previous variant, kept for comparison (``examples/benchmark.py``
+method ``cce_cublas``): cuBLAS writes the raw logits in fp32 and ``_softmax_grad_kernel`` writes G over them; it is
+a few % faster on some heads without ignored rows, skips no ignored row and needs a 2x larger block.
+
 Memory above the outputs: one G block in the input dtype plus the fp32 dE rows of one row chunk: with 8192-row
 chunks (the default) and 2048 vocabulary entries, 32 MB + 72 MB at D = 2304 in bf16, whatever N is; longer
 batches pay one extra bf16 rounding of dC per further row chunk.  G is rounded to the input dtype before the
