@@ -563,3 +563,39 @@ def test_pipeline_depth_fits_shared_memory():
     assert fit_num_stages(4, 128, 256, 64, 4) == 3
     assert fit_num_stages(3, 128, 256, 64, 4) == 3
     assert fit_num_stages(2, 512, 512, 256, 4) == 2  # never below double buffering
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_dense_backward_counts_rows_the_caller_compaction_counts(device):
+    """The vocabulary-parallel loss hands the kernels local target codes where a row whose target another shard
+    holds carries the ignore code, and a compaction from its own codes that counts that row: such a row has no
+    one-hot term here but must still get its softmax gradient (the dense recompute must not skip it)."""
+    _device_ok(device)
+    n, v, d = 40, 120, 24
+    e, c, targets, _ = make_inputs(n, v, d, torch.float32, device, seed=9)
+    local_ignore = -1
+    shard_codes = targets.clone()
+    shard_codes[::3] = -2  # target on another shard: counts, no one-hot here
+    shard_codes[1::5] = local_ignore  # ignored everywhere
+    local_targets = torch.where(shard_codes >= 0, shard_codes, local_ignore)
+    compaction = K._config.compact_rows(shard_codes, local_ignore)
+    counted = shard_codes != local_ignore
+    g = (torch.rand(n, generator=torch.Generator().manual_seed(2)).to(device) + 0.5) * counted
+    lse, _, _ = K.forward(e, c, shard_codes, None, softcap=None, ignore_index=local_ignore, vocab_sort=False,
+                          summaries=False, row_compaction=compaction)
+    de, dc, _ = K.backward(e, c, local_targets, None, lse, torch.empty(0, device=device), g, softcap=None,
+                           ignore_index=local_ignore, filter_eps=0.0, vocab_sort=False, exact=False, need_e=True,
+                           need_c=True, need_bias=False, row_compaction=compaction)
+    logits = e.double().cpu() @ c.double().cpu().T
+    grad = torch.softmax(logits, dim=-1)
+    t = local_targets.cpu()
+    here = t >= 0
+    grad[here.nonzero()[:, 0], t[here]] -= 1.0
+    grad *= g.double().cpu()[:, None]
+    assert rel(de, grad @ c.double().cpu()) < 1e-5
+    assert rel(dc, grad.T @ e.double().cpu()) < 1e-5
+    # without the caller's compaction the "elsewhere" rows would be skipped: the test has teeth
+    de_skip, _, _ = K.backward(e, c, local_targets, None, lse, torch.empty(0, device=device), g, softcap=None,
+                               ignore_index=local_ignore, filter_eps=0.0, vocab_sort=False, exact=False,
+                               need_e=True, need_c=False, need_bias=False)
+    assert rel(de_skip, grad @ c.double().cpu()) > 1e-2
