@@ -53,7 +53,7 @@ import triton
 import triton.language as tl
 
 from . import _config
-from ._tile import logit_tile, tanh
+from ._tile import logit_tile, softmax_grad, tanh
 
 
 @triton.jit
@@ -77,10 +77,12 @@ def _recompute_grad_kernel(
     vocab_ids = tl.minimum(vocab_start + cols, V - 1).to(tl.int64)
     num_counted = tl.load(NumCounted)
     # G of an ignored row: 0, or NaN where eager's 0 * NaN puts it: everywhere in a row with a NaN logit (its
-    # log-sum-exp is NaN), i.e. where that row of E, or any of C / bias, is not finite.
-    poison = tl.load(RowPoison + rows, mask=in_chunk, other=0.0)[:, None] + tl.zeros((BLOCK_N, BLOCK_V), tl.float32)
+    # log-sum-exp is NaN), i.e. where that row of E, or any of C / bias, is not finite.  (A per-row vector, so
+    # nothing tile-sized stays live across the logit loop.)
+    poison = tl.load(RowPoison + rows, mask=in_chunk, other=0.0)
     if tl.program_id(0) * BLOCK_N >= num_counted:
-        tl.store(g_ptrs, poison.to(G.dtype.element_ty), mask=mask)
+        tl.store(g_ptrs, (poison[:, None] + tl.zeros((BLOCK_N, BLOCK_V), tl.float32)).to(G.dtype.element_ty),
+                 mask=mask)
         return
 
     lse = tl.load(Lse + rows, mask=in_chunk, other=0.0)
@@ -90,15 +92,8 @@ def _recompute_grad_kernel(
         E, C, Bias, rows, vocab_ids, D, stride_en, stride_ed, stride_cv, stride_cd, softcap,
         HAS_BIAS, HAS_SOFTCAP, UPCAST, DOT_PRECISION, EVEN_D, BLOCK_N, BLOCK_V, BLOCK_D,
     )
-    one_hot = (vocab_start + cols)[None, :] == target[:, None]
-    grad = grad_row[:, None] * (tl.exp(logits - lse[:, None]) - one_hot.to(tl.float32))
-    if HAS_SOFTCAP:
-        capped = logits / softcap
-        grad = grad * (1.0 - capped * capped)
-    # Rows with g = 0 get 0, not g * (p - onehot): an ignored row's lse is 0 and exp(logits) may overflow to
-    # inf.  A NaN / inf logit still gives NaN there, as eager's log-softmax backward does.
-    grad = tl.where(grad_row[:, None] != 0.0, grad, logits * 0.0)
-    grad = tl.where((pos < num_counted)[:, None], grad, poison)
+    grad = softmax_grad(logits, lse, grad_row, target, vocab_start + cols, softcap, HAS_SOFTCAP)
+    grad = tl.where((pos < num_counted)[:, None], grad, poison[:, None])
     tl.store(g_ptrs, grad.to(G.dtype.element_ty), mask=mask)
 
 
@@ -127,18 +122,10 @@ def _softmax_grad_kernel(
         raw = tl.load(Raw + rows64[:, None] * stride_raw + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         if HAS_BIAS:
             raw += tl.load(Bias + vocab_start + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+        logits = raw
         if HAS_SOFTCAP:
-            capped = tanh(raw / softcap)
-            logits = softcap * capped
-        else:
-            logits = raw
-        one_hot = (vocab_start + cols)[None, :] == target[:, None]
-        grad = grad_row[:, None] * (tl.exp(logits - lse[:, None]) - one_hot.to(tl.float32))
-        if HAS_SOFTCAP:
-            grad = grad * (1.0 - capped * capped)
-        # Rows with g = 0 (ignored) get 0, not g * (p - onehot): their lse is 0 from the forward and exp(logits)
-        # may overflow to inf.  A NaN / inf logit still gives NaN there, as eager's log-softmax backward does.
-        grad = tl.where(grad_row[:, None] != 0.0, grad, logits * 0.0)
+            logits = softcap * tanh(raw / softcap)
+        grad = softmax_grad(logits, lse, grad_row, target, vocab_start + cols, softcap, HAS_SOFTCAP)
         tl.store(G + rows64[:, None] * stride_g + cols[None, :], grad.to(G.dtype.element_ty), mask=mask)
 
 

@@ -1,4 +1,4 @@
-"""Device helpers shared by the forward and backward kernels: one logit tile.
+"""Device helpers shared by the forward and backward kernels: one logit tile, and its softmax gradient.
 
 For a block of ``BLOCK_N`` rows (row indices ``rows``, int64) and ``BLOCK_V`` vocabulary entries
 (``vocab_ids``, int64, already clamped into ``[0, V)``) the tile is
@@ -81,3 +81,18 @@ def target_raw_logit(E, C, Bias, row, target, D, stride_en, stride_ed, stride_cv
     if HAS_BIAS:
         logit += tl.load(Bias + target).to(tl.float32)
     return logit
+
+
+@triton.jit
+def softmax_grad(logits, lse, grad_row, target, vocab_ids, softcap, HAS_SOFTCAP: tl.constexpr):
+    """The gradient w.r.t. the raw logits of a ``rows x cols`` tile, from its (softcapped) ``logits``:
+    ``g * (exp(logits - lse) - [col == target]) * (1 - (logits / softcap)^2)`` (no last factor without softcap).
+
+    Rows with g = 0 get 0, not g * (p - onehot): an ignored row's lse is 0 and exp(logits) may overflow to inf.
+    A NaN / inf logit still gives NaN there (``logits * 0``), as eager's log-softmax backward does."""
+    one_hot = vocab_ids[None, :] == target[:, None]
+    grad = grad_row[:, None] * (tl.exp(logits - lse[:, None]) - one_hot.to(tl.float32))
+    if HAS_SOFTCAP:
+        capped = logits / softcap
+        grad = grad * (1.0 - capped * capped)
+    return tl.where(grad_row[:, None] != 0.0, grad, logits * 0.0)
