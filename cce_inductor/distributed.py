@@ -171,15 +171,10 @@ def vocab_shard_backward(
         grad_bias = None if bias is None else torch.zeros_like(bias)
     elif use_kernels:
         kernels = ops._kernels()
-        if exact:
-            eps = 0.0
-        elif filter_eps == ops.AUTO_FILTER_EPS:
-            eps = kernels.default_filter_eps(e.dtype)
-        else:
-            eps = filter_eps
         grad_e, grad_c, grad_bias = kernels.backward(
             e, c, _local_codes(shard_targets), bias, lse.float(), aux, grad_rows.float(),
-            softcap=cap, ignore_index=_LOCAL_IGNORED, filter_eps=eps, vocab_sort=vocab_sort, exact=exact,
+            softcap=cap, ignore_index=_LOCAL_IGNORED, filter_eps=ops.kernel_filter_eps(filter_eps, exact, e.dtype),
+            vocab_sort=vocab_sort, exact=exact,
             need_e=need_e, need_c=need_c, need_bias=need_bias,
             row_compaction=kernels._config.compact_rows(shard_targets, _LOCAL_IGNORED),
         )  # fmt: skip

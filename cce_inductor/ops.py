@@ -61,6 +61,15 @@ def _backward_filters(filter_eps: float, exact: bool) -> bool:
     return filter_eps != 0.0 and not exact
 
 
+def kernel_filter_eps(filter_eps: float, exact: bool, dtype: torch.dtype) -> float:
+    """The threshold the kernels' backward gets: 0 in exact mode and under ``torch.use_deterministic_algorithms``
+    (the filtering tile kernel adds with atomics; unfiltered, the dense path is reproducible), the per-dtype
+    default for ``AUTO_FILTER_EPS``, else the user's value."""
+    if exact or torch.are_deterministic_algorithms_enabled():
+        return 0.0
+    return _kernels().default_filter_eps(dtype) if filter_eps == AUTO_FILTER_EPS else filter_eps
+
+
 def _aux_spec(n_rows, vocab, device: torch.device, dtype: torch.dtype, vocab_sort: bool, summaries: bool):
     if uses_kernels(device, dtype):
         return _kernels().aux_spec(n_rows, vocab, vocab_sort, summaries)
@@ -222,13 +231,10 @@ def _backward_impl(grad_loss, e, c, targets, bias, lse, aux, softcap, ignore_ind
     # (plain products, no atomics), or for exact mode from the chunked path.
     deterministic = torch.are_deterministic_algorithms_enabled()
     if uses_kernels(e.device, e.dtype) and e.shape[0] > 0 and not (deterministic and exact):
-        kernels = _kernels()
-        eps = 0.0 if exact else (kernels.default_filter_eps(e.dtype) if filter_eps == AUTO_FILTER_EPS else filter_eps)
-        if deterministic:
-            eps = 0.0
-        grad_e, grad_c, grad_bias = kernels.backward(
+        grad_e, grad_c, grad_bias = _kernels().backward(
             e, c, targets, bias, lse, aux, grad_rows.float(),
-            softcap=cap, ignore_index=ignore_index, filter_eps=eps, vocab_sort=vocab_sort, exact=exact,
+            softcap=cap, ignore_index=ignore_index, filter_eps=kernel_filter_eps(filter_eps, exact, e.dtype),
+            vocab_sort=vocab_sort, exact=exact,
             need_e=need_e, need_c=need_c, need_bias=need_bias,
         )  # fmt: skip
     else:
