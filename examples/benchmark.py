@@ -7,8 +7,10 @@ Methods (each timed as loss only = "fwd" and loss + gradients = "fwdbwd"):
     eager      F.cross_entropy(F.linear(e, c).float(), t)
     compile    torch.compile of the same function
     cce        cce_inductor.linear_cross_entropy with its defaults (no gradient filtering: the dense backward,
-               cuBLAS products + a Triton softmax-gradient kernel) -- or, with --direct or when the op is not
+               a Triton recompute of the softmax gradient + cuBLAS products) -- or, with --direct or when the op is not
                importable, the kernels called directly through a small autograd.Function
+    cce_cublas the same with the recompute's logits from cuBLAS (fp32) and a separate softmax-gradient kernel
+    cce_rowskip the same with the dE / dC products in Triton, which skip the ignored rows (dense_products=triton)
     cce_tile   the same through the tile kernel (kernel config bwd_dense=0; the previous default path)
     cce_filter filter_eps="auto" (the paper's 2^-12 for bf16), vocab_sort=False (tiles skipped from the
                forward's per-tile max, no recompute)
@@ -345,6 +347,8 @@ def main():
         "cce_tile": (cce_fn(direct, False, False, filter_eps=0.0), {"bwd_dense": 0}),  # ... through the tile kernel
         # ... with the dense backward's logits from cuBLAS (fp32 out) and a separate softmax-gradient kernel
         "cce_cublas": (cce_fn(direct, False, False, filter_eps=0.0), {"dense_recompute": "cublas"}),
+        # ... with the dE / dC products in Triton, skipping the ignored rows (kernels/_products.py)
+        "cce_rowskip": (cce_fn(direct, False, False, filter_eps=0.0), {"dense_products": "triton"}),
         "cce_filter": (cce_fn(direct, False, False), {}),  # the paper's threshold (filter_eps="auto")
         "cce_filter_sort": (cce_fn(direct, True, False), {}),
         "cce_exact": (cce_fn(direct, False, True), {}),

@@ -52,7 +52,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import _config
+from . import _config, _products
 from ._tile import logit_tile, softmax_grad, tanh
 
 
@@ -61,19 +61,23 @@ def _recompute_grad_kernel(
     E, C, Bias, Lse, GradRows, Targets, RowOrder, NumCounted, RowPoison, G,
     n_rows, width, vocab_start, V, D,
     stride_en, stride_ed, stride_cv, stride_cd, stride_g, softcap,
-    HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, COMPACT_G: tl.constexpr,
     UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, EVEN_D: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """``G[r, c]`` of one (row chunk, vocabulary chunk) block.  Every pointer but C / Bias starts at the chunk's
-    first row; ``RowOrder`` lists the chunk's rows (local indices), counted rows first."""
+    first row; ``RowOrder`` lists the chunk's rows (local indices), counted rows first.  G's row of local row
+    ``RowOrder[p]`` is p (``COMPACT_G``, for the ``_products`` kernels) or the row itself (for cuBLAS products)."""
     pos = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     in_chunk = pos < n_rows
     rows = tl.load(RowOrder + pos, mask=in_chunk, other=0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
     col_mask = cols < width
     mask = in_chunk[:, None] & col_mask[None, :]
-    g_ptrs = G + rows[:, None] * stride_g + cols[None, :]
+    if COMPACT_G:
+        g_ptrs = G + pos.to(tl.int64)[:, None] * stride_g + cols[None, :]
+    else:
+        g_ptrs = G + rows[:, None] * stride_g + cols[None, :]
     vocab_ids = tl.minimum(vocab_start + cols, V - 1).to(tl.int64)
     num_counted = tl.load(NumCounted)
     # G of an ignored row: 0, or NaN where eager's 0 * NaN puts it: everywhere in a row with a NaN logit (its
@@ -165,14 +169,21 @@ def backward_dense(e, c, targets, bias, lse, grad_rows, counted, *, softcap, nee
     row_chunk = min(n, cfg["dense_row_chunk"] or n)
     vocab_chunk = min(v, cfg["dense_vocab_chunk"])
     triton_recompute = cfg["dense_recompute"] == "triton"
+    # Triton products (``_products``: skip the ignored rows) where the tensor-memory accelerator can read C
+    triton_products = (triton_recompute and cfg["dense_products"] == "triton" and _products.tma_ok(c)
+                       and (d * e.element_size()) % 16 == 0)
     # 16-bit products with fp32 results where cuBLAS has them; where no such product exists (the CPU interpreter)
     # 16-bit operands are upcast.
     sixteen_bit = e.dtype in (torch.bfloat16, torch.float16)
     fp32_out = sixteen_bit and _fp32_out_mm_available(device)
     upcast = sixteen_bit and not fp32_out
     out_dtype = {"out_dtype": torch.float32} if fp32_out else {}  # the products' fp32 results, 16-bit operands
+    if triton_products:
+        upcast = False  # no cuBLAS product runs (the interpreter's Triton products upcast inside)
+    # G's row pitch: its width, padded for the Triton products to 16-byte aligned rows
+    g_row_pitch = -(-vocab_chunk * e.element_size() // 16) * 16 // e.element_size() if triton_products else None
     if triton_recompute:
-        g_buf = torch.empty(row_chunk * vocab_chunk, dtype=e.dtype, device=device)
+        g_buf = torch.empty(row_chunk * (g_row_pitch or vocab_chunk), dtype=e.dtype, device=device)
     else:
         # cuBLAS raw logits in fp32, G written over them in the input dtype (see _softmax_grad_kernel).
         raw_buf = torch.empty(row_chunk * vocab_chunk, dtype=torch.float32, device=device)
@@ -196,21 +207,26 @@ def backward_dense(e, c, targets, bias, lse, grad_rows, counted, *, softcap, nee
         e_rows_mm = e_rows.float() if upcast else e_rows
         de_rows = de32[:rows] if need_e else None
         if triton_recompute:
-            row_order, num_counted = _config.compact_counted(counted[r0 : r0 + rows])
+            counted_rows = counted[r0 : r0 + rows]
+            row_order, num_counted = _config.compact_counted(counted_rows)
             row_poison = _poison(e_rows) + weight_poison
+            if triton_products and need_c:
+                e_compact = e_rows.index_select(0, row_order)
+                # what eager's dC receives from the ignored rows: 0, or NaN if any of them is poisoned
+                ignored_poison = torch.where(counted_rows, 0.0, row_poison).sum().reshape(1)
         for v0 in range(0, v, vocab_chunk):
             width = min(vocab_chunk, v - v0)
             c_chunk = c[v0 : v0 + width]
             c_chunk_mm = c_chunk.float() if upcast else c_chunk
             if triton_recompute:
-                grad = _block(g_buf, rows, width)
+                grad = _block(g_buf, rows, g_row_pitch)[:, :width] if triton_products else _block(g_buf, rows, width)
                 grid = (triton.cdiv(rows, block_n), triton.cdiv(width, block_v))
                 _recompute_grad_kernel[grid](
                     e_rows, c, bias if bias is not None else lse, lse[r0:], grad_rows[r0:], targets[r0:],
                     row_order, num_counted, row_poison, grad,
                     rows, width, v0, v, d,
                     e.stride(0), e.stride(1), c.stride(0), c.stride(1), grad.stride(0), softcap_val,
-                    HAS_BIAS=bias is not None, HAS_SOFTCAP=softcap is not None,
+                    HAS_BIAS=bias is not None, HAS_SOFTCAP=softcap is not None, COMPACT_G=triton_products,
                     UPCAST=dot_upcast, DOT_PRECISION=_config.dot_precision(e.dtype), EVEN_D=(d % block_d == 0),
                     BLOCK_N=block_n, BLOCK_V=block_v, BLOCK_D=block_d,
                     num_warps=cfg["dense_num_warps"], num_stages=num_stages,
@@ -225,6 +241,15 @@ def backward_dense(e, c, targets, bias, lse, grad_rows, counted, *, softcap, nee
                     HAS_BIAS=bias is not None, HAS_SOFTCAP=softcap is not None,
                     BLOCK_R=cfg["dense_block_r"], BLOCK_C=cfg["dense_block_c"], num_warps=4,
                 )
+            if need_bias:
+                dbias32[v0 : v0 + width] += grad.sum(dim=0, dtype=torch.float32)
+            if triton_products:
+                if need_e:
+                    _products.grad_e(grad, c_chunk, de_rows, row_order, num_counted, row_poison, accumulate=v0 > 0)
+                if need_c:
+                    _products.grad_c(grad, e_compact, dc_out[v0 : v0 + width], num_counted, ignored_poison,
+                                     accumulate=r0 > 0)
+                continue
             grad_mm = grad.float() if upcast else grad
             # First products write with mm, later ones accumulate with addmm: never beta=0 over uninitialised
             # memory (an addmm may form beta * input, 0 * NaN = NaN).
@@ -242,8 +267,6 @@ def backward_dense(e, c, targets, bias, lse, grad_rows, counted, *, softcap, nee
                     torch.mm(grad.T, e_rows, out=dc_chunk)
                 else:
                     torch.addmm(dc_chunk, grad.T, e_rows, out=dc_chunk)
-            if need_bias:
-                dbias32[v0 : v0 + width] += grad.sum(dim=0, dtype=torch.float32)
         if need_e:
             de_out[r0 : r0 + rows] = de_rows
     return de_out, dc_out, (dbias32.to(bias.dtype) if need_bias else None)

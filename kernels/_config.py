@@ -56,6 +56,13 @@ _GPU_DEFAULTS = dict(
     dense_num_stages=4,
     dense_block_r=8,     # _softmax_grad_kernel ("cublas" recompute)
     dense_block_c=256,
+    dense_products="cublas",  # dE / dC of the "triton" recompute: "cublas", or "triton" (_products: skip ignored rows)
+    prod_block_m=128,    # _products GEMM tiles
+    prod_block_n=128,
+    prod_block_k=64,
+    prod_group_m=8,
+    prod_num_warps=8,
+    prod_num_stages=4,
 )
 _INTERPRET_DEFAULTS = dict(
     tile_n=16,
@@ -85,6 +92,13 @@ _INTERPRET_DEFAULTS = dict(
     dense_num_stages=1,
     dense_block_r=8,
     dense_block_c=32,
+    dense_products="cublas",
+    prod_block_m=16,
+    prod_block_n=16,
+    prod_block_k=16,
+    prod_group_m=2,
+    prod_num_warps=4,
+    prod_num_stages=1,
 )
 
 CONFIG: dict = dict(_INTERPRET_DEFAULTS if INTERPRET else _GPU_DEFAULTS)

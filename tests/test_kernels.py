@@ -448,8 +448,9 @@ def test_flat_rows_keep_their_de(device):
     assert rel(de_bad, de_r) > DEFAULT_TOL
 
 
+@pytest.mark.parametrize("products", ["cublas", "triton"])
 @pytest.mark.parametrize("device", DEVICES)
-def test_dense_backward_is_reproducible_and_chunking_invariant(device):
+def test_dense_backward_is_reproducible_and_chunking_invariant(device, products):
     """The dense backward has no atomics: two runs agree bitwise.  Its row / vocabulary chunking only
     changes how the products are cut: one block and many blocks agree to fp32 rounding (fp32 inputs)."""
     _device_ok(device)
@@ -458,8 +459,9 @@ def test_dense_backward_is_reproducible_and_chunking_invariant(device):
     lse, _, _ = K.forward(e, c, targets, b, softcap=20.0, ignore_index=IGNORE, vocab_sort=False)
 
     def grads():
-        return K.backward(e, c, targets, b, lse, None, g, softcap=20.0, ignore_index=IGNORE, filter_eps=0.0,
-                          vocab_sort=False, exact=False, need_e=True, need_c=True, need_bias=True)
+        with K.override_config(dense_products=products):
+            return K.backward(e, c, targets, b, lse, None, g, softcap=20.0, ignore_index=IGNORE, filter_eps=0.0,
+                              vocab_sort=False, exact=False, need_e=True, need_c=True, need_bias=True)
 
     first, second = grads(), grads()
     for x, y in zip(first, second):
@@ -511,13 +513,15 @@ def test_targets_outside_the_vocabulary_read_nothing(device, mode):
     assert rel(dc, grad.T @ e.double().cpu()) < (5e-2 if with_eps else 1e-5)
 
 
+@pytest.mark.parametrize("products", ["cublas", "triton"])
 @pytest.mark.parametrize("device", DEVICES)
-def test_dense_backward_skips_ignored_rows_keeps_eager_nan_pattern(device):
+def test_dense_backward_skips_ignored_rows_keeps_eager_nan_pattern(device, products):
     """The dense backward's recompute skips whole row blocks of ignored rows (compacted on the device) and
     partly ignored blocks alike; the gradients still match the fp64 reference.  NaN lands where eager's
     log-softmax backward puts it through 0 * NaN: an ignored row of E holding a NaN -> dE of that row and all
     of dC / dbias; a NaN in C with every row ignored -> everything (each row's log-sum-exp is NaN).  The cuBLAS recompute
-    variant agrees on finite inputs."""
+    variant agrees on finite inputs.  ``products``: the dE / dC products (cuBLAS, or the Triton ones that skip the
+    ignored rows too)."""
     _device_ok(device)
     n, v, d = 53, 150, 24
     e, c, targets, b = make_inputs(n, v, d, torch.float32, device, bias=True, seed=11)
@@ -527,7 +531,7 @@ def test_dense_backward_skips_ignored_rows_keeps_eager_nan_pattern(device):
     def grads(e_in, c_in, recompute="triton", targets=targets, g=g):
         lse, _, _ = K.forward(e_in, c_in, targets, b, softcap=None, ignore_index=IGNORE, vocab_sort=False,
                               summaries=False)
-        with K.override_config(dense_recompute=recompute):
+        with K.override_config(dense_recompute=recompute, dense_products=products):
             return K.backward(e_in, c_in, targets, b, lse, torch.empty(0, device=device), g, softcap=None,
                               ignore_index=IGNORE, filter_eps=0.0, vocab_sort=False, exact=False, need_e=True,
                               need_c=True, need_bias=True)
@@ -565,8 +569,9 @@ def test_pipeline_depth_fits_shared_memory():
     assert fit_num_stages(2, 512, 512, 256, 4) == 2  # never below double buffering
 
 
+@pytest.mark.parametrize("products", ["cublas", "triton"])
 @pytest.mark.parametrize("device", DEVICES)
-def test_dense_backward_counts_rows_the_caller_compaction_counts(device):
+def test_dense_backward_counts_rows_the_caller_compaction_counts(device, products):
     """The vocabulary-parallel loss hands the kernels local target codes where a row whose target another shard
     holds carries the ignore code, and a compaction from its own codes that counts that row: such a row has no
     one-hot term here but must still get its softmax gradient (the dense recompute must not skip it)."""
@@ -583,9 +588,10 @@ def test_dense_backward_counts_rows_the_caller_compaction_counts(device):
     g = (torch.rand(n, generator=torch.Generator().manual_seed(2)).to(device) + 0.5) * counted
     lse, _, _ = K.forward(e, c, shard_codes, None, softcap=None, ignore_index=local_ignore, vocab_sort=False,
                           summaries=False, row_compaction=compaction)
-    de, dc, _ = K.backward(e, c, local_targets, None, lse, torch.empty(0, device=device), g, softcap=None,
-                           ignore_index=local_ignore, filter_eps=0.0, vocab_sort=False, exact=False, need_e=True,
-                           need_c=True, need_bias=False, row_compaction=compaction)
+    with K.override_config(dense_products=products):
+        de, dc, _ = K.backward(e, c, local_targets, None, lse, torch.empty(0, device=device), g, softcap=None,
+                               ignore_index=local_ignore, filter_eps=0.0, vocab_sort=False, exact=False, need_e=True,
+                               need_c=True, need_bias=False, row_compaction=compaction)
     logits = e.double().cpu() @ c.double().cpu().T
     grad = torch.softmax(logits, dim=-1)
     t = local_targets.cpu()
@@ -595,7 +601,42 @@ def test_dense_backward_counts_rows_the_caller_compaction_counts(device):
     assert rel(de, grad @ c.double().cpu()) < 1e-5
     assert rel(dc, grad.T @ e.double().cpu()) < 1e-5
     # without the caller's compaction the "elsewhere" rows would be skipped: the test has teeth
-    de_skip, _, _ = K.backward(e, c, local_targets, None, lse, torch.empty(0, device=device), g, softcap=None,
-                               ignore_index=local_ignore, filter_eps=0.0, vocab_sort=False, exact=False,
-                               need_e=True, need_c=False, need_bias=False)
+    with K.override_config(dense_products=products):
+        de_skip, _, _ = K.backward(e, c, local_targets, None, lse, torch.empty(0, device=device), g, softcap=None,
+                                   ignore_index=local_ignore, filter_eps=0.0, vocab_sort=False, exact=False,
+                                   need_e=True, need_c=False, need_bias=False)
     assert rel(de_skip, grad @ c.double().cpu()) > 1e-2
+
+
+DENSE_CASES = [case for case in CPU_CASES if case[8] == "nofilter"]
+
+
+@pytest.mark.parametrize("case", DENSE_CASES, ids=_case_id)
+@pytest.mark.parametrize("device", DEVICES)
+def test_triton_products_match_fp64_reference(case, device, monkeypatch):
+    """The dense backward with its dE / dC products in Triton (``dense_products="triton"``, reading the device-side
+    row count) meets the same fp64 checks as with cuBLAS, and really ran them (the C of these cases is aligned
+    for the tensor-memory accelerator)."""
+    _device_ok(device)
+    from cce_inductor.kernels import _products
+
+    calls = []
+    for name in ("grad_e", "grad_c"):
+        original = getattr(_products, name)
+        monkeypatch.setattr(_products, name, lambda *a, _f=original, _n=name, **k: calls.append(_n) or _f(*a, **k))
+    with K.override_config(dense_products="triton"):
+        check_case(case, device)
+    assert {"grad_e", "grad_c"} <= set(calls)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_triton_products_fall_back_to_cublas_for_unaligned_c(device, monkeypatch):
+    """A C whose rows are not 16-byte aligned (D = 12 in bf16: 24-byte rows) cannot be read through a
+    descriptor: the backward takes the cuBLAS products instead, with the same result."""
+    _device_ok(device)
+    from cce_inductor.kernels import _products
+
+    monkeypatch.setattr(_products, "grad_c", lambda *a, **k: pytest.fail("Triton dC product on unaligned C"))
+    case = (torch.bfloat16, 30, 70, 12, None, True, 0.3, False, "nofilter", False)
+    with K.override_config(dense_products="triton"):
+        check_case(case, device)

@@ -1,0 +1,183 @@
+"""Gradient products of the dense backward over compacted rows: dE and dC of one G block, in Triton, sized by
+a device-side row count.  A variant (kernel config ``dense_products="triton"``), not the default: see below.
+
+The dense backward (``_backward_dense``) holds the softmax gradient of one (row chunk x vocabulary chunk)
+block, G, with the chunk's rows in *compacted* order: position p of G is local row ``row_order[p]``, and the
+``num_counted`` rows that count (target not ignored) come first.  Vendor-BLAS products must be sized on the
+host, so they multiply the ignored rows' zeros too; these kernels read ``num_counted`` on the device and skip
+them, with no host synchronisation.
+
+Math (one block: positions p < rows, vocabulary entries v0 <= v < v0 + width; K = num_counted)
+----
+    dE32[row_order[p], :] (+)= sum_{j < width} G[p, j] * C[v0 + j, :]            p in row blocks reaching below K
+    dE32[row_order[p], :]     = poison[row_order[p]]                             other p, first vocabulary chunk
+    dC[v0 + j, :]       (+)= sum_{p < K'} G[p, j] * Ec[p, :]  + ignored_poison      Ec = E[row_order]
+
+fp32 accumulation.  dE32 is an fp32 buffer; the first vocabulary chunk writes it, later chunks add to it.  dC is
+written in its own dtype; the first row chunk writes it, later row chunks add to it (one rounding each).  K' is K
+rounded up to ``BLOCK_K``; the positions between K and K' are ignored rows, and so are the rows past K in a row
+block that reaches below K: their G is their poison, the contribution eager's product makes for them.
+
+Eager's NaN pattern for the rows skipped: an ignored row's G is 0 * (softmax - 0), NaN where its logits are (a
+non-finite row of E, or any non-finite entry of C / bias); ``poison`` holds that per row (0 or NaN), and
+``ignored_poison`` is their sum, which eager's dC receives from every ignored row.
+
+Block / grid layout
+-------------------
+Tiled GEMMs with a ``BLOCK_M x BLOCK_N`` fp32 accumulator and a K loop in ``BLOCK_K`` steps, software-pipelined
+``num_stages`` deep, operand tiles fetched by the tensor-memory accelerator (host-built descriptors; reads past
+an edge give 0), programs ordered in groups of ``GROUP_M`` row blocks so that consecutive programs share
+operand tiles in L2 (Triton's matmul tutorial):
+
+    _grad_e_kernel   grid cdiv(rows, BLOCK_M) * cdiv(D, BLOCK_N)    M = positions, N = D, K = width
+                     a row block past K (ignored rows only) computes nothing; rows scattered through row_order
+    _grad_c_kernel   grid cdiv(width, BLOCK_M) * cdiv(D, BLOCK_N)   M = vocabulary, N = D, K = positions < K'
+                     the A tile is a G tile transposed in shared memory
+
+Descriptors need 16-byte aligned bases and row strides (:func:`tma_ok`): the caller pads G's row pitch and falls
+back to cuBLAS products for a C that is not aligned.  Ec is a compacted copy of the chunk's rows of E (one
+``rows x D`` buffer): gathering through row_order inside the K loop instead measured 2x slower (no TMA gather
+on Hopper).
+
+Measured (H200, bf16, 8192 x 2048 blocks; ``examples/bench_dense_parts.py``): dE 0.165 ms vs cuBLAS addmm 0.137,
+dC 0.143 vs cuBLAS mm 0.100 at D = 2304; at D = 4096 0.30 vs 0.23 and 0.18 vs 0.18.  With half the rows ignored
+the Triton products take about half as long, cuBLAS the same: faster from roughly 20-25 % ignored rows on,
+slower without ignored rows, hence not the default (``examples/benchmark_notes.md``, v7).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+from . import _config
+
+
+@triton.jit
+def _grouped_tile(pid, num_m, num_n, GROUP_M: tl.constexpr):
+    """(pid_m, pid_n) of program ``pid`` in grouped order: GROUP_M row blocks sweep the columns together."""
+    group_size = GROUP_M * num_n
+    first_m = (pid // group_size) * GROUP_M
+    rows_in_group = tl.minimum(num_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % group_size) % rows_in_group
+    pid_n = (pid % group_size) // rows_in_group
+    return pid_m, pid_n
+
+
+@triton.jit
+def _grad_e_kernel(
+    g_desc, c_desc, DE, RowOrder, NumCounted, RowPoison, n_rows, width, D, stride_de,
+    ACCUMULATE: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    """``DE[row_order[p]] (+)= G[p] @ C[chunk]`` (descriptors over G and the C chunk)."""
+    pid_m, pid_n = _grouped_tile(tl.program_id(0), tl.cdiv(n_rows, BLOCK_M), tl.cdiv(D, BLOCK_N), GROUP_M)
+    pos = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    in_chunk = pos < n_rows
+    rows = tl.load(RowOrder + pos, mask=in_chunk, other=0).to(tl.int64)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    out_mask = in_chunk[:, None] & (cols < D)[None, :]
+    out_ptrs = DE + rows[:, None] * stride_de + cols[None, :]
+    if pid_m * BLOCK_M >= tl.load(NumCounted):
+        if not ACCUMULATE:
+            poison = tl.load(RowPoison + rows, mask=in_chunk, other=0.0)
+            tl.store(out_ptrs, poison[:, None] + tl.zeros((BLOCK_M, BLOCK_N), tl.float32), mask=out_mask)
+        return
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, width, BLOCK_K):
+        a = g_desc.load([pid_m * BLOCK_M, k0])
+        b = c_desc.load([k0, pid_n * BLOCK_N])
+        if UPCAST:
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+    if ACCUMULATE:
+        acc += tl.load(out_ptrs, mask=out_mask, other=0.0)
+    tl.store(out_ptrs, acc, mask=out_mask)
+
+
+@triton.jit
+def _grad_c_kernel(
+    g_desc, e_desc, DC, NumCounted, IgnoredPoison, width, D, stride_dc,
+    ACCUMULATE: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    """``DC[chunk] (+)= G[:K'].T @ Ec[:K'] + ignored_poison`` (descriptors over G and Ec); the K loop runs
+    unmasked to the count rounded up to ``BLOCK_K`` (module docstring)."""
+    pid_m, pid_n = _grouped_tile(tl.program_id(0), tl.cdiv(width, BLOCK_M), tl.cdiv(D, BLOCK_N), GROUP_M)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, tl.load(NumCounted), BLOCK_K):
+        a = g_desc.load([k0, pid_m * BLOCK_M])
+        b = e_desc.load([k0, pid_n * BLOCK_N])
+        if UPCAST:
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        acc = tl.dot(tl.trans(a), b, acc, input_precision=DOT_PRECISION)
+    acc += tl.load(IgnoredPoison)
+    vocab = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    out_mask = (vocab < width)[:, None] & (cols < D)[None, :]
+    out_ptrs = DC + vocab.to(tl.int64)[:, None] * stride_dc + cols[None, :]
+    if ACCUMULATE:
+        acc += tl.load(out_ptrs, mask=out_mask, other=0.0).to(tl.float32)
+    tl.store(out_ptrs, acc.to(DC.dtype.element_ty), mask=out_mask)
+
+
+def _launch_args(element_size: int):
+    cfg = _config.CONFIG
+    block_m, block_n, block_k = cfg["prod_block_m"], cfg["prod_block_n"], cfg["prod_block_k"]
+    # fit_num_stages sizes one (rows x K) + (cols x K) operand pair per stage, the same bytes as here
+    num_stages = _config.fit_num_stages(cfg["prod_num_stages"], block_m, block_n, block_k, element_size)
+    return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=cfg["prod_group_m"],
+                num_warps=cfg["prod_num_warps"], num_stages=num_stages)
+
+
+def _dot_flags(dtype: torch.dtype):
+    return dict(UPCAST=_config.INTERPRET and dtype != torch.float32, DOT_PRECISION=_config.dot_precision(dtype))
+
+
+def tma_ok(*tensors: torch.Tensor) -> bool:
+    """Whether the tensor-memory accelerator can read these 2-D tensors: 16-byte aligned base and row
+    stride, contiguous rows."""
+    return all(t.stride(1) == 1 and t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0
+               for t in tensors)
+
+
+def grad_e(grad: torch.Tensor, c_chunk: torch.Tensor, de32: torch.Tensor, row_order: torch.Tensor,
+           num_counted: torch.Tensor, row_poison: torch.Tensor, *, accumulate: bool) -> None:
+    """Launch helper: ``de32[row_order[p]] (+)= grad[p] @ c_chunk`` for the row blocks holding counted positions;
+    the other rows get ``row_poison`` on the first chunk (``accumulate=False``).  ``grad`` (rows x width) and
+    ``c_chunk`` (width x D) share the input dtype and pass :func:`tma_ok`; ``de32`` is fp32 (rows x D)."""
+    rows, width = grad.shape
+    d = c_chunk.shape[1]
+    launch = _launch_args(grad.element_size())
+    bm, bn, bk = launch["BLOCK_M"], launch["BLOCK_N"], launch["BLOCK_K"]
+    grid = (triton.cdiv(rows, bm) * triton.cdiv(d, bn),)
+    _grad_e_kernel[grid](
+        TensorDescriptor.from_tensor(grad, [bm, bk]), TensorDescriptor.from_tensor(c_chunk, [bk, bn]),
+        de32, row_order, num_counted, row_poison, rows, width, d, de32.stride(0),
+        ACCUMULATE=accumulate, **_dot_flags(grad.dtype), **launch,
+    )
+
+
+def grad_c(grad: torch.Tensor, e_compact: torch.Tensor, dc_chunk: torch.Tensor, num_counted: torch.Tensor,
+           ignored_poison: torch.Tensor, *, accumulate: bool) -> None:
+    """Launch helper: ``dc_chunk (+)= grad[:K'].T @ e_compact[:K'] + ignored_poison``, K' from the device-side
+    count; ``e_compact = e_rows[row_order]``; ``grad`` and ``e_compact`` pass :func:`tma_ok`; ``dc_chunk``
+    (width x D, contiguous rows) in the input dtype."""
+    width = grad.shape[1]
+    d = e_compact.shape[1]
+    launch = _launch_args(grad.element_size())
+    bm, bn, bk = launch["BLOCK_M"], launch["BLOCK_N"], launch["BLOCK_K"]
+    # The interpreter rounds fp32 -> 16-bit stores toward zero (the GPU to nearest even): there the kernel
+    # writes fp32 and torch rounds.
+    out = dc_chunk.float() if _config.INTERPRET and dc_chunk.dtype != torch.float32 else dc_chunk
+    grid = (triton.cdiv(width, bm) * triton.cdiv(d, bn),)
+    _grad_c_kernel[grid](
+        TensorDescriptor.from_tensor(grad, [bk, bm]), TensorDescriptor.from_tensor(e_compact, [bk, bn]),
+        out, num_counted, ignored_poison, width, d, out.stride(0),
+        ACCUMULATE=accumulate, **_dot_flags(grad.dtype), **launch,
+    )
+    if out is not dc_chunk:
+        dc_chunk.copy_(out)
