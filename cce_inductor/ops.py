@@ -226,11 +226,10 @@ def _backward_impl(grad_loss, e, c, targets, bias, lse, aux, softcap, ignore_ind
         per_row = grad_loss.to(acc) / valid.sum()
     grad_rows = torch.where(valid, per_row, 0.0)
     cap = _softcap_or_none(softcap)
-    # The tile kernel (filtering, exact mode) accumulates dE/dC with atomics, not bitwise reproducible; under
-    # torch.use_deterministic_algorithms(True) the gradients are unfiltered and come from the dense kernel path
-    # (plain products, no atomics), or for exact mode from the chunked path.
-    deterministic = torch.are_deterministic_algorithms_enabled()
-    if uses_kernels(e.device, e.dtype) and e.shape[0] > 0 and not (deterministic and exact):
+    # The filtering tile kernel accumulates dE/dC with atomics, not bitwise reproducible; under
+    # torch.use_deterministic_algorithms(True) kernel_filter_eps turns filtering off, so the gradients come from the
+    # dense kernel path (plain products, no atomics), exact mode included.
+    if uses_kernels(e.device, e.dtype) and e.shape[0] > 0:
         grad_e, grad_c, grad_bias = _kernels().backward(
             e, c, targets, bias, lse, aux, grad_rows.float(),
             softcap=cap, ignore_index=ignore_index, filter_eps=kernel_filter_eps(filter_eps, exact, e.dtype),

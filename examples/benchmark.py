@@ -15,7 +15,7 @@ Methods (each timed as loss only = "fwd" and loss + gradients = "fwdbwd"):
     cce_filter filter_eps="auto" (the paper's 2^-12 for bf16), vocab_sort=False (tiles skipped from the
                forward's per-tile max, no recompute)
     cce_filter_sort  the same with vocab_sort=True
-    cce_exact  exact=True (no filtering, fp32 accumulation, tile kernel)
+    cce_exact  exact=True (no filtering; the dense path with G in bf16 hi + lo halves, fp32 dC sums)
 Time: median of CUDA-event timings after warm-up (triton.testing.do_bench).  Memory: peak allocated
 above what was allocated before the call (inputs excluded; gradients included for fwdbwd).
 

@@ -11,10 +11,10 @@ Interface used by the custom op:
 
 with ``logits[n, v] = softcap * tanh((e[n] . c[v] + bias[v]) / softcap)`` (no tanh without softcap).
 Kernel files: ``_tile`` (shared logit-tile helper), ``_forward`` (lse / target logit / aux),
-``_backward`` (tile backward: gradient filtering, exact mode), ``_backward_dense`` (the unfiltered default: a
-Triton kernel recomputes each logit block into the softmax gradient, cuBLAS does dE and dC; chosen by
-``backward`` when ``filter_eps == 0`` and not ``exact``); ``_config`` holds block sizes (``override_config``)
-and the aux layout.
+``_backward`` (tile backward: gradient filtering), ``_backward_dense`` (every unfiltered backward, exact mode
+included: a Triton kernel recomputes each logit block into the softmax gradient, cuBLAS does dE and dC; chosen
+by ``backward`` when ``filter_eps == 0``), ``_products`` (optional Triton dE / dC products that skip ignored
+rows); ``_config`` holds block sizes (``override_config``) and the aux layout.
 No host synchronisation: ignored rows are compacted on the device and the kernels read the count.
 """
 from ._backward import backward

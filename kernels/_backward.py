@@ -1,6 +1,7 @@
 """Tile backward: dE, dC, dbias of the linear + (softcapped) cross-entropy without materialising logits,
-skipping tiles below the gradient filter (paper sec. 4) and, in exact mode, accumulating in fp32.  Without
-filtering or exact mode, ``backward`` hands over to ``_backward_dense`` (cuBLAS products), which is faster.
+skipping tiles below the gradient filter (paper sec. 4).  Without filtering ``backward`` hands over to
+``_backward_dense`` (Triton recompute + cuBLAS products), which is faster, exact mode included; the tile kernel's
+own exact mode (fp32 accumulation) remains reachable with kernel config ``bwd_dense=0``.
 
 Math
 ----
@@ -327,11 +328,11 @@ def backward(e, c, targets, bias, lse, aux, grad_rows, *, softcap, ignore_index,
     vocab_sort = vocab_sort and filtering  # the order only matters for skipping
     if filtering and aux.numel() < 2 * n:
         raise ValueError("filter_eps > 0 needs the forward's summaries: call forward(..., summaries=True)")
-    if not filtering and not exact and cfg["bwd_dense"]:
+    if not filtering and cfg["bwd_dense"]:
         counted = (targets != ignore_index if row_compaction is None
                    else _config.counted_mask(n, row_compaction, device))  # fmt: skip
         return backward_dense(e, c, targets, bias, lse, grad_rows, counted, softcap=softcap, need_e=need_e,
-                              need_c=need_c, need_bias=need_bias)
+                              need_c=need_c, need_bias=need_bias, exact=exact)
     filter_e = bool(cfg["bwd_filter_e"])  # 0: dE takes every tile (dense), only dC/dbias are filtered
     # bf16 atomics do not exist in the interpreter; exact mode accumulates in fp32.
     accum_fp32 = exact or (_config.INTERPRET and e.dtype == torch.bfloat16)

@@ -40,6 +40,12 @@ sizes the host must know, still run over every row.
 method ``cce_cublas``): cuBLAS writes the raw logits in fp32 and ``_softmax_grad_kernel`` writes G over them; it is
 a few % faster on some heads without ignored rows, skips no ignored row and needs a 2x larger block.
 
+Exact mode (``exact=True``, 16-bit inputs): the recompute also stores the remainder of G's rounding, G_lo = G -
+round(G), in a second block, and every product runs twice (G and G_lo, fp32 accumulation), so the products see
+~16 mantissa bits of G instead of 8; dC is summed in fp32 (one vocabulary chunk of it, or all of dC when several
+row chunks add to it) and rounded once.  Against the fp64 gradient rounded to bf16 this leaves ~1e-4 relative
+error where the default leaves ~4e-3 (interpreter, small shapes).  Cost: twice the product time, one more G block.
+
 Memory above the outputs: one G block in the input dtype plus the fp32 dE rows of one row chunk: with 8192-row
 chunks (the default) and 2048 vocabulary entries, 32 MB + 72 MB at D = 2304 in bf16, whatever N is; longer
 batches pay one extra bf16 rounding of dC per further row chunk.  G is rounded to the input dtype before the
@@ -58,16 +64,18 @@ from ._tile import logit_tile, softmax_grad, tanh
 
 @triton.jit
 def _recompute_grad_kernel(
-    E, C, Bias, Lse, GradRows, Targets, RowOrder, NumCounted, RowPoison, G,
+    E, C, Bias, Lse, GradRows, Targets, RowOrder, NumCounted, RowPoison, G, GLo,
     n_rows, width, vocab_start, V, D,
     stride_en, stride_ed, stride_cv, stride_cd, stride_g, softcap,
-    HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, COMPACT_G: tl.constexpr,
+    HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, COMPACT_G: tl.constexpr, SPLIT_G: tl.constexpr,
     UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, EVEN_D: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """``G[r, c]`` of one (row chunk, vocabulary chunk) block.  Every pointer but C / Bias starts at the chunk's
     first row; ``RowOrder`` lists the chunk's rows (local indices), counted rows first.  G's row of local row
-    ``RowOrder[p]`` is p (``COMPACT_G``, for the ``_products`` kernels) or the row itself (for cuBLAS products)."""
+    ``RowOrder[p]`` is p (``COMPACT_G``, for the ``_products`` kernels) or the row itself (for cuBLAS products).
+    ``SPLIT_G`` (exact mode): G holds the gradient rounded to the input dtype and ``GLo`` (same layout) the
+    rounding's remainder, so that G + GLo carries ~16 mantissa bits into the products."""
     pos = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     in_chunk = pos < n_rows
     rows = tl.load(RowOrder + pos, mask=in_chunk, other=0).to(tl.int64)
@@ -75,9 +83,9 @@ def _recompute_grad_kernel(
     col_mask = cols < width
     mask = in_chunk[:, None] & col_mask[None, :]
     if COMPACT_G:
-        g_ptrs = G + pos.to(tl.int64)[:, None] * stride_g + cols[None, :]
+        g_offs = pos.to(tl.int64)[:, None] * stride_g + cols[None, :]
     else:
-        g_ptrs = G + rows[:, None] * stride_g + cols[None, :]
+        g_offs = rows[:, None] * stride_g + cols[None, :]
     vocab_ids = tl.minimum(vocab_start + cols, V - 1).to(tl.int64)
     num_counted = tl.load(NumCounted)
     # G of an ignored row: 0, or NaN where eager's 0 * NaN puts it: everywhere in a row with a NaN logit (its
@@ -85,8 +93,10 @@ def _recompute_grad_kernel(
     # nothing tile-sized stays live across the logit loop.)
     poison = tl.load(RowPoison + rows, mask=in_chunk, other=0.0)
     if tl.program_id(0) * BLOCK_N >= num_counted:
-        tl.store(g_ptrs, (poison[:, None] + tl.zeros((BLOCK_N, BLOCK_V), tl.float32)).to(G.dtype.element_ty),
-                 mask=mask)
+        skipped = (poison[:, None] + tl.zeros((BLOCK_N, BLOCK_V), tl.float32)).to(G.dtype.element_ty)
+        tl.store(G + g_offs, skipped, mask=mask)
+        if SPLIT_G:
+            tl.store(GLo + g_offs, skipped, mask=mask)
         return
 
     lse = tl.load(Lse + rows, mask=in_chunk, other=0.0)
@@ -98,7 +108,10 @@ def _recompute_grad_kernel(
     )
     grad = softmax_grad(logits, lse, grad_row, target, vocab_start + cols, softcap, HAS_SOFTCAP)
     grad = tl.where((pos < num_counted)[:, None], grad, poison[:, None])
-    tl.store(g_ptrs, grad.to(G.dtype.element_ty), mask=mask)
+    grad_hi = grad.to(G.dtype.element_ty)
+    tl.store(G + g_offs, grad_hi, mask=mask)
+    if SPLIT_G:
+        tl.store(GLo + g_offs, (grad - grad_hi.to(tl.float32)).to(G.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -150,9 +163,11 @@ def _poison(rows: torch.Tensor) -> torch.Tensor:
     return torch.mv(rows, zeros).float()
 
 
-def backward_dense(e, c, targets, bias, lse, grad_rows, counted, *, softcap, need_e, need_c, need_bias):
+def backward_dense(e, c, targets, bias, lse, grad_rows, counted, *, softcap, need_e, need_c, need_bias,
+                   exact=False):
     """Launch helper: ``(dE | None, dC | None, dbias | None)``; ``grad_rows`` fp32, 0 at ignored rows;
-    ``counted``: bool per row, False for the ignored rows (the recompute skips them)."""
+    ``counted``: bool per row, False for the ignored rows (the recompute skips them).  ``exact``: 16-bit G in
+    hi + lo halves (two products each), dC accumulated in fp32 across row chunks; cuBLAS products only."""
     cfg = _config.CONFIG
     n, d = e.shape
     v = c.shape[0]
@@ -168,13 +183,14 @@ def backward_dense(e, c, targets, bias, lse, grad_rows, counted, *, softcap, nee
 
     row_chunk = min(n, cfg["dense_row_chunk"] or n)
     vocab_chunk = min(v, cfg["dense_vocab_chunk"])
-    triton_recompute = cfg["dense_recompute"] == "triton"
+    sixteen_bit = e.dtype in (torch.bfloat16, torch.float16)
+    split_g = exact and sixteen_bit  # fp32 inputs: G is fp32 already
+    triton_recompute = cfg["dense_recompute"] == "triton" or split_g  # only the Triton recompute splits G
     # Triton products (``_products``: skip the ignored rows) where the tensor-memory accelerator can read C
-    triton_products = (triton_recompute and cfg["dense_products"] == "triton" and _products.tma_ok(c)
-                       and (d * e.element_size()) % 16 == 0)
+    triton_products = (triton_recompute and cfg["dense_products"] == "triton" and not split_g
+                       and _products.tma_ok(c) and (d * e.element_size()) % 16 == 0)
     # 16-bit products with fp32 results where cuBLAS has them; where no such product exists (the CPU interpreter)
     # 16-bit operands are upcast.
-    sixteen_bit = e.dtype in (torch.bfloat16, torch.float16)
     fp32_out = sixteen_bit and _fp32_out_mm_available(device)
     upcast = sixteen_bit and not fp32_out
     out_dtype = {"out_dtype": torch.float32} if fp32_out else {}  # the products' fp32 results, 16-bit operands
@@ -184,12 +200,16 @@ def backward_dense(e, c, targets, bias, lse, grad_rows, counted, *, softcap, nee
     g_row_pitch = -(-vocab_chunk * e.element_size() // 16) * 16 // e.element_size() if triton_products else None
     if triton_recompute:
         g_buf = torch.empty(row_chunk * (g_row_pitch or vocab_chunk), dtype=e.dtype, device=device)
+        g_lo_buf = torch.empty_like(g_buf) if split_g else None
     else:
         # cuBLAS raw logits in fp32, G written over them in the input dtype (see _softmax_grad_kernel).
         raw_buf = torch.empty(row_chunk * vocab_chunk, dtype=torch.float32, device=device)
         g_view = raw_buf.view(e.dtype) if sixteen_bit else raw_buf  # 16-bit: twice as many elements
         g_pitch = 2 if sixteen_bit else 1  # G's row stride in units of the chunk width
     de32 = torch.empty((row_chunk, d), dtype=torch.float32, device=device) if need_e else None
+    if split_g and need_c:
+        # dC's fp32 sums: one vocabulary chunk's, or all of dC's when several row chunks add to it
+        dc32 = torch.empty((v if n > row_chunk else vocab_chunk, d), dtype=torch.float32, device=device)
     lse = lse.contiguous()
     grad_rows = grad_rows.to(torch.float32).contiguous()
     targets = targets.contiguous()
@@ -220,13 +240,15 @@ def backward_dense(e, c, targets, bias, lse, grad_rows, counted, *, softcap, nee
             c_chunk_mm = c_chunk.float() if upcast else c_chunk
             if triton_recompute:
                 grad = _block(g_buf, rows, g_row_pitch)[:, :width] if triton_products else _block(g_buf, rows, width)
+                grad_lo = _block(g_lo_buf, rows, width) if split_g else grad
                 grid = (triton.cdiv(rows, block_n), triton.cdiv(width, block_v))
                 _recompute_grad_kernel[grid](
                     e_rows, c, bias if bias is not None else lse, lse[r0:], grad_rows[r0:], targets[r0:],
-                    row_order, num_counted, row_poison, grad,
+                    row_order, num_counted, row_poison, grad, grad_lo,
                     rows, width, v0, v, d,
                     e.stride(0), e.stride(1), c.stride(0), c.stride(1), grad.stride(0), softcap_val,
                     HAS_BIAS=bias is not None, HAS_SOFTCAP=softcap is not None, COMPACT_G=triton_products,
+                    SPLIT_G=split_g,
                     UPCAST=dot_upcast, DOT_PRECISION=_config.dot_precision(e.dtype), EVEN_D=(d % block_d == 0),
                     BLOCK_N=block_n, BLOCK_V=block_v, BLOCK_D=block_d,
                     num_warps=cfg["dense_num_warps"], num_stages=num_stages,
@@ -243,6 +265,8 @@ def backward_dense(e, c, targets, bias, lse, grad_rows, counted, *, softcap, nee
                 )
             if need_bias:
                 dbias32[v0 : v0 + width] += grad.sum(dim=0, dtype=torch.float32)
+                if split_g:
+                    dbias32[v0 : v0 + width] += grad_lo.sum(dim=0, dtype=torch.float32)
             if triton_products:
                 if need_e:
                     _products.grad_e(grad, c_chunk, de_rows, row_order, num_counted, row_poison, accumulate=v0 > 0)
@@ -258,7 +282,18 @@ def backward_dense(e, c, targets, bias, lse, grad_rows, counted, *, softcap, nee
                     torch.mm(grad_mm, c_chunk_mm, out=de_rows, **out_dtype)
                 else:
                     torch.addmm(de_rows, grad_mm, c_chunk_mm, out=de_rows, **out_dtype)
-            if need_c:
+                if split_g:
+                    torch.addmm(de_rows, grad_lo.float() if upcast else grad_lo, c_chunk_mm, out=de_rows, **out_dtype)
+            if need_c and split_g:
+                dc_sum = dc32[v0 : v0 + width] if n > row_chunk else dc32[:width]
+                if r0 == 0 or n <= row_chunk:
+                    torch.mm(grad_mm.T, e_rows_mm, out=dc_sum, **out_dtype)
+                else:
+                    torch.addmm(dc_sum, grad_mm.T, e_rows_mm, out=dc_sum, **out_dtype)
+                torch.addmm(dc_sum, (grad_lo.float() if upcast else grad_lo).T, e_rows_mm, out=dc_sum, **out_dtype)
+                if n <= row_chunk:
+                    dc_out[v0 : v0 + width] = dc_sum
+            elif need_c:
                 dc_chunk = dc_out[v0 : v0 + width]
                 if upcast:
                     update = grad_mm.T @ e_rows_mm
@@ -269,4 +304,6 @@ def backward_dense(e, c, targets, bias, lse, grad_rows, counted, *, softcap, nee
                     torch.addmm(dc_chunk, grad.T, e_rows, out=dc_chunk)
         if need_e:
             de_out[r0 : r0 + rows] = de_rows
+    if split_g and need_c and n > row_chunk:
+        dc_out.copy_(dc32)
     return de_out, dc_out, (dbias32.to(bias.dtype) if need_bias else None)

@@ -467,7 +467,7 @@ def test_nan_in_an_ignored_row_leaves_the_loss_alone(path):
 @pytest.mark.parametrize("path", ["direct", "compiled"])
 def test_nan_in_an_ignored_row_gradients_like_eager(path):
     """Eager's log-softmax backward gives an ignored row with a NaN logit NaN gradients (g - exp(out) * sum(g)
-    with 0 * NaN); the default (dense) CUDA backward does the same.  (The filtered / exact tile backward skips
+    with 0 * NaN); the default (dense) CUDA backward does the same.  (The filtering tile backward skips
     ignored rows altogether.)"""
     args = _nan_in_an_ignored_row()
     want = run(make_fn(), args)
