@@ -163,6 +163,15 @@ def _poison(rows: torch.Tensor) -> torch.Tensor:
     return torch.mv(rows, zeros).float()
 
 
+def _product_into(out, a, b, *, accumulate, **out_dtype):
+    """``out (+)= a @ b``.  The first product of a sum writes with ``mm``: never ``addmm(beta=0)`` over
+    uninitialised memory (an addmm may form beta * input, and 0 * NaN = NaN)."""
+    if accumulate:
+        torch.addmm(out, a, b, out=out, **out_dtype)
+    else:
+        torch.mm(a, b, out=out, **out_dtype)
+
+
 def backward_dense(e, c, targets, bias, lse, grad_rows, counted, *, softcap, need_e, need_c, need_bias,
                    exact=False):
     """Launch helper: ``(dE | None, dC | None, dbias | None)``; ``grad_rows`` fp32, 0 at ignored rows;
@@ -275,22 +284,15 @@ def backward_dense(e, c, targets, bias, lse, grad_rows, counted, *, softcap, nee
                                      accumulate=r0 > 0)
                 continue
             grad_mm = grad.float() if upcast else grad
-            # First products write with mm, later ones accumulate with addmm: never beta=0 over uninitialised
-            # memory (an addmm may form beta * input, 0 * NaN = NaN).
+            grad_lo_mm = (grad_lo.float() if upcast else grad_lo) if split_g else None
             if need_e:
-                if v0 == 0:
-                    torch.mm(grad_mm, c_chunk_mm, out=de_rows, **out_dtype)
-                else:
-                    torch.addmm(de_rows, grad_mm, c_chunk_mm, out=de_rows, **out_dtype)
+                _product_into(de_rows, grad_mm, c_chunk_mm, accumulate=v0 > 0, **out_dtype)
                 if split_g:
-                    torch.addmm(de_rows, grad_lo.float() if upcast else grad_lo, c_chunk_mm, out=de_rows, **out_dtype)
+                    _product_into(de_rows, grad_lo_mm, c_chunk_mm, accumulate=True, **out_dtype)
             if need_c and split_g:
                 dc_sum = dc32[v0 : v0 + width] if n > row_chunk else dc32[:width]
-                if r0 == 0 or n <= row_chunk:
-                    torch.mm(grad_mm.T, e_rows_mm, out=dc_sum, **out_dtype)
-                else:
-                    torch.addmm(dc_sum, grad_mm.T, e_rows_mm, out=dc_sum, **out_dtype)
-                torch.addmm(dc_sum, (grad_lo.float() if upcast else grad_lo).T, e_rows_mm, out=dc_sum, **out_dtype)
+                _product_into(dc_sum, grad_mm.T, e_rows_mm, accumulate=r0 > 0, **out_dtype)
+                _product_into(dc_sum, grad_lo_mm.T, e_rows_mm, accumulate=True, **out_dtype)
                 if n <= row_chunk:
                     dc_out[v0 : v0 + width] = dc_sum
             elif need_c:
@@ -298,10 +300,8 @@ def backward_dense(e, c, targets, bias, lse, grad_rows, counted, *, softcap, nee
                 if upcast:
                     update = grad_mm.T @ e_rows_mm
                     dc_chunk.copy_(update if r0 == 0 else dc_chunk.float() + update)
-                elif r0 == 0:
-                    torch.mm(grad.T, e_rows, out=dc_chunk)
                 else:
-                    torch.addmm(dc_chunk, grad.T, e_rows, out=dc_chunk)
+                    _product_into(dc_chunk, grad.T, e_rows, accumulate=r0 > 0)
         if need_e:
             de_out[r0 : r0 + rows] = de_rows
     if split_g and need_c and n > row_chunk:
