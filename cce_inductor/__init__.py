@@ -7,8 +7,7 @@
 * :func:`stats` -- which loss sites were rewritten and why the others were not.
 """
 
-__version__ = "0.1.0"
-
+from ._version import __version__
 from .ops import linear_cross_entropy  # noqa: E402  (registers torch.ops.cce_inductor.*)
 from .options import CCEOptions  # noqa: E402
 from .diagnostics import reset_stats, stats  # noqa: E402

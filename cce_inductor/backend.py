@@ -14,24 +14,19 @@ import torch._inductor.config as inductor_config
 
 from . import _compat
 from .graph_pass import CCEGraphPass, _find_ours
-from .options import CCEOptions
+from .options import CCEOptions, resolve
 
 
 def make_backend(
     options: Optional[CCEOptions] = None,
     *,
-    filter_eps: Optional[float | str] = None,
-    vocab_sort: Optional[bool] = None,
-    exact: Optional[bool] = None,
-    drop_logits: Optional[bool] = None,
     inductor_options: Optional[dict[str, Any]] = None,
+    **overrides: Any,
 ) -> Callable:
-    """A Dynamo backend compiling with Inductor and the pass, configured by ``options`` / keywords / env."""
+    """A Dynamo backend compiling with Inductor and the pass. Options: ``options``, else the ``CCE_INDUCTOR_*``
+    environment; keyword ``overrides`` (the fields of :class:`CCEOptions`, e.g. ``drop_logits=True``) win."""
     _compat.install()
-    if options is None:
-        options = CCEOptions.from_env(
-            filter_eps=filter_eps, vocab_sort=vocab_sort, exact=exact, drop_logits=drop_logits
-        )
+    options = resolve(options, overrides)
 
     def cce_backend(gm: torch.fx.GraphModule, example_inputs, **kwargs):
         from torch._inductor.compile_fx import compile_fx

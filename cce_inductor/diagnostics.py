@@ -1,8 +1,11 @@
-"""What the pass did: per-site decisions, counted across compilations, and logged on ``cce_inductor``.
+"""What the pass did: per-site decisions, counted across compilations, and logged on ``cce_inductor``; and how
+often the fused ops ran in this process (so a graph served from Inductor's cache, which skips the pass, can still
+be seen to use them).
 
     >>> cce_inductor.stats()
     {'graphs': 1, 'rewritten': 0, 'skipped': 1,
-     'reasons': {'logits escape the compiled region (...); set CCE_INDUCTOR_DROP_LOGITS=1 ...': 1}, 'sites': [...]}
+     'reasons': {'logits escape the compiled region (...); set CCE_INDUCTOR_DROP_LOGITS=1 ...': 1}, 'sites': [...],
+     'executions': {'linear_cross_entropy': 0, 'vocab_parallel': 0}, 'summary': '...'}
 """
 
 from __future__ import annotations
@@ -30,6 +33,14 @@ class SiteDecision:
 
 _sites: list[SiteDecision] = []
 _graphs = 0
+# Forward calls of the fused ops (eager, compiled, or a cached compiled graph). A CUDA graph replays kernels
+# without calling the op, so under mode="reduce-overhead" only its recording is counted.
+_executions = collections.Counter({"linear_cross_entropy": 0, "vocab_parallel": 0})
+
+
+def count_execution(op: str) -> None:
+    with _lock:
+        _executions[op] += 1
 
 
 def new_graph() -> int:
@@ -53,6 +64,7 @@ def stats() -> dict[str, Any]:
     with _lock:
         sites = list(_sites)
         graphs = _graphs
+        executions = dict(_executions)
     reasons = collections.Counter(site.reason for site in sites if not site.rewritten)
     rewritten = sum(site.rewritten for site in sites)
     return {
@@ -61,15 +73,17 @@ def stats() -> dict[str, Any]:
         "skipped": len(sites) - rewritten,
         "reasons": dict(reasons),
         "sites": [dataclasses.asdict(site) for site in sites],
-        "summary": _summary(graphs, rewritten, reasons),
+        "executions": executions,
+        "summary": _summary(graphs, rewritten, reasons, sum(executions.values())),
     }
 
 
-def _summary(graphs: int, rewritten: int, reasons: collections.Counter) -> str:
+def _summary(graphs: int, rewritten: int, reasons: collections.Counter, executions: int) -> str:
+    ran = f"the fused op ran {executions} times in this process"
     if graphs == 0:
         return (
-            "the pass has not seen any graph: nothing was compiled with it yet, or every graph came from "
-            "Inductor's cache (cached graphs that were rewritten still call the fused op)"
+            f"the pass has not seen any graph (nothing was compiled with it yet, or every graph came from "
+            f"Inductor's cache); {ran}"
         )
     line = f"rewrote {rewritten} of {rewritten + sum(reasons.values())} cross_entropy sites in {graphs} graphs"
     if reasons:
@@ -77,7 +91,7 @@ def _summary(graphs: int, rewritten: int, reasons: collections.Counter) -> str:
         line += f"; left {sum(reasons.values())} alone, most often ({count}x) because {reason}"
     elif rewritten == 0:
         line += "; no cross_entropy call was found in the compiled graphs"
-    return line
+    return f"{line}; {ran}"
 
 
 def reset_stats() -> None:
@@ -85,3 +99,5 @@ def reset_stats() -> None:
     with _lock:
         _sites.clear()
         _graphs = 0
+        for op in _executions:
+            _executions[op] = 0

@@ -31,13 +31,9 @@ work (``cce_inductor::vocab_shard_forward`` / ``vocab_shard_backward``: opaque t
 fused op) and one functional collective (``torch.distributed._functional_collectives``: traceable, no host
 sync). It compiles with ``fullgraph=True``. Every rank of ``group`` must call it (it is a collective).
 
-Also here:
-
-* :func:`dtensor_linear_cross_entropy`: the same on DTensors (``weight`` ``Shard(0)`` on a 1-D mesh, as
-  ``ColwiseParallel`` leaves it), returning a ``Replicate`` DTensor like ``loss_parallel``;
-* :func:`rewrite_tensor_parallel_sites` / :class:`TensorParallelGraphPass`: a prototype graph pass that rewrites a
-  compiled ``ColwiseParallel(use_local_output=False)`` head + ``loss_parallel`` cross-entropy into
-  :func:`dtensor_linear_cross_entropy` (to be folded into ``fx_passes/linear_cross_entropy.py``).
+Also here: :func:`dtensor_linear_cross_entropy`, the same on DTensors (``weight`` ``Shard(0)`` on a 1-D mesh, as
+``ColwiseParallel`` leaves it), returning a ``Replicate`` DTensor like ``loss_parallel``; the graph pass
+``cce_inductor/fx_passes/tensor_parallel.py`` rewrites compiled ``ColwiseParallel`` heads into it.
 
 DDP and FSDP2 need nothing from this module: the main pass rewrites their compiled graphs as they are (see
 ``tests/test_distributed.py``), except when ``lm_head`` is an FSDP unit of its own.
@@ -51,24 +47,15 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch import Tensor
-from torch._inductor.custom_graph_pass import CustomGraphPass as _CustomGraphPass
 
-from . import _chunked, ops
-from .ops import Reduction
+from . import _chunked, _loss, diagnostics
+from .options import CCEOptions
 
-__all__ = [
-    "vocab_parallel_linear_cross_entropy",
-    "dtensor_linear_cross_entropy",
-    "vocab_shard_range",
-    "rewrite_tensor_parallel_sites",
-    "TensorParallelGraphPass",
-]
+__all__ = ["vocab_parallel_linear_cross_entropy", "dtensor_linear_cross_entropy", "vocab_shard_range"]
 
 # Local target codes handed to the per-shard computation (independent of the user's ignore_index).
 _LOCAL_IGNORED = -1  # the row's target is ignore_index: the row is not part of the loss
 _LOCAL_ELSEWHERE = -2  # the row counts, but its target is in another rank's shard
-
-_IMPLS = ("auto", "chunked", "kernels")
 
 # ``all_gather_tensor`` is deprecated in 2.13 in favour of ``all_gather_single``, which 2.11 may lack.
 _all_gather_single = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
@@ -88,22 +75,14 @@ def _wait(t: Tensor) -> Tensor:
     return t.wait() if isinstance(t, funcol.AsyncCollectiveTensor) else t
 
 
-def _use_kernels(impl: str, e: Tensor) -> bool:
-    if impl == "chunked":
-        return False
-    if impl == "kernels":
-        if ops._kernels() is None:
-            raise RuntimeError("impl='kernels' needs Triton and cce_inductor.kernels")
-        return True
-    return ops.uses_kernels(e.device, e.dtype) and e.shape[0] > 0
-
-
 # --------------------------------------------------------------------------------------------------------------
 # The per-shard computation, as two custom ops: opaque to Dynamo / Inductor (the chunked loops are not unrolled
 # into the graph, the Triton launches are not traced), no communication inside.
 #
 # ``shard_targets`` encodes each row for this shard: the local column index of its target (>= 0), or
-# _LOCAL_ELSEWHERE (the row counts, its target is in another shard), or _LOCAL_IGNORED (ignore_index).
+# _LOCAL_ELSEWHERE (the row counts, its target is in another shard), or _LOCAL_IGNORED (ignore_index). The
+# kernels take these codes as they are (a target outside [0, V_local) counts, with no one-hot term); the
+# chunked path, which reads c[target], gets _LOCAL_IGNORED for every row without a local target.
 # --------------------------------------------------------------------------------------------------------------
 
 
@@ -114,103 +93,68 @@ def _local_codes(shard_targets: Tensor) -> Tensor:
 
 @torch.library.custom_op("cce_inductor::vocab_shard_forward", mutates_args=())
 def vocab_shard_forward(
-    e: Tensor, c: Tensor, shard_targets: Tensor, bias: Optional[Tensor], softcap: float, vocab_sort: bool,
-    use_kernels: bool,
-) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
-    """Per row: ``(lse over this shard, target logit if the target is in this shard else 0, aux)``."""
-    cap = ops._softcap_or_none(softcap)
+    e: Tensor, c: Tensor, shard_targets: Tensor, bias: Optional[Tensor], softcap: Optional[float]
+) -> tuple[Tensor, Tensor]:
+    """Per row: ``(lse over this shard, target logit if the target is in this shard else 0)``."""
+    diagnostics.count_execution("vocab_parallel")
     n_rows, v_local = e.shape[0], c.shape[0]
-    acc = _chunked.accumulation_dtype(e.dtype)
     in_shard = shard_targets >= 0
     if v_local == 0:  # an empty shard (V < world): contributes exp(-inf) = 0
-        lse = torch.full((n_rows,), float("-inf"), dtype=torch.float32 if use_kernels else acc, device=e.device)
-        target_logit = torch.zeros_like(lse)
-        shape, dtype = _aux_spec(n_rows, v_local, vocab_sort, use_kernels)
-        return lse, target_logit, torch.zeros(shape, dtype=dtype, device=e.device)
-    if use_kernels:
-        kernels = ops._kernels()
-        # rows computed: every row that counts (also those whose target is elsewhere: it matches no column)
-        row_compaction = kernels._config.compact_rows(shard_targets, _LOCAL_IGNORED)
-        lse, target_logit, aux = kernels.forward(
-            e, c, shard_targets, bias, softcap=cap, ignore_index=_LOCAL_IGNORED, vocab_sort=vocab_sort,
-            row_compaction=row_compaction,
-        )  # fmt: skip
+        lse = torch.full((n_rows,), float("-inf"), dtype=_loss.lse_dtype(e.device, e.dtype), device=e.device)
+        return lse, torch.zeros_like(lse)
+    if _loss.uses_kernels(e.device, e.dtype) and n_rows > 0:
+        lse, target_logit = _loss.triton_kernels().forward(e, c, shard_targets, bias, softcap=softcap,
+                                                           ignore_index=_LOCAL_IGNORED)  # fmt: skip
     else:
-        lse, target_logit = _chunked.forward(e, c, _local_codes(shard_targets), bias, softcap=cap,
+        lse, target_logit = _chunked.forward(e, c, _local_codes(shard_targets), bias, softcap=softcap,
                                              ignore_index=_LOCAL_IGNORED)  # fmt: skip
-        aux = torch.zeros((0,), dtype=torch.float32, device=e.device)
-    return lse, torch.where(in_shard, target_logit, 0.0), aux
-
-
-def _aux_spec(n_rows, v_local, vocab_sort: bool, use_kernels: bool):
-    if use_kernels:
-        return ops._kernels().aux_spec(n_rows, v_local, vocab_sort)
-    return (0,), torch.float32
+    return lse, torch.where(in_shard, target_logit, 0.0)
 
 
 @vocab_shard_forward.register_fake
-def _(e, c, shard_targets, bias, softcap, vocab_sort, use_kernels):
-    n_rows = e.shape[0]
-    lse_dtype = torch.float32 if use_kernels else _chunked.accumulation_dtype(e.dtype)
-    shape, dtype = _aux_spec(n_rows, c.shape[0], vocab_sort, use_kernels)
-    lse = e.new_empty((n_rows,), dtype=lse_dtype)
-    return lse, torch.empty_like(lse), e.new_empty(shape, dtype=dtype)
+def _(e, c, shard_targets, bias, softcap):
+    lse = e.new_empty((e.shape[0],), dtype=_loss.lse_dtype(e.device, e.dtype))
+    return lse, torch.empty_like(lse)
 
 
 @torch.library.custom_op("cce_inductor::vocab_shard_backward", mutates_args=())
 def vocab_shard_backward(
-    e: Tensor, c: Tensor, shard_targets: Tensor, bias: Optional[Tensor], lse: Tensor, aux: Tensor,
-    grad_rows: Tensor, softcap: float, filter_eps: float, vocab_sort: bool, exact: bool, use_kernels: bool,
-    need_e: bool, need_c: bool, need_bias: bool,
+    e: Tensor, c: Tensor, shard_targets: Tensor, bias: Optional[Tensor], lse: Tensor, grad_rows: Tensor,
+    softcap: Optional[float], options: str, need_e: bool, need_c: bool, need_bias: bool,
 ) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
     """This shard's ``(dE contribution, dC_shard, dbias_shard)`` given the *global* ``lse``; empty if not needed."""
     need_bias = need_bias and bias is not None
-    cap = ops._softcap_or_none(softcap)
     if c.shape[0] == 0:
         grad_e, grad_c = torch.zeros_like(e), torch.zeros_like(c)
         grad_bias = None if bias is None else torch.zeros_like(bias)
-    elif use_kernels:
-        kernels = ops._kernels()
-        grad_e, grad_c, grad_bias = kernels.backward(
-            e, c, _local_codes(shard_targets), bias, lse.float(), aux, grad_rows.float(),
-            softcap=cap, ignore_index=_LOCAL_IGNORED, filter_eps=ops.kernel_filter_eps(filter_eps, exact, e.dtype),
-            vocab_sort=vocab_sort, exact=exact,
-            need_e=need_e, need_c=need_c, need_bias=need_bias,
-            row_compaction=kernels._config.compact_rows(shard_targets, _LOCAL_IGNORED),
+    elif _loss.uses_kernels(e.device, e.dtype) and e.shape[0] > 0:
+        grad_e, grad_c, grad_bias = _loss.triton_kernels().backward(
+            e, c, shard_targets, bias, lse.float(), grad_rows.float(), softcap=softcap, ignore_index=_LOCAL_IGNORED,
+            options=CCEOptions.decode(options), need_e=need_e, need_c=need_c, need_bias=need_bias,
         )  # fmt: skip
     else:
         grad_e, grad_c, grad_bias = _chunked.backward(
             e, c, _local_codes(shard_targets), bias, lse, grad_rows,
-            softcap=cap, need_e=need_e, need_c=need_c, need_bias=need_bias,
+            softcap=softcap, need_e=need_e, need_c=need_c, need_bias=need_bias,
         )  # fmt: skip
-    return (
-        grad_e if need_e else e.new_empty(0),
-        grad_c if need_c else e.new_empty(0),
-        grad_bias if need_bias else e.new_empty(0),
-    )
+    return _loss.empty_unless(need_e, grad_e, e), _loss.empty_unless(need_c, grad_c, e), \
+        _loss.empty_unless(need_bias, grad_bias, e)  # fmt: skip
 
 
 @vocab_shard_backward.register_fake
-def _(e, c, shard_targets, bias, lse, aux, grad_rows, softcap, filter_eps, vocab_sort, exact, use_kernels,
-      need_e, need_c, need_bias):  # fmt: skip
-    need_bias = need_bias and bias is not None
-    return (
-        torch.empty_like(e, memory_format=torch.contiguous_format) if need_e else e.new_empty(0),
-        torch.empty_like(c, memory_format=torch.contiguous_format) if need_c else e.new_empty(0),
-        torch.empty_like(bias) if need_bias else e.new_empty(0),
-    )
+def _(e, c, shard_targets, bias, lse, grad_rows, softcap, options, need_e, need_c, need_bias):
+    return _loss.grad_outputs_fake(e, c, bias, need_e, need_c, need_bias)
 
 
 class _VocabParallelLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, e, c, targets, bias, vocab_start, vocab_size, group, softcap, ignore_index, reduction,
-                use_kernels, filter_eps, vocab_sort, exact):  # fmt: skip
+    def forward(ctx, e, c, targets, bias, vocab_start, vocab_size, group, softcap, ignore_index, reduction, options):
         valid = targets != ignore_index
-        ops.check_target_range(targets, vocab_size, ignore_index)
+        _loss.check_target_range(targets, vocab_size, ignore_index)
         local = targets - vocab_start
         in_shard = valid & (local >= 0) & (local < c.shape[0])
         shard_targets = torch.where(valid, torch.where(in_shard, local, _LOCAL_ELSEWHERE), _LOCAL_IGNORED)
-        lse_local, target_local, aux = vocab_shard_forward(e, c, shard_targets, bias, softcap, vocab_sort, use_kernels)
+        lse_local, target_local = vocab_shard_forward(e, c, shard_targets, bias, softcap)
 
         # The one collective of the forward: every rank gets every rank's (lse, target logit).
         acc = _chunked.accumulation_dtype(e.dtype)
@@ -219,37 +163,21 @@ class _VocabParallelLinearCrossEntropy(torch.autograd.Function):
         gathered = _wait(_all_gather_single(parts, 0, group)).view(world, 2, -1)
         lse = torch.logsumexp(gathered[:, 0], dim=0)
         target_logit = gathered[:, 1].sum(dim=0)
+        loss = _loss.reduce_rows(torch.where(valid, lse - target_logit, 0.0), valid, reduction)
 
-        row_loss = torch.where(valid, lse - target_logit, 0.0)
-        if reduction == Reduction.NONE:
-            loss = row_loss
-        elif reduction == Reduction.SUM:
-            loss = row_loss.sum()
-        else:  # mean over non-ignored rows; 0/0 = NaN when all are ignored, as in PyTorch
-            loss = row_loss.sum() / valid.sum()
-
-        ctx.save_for_backward(e, c, bias, shard_targets, lse, aux)
-        ctx.attrs = dict(softcap=softcap, filter_eps=filter_eps, vocab_sort=vocab_sort, exact=exact,
-                         use_kernels=use_kernels)  # fmt: skip
-        ctx.group, ctx.reduction = group, reduction
+        ctx.save_for_backward(e, c, bias, shard_targets, lse)
+        ctx.softcap, ctx.options, ctx.group, ctx.reduction = softcap, options, group, reduction
         return loss
 
     @staticmethod
     def backward(ctx, grad_loss):
-        e, c, bias, shard_targets, lse, aux = ctx.saved_tensors
+        e, c, bias, shard_targets, lse = ctx.saved_tensors
         need_e, need_c, _, need_bias = ctx.needs_input_grad[:4]
         need_bias = need_bias and bias is not None
-        acc = _chunked.accumulation_dtype(e.dtype)
         valid = shard_targets != _LOCAL_IGNORED
-        if ctx.reduction == Reduction.NONE:
-            per_row = grad_loss.to(acc)
-        elif ctx.reduction == Reduction.SUM:
-            per_row = grad_loss.to(acc).expand(valid.shape[0])
-        else:
-            per_row = grad_loss.to(acc) / valid.sum()
-        grad_rows = torch.where(valid, per_row, 0.0)
+        grad_rows = _loss.grad_rows(grad_loss, valid, ctx.reduction, _chunked.accumulation_dtype(e.dtype))
         grad_e, grad_c, grad_bias = vocab_shard_backward(
-            e, c, shard_targets, bias, lse, aux, grad_rows, **ctx.attrs,
+            e, c, shard_targets, bias, lse, grad_rows, ctx.softcap, ctx.options,
             need_e=need_e, need_c=need_c, need_bias=need_bias,
         )  # fmt: skip
         if need_e:
@@ -260,7 +188,7 @@ class _VocabParallelLinearCrossEntropy(torch.autograd.Function):
             grad_c if need_c else None,
             None,
             grad_bias if need_bias else None,
-        ) + (None,) * 10
+        ) + (None,) * 7
 
 
 def vocab_parallel_linear_cross_entropy(
@@ -275,10 +203,7 @@ def vocab_parallel_linear_cross_entropy(
     softcap: Optional[float] = None,
     ignore_index: int = -100,
     reduction: str = "mean",
-    impl: str = "auto",
-    filter_eps: Optional[float] = 0.0,
-    vocab_sort: bool = False,
-    exact: bool = False,
+    options: Optional[CCEOptions] = None,
 ) -> Tensor:
     """``F.cross_entropy(softcap(e @ C.T + bias), targets)`` with ``C`` split by rows over the ranks of ``group``.
 
@@ -292,34 +217,29 @@ def vocab_parallel_linear_cross_entropy(
         group: the tensor-parallel process group (default: the world).
         bias_shard: optional ``(V_local,)`` slice of the bias.
         softcap, ignore_index, reduction: as in :func:`cce_inductor.linear_cross_entropy`.
-        impl: ``"auto"`` (Triton kernels on CUDA when available, else the chunked PyTorch path), ``"chunked"``
-            or ``"kernels"`` (also on CPU tensors under ``TRITON_INTERPRET=1``, for tests).
-        filter_eps, vocab_sort, exact: the kernels' backward options (see :class:`cce_inductor.CCEOptions`).
+        options: as in :func:`cce_inductor.linear_cross_entropy` (Triton kernels on CUDA, else the chunked path).
 
     Returns the loss (float32; float64 for float64 inputs), identical on every rank; ``e.grad`` is the full
     gradient (already summed over the group), ``c_shard.grad`` / ``bias_shard.grad`` this rank's slices.
     """
-    if impl not in _IMPLS:
-        raise ValueError(f"impl must be one of {_IMPLS}, got {impl!r}")
-    ops.check_public_args(e, c_shard, targets, softcap=softcap, reduction=reduction, filter_eps=filter_eps)
+    _loss.check_public_args(e, c_shard, targets, softcap=softcap, reduction=reduction)
     if not (0 <= vocab_start and vocab_start + c_shard.shape[0] <= vocab_size):
         raise ValueError(f"shard [{vocab_start}, {vocab_start + c_shard.shape[0]}) is not inside [0, {vocab_size})")
 
     device_type = e.device.type
-    e, c_shard, bias_shard = ops.autocast_inputs(e, c_shard, bias_shard)
+    e, c_shard, bias_shard = _loss.autocast_inputs(e, c_shard, bias_shard)
 
     if group is None:
         group = dist.group.WORLD
     e2d = e.reshape(-1, e.shape[-1])
     flat_targets = targets.reshape(-1).long()
     if not torch.compiler.is_compiling():  # its torch._check messages are closures: a graph break under Dynamo
-        ops.check_inputs(e2d, c_shard, flat_targets, bias_shard)
+        _loss.check_inputs(e2d, c_shard, flat_targets, bias_shard)
     with torch.autocast(device_type, enabled=False):
         loss = _VocabParallelLinearCrossEntropy.apply(
             e2d, c_shard, flat_targets, bias_shard, int(vocab_start), int(vocab_size), group,
-            ops.NO_SOFTCAP if softcap is None else float(softcap), int(ignore_index), Reduction.BY_NAME[reduction],
-            _use_kernels(impl, e2d), ops.AUTO_FILTER_EPS if filter_eps is None else float(filter_eps),
-            bool(vocab_sort), bool(exact),
+            None if softcap is None else float(softcap), int(ignore_index), reduction,
+            (options or CCEOptions()).encode(),
         )  # fmt: skip
     if reduction == "none":
         loss = loss.view(targets.shape)
@@ -335,7 +255,7 @@ def dtensor_linear_cross_entropy(
     softcap: Optional[float] = None,
     ignore_index: int = -100,
     reduction: str = "mean",
-    **options,
+    options: Optional[CCEOptions] = None,
 ) -> Tensor:
     """The DTensor form: what ``loss_parallel()`` + ``F.cross_entropy(F.linear(hidden, weight, bias))`` computes
     for a vocabulary-sharded head (``ColwiseParallel``), without the logits.
@@ -343,8 +263,8 @@ def dtensor_linear_cross_entropy(
     ``weight`` is a DTensor ``Shard(0)`` on a 1-D mesh (``bias`` likewise, if given); ``hidden`` a DTensor
     (redistributed to ``Replicate``) or a plain tensor equal on all ranks; ``targets`` a plain tensor or a
     DTensor (made ``Replicate``). Returns a ``Replicate`` DTensor, as ``loss_parallel`` does; the gradients
-    reach ``hidden`` as ``Replicate`` and ``weight`` / ``bias`` as ``Shard(0)``. ``options`` go to
-    :func:`vocab_parallel_linear_cross_entropy` (``impl``, ``filter_eps``, ...). Traceable by Dynamo.
+    reach ``hidden`` as ``Replicate`` and ``weight`` / ``bias`` as ``Shard(0)``. ``options`` as for
+    :func:`vocab_parallel_linear_cross_entropy`. Traceable by Dynamo.
     """
     from torch.distributed.tensor import DTensor, Replicate, Shard  # noqa: PLC0415
 
@@ -364,150 +284,6 @@ def dtensor_linear_cross_entropy(
     loss = vocab_parallel_linear_cross_entropy(
         hidden, weight.to_local(), targets, vocab_start=vocab_start, vocab_size=weight.shape[0],
         group=mesh.get_group(), bias_shard=None if bias is None else bias.to_local(), softcap=softcap,
-        ignore_index=ignore_index, reduction=reduction, **options,
+        ignore_index=ignore_index, reduction=reduction, options=options,
     )  # fmt: skip
     return DTensor.from_local(loss, mesh, [Replicate()], run_check=False)
-
-
-# --------------------------------------------------------------------------------------------------------------
-# Prototype graph pass: rewrite a vocabulary-sharded (DTensor) head + loss_parallel cross-entropy
-# --------------------------------------------------------------------------------------------------------------
-
-
-def _is_redistribute(node) -> bool:
-    if node.op == "call_method":
-        return node.target == "redistribute"
-    # torch <= 2.11: Dynamo captures DTensor.redistribute as a generated function named prim_redistribute
-    return node.op == "call_function" and getattr(node.target, "__name__", "") == "prim_redistribute"
-
-
-def _is_noop_redistribute(node) -> bool:
-    """``x.redistribute(...)`` whose output has the placements of its input (ColwiseParallel's output hook)."""
-    from torch.distributed.tensor import DTensor  # noqa: PLC0415
-
-    from .fx_passes.linear_cross_entropy import _meta  # noqa: PLC0415
-
-    if not _is_redistribute(node) or not node.args:
-        return False
-    src, out = _meta(node.args[0]), _meta(node)
-    return (
-        isinstance(src, DTensor) and isinstance(out, DTensor) and src.device_mesh == out.device_mesh
-        and tuple(src.placements) == tuple(out.placements) and src.dtype == out.dtype and src.shape == out.shape
-    )  # fmt: skip
-
-
-def _tensor_parallel_reason(site) -> Optional[str]:
-    """Why ``site`` (matched on DTensor metas) is not a vocabulary-parallel head, or None if it is."""
-    from torch.distributed.tensor import DTensor, Shard  # noqa: PLC0415
-
-    from .fx_passes.linear_cross_entropy import _meta  # noqa: PLC0415
-
-    weight, logits = _meta(site.weight), _meta(site.head)
-    if not isinstance(weight, DTensor) or not isinstance(logits, DTensor):
-        return "mixed DTensor and plain tensors between head and loss"
-    if weight.device_mesh.ndim != 1 or tuple(weight.placements) != (Shard(0),):
-        return f"head weight placements {weight.placements} (need Shard(0) on a 1-D mesh)"
-    (placement,) = logits.placements
-    if not (placement.is_shard() and placement.dim in (-1, logits.dim() - 1)):
-        return f"logits placements {logits.placements} (need the vocabulary dimension sharded)"
-    for name, node in (("hidden states", site.hidden), ("targets", site.targets)):
-        meta = _meta(node)
-        if isinstance(meta, DTensor) and not all(p.is_replicate() for p in meta.placements):
-            return f"{name} are {meta.placements}, not replicated"
-    if site.weight_is_transposed:
-        return "a (D, V) head weight under tensor parallelism"
-    if site.bias is not None:
-        bias = _meta(site.bias)
-        if not isinstance(bias, DTensor) or tuple(bias.placements) != (Shard(0),):
-            return "head bias is not Shard(0)"
-    if site.escaping:
-        return "the logits escape the compiled region"
-    return None
-
-
-def rewrite_tensor_parallel_sites(graph, options=None) -> int:
-    """Rewrite ``DTensor`` sites ``linear(h, W: Shard(0)) -> [no-op redistribute] -> views -> [softcap] ->
-    cross_entropy`` (``ColwiseParallel(use_local_output=False)`` + ``loss_parallel``) into
-    :func:`dtensor_linear_cross_entropy`. Sites on plain tensors are left to the main pass. Returns the count.
-
-    A prototype to be folded into ``fx_passes/linear_cross_entropy.py``; run it before the main pass (as a
-    ``pre_grad_custom_pass`` that ``cce_inductor``'s backend chains, see :class:`TensorParallelGraphPass`).
-    """
-    from torch.distributed.tensor import DTensor  # noqa: PLC0415
-
-    from . import diagnostics  # noqa: PLC0415
-    from .fx_passes import linear_cross_entropy as pattern  # noqa: PLC0415
-    from .options import CCEOptions  # noqa: PLC0415
-
-    options = options or CCEOptions()
-    def _ce_input(node):
-        return node.args[0] if node.args else node.kwargs.get("input")
-
-    sites = [
-        node for node in graph.nodes
-        if pattern._is(node, pattern.CROSS_ENTROPY) and isinstance(pattern._meta(_ce_input(node)), DTensor)
-    ]  # fmt: skip
-    if not sites:
-        return 0
-    graph_id = diagnostics.new_graph()
-    for node in list(graph.nodes):
-        if _is_noop_redistribute(node):
-            node.replace_all_uses_with(node.args[0])
-            graph.erase_node(node)
-    names = {code: name for name, code in Reduction.BY_NAME.items()}
-    rewritten = 0
-    for ce in sites:
-        try:
-            site = pattern.match_site(ce)
-            reason = _tensor_parallel_reason(site)
-            if reason is not None:
-                raise pattern.NoMatch(f"tensor parallel: {reason}")
-        except pattern.NoMatch as why:
-            diagnostics.record(diagnostics.SiteDecision(graph_id, ce.name, False, str(why)))
-            continue
-        except Exception as exc:  # noqa: BLE001 - never break compilation
-            diagnostics.record(diagnostics.SiteDecision(graph_id, ce.name, False, f"not understood ({exc})"))
-            continue
-        fused = pattern.rewrite_site(graph, site, options)  # the row views, casts and chain removal
-        rows, weight, targets, bias, softcap, ignore_index, reduction, filter_eps, vocab_sort, exact = fused.args
-        (loss_getitem,) = fused.users
-        with graph.inserting_before(fused):
-            loss = graph.call_function(
-                dtensor_linear_cross_entropy,
-                (rows, weight, targets),
-                dict(bias=bias, softcap=None if softcap == ops.NO_SOFTCAP else softcap, ignore_index=ignore_index,
-                     reduction=names[reduction], filter_eps=None if filter_eps == ops.AUTO_FILTER_EPS else filter_eps,
-                     vocab_sort=vocab_sort, exact=exact),
-            )  # fmt: skip
-        loss_getitem.replace_all_uses_with(loss)
-        graph.erase_node(loss_getitem)
-        graph.erase_node(fused)
-        rewritten += 1
-        diagnostics.record(diagnostics.SiteDecision(
-            graph_id, ce.name, True, f"tensor parallel (vocabulary-sharded head): {pattern._describe(site)}"
-        ))  # fmt: skip
-    if rewritten:
-        graph.lint()
-    return rewritten
-
-
-class TensorParallelGraphPass(_CustomGraphPass):
-    """``torch._inductor.config.pre_grad_custom_pass`` running :func:`rewrite_tensor_parallel_sites`; the
-    ``cce_inductor`` backend / ``enable()`` chain it before the main pass::
-
-        torch._inductor.config.pre_grad_custom_pass = TensorParallelGraphPass()
-        model = torch.compile(model, backend=cce_inductor.backend)
-    """
-
-    def __init__(self, options=None) -> None:
-        from .options import CCEOptions  # noqa: PLC0415
-
-        self.options = options or CCEOptions()
-
-    def __call__(self, graph) -> None:
-        rewrite_tensor_parallel_sites(graph, self.options)
-
-    def uuid(self):
-        from .graph_pass import _source_hash  # noqa: PLC0415
-
-        return f"cce_inductor-tp-{_source_hash()}-{self.options.cache_key()}"

@@ -18,9 +18,10 @@ import torch
 import torch._inductor.config as inductor_config
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
-from . import __version__, _compat
-from .fx_passes.linear_cross_entropy import rewrite_linear_cross_entropy
-from .options import CCEOptions
+from . import _compat
+from ._version import __version__
+from .fx_passes import rewrite_graph
+from .options import CCEOptions, resolve
 
 _PACKAGE_DIR = Path(__file__).resolve().parent
 
@@ -35,19 +36,18 @@ def _source_hash() -> str:
 
 
 class CCEGraphPass(CustomGraphPass):
-    """Rewrites linear -> cross_entropy sites; runs ``chained`` (a pass that was installed before) first."""
+    """Runs every pass of ``cce_inductor.fx_passes``; runs ``chained`` (a pass that was installed before) first."""
 
     def __init__(self, options: Optional[CCEOptions] = None, chained: Any = None) -> None:
         self.options = options or CCEOptions()
         self.chained = chained
-        self.last_rewrites = 0
 
     def __call__(self, graph: torch.fx.Graph) -> None:
         _compat.install()
         if self.chained is not None:
             for user_pass in self.chained if isinstance(self.chained, (list, tuple)) else [self.chained]:
                 user_pass(graph)
-        self.last_rewrites = rewrite_linear_cross_entropy(graph, self.options)
+        rewrite_graph(graph, self.options)
 
     def uuid(self) -> Optional[Any]:
         chained_ids = []
@@ -69,14 +69,14 @@ def _find_ours(hook: Any) -> Optional[CCEGraphPass]:
     return hook if isinstance(hook, CCEGraphPass) else None
 
 
-def enable(options: Optional[CCEOptions] = None, **overrides) -> CCEGraphPass:
+def enable(options: Optional[CCEOptions] = None, **overrides: Any) -> CCEGraphPass:
     """Install the pass globally, so that a plain ``torch.compile(model)`` uses it.
 
-    ``options`` default to the ``CCE_INDUCTOR_*`` environment variables; keyword overrides win. A pass that was
-    already installed in ``pre_grad_custom_pass`` keeps running, before ours. Calling ``enable`` again replaces
-    our pass (with the new options) and keeps the chain.
+    ``options`` default to the ``CCE_INDUCTOR_*`` environment variables; keyword overrides (the fields of
+    :class:`CCEOptions`) win. A pass that was already installed in ``pre_grad_custom_pass`` keeps running, before
+    ours. Calling ``enable`` again replaces our pass (with the new options) and keeps the chain.
     """
-    options = options or CCEOptions.from_env(**overrides)
+    options = resolve(options, overrides)
     _compat.install()
     current = _installed()
     ours = _find_ours(current)

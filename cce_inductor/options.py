@@ -1,77 +1,143 @@
-"""Options of the fused op and of the graph pass, and how they are read from the environment."""
+"""The one options object, from the user to the kernels.
+
+``CCEOptions`` is built by :func:`cce_inductor.make_backend` / :func:`cce_inductor.enable` (keywords), from the
+``CCE_INDUCTOR_*`` environment (:meth:`CCEOptions.from_env`) or by hand for the functional API. The pass puts
+it in its cache key (:meth:`CCEOptions.cache_key`) and hands the fields the op reads to every fused call as one
+string (:meth:`CCEOptions.encode`, read back by :meth:`CCEOptions.decode`): a schema argument, so a graph
+compiled under other options is another graph to Inductor's caches, too.
+
+Block sizes and pipeline depths are not options: they are per-device constants beside the kernel that uses
+them (``cce_inductor/kernels``).
+"""
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
-from typing import Optional
+import warnings
+from typing import Any, Literal, Optional
+
+__all__ = ["CCEOptions"]
 
 _TRUTHY = ("1", "true", "yes", "on")
+_FALSY = ("0", "false", "no", "off")
 
+# Options of earlier versions that no longer exist; setting one says so instead of being silently ignored.
+_RETIRED_ENV = {
+    "CCE_INDUCTOR_FILTER_EPS": "gradient filtering was retired (README, 'Gradient filtering'); gradients are exact",
+    "CCE_INDUCTOR_VOCAB_SORT": "vocabulary sorting was retired with gradient filtering",
+}
 
-def _env_flag(name: str, default: bool = False) -> bool:
-    value = os.environ.get(name)
-    if value is None or value.strip() == "":
-        return default
-    return value.strip().lower() in _TRUTHY
-
-
-def _env_filter_eps(name: str) -> Optional[float]:
-    """A number, or ``auto`` for the paper's per-dtype threshold (``None``); unset gives 0.0 (no filtering)."""
-    value = os.environ.get(name)
-    if value is None or value.strip() == "":
-        return 0.0
-    if value.strip().lower() == "auto":
-        return None
-    try:
-        return float(value)
-    except ValueError as exc:
-        raise ValueError(f"{name}={value!r} is not a number") from exc
+Products = Literal["cublas", "triton"]
 
 
 @dataclasses.dataclass(frozen=True)
 class CCEOptions:
-    """How rewritten sites compute their loss.
+    """How rewritten sites compute their loss; every field is validated and part of the pass's cache key.
 
-    Every field is part of the pass's cache key, so changing one never reuses a graph compiled under another.
-
-    filter_eps: skip gradient tiles whose ``|softmax - onehot|`` is everywhere below this (CUDA kernels only).
-        ``0.0`` (default) computes every gradient entry; ``None`` picks the paper's threshold for the input dtype
-        (2**-12 for bf16). Filtering is for fine-tuning: it gives the classifier rows of unlikely tokens an
-        exactly-zero gradient, which Adam turns from a small update into none at all, and it stalled training
-        from scratch in our Gemma-2-like run (README, "Gradient filtering").
-    vocab_sort: order the vocabulary by average logit before the backward so that surviving tiles cluster
-        (the paper's heuristic). Off by default: on an H200 it was never faster than skipping tiles from the
-        forward's per-tile maxima, which sorting rules out (examples/benchmark_notes.md).
-    exact: no gradient filtering and fp32 accumulation of dE/dC (pretraining); slower.
     drop_logits: when the logits also leave the compiled region (Hugging Face models return them), return an
         empty tensor in their place so the site can still be rewritten. Off by default: it changes what the
-        compiled function returns.
+        compiled function returns. Environment: ``CCE_INDUCTOR_DROP_LOGITS=1``.
+    exact: the CUDA backward carries the softmax gradient into its products as two 16-bit halves and sums dC in
+        fp32: gradients at the rounding floor of the output dtype, for ~1.6x the backward's time.
+        Environment: ``CCE_INDUCTOR_EXACT=1``.
+    products: who computes the CUDA backward's dE / dC products. ``"cublas"`` (default) is fastest on full
+        batches; ``"triton"`` skips rows whose target is ``ignore_index`` (prompt-masked SFT, padding), faster
+        from about 25% ignored targets on. Ignored with ``exact``. Environment: ``CCE_INDUCTOR_PRODUCTS``.
+    backward_row_chunk: rows per block of the CUDA backward: bounds its scratch memory (one 16-bit
+        ``row_chunk x 2048`` gradient block plus ``row_chunk x D`` fp32 rows) whatever the batch. Smaller saves
+        memory at some speed; 0 takes all rows in one block. Environment: ``CCE_INDUCTOR_BACKWARD_ROW_CHUNK``.
     """
 
-    filter_eps: Optional[float] = 0.0
-    vocab_sort: bool = False
-    exact: bool = False
     drop_logits: bool = False
+    exact: bool = False
+    products: Products = "cublas"
+    backward_row_chunk: int = 8192
 
     def __post_init__(self) -> None:
-        if self.filter_eps is not None and not (0.0 <= self.filter_eps < 1.0):
-            raise ValueError(f"filter_eps must be in [0, 1), got {self.filter_eps}")
+        for name in ("drop_logits", "exact"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if self.products not in ("cublas", "triton"):
+            raise ValueError(f"products must be 'cublas' or 'triton', got {self.products!r}")
+        if isinstance(self.backward_row_chunk, bool) or not isinstance(self.backward_row_chunk, int):
+            raise TypeError(f"backward_row_chunk must be an int, got {self.backward_row_chunk!r}")
+        if self.backward_row_chunk < 0:
+            raise ValueError(f"backward_row_chunk must be >= 0 (0: all rows), got {self.backward_row_chunk}")
 
     @classmethod
-    def from_env(cls, **overrides) -> "CCEOptions":
-        """Options from ``CCE_INDUCTOR_*`` environment variables, then ``overrides`` (ignoring ``None``;
-        ``filter_eps="auto"`` asks for the paper's per-dtype threshold)."""
-        values = dict(
-            filter_eps=_env_filter_eps("CCE_INDUCTOR_FILTER_EPS"),
-            vocab_sort=_env_flag("CCE_INDUCTOR_VOCAB_SORT", False),
-            exact=_env_flag("CCE_INDUCTOR_EXACT"),
-            drop_logits=_env_flag("CCE_INDUCTOR_DROP_LOGITS"),
-        )
+    def from_env(cls, **overrides: Any) -> "CCEOptions":
+        """Options from the ``CCE_INDUCTOR_*`` environment, then ``overrides`` (keywords named like the fields;
+        ``None`` leaves a field to the environment)."""
+        for name, why in _RETIRED_ENV.items():
+            if os.environ.get(name, "").strip():
+                warnings.warn(f"{name} is ignored: {why}", FutureWarning, stacklevel=3)
+        unknown = set(overrides) - set(_FIELDS)
+        if unknown:
+            raise TypeError(f"unknown cce_inductor option(s) {sorted(unknown)}; the options are {list(_FIELDS)}")
+        values: dict[str, Any] = {}
+        for name, field in _FIELDS.items():
+            raw = os.environ.get(_env_name(name), "").strip()
+            if raw:
+                values[name] = _parse(_env_name(name), raw, field.type)
         values.update({k: v for k, v in overrides.items() if v is not None})
-        if values["filter_eps"] == "auto":  # the paper's per-dtype threshold
-            values["filter_eps"] = None
         return cls(**values)
 
     def cache_key(self) -> str:
-        return ",".join(f"{f.name}={getattr(self, f.name)!r}" for f in dataclasses.fields(self))
+        return ",".join(f"{name}={getattr(self, name)!r}" for name in _FIELDS)
+
+    def encode(self) -> str:
+        """The fields the op reads, as the one string argument of every fused call (see :meth:`decode`)."""
+        return ";".join(f"{name}={getattr(self, name)}" for name in _OP_FIELDS)
+
+    @staticmethod
+    def decode(encoded: str) -> "CCEOptions":
+        """Inverse of :meth:`encode` (fields the op does not read keep their defaults)."""
+        return _decode(encoded)
+
+
+_FIELDS = {field.name: field for field in dataclasses.fields(CCEOptions)}
+# drop_logits changes the graph around the op, not what the op computes.
+_OP_FIELDS = ("exact", "products", "backward_row_chunk")
+
+
+def _env_name(field: str) -> str:
+    return f"CCE_INDUCTOR_{field.upper()}"
+
+
+def _parse(name: str, raw: str, annotation: Any) -> Any:
+    kind = str(annotation)
+    if kind == "bool":
+        if raw.lower() in _TRUTHY:
+            return True
+        if raw.lower() in _FALSY:
+            return False
+        raise ValueError(f"{name}={raw!r} is not a boolean (1/0, true/false, yes/no, on/off)")
+    if kind == "int":
+        try:
+            return int(raw)
+        except ValueError as exc:
+            raise ValueError(f"{name}={raw!r} is not an integer") from exc
+    return raw
+
+
+@functools.lru_cache(maxsize=None)
+def _decode(encoded: str) -> CCEOptions:
+    values: dict[str, Any] = {}
+    for item in encoded.split(";"):
+        name, _, raw = item.partition("=")
+        if name not in _OP_FIELDS:
+            raise ValueError(f"not an encoded cce_inductor option: {item!r} in {encoded!r}")
+        values[name] = _parse(name, raw, _FIELDS[name].type)
+    return CCEOptions(**values)
+
+
+def resolve(options: Optional[CCEOptions], overrides: dict[str, Any]) -> CCEOptions:
+    """``options`` with keyword ``overrides`` applied, or options from the environment and the overrides."""
+    if options is None:
+        return CCEOptions.from_env(**overrides)
+    unknown = set(overrides) - set(_FIELDS)
+    if unknown:
+        raise TypeError(f"unknown cce_inductor option(s) {sorted(unknown)}; the options are {list(_FIELDS)}")
+    return dataclasses.replace(options, **{k: v for k, v in overrides.items() if v is not None})

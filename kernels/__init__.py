@@ -1,25 +1,23 @@
 """Triton kernels of Cut Cross-Entropy (imported as ``cce_inductor.kernels``).
 
-Interface used by the custom op:
+Interface used by the custom op and the vocabulary-parallel loss:
 
-* ``aux_spec(n, v, vocab_sort, summaries=True) -> (shape, dtype)`` of the ``aux`` tensor the forward returns
-  (empty with ``summaries=False``: then the backward must not filter).
-* ``forward(e, c, targets, bias, *, softcap, ignore_index, vocab_sort, summaries=True) -> (lse, target_logit, aux)``
-* ``backward(e, c, targets, bias, lse, aux, grad_rows, *, softcap, ignore_index, filter_eps, vocab_sort,
-  exact, need_e, need_c, need_bias) -> (dE | None, dC | None, dbias | None)``
-* ``default_filter_eps(dtype) -> float``
+* ``forward(e, c, targets, bias, *, softcap, ignore_index) -> (lse, target_logit)``
+* ``backward(e, c, targets, bias, lse, grad_rows, *, softcap, ignore_index, options, need_e, need_c, need_bias)
+  -> (dE | None, dC | None, dbias | None)``; ``options`` is a :class:`cce_inductor.CCEOptions`
 
-with ``logits[n, v] = softcap * tanh((e[n] . c[v] + bias[v]) / softcap)`` (no tanh without softcap).
-Kernel files: ``_tile`` (shared logit-tile helper), ``_forward`` (lse / target logit / aux),
-``_backward`` (tile backward: gradient filtering), ``_backward_dense`` (every unfiltered backward, exact mode
-included: a Triton kernel recomputes each logit block into the softmax gradient, cuBLAS does dE and dC; chosen
-by ``backward`` when ``filter_eps == 0``), ``_products`` (optional Triton dE / dC products that skip ignored
-rows); ``_config`` holds block sizes (``override_config``) and the aux layout.
+with ``logits[n, v] = softcap * tanh((e[n] . c[v] + bias[v]) / softcap)`` (no tanh without softcap).  Rows whose
+target is ``ignore_index`` cost nothing; a target outside ``[0, V)`` counts with no one-hot term.
+
+Kernel files, each opening with its math, block layout and memory, and keeping its own block sizes:
+``_forward`` (fused log-sum-exp / target logit), ``_backward`` (a Triton kernel recomputes each logit block into
+the softmax gradient; cuBLAS does dE and dC; exact mode), ``_products`` (Triton dE / dC products that skip
+ignored rows, ``options.products="triton"``), ``_tile`` (the logit tile and softmax gradient shared by the
+kernels), ``_launch`` (host-side helpers: device facts, row compaction).
 No host synchronisation: ignored rows are compacted on the device and the kernels read the count.
 """
 from ._backward import backward
-from ._config import CONFIG, INTERPRET, aux_spec, default_filter_eps, override_config
 from ._forward import forward
+from ._launch import INTERPRET
 
-__version__ = "0.1.0"
-__all__ = ["aux_spec", "forward", "backward", "default_filter_eps", "override_config", "CONFIG", "INTERPRET"]
+__all__ = ["forward", "backward", "INTERPRET"]

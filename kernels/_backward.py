@@ -1,425 +1,256 @@
-"""Tile backward: dE, dC, dbias of the linear + (softcapped) cross-entropy without materialising logits,
-skipping tiles below the gradient filter (paper sec. 4).  Without filtering ``backward`` hands over to
-``_backward_dense`` (Triton recompute + cuBLAS products), which is faster, exact mode included; the tile kernel's
-own exact mode (fp32 accumulation) remains reachable with kernel config ``bwd_dense=0``.
+"""Backward: one Triton kernel recomputes each logit block and turns it into the softmax gradient; vendor-BLAS
+products (or, with ``products="triton"``, the kernels of ``_products``) do dE and dC.
+
+Every logit contributes to dE and dC (no gradient is filtered), so the two gradient products are plain GEMMs,
+which cuBLAS runs near the tensor-core peak; no atomics.
 
 Math
 ----
-With p = softmax(logits[n]), g_n = grad_rows[n] (already 0 at ignored rows) and the softcap chain factor
-s[n, v] = 1 - tanh^2(raw[n, v] / softcap) = 1 - (logits[n, v] / softcap)^2 (s = 1 without softcap):
+g_n = grad_rows[n] (0 at ignored rows), s = the softcap's chain factor:
 
-    G[n, v]  = g_n * (p[n, v] - [v == targets[n]]) * s[n, v]        (gradient w.r.t. the raw logits)
-    dE       = G @ C,     dC = G^T @ E,     dbias = sum_n G[n, :]
+    raw[n, v] = E[n] . C[v]                                        (fp32 accumulation)
+    z[n, v]   = softcap * tanh((raw + bias[v]) / softcap)          (no tanh without softcap)
+    G[n, v]   = g_n * (exp(z - lse[n]) - [v == targets[n]]) * s[n, v]
+    dE = G @ C,     dC = G^T @ E,     dbias = sum_n G[n, :]
 
-Tile kernel: block / grid layout (paper Alg. 3, with pre-skipping)
--------------------------------------------------------------------
-1-D grid of ``row_blocks * vocab_tiles`` programs, vocabulary-major (``GROUP > 0``: row blocks in groups of
-GROUP), so the programs resident together work on the same C tile and E stays in L2.  Program (i, j) owns
-compacted rows ``row_order[i*BLOCK_N:...]`` and vocabulary tile j (``vocab_order[j*BLOCK_V:...]`` when the
-vocabulary is sorted).
+Chunking / layout
+-----------------
+The (rows x vocabulary) plane is cut into ``row_chunk x vocab_chunk`` blocks; rows are the outer loop:
 
-1. Row block past the device-side ``num_valid`` -> return (ignored rows cost nothing).
-2. Flat rows: a row whose largest probability is < 2**flat_row_log2 * filter_eps, or whose forward
-   tail-mass estimate (mass in entries < eps relative to its peak) is > tail_frac_pct %, keeps its whole
-   dE: its many tiny probabilities add up to a systematic part of dE that the filter would drop (e.g. 2%
-   of dE on flat random logits at D=2304).  ``FILTER_E=0`` treats every row as flat.
-3. Pre-skip (``PRE_SKIP``, unsorted vocabulary, no flat row in the block): the forward stored
-   ``tile_max[i, j]``; since p[n, v] <= exp(tile_max - lse[n]), the tile is skipped *without recomputing
-   it* when ``tile_max - min_n lse[n] < log(filter_eps)``.
-4. Recompute the ``BLOCK_N x BLOCK_V`` logits (``_tile.logit_tile``), p = exp(logits - lse).  ``FILTER``:
-   the tile is dropped when all its *off-target* p are < filter_eps (the target entries never prevent
-   skipping: the target kernels handle them); a dropped tile still does the dE of its flat rows.
-5. G = g * p * s on the off-target entries.  For each ``BLOCK_D`` chunk of D:
-   ``dE[rows, d] += G @ C[vocab, d]`` and (kept tiles) ``dC[vocab, d] += G'^T @ E[rows, d]``, where G' also
-   holds the tile's target entries g * (p_t - 1) * s_t (see below), with atomic adds in the output dtype
-   (default) or into fp32 buffers (exact mode).  G is rounded to the input dtype for the tensor-core
-   products; exact mode splits it into hi + lo halves (two products) so G keeps ~16 mantissa bits.
-   dbias: fp32 atomics.
+    for each row chunk R (options.backward_row_chunk rows):   dE32 = zeros(|R|, D) in fp32
+        compact R on the device: its counted rows first, their number in device memory
+        for each vocabulary chunk W:
+            G     = _recompute_grad_kernel(E[R], C[W])   Triton, grid (|R| / BLOCK_N, |W| / BLOCK_V), input dtype
+            dE32 += G @ C[W]                       cuBLAS, fp32 accumulation across chunks
+            dC[W] = G^T @ E[R]  (first R)          cuBLAS, written in place; later R: += (one rounding each)
+            dbias32[W] += sum_rows G
+        dE[R] = dE32
 
-Target entries G[n, t_n] = g_n * (p_t - 1) * s_t
------------------------------------------------
-* dE / dbias: ``_target_row_kernel`` (grid N) recomputes the target logit by one fp32 D-dot and adds
-  coef_n = G[n, t_n] once, *after* the tiles: the bf16 partial sums of the tiles carry only the small
-  off-target mass, the large target term is rounded once, and p_t - 1 (confident rows) is formed in fp32.
-* dC: a kept tile adds its target entries in-tile (for calibrated data the off-target and target parts of
-  dC[v] cancel; interleaving them row block by row block keeps the bf16 partial sums small) and marks the
-  rows done; for the other rows ``_target_scatter_kernel`` (grid N x D-chunks, over rows sorted by target)
-  lets the first row of each run of equal targets sum ``coef * E[row]`` over the run in fp32 and add it to
-  dC[t] once, so frequent targets pile up neither rounding errors nor atomics.
+``_recompute_grad_kernel`` program (i, j) takes compacted rows ``i*BLOCK_N ...`` of the chunk and vocabulary
+tile j of the block: ``BLOCK_N x BLOCK_V`` logits from ``_tile.logit_tile`` (loop over ``BLOCK_D`` chunks of D),
+the gradient formed in registers, stored once in the input dtype at the rows' own places in G.  A program whose
+rows all lie past the device-side count of counted rows (ignored rows only) computes nothing and stores G = 0
+there (NaN where that row of E, or any of C / bias, is not finite: the pattern eager's log-softmax backward
+gives an ignored row whose log-sum-exp is NaN, through 0 * NaN).  So ignored rows cost no recompute; the cuBLAS products, whose
+sizes the host must know, still run over every row.
 
-Measured on H200 (Gemma-2 shape, see examples/benchmark_notes.md): the dense regime is bound by the
-tile recompute and the bf16 atomics (~2.4 MB of L2 traffic + 590 K atomic element-adds per kept tile).
+Exact mode (``options.exact``, 16-bit inputs): the recompute also stores the remainder of G's rounding, G_lo = G -
+round(G), in a second block, and every product runs twice (G and G_lo, fp32 accumulation), so the products see
+~16 mantissa bits of G instead of 8; dC is summed in fp32 (one vocabulary chunk of it, or all of dC when several
+row chunks add to it) and rounded once.  Against the fp64 gradient rounded to bf16 this leaves ~1e-4 relative
+error where the default leaves ~4e-3 (interpreter, small shapes).  Cost: twice the product time, one more G block.
+
+Memory above the outputs: one G block in the input dtype plus the fp32 dE rows of one row chunk: with 8192-row
+chunks (the default) and 2048 vocabulary entries, 32 MB + 72 MB at D = 2304 in bf16, whatever N is; longer
+batches pay one extra bf16 rounding of dC per further row chunk.  G is rounded to the input dtype before the
+products, as eager PyTorch does for the logits' gradient.  No atomics, so the result is bitwise reproducible
+(``torch.use_deterministic_algorithms`` is satisfied).
 """
 from __future__ import annotations
-
-import math
 
 import torch
 import triton
 import triton.language as tl
 
-from . import _config
-from ._backward_dense import backward_dense
-from ._tile import logit_tile, no_target, tanh, target_raw_logit
+from . import _launch, _products
+from ._tile import logit_tile, softmax_grad
+
+# Hopper (H100 / H200); the interpreter's tiny blocks keep the CPU tests fast.  vocab_chunk: columns of one G block.
+_TUNING = {
+    "gpu": dict(vocab_chunk=2048, block_n=128, block_v=256, block_d=64, num_warps=8, num_stages=4),
+    "interpret": dict(vocab_chunk=48, block_n=16, block_v=32, block_d=16, num_warps=4, num_stages=1),
+}
 
 
 @triton.jit
-def _atomic_add_tile(ptrs, base_ptr, row_off, col0, value, mask_rows, D, stride_col,
-                     PACKED: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
-    """``*ptrs += value`` for a (BLOCK_R, BLOCK_D) tile of the output (dtype of base_ptr).
-
-    PACKED (16-bit outputs, contiguous D, even D): pairs of neighbouring columns are packed into one
-    32-bit word and added with one ``red.global.add.noftz.{bf16x2|f16x2}``, half the atomic operations of
-    ``tl.atomic_add`` (which issues one 16-bit reduction per element)."""
-    if PACKED:
-        value = value.to(base_ptr.dtype.element_ty)
-        pairs = tl.reshape(value, (BLOCK_R, BLOCK_D // 2, 2))
-        lo, hi = tl.split(pairs)
-        word = lo.to(tl.uint16, bitcast=True).to(tl.uint32) | (hi.to(tl.uint16, bitcast=True).to(tl.uint32) << 16)
-        cols = col0 + 2 * tl.arange(0, BLOCK_D // 2)
-        pair_ptrs = base_ptr + row_off[:, None] + cols[None, :]
-        pair_mask = (mask_rows[:, None] & (cols[None, :] < D)).to(tl.uint32)
-        if base_ptr.dtype.element_ty == tl.bfloat16:
-            tl.inline_asm_elementwise(
-                "{ .reg .pred p; setp.ne.b32 p, $3, 0; @p red.global.add.noftz.bf16x2 [$1], $2; mov.b32 $0, 0; }",
-                "=r,l,r,r", [pair_ptrs, word, pair_mask], dtype=tl.uint32, is_pure=False, pack=1)
-        else:
-            tl.inline_asm_elementwise(
-                "{ .reg .pred p; setp.ne.b32 p, $3, 0; @p red.global.add.noftz.f16x2 [$1], $2; mov.b32 $0, 0; }",
-                "=r,l,r,r", [pair_ptrs, word, pair_mask], dtype=tl.uint32, is_pure=False, pack=1)
-    else:
-        d_mask = (col0 + tl.arange(0, BLOCK_D)) < D
-        tl.atomic_add(ptrs, value.to(base_ptr.dtype.element_ty), mask=mask_rows[:, None] & d_mask[None, :], sem="relaxed")
-
-
-@triton.jit
-def _split_operand(grad, dtype, UPCAST: tl.constexpr):
-    """(hi, lo) 16-bit halves of an fp32 tile for tensor-core products (lo only used in exact mode)."""
-    if UPCAST:  # interpreter: fp32 operands
-        return grad, grad
-    hi = grad.to(dtype)
-    return hi, (grad - hi.to(tl.float32)).to(dtype)
-
-
-@triton.jit
-def _tile_grad_kernel(
-    E, C, Bias, Targets, RowOrder, NumValid, Lse, GradRows, VocabOrder, TileMax, RowMax, TailFrac, TargetDone,
-    DE, DC, DBias,
-    N, V, D,
-    stride_en, stride_ed, stride_cv, stride_cd,
-    stride_den, stride_ded, stride_dcv, stride_dcd,
-    num_row_blocks, num_vocab_tiles,
-    softcap, filter_eps, log_filter_eps, log_flat_prob, max_tail_frac,
-    HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-    PRE_SKIP: tl.constexpr, FILTER: tl.constexpr, FILTER_E: tl.constexpr, SORTED_VOCAB: tl.constexpr,
-    NEED_E: tl.constexpr, NEED_C: tl.constexpr, NEED_BIAS: tl.constexpr,
-    SPLIT_G: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, EVEN_D: tl.constexpr,
-    GROUP: tl.constexpr, PACKED: tl.constexpr,
+def _recompute_grad_kernel(
+    E, C, Bias, Lse, GradRows, Targets, RowOrder, NumCounted, RowPoison, G, GLo,
+    n_rows, width, vocab_start, V, D,
+    stride_en, stride_ed, stride_cv, stride_cd, stride_g, softcap,
+    HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, COMPACT_G: tl.constexpr, SPLIT_G: tl.constexpr,
+    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, EVEN_D: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    if GROUP > 0:
-        # row blocks in groups of GROUP; inside a group, vocab tiles vary slowest
-        per_group = GROUP * num_vocab_tiles
-        group_id = pid // per_group
-        first_rb = group_id * GROUP
-        group_size = tl.minimum(num_row_blocks - first_rb, GROUP)
-        row_block = first_rb + (pid % per_group) % group_size
-        vocab_tile = (pid % per_group) // group_size
+    """``G[r, c]`` of one (row chunk, vocabulary chunk) block.  Every pointer but C / Bias starts at the chunk's
+    first row; ``RowOrder`` lists the chunk's rows (local indices), counted rows first.  G's row of local row
+    ``RowOrder[p]`` is p (``COMPACT_G``, for the ``_products`` kernels) or the row itself (for cuBLAS products).
+    ``SPLIT_G`` (exact mode): G holds the gradient rounded to the input dtype and ``GLo`` (same layout) the
+    rounding's remainder, so that G + GLo carries ~16 mantissa bits into the products."""
+    pos = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    in_chunk = pos < n_rows
+    rows = tl.load(RowOrder + pos, mask=in_chunk, other=0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
+    col_mask = cols < width
+    mask = in_chunk[:, None] & col_mask[None, :]
+    if COMPACT_G:
+        g_offs = pos.to(tl.int64)[:, None] * stride_g + cols[None, :]
     else:
-        row_block = pid % num_row_blocks
-        vocab_tile = pid // num_row_blocks
-    num_valid = tl.load(NumValid)
-    if row_block * BLOCK_N >= num_valid:
+        g_offs = rows[:, None] * stride_g + cols[None, :]
+    vocab_ids = tl.minimum(vocab_start + cols, V - 1).to(tl.int64)
+    num_counted = tl.load(NumCounted)
+    # G of an ignored row: 0, or NaN where eager's 0 * NaN puts it: everywhere in a row with a NaN logit (its
+    # log-sum-exp is NaN), i.e. where that row of E, or any of C / bias, is not finite.  (A per-row vector, so
+    # nothing tile-sized stays live across the logit loop.)
+    poison = tl.load(RowPoison + rows, mask=in_chunk, other=0.0)
+    if tl.program_id(0) * BLOCK_N >= num_counted:
+        skipped = (poison[:, None] + tl.zeros((BLOCK_N, BLOCK_V), tl.float32)).to(G.dtype.element_ty)
+        tl.store(G + g_offs, skipped, mask=mask)
+        if SPLIT_G:
+            tl.store(GLo + g_offs, skipped, mask=mask)
         return
 
-    pos = row_block * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_mask = pos < num_valid
-    rows = tl.load(RowOrder + pos, mask=row_mask, other=0).to(tl.int64)
-    lse = tl.load(Lse + rows, mask=row_mask, other=float("inf"))
-    # "flat" rows (largest probability tiny, or much of the mass in a flat tail of sub-eps entries): the
-    # filter would drop a real part of their dE, so their dE is never filtered; FILTER_E=0: every row.
-    if FILTER:
-        if FILTER_E:
-            row_max = tl.load(RowMax + rows, mask=row_mask, other=float("-inf"))
-            tail = tl.load(TailFrac + rows, mask=row_mask, other=0.0)
-            flat = ((row_max - lse < log_flat_prob) | (tail > max_tail_frac)) & row_mask
-        else:
-            flat = row_mask
-    else:
-        flat = row_mask
-    any_flat = tl.max(flat.to(tl.int32), axis=0)
-    if PRE_SKIP:
-        tile_max = tl.load(TileMax + row_block.to(tl.int64) * num_vocab_tiles + vocab_tile)
-        if tile_max - tl.min(lse, axis=0) < log_filter_eps:
-            if any_flat == 0:
-                return
-
-    cols = vocab_tile * BLOCK_V + tl.arange(0, BLOCK_V)
-    col_mask = cols < V
-    if SORTED_VOCAB:
-        vocab_ids = tl.load(VocabOrder + cols, mask=col_mask, other=0).to(tl.int64)
-    else:
-        vocab_ids = tl.minimum(cols, V - 1).to(tl.int64)
+    lse = tl.load(Lse + rows, mask=in_chunk, other=0.0)
+    grad_row = tl.load(GradRows + rows, mask=in_chunk, other=0.0)
+    target = tl.load(Targets + rows, mask=in_chunk, other=-1)
     logits = logit_tile(
         E, C, Bias, rows, vocab_ids, D, stride_en, stride_ed, stride_cv, stride_cd, softcap,
         HAS_BIAS, HAS_SOFTCAP, UPCAST, DOT_PRECISION, EVEN_D, BLOCK_N, BLOCK_V, BLOCK_D,
     )
-    target = tl.load(Targets + rows, mask=row_mask, other=-1)
-    in_tile = row_mask[:, None] & col_mask[None, :]
-    is_target = in_tile & (vocab_ids[None, :] == target[:, None])
-    prob = tl.where(in_tile, tl.exp(logits - lse[:, None]), 0.0)
-    off_target_prob = tl.where(is_target, 0.0, prob)
-    if FILTER:
-        keep = (tl.max(tl.max(off_target_prob, axis=1), axis=0) >= filter_eps).to(tl.int32)
-        if keep == 0:
-            if any_flat == 0:
-                return
+    grad = softmax_grad(logits, lse, grad_row, target, vocab_start + cols, softcap, HAS_SOFTCAP)
+    grad = tl.where((pos < num_counted)[:, None], grad, poison[:, None])
+    grad_hi = grad.to(G.dtype.element_ty)
+    tl.store(G + g_offs, grad_hi, mask=mask)
+    if SPLIT_G:
+        tl.store(GLo + g_offs, (grad - grad_hi.to(tl.float32)).to(G.dtype.element_ty), mask=mask)
+
+
+def _fp32_out_mm_available(device: torch.device) -> bool:
+    """cuBLAS 16-bit products with an fp32 result (``aten::mm.dtype``; CUDA only, torch >= 2.8)."""
+    return device.type == "cuda" and torch._C._dispatch_has_kernel_for_dispatch_key("aten::mm.dtype", "CUDA")
+
+
+def _block(buffer: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    """A contiguous ``rows x cols`` view at the start of a flat scratch buffer (last chunks are narrower)."""
+    return buffer[: rows * cols].view(rows, cols)
+
+
+def _poison(rows: torch.Tensor) -> torch.Tensor:
+    """Per row of a 2-D tensor, fp32: 0 where it is finite, NaN where it holds a NaN / inf (0 * x summed); one
+    matrix-vector product, no temporary the size of ``rows``."""
+    zeros = torch.zeros(rows.shape[1], dtype=rows.dtype, device=rows.device)
+    return torch.mv(rows, zeros).float()
+
+
+def _product_into(out, a, b, *, accumulate, **out_dtype):
+    """``out (+)= a @ b``.  The first product of a sum writes with ``mm``: never ``addmm(beta=0)`` over
+    uninitialised memory (an addmm may form beta * input, and 0 * NaN = NaN)."""
+    if accumulate:
+        torch.addmm(out, a, b, out=out, **out_dtype)
     else:
-        keep = 1
-
-    grad_rows = tl.load(GradRows + rows, mask=row_mask, other=0.0)
-    chain = 1.0
-    if HAS_SOFTCAP:
-        capped = logits / softcap
-        chain = 1.0 - capped * capped
-    # off-target part of G (the target entry of dE is added by _target_row_kernel, once, after the tiles)
-    grad = grad_rows[:, None] * off_target_prob * chain
-    if NEED_BIAS:
-        if keep != 0:
-            tl.atomic_add(DBias + vocab_ids, tl.sum(grad, axis=0), mask=col_mask, sem="relaxed")
-    # target entry of each row in this tile, g * (p_t - 1) * s_t (0 where the target is elsewhere)
-    target_term = tl.sum(tl.where(is_target, grad_rows[:, None] * (prob - 1.0) * chain, 0.0), axis=1)
-    has_target = tl.max(is_target.to(tl.int32), axis=1) > 0
-    # dE: every row of a kept tile, only the flat rows of a dropped one
-    take = (flat.to(tl.int32) + keep) > 0
-    ge_hi, ge_lo = _split_operand(tl.where(take[:, None], grad, 0.0), E.dtype.element_ty, UPCAST)
-
-    offs_d = tl.arange(0, BLOCK_D)
-    if NEED_E:
-        c_ptrs = C + vocab_ids[:, None] * stride_cv + offs_d[None, :] * stride_cd
-        de_ptrs = DE + rows[:, None] * stride_den + offs_d[None, :] * stride_ded
-        for d0 in range(0, D, BLOCK_D):
-            if EVEN_D:
-                c_blk = tl.load(c_ptrs)
-            else:
-                c_blk = tl.load(c_ptrs, mask=((d0 + offs_d) < D)[None, :], other=0.0)
-            if UPCAST:
-                c_blk = c_blk.to(tl.float32)
-            de = tl.dot(ge_hi, c_blk, input_precision=DOT_PRECISION)
-            if SPLIT_G:
-                de = tl.dot(ge_lo, c_blk, de, input_precision=DOT_PRECISION)
-            _atomic_add_tile(de_ptrs, DE, rows * stride_den, d0, de, row_mask & take, D, stride_ded, PACKED,
-                             BLOCK_N, BLOCK_D)
-            c_ptrs += BLOCK_D * stride_cd
-            de_ptrs += BLOCK_D * stride_ded
-    if NEED_C:
-        if keep != 0:
-            # dC takes the target entries of a kept tile in-tile: for calibrated data the off-target and
-            # target parts of dC[v] cancel, and interleaving them row block by row block keeps the bf16
-            # partial sums small.  Rows whose target tile is dropped stay not-done and get their target
-            # entry from _target_scatter_kernel.  (A kept tile has take == all rows, so G_e == G there.)
-            tl.store(TargetDone + rows, tl.full((BLOCK_N,), 1, dtype=tl.int32), mask=has_target)
-            gc = ge_hi.to(tl.float32) + tl.where(is_target, target_term[:, None], 0.0)
-            if SPLIT_G:
-                gc += ge_lo.to(tl.float32)
-            gc_hi, gc_lo = _split_operand(gc, E.dtype.element_ty, UPCAST)
-            e_ptrs = E + rows[:, None] * stride_en + offs_d[None, :] * stride_ed
-            dc_ptrs = DC + vocab_ids[:, None] * stride_dcv + offs_d[None, :] * stride_dcd
-            for d0 in range(0, D, BLOCK_D):
-                if EVEN_D:
-                    e_blk = tl.load(e_ptrs)
-                else:
-                    e_blk = tl.load(e_ptrs, mask=((d0 + offs_d) < D)[None, :], other=0.0)
-                if UPCAST:
-                    e_blk = e_blk.to(tl.float32)
-                dc = tl.dot(tl.trans(gc_hi), e_blk, input_precision=DOT_PRECISION)
-                if SPLIT_G:
-                    dc = tl.dot(tl.trans(gc_lo), e_blk, dc, input_precision=DOT_PRECISION)
-                _atomic_add_tile(dc_ptrs, DC, vocab_ids * stride_dcv, d0, dc, col_mask, D, stride_dcd, PACKED,
-                                 BLOCK_V, BLOCK_D)
-                e_ptrs += BLOCK_D * stride_ed
-                dc_ptrs += BLOCK_D * stride_dcd
+        torch.mm(a, b, out=out, **out_dtype)
 
 
-@triton.jit
-def _target_row_kernel(
-    E, C, Bias, Targets, GradRows, Lse, Coef, DE, DBias,
-    V, D, stride_en, stride_ed, stride_cv, stride_cd, stride_den, stride_ded,
-    ignore_index, softcap,
-    HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, NEED_E: tl.constexpr, NEED_BIAS: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-):
-    """One program per row n: coef_n = g_n * (p_t - 1) * s_t with the target logit recomputed in fp32,
-    then dE[n] += coef_n * C[t_n] (after the tile kernel: one rounding) and dbias[t_n] += coef_n."""
-    row = tl.program_id(0).to(tl.int64)
-    target = tl.load(Targets + row)
-    if no_target(target, ignore_index, V):
-        tl.store(Coef + row, 0.0)
-        return
-    target = target.to(tl.int64)
-    grad_row = tl.load(GradRows + row)
-    logit = target_raw_logit(E, C, Bias, row, target, D, stride_en, stride_ed, stride_cv, stride_cd,
-                             HAS_BIAS, BLOCK_D)
-    chain = 1.0
-    if HAS_SOFTCAP:
-        capped = tanh(logit / softcap)
-        logit = softcap * capped
-        chain = 1.0 - capped * capped
-    prob = tl.exp(logit - tl.load(Lse + row))
-    coef = grad_row * (prob - 1.0) * chain
-    tl.store(Coef + row, coef)
-    if NEED_BIAS:
-        tl.atomic_add(DBias + target, coef, sem="relaxed")
-    if NEED_E:
-        offs_d = tl.arange(0, BLOCK_D)
-        for d0 in range(0, D, BLOCK_D):
-            d_mask = (d0 + offs_d) < D
-            c_val = tl.load(C + target * stride_cv + (d0 + offs_d) * stride_cd, mask=d_mask, other=0.0).to(tl.float32)
-            de_ptrs = DE + row * stride_den + (d0 + offs_d) * stride_ded
-            de_val = tl.load(de_ptrs, mask=d_mask, other=0.0).to(tl.float32)
-            tl.store(de_ptrs, (de_val + coef * c_val).to(DE.dtype.element_ty), mask=d_mask)
-
-
-@triton.jit
-def _target_scatter_kernel(
-    E, SortedTargets, SortedRows, Coef, TargetDone, DC,
-    N, V, D, stride_en, stride_ed, stride_dcv, stride_dcd,
-    BLOCK_D: tl.constexpr,
-):
-    i = tl.program_id(0)
-    d_blk = tl.program_id(1)
-    key = tl.load(SortedTargets + i)
-    if key >= V:  # ignored rows are sorted last with key V
-        return
-    if i > 0:
-        if tl.load(SortedTargets + i - 1) == key:
-            return
-    offs_d = d_blk * BLOCK_D + tl.arange(0, BLOCK_D)
-    d_mask = offs_d < D
-    acc = tl.zeros((BLOCK_D,), dtype=tl.float32)
-    j = i
-    key_j = key
-    while key_j == key:
-        row = tl.load(SortedRows + j).to(tl.int64)
-        coef = tl.load(Coef + row)
-        if tl.load(TargetDone + row) != 0:  # its kept target tile already added it to dC
-            coef = 0.0
-        if coef != 0.0:
-            acc += coef * tl.load(E + row * stride_en + offs_d * stride_ed, mask=d_mask, other=0.0).to(tl.float32)
-        j += 1
-        key_j = tl.load(SortedTargets + j, mask=j < N, other=-1)
-    dc_ptrs = DC + key.to(tl.int64) * stride_dcv + offs_d * stride_dcd
-    dc_val = tl.load(dc_ptrs, mask=d_mask, other=0.0).to(tl.float32)
-    tl.store(dc_ptrs, (dc_val + acc).to(DC.dtype.element_ty), mask=d_mask)
-
-
-def backward(e, c, targets, bias, lse, aux, grad_rows, *, softcap, ignore_index, filter_eps, vocab_sort,
-             exact, need_e, need_c, need_bias, row_compaction=None):
-    """Launch helper; see package docstring for the contract."""
-    cfg = _config.CONFIG
+def backward(e, c, targets, bias, lse, grad_rows, *, softcap, ignore_index, options, need_e, need_c, need_bias):
+    """Launch helper: ``(dE | None, dC | None, dbias | None)``; ``grad_rows`` fp32, 0 at ignored rows.  Rows whose
+    target is ``ignore_index`` are skipped by the recompute (and by the Triton products); a target outside
+    ``[0, V)`` (a vocabulary shard's code for "another shard's") counts, with no one-hot term.  ``options``: a
+    :class:`cce_inductor.CCEOptions` (``exact``, ``products``, ``backward_row_chunk``)."""
+    tune = _launch.tuning(_TUNING)
     n, d = e.shape
     v = c.shape[0]
     device = e.device
     need_bias = need_bias and bias is not None
-    if exact:
-        filter_eps = 0.0
-    filtering = filter_eps > 0.0
-    vocab_sort = vocab_sort and filtering  # the order only matters for skipping
-    if filtering and aux.numel() < 2 * n:
-        raise ValueError("filter_eps > 0 needs the forward's summaries: call forward(..., summaries=True)")
-    if not filtering and cfg["bwd_dense"]:
-        counted = (targets != ignore_index if row_compaction is None
-                   else _config.counted_mask(n, row_compaction, device))  # fmt: skip
-        return backward_dense(e, c, targets, bias, lse, grad_rows, counted, softcap=softcap, need_e=need_e,
-                              need_c=need_c, need_bias=need_bias, exact=exact)
-    filter_e = bool(cfg["bwd_filter_e"])  # 0: dE takes every tile (dense), only dC/dbias are filtered
-    # bf16 atomics do not exist in the interpreter; exact mode accumulates in fp32.
-    accum_fp32 = exact or (_config.INTERPRET and e.dtype == torch.bfloat16)
-
-    de_out = torch.zeros((n, d), dtype=e.dtype, device=device) if need_e else None
-    dc_out = torch.zeros((v, d), dtype=c.dtype, device=device) if need_c else None
+    de_out = torch.empty((n, d), dtype=e.dtype, device=device) if need_e else None
+    dc_out = torch.empty((v, d), dtype=c.dtype, device=device) if need_c else None
     dbias32 = torch.zeros((v,), dtype=torch.float32, device=device) if need_bias else None
     if n == 0 or not (need_e or need_c or need_bias):
+        if need_c:
+            dc_out.zero_()
         return de_out, dc_out, (dbias32.to(bias.dtype) if need_bias else None)
 
-    if accum_fp32:
-        de_acc = torch.zeros((n, d), dtype=torch.float32, device=device) if need_e else None
-        dc_acc = torch.zeros((v, d), dtype=torch.float32, device=device) if need_c else None
-    else:
-        de_acc, dc_acc = de_out, dc_out
-    dummy = lse
-    de_arg = de_acc if need_e else dummy
-    dc_arg = dc_acc if need_c else dummy
-    de_strides = de_acc.stride() if need_e else (0, 0)
-    dc_strides = dc_acc.stride() if need_c else (0, 0)
-
-    row_order, num_valid = row_compaction if row_compaction is not None else _config.compact_rows(targets, ignore_index)
-    tile_n, tile_v = cfg["tile_n"], cfg["tile_v"]
-    block_d = cfg["bwd_block_d"]
-    row_blocks = triton.cdiv(n, tile_n)
-    vocab_tiles = triton.cdiv(v, tile_v)
-    row_max, tail_frac, summary = aux[:n], aux[n:2 * n], aux[2 * n:]
-    vocab_order = torch.argsort(summary, descending=True) if vocab_sort else None
-    target_done = torch.zeros((n,), dtype=torch.int32, device=device) if need_c else num_valid
+    counted = targets != ignore_index
+    row_chunk = min(n, options.backward_row_chunk or n)
+    vocab_chunk = min(v, tune["vocab_chunk"])
+    sixteen_bit = e.dtype in (torch.bfloat16, torch.float16)
+    split_g = options.exact and sixteen_bit  # fp32 inputs: G is fp32 already
+    # Triton products (``_products``: skip the ignored rows) where the tensor-memory accelerator can read C
+    triton_products = (options.products == "triton" and not split_g
+                       and _products.tma_ok(c) and (d * e.element_size()) % 16 == 0)
+    # 16-bit products with fp32 results where cuBLAS has them; where no such product exists (the CPU interpreter)
+    # 16-bit operands are upcast.
+    fp32_out = sixteen_bit and _fp32_out_mm_available(device)
+    upcast = sixteen_bit and not fp32_out and not triton_products  # (the interpreter's Triton products upcast inside)
+    out_dtype = {"out_dtype": torch.float32} if fp32_out else {}  # the products' fp32 results, 16-bit operands
+    # G's row pitch: its width, padded for the Triton products to 16-byte aligned rows
+    g_row_pitch = -(-vocab_chunk * e.element_size() // 16) * 16 // e.element_size() if triton_products else None
+    g_buf = torch.empty(row_chunk * (g_row_pitch or vocab_chunk), dtype=e.dtype, device=device)
+    g_lo_buf = torch.empty_like(g_buf) if split_g else None
+    de32 = torch.empty((row_chunk, d), dtype=torch.float32, device=device) if need_e else None
+    if split_g and need_c:
+        # dC's fp32 sums: one vocabulary chunk's, or all of dC's when several row chunks add to it
+        dc32 = torch.empty((v if n > row_chunk else vocab_chunk, d), dtype=torch.float32, device=device)
+    lse = lse.contiguous()
     grad_rows = grad_rows.to(torch.float32).contiguous()
-    upcast = _config.INTERPRET and e.dtype != torch.float32
-    precision = _config.dot_precision(e.dtype)
+    targets = targets.contiguous()
     softcap_val = float(softcap) if softcap is not None else 1.0
+    # 0, or NaN when any of C / bias is not finite (then every logit row holds a NaN)
+    weight_poison = _poison(c).sum() + (0.0 if bias is None else bias.float().sum() * 0.0)
+    block_n, block_v, block_d = tune["block_n"], tune["block_v"], tune["block_d"]
+    num_stages = _launch.fit_num_stages(tune["num_stages"], block_n, block_v, block_d, e.element_size())
 
-    _tile_grad_kernel[(row_blocks * vocab_tiles,)](
-        e, c, bias if bias is not None else e, targets, row_order, num_valid, lse, grad_rows,
-        vocab_order if vocab_sort else row_order, summary, row_max, tail_frac, target_done,
-        de_arg, dc_arg, dbias32 if need_bias else dummy,
-        n, v, d,
-        e.stride(0), e.stride(1), c.stride(0), c.stride(1),
-        de_strides[0], de_strides[1], dc_strides[0], dc_strides[1],
-        row_blocks, vocab_tiles,
-        softcap_val, float(filter_eps), math.log(filter_eps) if filtering else float("-inf"),
-        math.log(filter_eps * 2.0 ** cfg["flat_row_log2"]) if filtering else float("-inf"),
-        cfg["tail_frac_pct"] / 100.0,
-        HAS_BIAS=bias is not None, HAS_SOFTCAP=softcap is not None,
-        PRE_SKIP=filtering and filter_e and not vocab_sort, FILTER=filtering, FILTER_E=filter_e,
-        SORTED_VOCAB=vocab_sort,
-        NEED_E=need_e, NEED_C=need_c, NEED_BIAS=need_bias,
-        SPLIT_G=exact and e.dtype != torch.float32 and not upcast, UPCAST=upcast, DOT_PRECISION=precision,
-        EVEN_D=(d % block_d == 0), GROUP=cfg["bwd_group"],
-        PACKED=(cfg["bwd_packed"] and not accum_fp32 and not _config.INTERPRET and d % 2 == 0
-                and (not need_e or de_strides[1] == 1) and (not need_c or dc_strides[1] == 1)),
-        BLOCK_N=tile_n, BLOCK_V=tile_v, BLOCK_D=block_d,
-        num_warps=cfg["bwd_num_warps"], num_stages=cfg["bwd_num_stages"],
-    )
-
-    # target entries: dE / dbias always here, once, after the tiles; dC for rows whose target tile
-    # was dropped (not marked in target_done)
-    if True:
-        coef = torch.empty((n,), dtype=torch.float32, device=device)
-        row_block_d = min(1024, triton.next_power_of_2(d))
-        _target_row_kernel[(n,)](
-            e, c, bias if bias is not None else e, targets, grad_rows, lse, coef,
-            de_arg, dbias32 if need_bias else dummy,
-            v, d, e.stride(0), e.stride(1), c.stride(0), c.stride(1), de_strides[0], de_strides[1],
-            ignore_index, softcap_val,
-            HAS_BIAS=bias is not None, HAS_SOFTCAP=softcap is not None, NEED_E=need_e, NEED_BIAS=need_bias,
-            BLOCK_D=row_block_d, num_warps=4,
-        )
-        if need_c:
-            targetless = (targets == ignore_index) | (targets < 0) | (targets >= v)
-            keys = torch.where(targetless, torch.full_like(targets, v), targets)
-            sorted_targets, sorted_rows = torch.sort(keys)
-            scatter_block_d = min(256, triton.next_power_of_2(d))
-            _target_scatter_kernel[(n, triton.cdiv(d, scatter_block_d))](
-                e, sorted_targets, sorted_rows, coef, target_done, dc_arg,
-                n, v, d, e.stride(0), e.stride(1), dc_strides[0], dc_strides[1],
-                BLOCK_D=scatter_block_d, num_warps=2,
+    for r0 in range(0, n, row_chunk):
+        rows = min(row_chunk, n - r0)
+        e_rows = e[r0 : r0 + rows]
+        e_rows_mm = e_rows.float() if upcast else e_rows
+        de_rows = de32[:rows] if need_e else None
+        counted_rows = counted[r0 : r0 + rows]
+        row_order, num_counted = _launch.compact_counted(counted_rows)
+        row_poison = _poison(e_rows) + weight_poison
+        if triton_products and need_c:
+            e_compact = e_rows.index_select(0, row_order)
+            # what eager's dC receives from the ignored rows: 0, or NaN if any of them is poisoned
+            ignored_poison = torch.where(counted_rows, 0.0, row_poison).sum().reshape(1)
+        for v0 in range(0, v, vocab_chunk):
+            width = min(vocab_chunk, v - v0)
+            c_chunk = c[v0 : v0 + width]
+            c_chunk_mm = c_chunk.float() if upcast else c_chunk
+            grad = _block(g_buf, rows, g_row_pitch)[:, :width] if triton_products else _block(g_buf, rows, width)
+            grad_lo = _block(g_lo_buf, rows, width) if split_g else grad
+            grid = (triton.cdiv(rows, block_n), triton.cdiv(width, block_v))
+            _recompute_grad_kernel[grid](
+                e_rows, c, bias if bias is not None else lse, lse[r0:], grad_rows[r0:], targets[r0:],
+                row_order, num_counted, row_poison, grad, grad_lo,
+                rows, width, v0, v, d,
+                e.stride(0), e.stride(1), c.stride(0), c.stride(1), grad.stride(0), softcap_val,
+                HAS_BIAS=bias is not None, HAS_SOFTCAP=softcap is not None, COMPACT_G=triton_products,
+                SPLIT_G=split_g,
+                UPCAST=_launch.upcast_dots(e.dtype), DOT_PRECISION=_launch.dot_precision(e.dtype),
+                EVEN_D=(d % block_d == 0),
+                BLOCK_N=block_n, BLOCK_V=block_v, BLOCK_D=block_d,
+                num_warps=tune["num_warps"], num_stages=num_stages,
             )
-
-    if accum_fp32:
+            if need_bias:
+                dbias32[v0 : v0 + width] += grad.sum(dim=0, dtype=torch.float32)
+                if split_g:
+                    dbias32[v0 : v0 + width] += grad_lo.sum(dim=0, dtype=torch.float32)
+            if triton_products:
+                if need_e:
+                    _products.grad_e(grad, c_chunk, de_rows, row_order, num_counted, row_poison, accumulate=v0 > 0)
+                if need_c:
+                    _products.grad_c(grad, e_compact, dc_out[v0 : v0 + width], num_counted, ignored_poison,
+                                     accumulate=r0 > 0)
+                continue
+            grad_mm = grad.float() if upcast else grad
+            grad_lo_mm = (grad_lo.float() if upcast else grad_lo) if split_g else None
+            if need_e:
+                _product_into(de_rows, grad_mm, c_chunk_mm, accumulate=v0 > 0, **out_dtype)
+                if split_g:
+                    _product_into(de_rows, grad_lo_mm, c_chunk_mm, accumulate=True, **out_dtype)
+            if need_c and split_g:
+                dc_sum = dc32[v0 : v0 + width] if n > row_chunk else dc32[:width]
+                _product_into(dc_sum, grad_mm.T, e_rows_mm, accumulate=r0 > 0, **out_dtype)
+                _product_into(dc_sum, grad_lo_mm.T, e_rows_mm, accumulate=True, **out_dtype)
+                if n <= row_chunk:
+                    dc_out[v0 : v0 + width] = dc_sum
+            elif need_c:
+                dc_chunk = dc_out[v0 : v0 + width]
+                if upcast:
+                    update = grad_mm.T @ e_rows_mm
+                    dc_chunk.copy_(update if r0 == 0 else dc_chunk.float() + update)
+                else:
+                    _product_into(dc_chunk, grad.T, e_rows, accumulate=r0 > 0)
         if need_e:
-            de_out.copy_(de_acc)
-            del de_acc
-        if need_c:
-            dc_out.copy_(dc_acc)
-            del dc_acc
-    dbias = dbias32.to(bias.dtype) if need_bias else None
-    return de_out, dc_out, dbias
+            de_out[r0 : r0 + rows] = de_rows
+    if split_g and need_c and n > row_chunk:
+        dc_out.copy_(dc32)
+    return de_out, dc_out, (dbias32.to(bias.dtype) if need_bias else None)

@@ -1,5 +1,5 @@
 """Gradient products of the dense backward over compacted rows: dE and dC of one G block, in Triton, sized by
-a device-side row count.  A variant (kernel config ``dense_products="triton"``), not the default: see below.
+a device-side row count.  Chosen by the option ``products="triton"``, not the default: see below.
 
 The dense backward (``_backward_dense``) holds the softmax gradient of one (row chunk x vocabulary chunk)
 block, G, with the chunk's rows in *compacted* order: position p of G is local row ``row_order[p]``, and the
@@ -52,7 +52,13 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from . import _config
+from . import _launch
+
+# Hopper (H100 / H200); the interpreter's tiny blocks keep the CPU tests fast.
+_TUNING = {
+    "gpu": dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=4),
+    "interpret": dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, GROUP_M=2, num_warps=4, num_stages=1),
+}
 
 
 @triton.jit
@@ -126,16 +132,15 @@ def _grad_c_kernel(
 
 
 def _launch_args(element_size: int):
-    cfg = _config.CONFIG
-    block_m, block_n, block_k = cfg["prod_block_m"], cfg["prod_block_n"], cfg["prod_block_k"]
+    launch = dict(_launch.tuning(_TUNING))
     # fit_num_stages sizes one (rows x K) + (cols x K) operand pair per stage, the same bytes as here
-    num_stages = _config.fit_num_stages(cfg["prod_num_stages"], block_m, block_n, block_k, element_size)
-    return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=cfg["prod_group_m"],
-                num_warps=cfg["prod_num_warps"], num_stages=num_stages)
+    launch["num_stages"] = _launch.fit_num_stages(launch["num_stages"], launch["BLOCK_M"], launch["BLOCK_N"],
+                                                  launch["BLOCK_K"], element_size)
+    return launch
 
 
 def _dot_flags(dtype: torch.dtype):
-    return dict(UPCAST=_config.INTERPRET and dtype != torch.float32, DOT_PRECISION=_config.dot_precision(dtype))
+    return dict(UPCAST=_launch.upcast_dots(dtype), DOT_PRECISION=_launch.dot_precision(dtype))
 
 
 def tma_ok(*tensors: torch.Tensor) -> bool:
@@ -173,7 +178,7 @@ def grad_c(grad: torch.Tensor, e_compact: torch.Tensor, dc_chunk: torch.Tensor, 
     bm, bn, bk = launch["BLOCK_M"], launch["BLOCK_N"], launch["BLOCK_K"]
     # The interpreter rounds fp32 -> 16-bit stores toward zero (the GPU to nearest even): there the kernel
     # writes fp32 and torch rounds.
-    out = dc_chunk.float() if _config.INTERPRET and dc_chunk.dtype != torch.float32 else dc_chunk
+    out = dc_chunk.float() if _launch.INTERPRET and dc_chunk.dtype != torch.float32 else dc_chunk
     grid = (triton.cdiv(width, bm) * triton.cdiv(d, bn),)
     _grad_c_kernel[grid](
         TensorDescriptor.from_tensor(grad, [bk, bm]), TensorDescriptor.from_tensor(e_compact, [bk, bn]),

@@ -59,31 +59,6 @@ def logit_tile(
 
 
 @triton.jit
-def no_target(target, ignore_index, V):
-    """Whether the row's target is *not* a row of this C: ``ignore_index``, or outside ``[0, V)`` (a vocabulary
-    shard sees the targets other shards hold as out-of-range codes, and must not read ``C[target]``)."""
-    return (target == ignore_index) | (target < 0) | (target >= V)
-
-
-@triton.jit
-def target_raw_logit(E, C, Bias, row, target, D, stride_en, stride_ed, stride_cv, stride_cd,
-                     HAS_BIAS: tl.constexpr, BLOCK_D: tl.constexpr):
-    """``E[row] . C[target] (+ bias[target])`` in fp32, before any softcap: one row's target logit as a
-    D-long dot (row and target are int64 scalars)."""
-    offs_d = tl.arange(0, BLOCK_D)
-    dot = tl.zeros((BLOCK_D,), dtype=tl.float32)
-    for d0 in range(0, D, BLOCK_D):
-        d_mask = (d0 + offs_d) < D
-        e_val = tl.load(E + row * stride_en + (d0 + offs_d) * stride_ed, mask=d_mask, other=0.0).to(tl.float32)
-        c_val = tl.load(C + target * stride_cv + (d0 + offs_d) * stride_cd, mask=d_mask, other=0.0).to(tl.float32)
-        dot += e_val * c_val
-    logit = tl.sum(dot, axis=0)
-    if HAS_BIAS:
-        logit += tl.load(Bias + target).to(tl.float32)
-    return logit
-
-
-@triton.jit
 def softmax_grad(logits, lse, grad_row, target, vocab_ids, softcap, HAS_SOFTCAP: tl.constexpr):
     """The gradient w.r.t. the raw logits of a ``rows x cols`` tile, from its (softcapped) ``logits``:
     ``g * (exp(logits - lse) - [col == target]) * (1 - (logits / softcap)^2)`` (no last factor without softcap).

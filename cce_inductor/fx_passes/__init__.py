@@ -1,1 +1,25 @@
-"""fx passes"""
+"""Every graph pass of cce_inductor, one module per concern (as ``torch/_inductor/fx_passes``):
+
+* ``linear_cross_entropy.py``: ``linear -> [softcap] -> cross_entropy`` on plain tensors -> the fused op; its
+  ``match_site`` / ``replace_site`` are shared by the other passes;
+* ``tensor_parallel.py``: the same site on a vocabulary-sharded DTensor head -> the vocabulary-parallel loss.
+
+:func:`rewrite_graph` runs them all on one graph (what ``CCEGraphPass`` calls).
+"""
+
+from __future__ import annotations
+
+import torch.fx as fx
+
+from .. import diagnostics
+from ..options import CCEOptions
+from .linear_cross_entropy import rewrite_linear_cross_entropy
+from .tensor_parallel import rewrite_tensor_parallel_sites
+
+__all__ = ["rewrite_graph", "rewrite_linear_cross_entropy", "rewrite_tensor_parallel_sites"]
+
+
+def rewrite_graph(graph: fx.Graph, options: CCEOptions) -> int:
+    """Every rewrite of cce_inductor on ``graph`` (DTensor sites first); returns the number of sites rewritten."""
+    graph_id = diagnostics.new_graph()
+    return rewrite_tensor_parallel_sites(graph, options, graph_id) + rewrite_linear_cross_entropy(graph, options, graph_id)

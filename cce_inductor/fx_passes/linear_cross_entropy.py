@@ -22,11 +22,12 @@ in any order)::
 is replaced by::
 
     rows = <the same row views replayed on hidden * k, with D in place of V>       (M, D)
-    loss = cce_inductor::linear_cross_entropy(rows, weight, targets, bias, cap, i, r, ...)[0]
+    loss = cce_inductor::linear_cross_entropy(rows, weight, targets, bias, cap, i, r, options.encode())[0]
     loss = loss.to(<dtype cross_entropy returned>)
 
 Every ``cross_entropy`` that is not rewritten gets a reason in :func:`cce_inductor.stats` and the
-``cce_inductor`` log. The tables below are the whole vocabulary of the matcher.
+``cce_inductor`` log. The tables below are the whole vocabulary of the matcher. Sites on DTensors belong to
+``tensor_parallel.py``, which reuses :func:`match_site` and :func:`replace_site` with its own loss call.
 """
 
 from __future__ import annotations
@@ -35,14 +36,13 @@ import dataclasses
 import inspect
 import math
 import operator
-from typing import Any, Optional, Union
+from typing import Any, Callable, Optional, Union
 
 import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from .. import diagnostics
-from ..ops import AUTO_FILTER_EPS, NO_SOFTCAP, Reduction
+from .. import _loss, diagnostics
 from ..options import CCEOptions
 
 # --------------------------------------------------------------------------------------------------------------
@@ -74,7 +74,6 @@ TANH = _functions(torch.tanh, F.tanh) | _methods("tanh")
 MUL = _functions(operator.mul, torch.mul) | _methods("mul")
 DIV = _functions(operator.truediv, torch.div, torch.true_divide) | _methods("div", "true_divide")
 
-SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 SUPPORTED_DEVICES = ("cpu", "cuda")
 _CE_SIGNATURE = inspect.signature(F.cross_entropy)
 
@@ -85,11 +84,11 @@ def _spelling(node: fx.Node):
     return None
 
 
-def _is(node: Any, spellings: set) -> bool:
+def matches(node: Any, spellings: set) -> bool:
     return isinstance(node, fx.Node) and _spelling(node) in spellings
 
 
-def _meta(node: Any):
+def example_value(node: Any):
     """Dynamo's example value of ``node`` (a FakeTensor, SymInt, ...) or the constant itself."""
     if isinstance(node, fx.Node):
         return node.meta.get("example_value", node.meta.get("val"))
@@ -149,27 +148,27 @@ def _const_float(value: Any) -> Optional[float]:
     """
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         return float(value)
-    if isinstance(value, fx.Node) and isinstance(_meta(value), (torch.SymFloat, torch.SymInt)):
-        return float(_meta(value))
+    if isinstance(value, fx.Node) and isinstance(example_value(value), (torch.SymFloat, torch.SymInt)):
+        return float(example_value(value))
     return None
 
 
 def _is_true_division(node: Any) -> bool:
-    return _is(node, DIV) and len(node.args) == 2 and node.kwargs.get("rounding_mode") is None
+    return matches(node, DIV) and len(node.args) == 2 and node.kwargs.get("rounding_mode") is None
 
 
 def _match_softcap(node: fx.Node) -> Optional[tuple[float, fx.Node, list[fx.Node]]]:
     """``tanh(x / cap) * cap`` or ``tanh(x * (1/cap)) * cap`` ending at ``node``: (cap, x, inner nodes)."""
-    if not _is(node, MUL):
+    if not matches(node, MUL):
         return None
     lhs, rhs = node.args[0], node.args[1] if len(node.args) > 1 else node.kwargs.get("other")
-    tanh_node, cap = (lhs, _const_float(rhs)) if _is(lhs, TANH) else (rhs, _const_float(lhs))
-    if cap is None or not _is(tanh_node, TANH) or cap <= 0:
+    tanh_node, cap = (lhs, _const_float(rhs)) if matches(lhs, TANH) else (rhs, _const_float(lhs))
+    if cap is None or not matches(tanh_node, TANH) or cap <= 0:
         return None
     scaled = tanh_node.args[0]
     if _is_true_division(scaled) and _const_float(scaled.args[1]) is not None:
         x, inner_cap = scaled.args[0], _const_float(scaled.args[1])
-    elif _is(scaled, MUL):
+    elif matches(scaled, MUL):
         a, b = scaled.args[0], scaled.args[1]
         x, inv = (a, _const_float(b)) if _const_float(b) is not None else (b, _const_float(a))
         if inv is None or inv == 0:
@@ -184,7 +183,7 @@ def _match_softcap(node: fx.Node) -> Optional[tuple[float, fx.Node, list[fx.Node
 
 def _match_scale(node: fx.Node) -> Optional[tuple[float, fx.Node]]:
     """``x * k``, ``k * x`` or ``x / k`` for a constant ``k`` (Cohere's logit_scale, Granite's logits_scaling)."""
-    if _is(node, MUL) and len(node.args) == 2 and not node.kwargs:
+    if matches(node, MUL) and len(node.args) == 2 and not node.kwargs:
         a, b = node.args
         if isinstance(a, fx.Node) and _const_float(b) is not None:
             return _const_float(b), a
@@ -221,25 +220,25 @@ def _normalize_dim(dim: int, ndim: int) -> int:
 
 def _row_step(node: fx.Node, vocab) -> RowStep:
     """Classify a view on the logits; raise NoMatch if it touches the vocabulary dimension."""
-    src, out = _meta(node.args[0]), _meta(node)
+    src, out = example_value(node.args[0]), example_value(node)
     if not isinstance(out, torch.Tensor) or out.dim() < 1 or out.shape[-1] != vocab:
         raise NoMatch(f"{_short(node)} changes the vocabulary dimension")
-    if _is(node, RESHAPE):
+    if matches(node, RESHAPE):
         shape = _reshape_shape(node)
-        if not shape or _meta(shape[-1]) not in (vocab, -1):
+        if not shape or example_value(shape[-1]) not in (vocab, -1):
             raise NoMatch(f"{node.name} reshapes across the vocabulary dimension")
-        if _meta(shape[-1]) == -1 and any(_meta(s) == -1 for s in shape[:-1]):
+        if example_value(shape[-1]) == -1 and any(example_value(s) == -1 for s in shape[:-1]):
             raise NoMatch(f"{node.name} has two inferred dimensions")
         return RowStep("reshape", tuple(shape[:-1]))
-    if _is(node, FLATTEN):
+    if matches(node, FLATTEN):
         start = _normalize_dim(_arg(node, 1, "start_dim", 0), src.dim())
         end = _normalize_dim(_arg(node, 2, "end_dim", -1), src.dim())
         if end >= src.dim() - 1:
             raise NoMatch(f"{node.name} flattens the vocabulary dimension into the rows")
         return RowStep("flatten", (start, end))
-    if _is(node, GETITEM):
+    if matches(node, GETITEM):
         index = node.args[1] if isinstance(node.args[1], tuple) else (node.args[1],)
-        if any(i is None or isinstance(i, fx.Node) and isinstance(_meta(i), torch.Tensor) for i in index):
+        if any(i is None or isinstance(i, fx.Node) and isinstance(example_value(i), torch.Tensor) for i in index):
             raise NoMatch(f"{node.name} uses advanced indexing or None on the logits")
         if Ellipsis in index:
             last = index[-1]
@@ -255,7 +254,7 @@ def _upcast_target(node: fx.Node) -> Optional[torch.dtype]:
     """The dtype a cast node converts to, or None if the node is not a pure dtype cast."""
     if node.op == "call_method" and node.target in DTYPE_METHODS and len(node.args) == 1 and not node.kwargs:
         return DTYPE_METHODS[node.target]
-    if _is(node, TO_DTYPE):
+    if matches(node, TO_DTYPE):
         dtypes = [a for a in list(node.args[1:]) + list(node.kwargs.values()) if isinstance(a, torch.dtype)]
         others = [a for a in node.args[1:] if not isinstance(a, torch.dtype)]
         others += [k for k in node.kwargs if k not in ("dtype", "copy", "non_blocking")]
@@ -266,15 +265,15 @@ def _upcast_target(node: fx.Node) -> Optional[torch.dtype]:
 
 def _match_head(node: fx.Node) -> tuple[fx.Node, fx.Node, bool, Optional[fx.Node]]:
     """(hidden, weight, weight_is_transposed, bias) of the linear layer producing ``node``."""
-    if _is(node, LINEAR):
+    if matches(node, LINEAR):
         bias = _arg(node, 2, "bias")
         if bias is not None and not isinstance(bias, fx.Node):
             raise NoMatch(f"{node.name} has a non-tensor bias")
         return _arg(node, 0, "input"), _arg(node, 1, "weight"), False, bias
-    if _is(node, MATMUL):
+    if matches(node, MATMUL):
         hidden = node.args[0]
         rhs = _arg(node, 1, "other")
-        rhs_meta = _meta(rhs)
+        rhs_meta = example_value(rhs)
         if not isinstance(rhs_meta, torch.Tensor) or rhs_meta.dim() != 2:
             raise NoMatch(f"{node.name} multiplies by a {getattr(rhs_meta, 'dim', lambda: '?')()}-D tensor, not a weight matrix")
         weight = _transposed_source(rhs)
@@ -293,7 +292,7 @@ def _transposed_source(node: fx.Node) -> Optional[fx.Node]:
         return None
     if node.op == "call_function" and node.target is getattr and node.args[1] in TRANSPOSE_ATTRS:
         return node.args[0]
-    if _is(node, TRANSPOSE_2D):
+    if matches(node, TRANSPOSE_2D):
         src, dims = node.args[0], node.args[1:]
         if len(dims) == 1 and isinstance(dims[0], (tuple, list)):
             dims = tuple(dims[0])
@@ -339,7 +338,7 @@ def _storage_roots(node: Any) -> set:
         if not isinstance(current, fx.Node) or current in roots:
             continue
         roots.add(current)
-        if _is(current, VIEW_LIKE) or (current.op == "call_function" and current.target is getattr):
+        if matches(current, VIEW_LIKE) or (current.op == "call_function" and current.target is getattr):
             stack.append(current.args[0])
     return roots
 
@@ -354,7 +353,7 @@ def _check_nothing_in_between(head: fx.Node, ce: fx.Node, protected: list) -> No
     grad_enabled_at_loss = None  # unchanged since the head
     node = head.next
     while node is not ce and node.op != "output":
-        if _is(node, GRAD_MODE):
+        if matches(node, GRAD_MODE):
             grad_enabled_at_loss = node.args[0] if node.args else node.kwargs.get("mode")
         mutated = _mutated_tensor(node)
         if mutated is not None and _storage_roots(mutated) & protected_roots:
@@ -378,10 +377,10 @@ def match_site(ce: fx.Node) -> Site:
         raise NoMatch("cross_entropy uses the deprecated size_average/reduce arguments")
     if not isinstance(args["ignore_index"], int) or not isinstance(args["reduction"], str):
         raise NoMatch("ignore_index or reduction is not a constant")
-    if args["reduction"] not in Reduction.BY_NAME:
+    if args["reduction"] not in _loss.REDUCTIONS:
         raise NoMatch(f"unknown reduction {args['reduction']!r}")
     logits2d, targets = args["input"], args["target"]
-    logits_meta, targets_meta = _meta(logits2d), _meta(targets)
+    logits_meta, targets_meta = example_value(logits2d), example_value(targets)
     if not isinstance(logits_meta, torch.Tensor) or not isinstance(targets_meta, torch.Tensor):
         raise NoMatch("cross_entropy input or target is not a tensor")
     if targets_meta.dtype.is_floating_point:
@@ -414,11 +413,11 @@ def match_site(ce: fx.Node) -> Site:
             softcap, node, inner = softcap_match
             chain.extend(inner[::-1])
             continue
-        if _is(node, RESHAPE) or _is(node, FLATTEN) or _is(node, GETITEM):
+        if matches(node, RESHAPE) or matches(node, FLATTEN) or matches(node, GETITEM):
             row_steps.append(_row_step(node, vocab))
             node = node.args[0]
             continue
-        if _is(node, IDENTITY_VIEW):
+        if matches(node, IDENTITY_VIEW):
             node = node.args[0]
             continue
         scale_match = _match_scale(node)
@@ -429,8 +428,8 @@ def match_site(ce: fx.Node) -> Site:
             continue
         cast_to = _upcast_target(node)
         if cast_to is not None:
-            src_dtype = _meta(node.args[0]).dtype
-            if cast_to not in SUPPORTED_DTYPES or torch.promote_types(src_dtype, cast_to) != cast_to:
+            src_dtype = example_value(node.args[0]).dtype
+            if cast_to not in _loss.SUPPORTED_DTYPES or torch.promote_types(src_dtype, cast_to) != cast_to:
                 raise NoMatch(f"{node.name} casts the logits down from {src_dtype} to {cast_to}")
             node = node.args[0]
             continue
@@ -438,19 +437,19 @@ def match_site(ce: fx.Node) -> Site:
 
     head = chain[-1]
     hidden, weight, weight_is_transposed, bias = _match_head(head)
-    head_meta, hidden_meta, weight_meta = _meta(head), _meta(hidden), _meta(weight)
+    head_meta, hidden_meta, weight_meta = example_value(head), example_value(hidden), example_value(weight)
     if not all(isinstance(m, torch.Tensor) for m in (head_meta, hidden_meta, weight_meta)):
         raise NoMatch(f"{head.name}: operands are not tensors")
     if hidden_meta.dim() < 1 or head_meta.shape[-1] != vocab:
         raise NoMatch(f"{head.name} does not produce the vocabulary dimension of cross_entropy")
     compute_dtype = head_meta.dtype
-    if compute_dtype not in SUPPORTED_DTYPES:
+    if compute_dtype not in _loss.SUPPORTED_DTYPES:
         raise NoMatch(f"logits dtype {compute_dtype} is not supported")
     device = head_meta.device
     if device.type not in SUPPORTED_DEVICES:
         raise NoMatch(f"device {device} is not supported")
     if bias is not None:
-        bias_meta = _meta(bias)
+        bias_meta = example_value(bias)
         if not isinstance(bias_meta, torch.Tensor) or tuple(bias_meta.shape) != (vocab,):
             raise NoMatch(f"the bias has shape {tuple(getattr(bias_meta, 'shape', ()))}, not (V,)")
     if scale != 1.0 and compute_dtype == torch.float16:
@@ -495,19 +494,27 @@ def match_site(ce: fx.Node) -> Site:
 
 
 def _cast(graph: fx.Graph, node: fx.Node, dtype: torch.dtype) -> fx.Node:
-    if _meta(node).dtype == dtype:
+    if example_value(node).dtype == dtype:
         return node
     return graph.call_method("to", (node, dtype))
 
 
 def _hidden_size(graph: fx.Graph, hidden: fx.Node) -> Union[int, fx.Node]:
-    size = _meta(hidden).shape[-1]
+    size = example_value(hidden).shape[-1]
     if isinstance(size, int):
         return size
     return graph.call_method("size", (hidden, -1))
 
 
-def rewrite_site(graph: fx.Graph, site: Site, options: CCEOptions) -> fx.Node:
+# What a rewrite puts in place of the cross_entropy: given the hidden-state rows (M, D), the (V, D) weight, the
+# targets and the bias (None or (V,)), all in the logits' dtype, emit the loss nodes and return the last one.
+EmitLoss = Callable[[fx.Graph, Site, fx.Node, fx.Node, fx.Node, Optional[fx.Node]], fx.Node]
+
+
+def replace_site(graph: fx.Graph, site: Site, emit_loss: EmitLoss) -> None:
+    """Replace the matched site by ``emit_loss``'s nodes: replay the row views on the hidden states, fold the
+    scale, hand the operands to ``emit_loss``, cast its loss to cross_entropy's dtype, drop escaping logits and
+    erase the chain. Shared by every pass that rewrites a ``linear -> cross_entropy`` site."""
     ce = site.cross_entropy
     with graph.inserting_before(ce):
         rows = _cast(graph, site.hidden, site.compute_dtype)
@@ -527,23 +534,8 @@ def rewrite_site(graph: fx.Graph, site: Site, options: CCEOptions) -> fx.Node:
         bias = None if site.bias is None else _cast(graph, site.bias, site.compute_dtype)
         if bias is not None and site.scale != 1.0:
             bias = graph.call_function(operator.mul, (bias, site.scale))
-        fused = graph.call_function(
-            torch.ops.cce_inductor.linear_cross_entropy.default,
-            (
-                rows,
-                weight,
-                site.targets,
-                bias,
-                NO_SOFTCAP if site.softcap is None else site.softcap,
-                site.ignore_index,
-                Reduction.BY_NAME[site.reduction],
-                AUTO_FILTER_EPS if options.filter_eps is None else options.filter_eps,
-                options.vocab_sort,
-                options.exact,
-            ),
-        )
-        loss = graph.call_function(operator.getitem, (fused, 0))
-        out_dtype = _meta(ce).dtype
+        loss = emit_loss(graph, site, rows, weight, site.targets, bias)
+        out_dtype = example_value(ce).dtype
         if out_dtype != torch.float32:
             loss = graph.call_method("to", (loss, out_dtype))
 
@@ -553,23 +545,33 @@ def rewrite_site(graph: fx.Graph, site: Site, options: CCEOptions) -> fx.Node:
     if site.escaping:
         output = next(n for n in graph.nodes if n.op == "output")
         for node in site.escaping:
-            meta = _meta(node)
+            meta = example_value(node)
             with graph.inserting_before(output):
                 empty = graph.call_function(torch.empty, ((0,),), {"dtype": meta.dtype, "device": meta.device})
             output.replace_input_with(node, empty)
 
     for node in reversed(site.chain):
         if not node.users:
-            transposed_weight = site.head.args[1] if node is site.head and _is(site.head, MATMUL) else None
+            transposed_weight = site.head.args[1] if node is site.head and matches(site.head, MATMUL) else None
             graph.erase_node(node)
             if isinstance(transposed_weight, fx.Node) and not transposed_weight.users:
                 if _transposed_source(transposed_weight) is not None:
                     graph.erase_node(transposed_weight)
-    return fused
 
 
-def _describe(site: Site) -> str:
-    parts = [f"{site.head.name}: {'matmul' if _is(site.head, MATMUL) else 'linear'}"]
+def _fused_loss(options: CCEOptions) -> EmitLoss:
+    def emit(graph: fx.Graph, site: Site, rows, weight, targets, bias) -> fx.Node:
+        fused = graph.call_function(
+            torch.ops.cce_inductor.linear_cross_entropy.default,
+            (rows, weight, targets, bias, site.softcap, site.ignore_index, site.reduction, options.encode()),
+        )
+        return graph.call_function(operator.getitem, (fused, 0))
+
+    return emit
+
+
+def describe_site(site: Site) -> str:
+    parts = [f"{site.head.name}: {'matmul' if matches(site.head, MATMUL) else 'linear'}"]
     if site.bias is not None:
         parts.append("bias")
     if site.scale != 1.0:
@@ -583,23 +585,23 @@ def _describe(site: Site) -> str:
     return ", ".join(parts)
 
 
-def _is_dtensor(value: Any) -> bool:
+def is_dtensor(value: Any) -> bool:
     return type(value).__name__ == "DTensor" and type(value).__module__.startswith("torch.distributed")
 
 
-def rewrite_linear_cross_entropy(graph: fx.Graph, options: CCEOptions) -> int:
-    """Rewrite every matching site in ``graph``; returns how many were rewritten."""
-    sites = [n for n in graph.nodes if _is(n, CROSS_ENTROPY)]
-    rewritten = 0
-    if any(_is_dtensor(_meta(_arg(ce, 0, "input"))) for ce in sites):
-        # Vocabulary-sharded heads (tensor parallel): the DTensor variant of the loss, decided and recorded there.
-        from ..distributed import rewrite_tensor_parallel_sites  # noqa: PLC0415 - needs torch.distributed
+def cross_entropy_input(ce: fx.Node) -> Any:
+    return _arg(ce, 0, "input")
 
-        rewritten += rewrite_tensor_parallel_sites(graph, options)
-        sites = [n for n in graph.nodes if _is(n, CROSS_ENTROPY) and not _is_dtensor(_meta(_arg(n, 0, "input")))]
-        if not sites:
-            return rewritten
-    graph_id = diagnostics.new_graph()
+
+def rewrite_linear_cross_entropy(graph: fx.Graph, options: CCEOptions, graph_id: Optional[int] = None) -> int:
+    """Rewrite every matching site on plain tensors in ``graph``; returns how many were rewritten. Sites whose
+    logits are DTensors are ``tensor_parallel.py``'s (run first by ``fx_passes.rewrite_graph``)."""
+    sites = [n for n in graph.nodes
+             if matches(n, CROSS_ENTROPY) and not is_dtensor(example_value(cross_entropy_input(n)))]  # fmt: skip
+    if graph_id is None:
+        graph_id = diagnostics.new_graph()
+    emit = _fused_loss(options)
+    rewritten = 0
     for ce in sites:
         try:
             try:
@@ -616,19 +618,20 @@ def rewrite_linear_cross_entropy(graph: fx.Graph, options: CCEOptions) -> int:
                     "to return an empty tensor in their place"
                 )
             dtensor_operand = next(
-                (n.name for n in (site.hidden, site.weight, site.bias, site.targets) if _is_dtensor(_meta(n))), None
+                (n.name for n in (site.hidden, site.weight, site.bias, site.targets) if is_dtensor(example_value(n))),
+                None,
             )
             if dtensor_operand is not None:
                 raise NoMatch(f"{dtensor_operand} is a DTensor but the logits are not: an unsupported parallel layout")
         except NoMatch as why:
             diagnostics.record(diagnostics.SiteDecision(graph_id, ce.name, False, str(why)))
             continue
-        description = _describe(site)
-        rewrite_site(graph, site, options)
+        description = describe_site(site)
+        replace_site(graph, site, emit)
         rewritten += 1
         diagnostics.record(diagnostics.SiteDecision(graph_id, ce.name, True, description))
     if not sites:
-        diagnostics.log.debug("cce_inductor: graph %d has no cross_entropy call", graph_id)
+        diagnostics.log.debug("cce_inductor: graph %d has no cross_entropy call on plain tensors", graph_id)
     if rewritten:
         graph.lint()
     return rewritten

@@ -1,0 +1,132 @@
+"""Rewrite a vocabulary-sharded (DTensor) head and its ``loss_parallel`` cross-entropy into
+:func:`cce_inductor.distributed.dtensor_linear_cross_entropy`.
+
+A ``ColwiseParallel(use_local_output=False)`` head under ``loss_parallel()``, as Dynamo records it::
+
+    hidden (DTensor Replicate)   weight (DTensor Shard(0))   [bias (DTensor Shard(0))]
+              \\                        |                    /
+                       linear(hidden, weight, bias)                  logits: DTensor Shard(-1)
+                                   |
+                       [redistribute to the same placements]         ColwiseParallel's output hook: a no-op
+                                   |
+                       row views / upcasts / scale / softcap         (as in linear_cross_entropy.py)
+                                   |
+                       cross_entropy(logits2d, targets, ...)         loss_parallel's sharded cross-entropy
+
+is replaced by::
+
+    loss = dtensor_linear_cross_entropy(rows, weight, targets, bias=..., softcap=..., ignore_index=..., reduction=...,
+                                        options=options)
+
+The site is matched by ``linear_cross_entropy.match_site`` and replaced by ``linear_cross_entropy.replace_site``;
+only the checks of the parallel layout and the loss call are this module's. Sites on plain tensors are left to
+``linear_cross_entropy.py``.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Optional
+
+import torch.fx as fx
+
+from .. import diagnostics
+from ..options import CCEOptions
+from . import linear_cross_entropy as lce
+
+
+def _is_redistribute(node: fx.Node) -> bool:
+    if node.op == "call_method":
+        return node.target == "redistribute"
+    # torch <= 2.11: Dynamo captures DTensor.redistribute as a generated function named prim_redistribute
+    return node.op == "call_function" and getattr(node.target, "__name__", "") == "prim_redistribute"
+
+
+def _is_noop_redistribute(node: fx.Node) -> bool:
+    """``x.redistribute(...)`` whose output has the placements of its input (ColwiseParallel's output hook)."""
+    from torch.distributed.tensor import DTensor  # noqa: PLC0415 - only where a DTensor site exists
+
+    if not _is_redistribute(node) or not node.args:
+        return False
+    src, out = lce.example_value(node.args[0]), lce.example_value(node)
+    return (
+        isinstance(src, DTensor) and isinstance(out, DTensor) and src.device_mesh == out.device_mesh
+        and tuple(src.placements) == tuple(out.placements) and src.dtype == out.dtype and src.shape == out.shape
+    )  # fmt: skip
+
+
+def _tensor_parallel_reason(site: lce.Site) -> Optional[str]:
+    """Why ``site`` (matched on DTensor example values) is not a vocabulary-parallel head, or None if it is."""
+    from torch.distributed.tensor import DTensor, Shard  # noqa: PLC0415
+
+    weight, logits = lce.example_value(site.weight), lce.example_value(site.head)
+    if not isinstance(weight, DTensor) or not isinstance(logits, DTensor):
+        return "mixed DTensor and plain tensors between head and loss"
+    if weight.device_mesh.ndim != 1 or tuple(weight.placements) != (Shard(0),):
+        return f"head weight placements {weight.placements} (need Shard(0) on a 1-D mesh)"
+    (placement,) = logits.placements
+    if not (placement.is_shard() and placement.dim in (-1, logits.dim() - 1)):
+        return f"logits placements {logits.placements} (need the vocabulary dimension sharded)"
+    for name, node in (("hidden states", site.hidden), ("targets", site.targets)):
+        meta = lce.example_value(node)
+        if isinstance(meta, DTensor) and not all(p.is_replicate() for p in meta.placements):
+            return f"{name} are {meta.placements}, not replicated"
+    if site.weight_is_transposed:
+        return "a (D, V) head weight under tensor parallelism"
+    if site.bias is not None:
+        bias = lce.example_value(site.bias)
+        if not isinstance(bias, DTensor) or tuple(bias.placements) != (Shard(0),):
+            return "head bias is not Shard(0)"
+    if site.escaping:
+        return "the logits escape the compiled region"
+    return None
+
+
+def _dtensor_loss(graph: fx.Graph, site: lce.Site, rows, weight, targets, bias, *, options: CCEOptions) -> fx.Node:
+    from ..distributed import dtensor_linear_cross_entropy  # noqa: PLC0415 - imports torch.distributed
+
+    return graph.call_function(
+        dtensor_linear_cross_entropy,
+        (rows, weight, targets),
+        dict(bias=bias, softcap=site.softcap, ignore_index=site.ignore_index, reduction=site.reduction,
+             options=options),
+    )  # fmt: skip
+
+
+def rewrite_tensor_parallel_sites(graph: fx.Graph, options: CCEOptions, graph_id: Optional[int] = None) -> int:
+    """Rewrite every DTensor site ``linear(h, W: Shard(0)) -> [no-op redistribute] -> views -> [softcap] ->
+    cross_entropy`` in ``graph``; returns the count. Every DTensor site gets a decision in ``stats()``."""
+    sites = [
+        node for node in graph.nodes
+        if lce.matches(node, lce.CROSS_ENTROPY) and lce.is_dtensor(lce.example_value(lce.cross_entropy_input(node)))
+    ]  # fmt: skip
+    if not sites:
+        return 0
+    if graph_id is None:
+        graph_id = diagnostics.new_graph()
+    for node in list(graph.nodes):
+        if _is_noop_redistribute(node):
+            node.replace_all_uses_with(node.args[0])
+            graph.erase_node(node)
+    emit = functools.partial(_dtensor_loss, options=options)
+    rewritten = 0
+    for ce in sites:
+        try:
+            site = lce.match_site(ce)
+            reason = _tensor_parallel_reason(site)
+            if reason is not None:
+                raise lce.NoMatch(f"tensor parallel: {reason}")
+        except lce.NoMatch as why:
+            diagnostics.record(diagnostics.SiteDecision(graph_id, ce.name, False, str(why)))
+            continue
+        except Exception as exc:  # noqa: BLE001 - never break compilation
+            diagnostics.record(diagnostics.SiteDecision(graph_id, ce.name, False, f"not understood ({exc})"))
+            continue
+        lce.replace_site(graph, site, emit)
+        rewritten += 1
+        diagnostics.record(diagnostics.SiteDecision(
+            graph_id, ce.name, True, f"tensor parallel (vocabulary-sharded head): {lce.describe_site(site)}"
+        ))  # fmt: skip
+    if rewritten:
+        graph.lint()
+    return rewritten

@@ -1,0 +1,69 @@
+"""Host-side helpers shared by the kernels' launch helpers: the device's facts, and row compaction.
+
+Interpreter
+-----------
+``TRITON_INTERPRET=1`` must be set before this package is imported.  The interpreter multiplies the raw bit
+patterns of 16-bit operands in ``tl.dot``, so under it the kernels upcast dot operands to fp32 (``UPCAST``);
+each kernel file keeps a small set of block sizes for it beside its GPU tuning, so the CPU tests stay fast.
+
+Row compaction
+--------------
+Rows whose target is ``ignore_index`` cost nothing: a stable sort on the device moves them to the end, and a
+device-side count of the rows that count tells each program whether its row block holds any.  No host
+synchronisation.
+"""
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def tuning(per_device: dict) -> dict:
+    """The block sizes of one kernel file: its ``"interpret"`` entry under the interpreter, else ``"gpu"``."""
+    return per_device["interpret" if INTERPRET else "gpu"]
+
+
+def num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return _cuda_sms(device.index if device.index is not None else torch.cuda.current_device())
+    return 4
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+# Shared memory a software-pipelined tile loop may take for its operand buffers (Hopper: 227 KB per block;
+# leave room for the compiler's own scratch).
+_PIPELINE_SMEM_BYTES = 200 * 1024
+
+
+def fit_num_stages(num_stages: int, block_rows: int, block_cols: int, block_d: int, element_size: int) -> int:
+    """``num_stages`` lowered until the operand buffers fit: a loop pipelined over ``num_stages`` keeps
+    ``num_stages - 1`` pairs of ``block_rows x block_d`` and ``block_cols x block_d`` tiles in shared memory
+    (fp32 inputs need twice what 16-bit ones do)."""
+    per_stage = (block_rows + block_cols) * block_d * element_size
+    while num_stages > 2 and (num_stages - 1) * per_stage > _PIPELINE_SMEM_BYTES:
+        num_stages -= 1
+    return num_stages
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """fp32 inputs use true fp32 products ("ieee"), not tf32, so fp32 results stay fp32-accurate."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def upcast_dots(dtype: torch.dtype) -> bool:
+    """Whether ``tl.dot`` operands must be upcast to fp32 (16-bit operands under the interpreter)."""
+    return INTERPRET and dtype != torch.float32
+
+
+def compact_counted(counted: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Row indices with the counted rows first (stable), and their number as a 1-element int32 device tensor."""
+    row_order = torch.argsort((~counted).to(torch.int8), stable=True)
+    return row_order, counted.sum(dtype=torch.int32).reshape(1)
