@@ -41,7 +41,7 @@ DDP and FSDP2 need nothing from this module: the main pass rewrites their compil
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -203,7 +203,7 @@ def vocab_parallel_linear_cross_entropy(
     softcap: Optional[float] = None,
     ignore_index: int = -100,
     reduction: str = "mean",
-    options: Optional[CCEOptions] = None,
+    options: Union[CCEOptions, str, None] = None,
 ) -> Tensor:
     """``F.cross_entropy(softcap(e @ C.T + bias), targets)`` with ``C`` split by rows over the ranks of ``group``.
 
@@ -217,7 +217,8 @@ def vocab_parallel_linear_cross_entropy(
         group: the tensor-parallel process group (default: the world).
         bias_shard: optional ``(V_local,)`` slice of the bias.
         softcap, ignore_index, reduction: as in :func:`cce_inductor.linear_cross_entropy`.
-        options: as in :func:`cce_inductor.linear_cross_entropy` (Triton kernels on CUDA, else the chunked path).
+        options: as in :func:`cce_inductor.linear_cross_entropy` (Triton kernels on CUDA, else the chunked path),
+            or their ``CCEOptions.encode()`` string (what a graph holds: a graph's constants are plain values).
 
     Returns the loss (float32; float64 for float64 inputs), identical on every rank; ``e.grad`` is the full
     gradient (already summed over the group), ``c_shard.grad`` / ``bias_shard.grad`` this rank's slices.
@@ -239,7 +240,7 @@ def vocab_parallel_linear_cross_entropy(
         loss = _VocabParallelLinearCrossEntropy.apply(
             e2d, c_shard, flat_targets, bias_shard, int(vocab_start), int(vocab_size), group,
             None if softcap is None else float(softcap), int(ignore_index), reduction,
-            (options or CCEOptions()).encode(),
+            options if isinstance(options, str) else (options or CCEOptions()).encode(),
         )  # fmt: skip
     if reduction == "none":
         loss = loss.view(targets.shape)
@@ -255,7 +256,7 @@ def dtensor_linear_cross_entropy(
     softcap: Optional[float] = None,
     ignore_index: int = -100,
     reduction: str = "mean",
-    options: Optional[CCEOptions] = None,
+    options: Union[CCEOptions, str, None] = None,
 ) -> Tensor:
     """The DTensor form: what ``loss_parallel()`` + ``F.cross_entropy(F.linear(hidden, weight, bias))`` computes
     for a vocabulary-sharded head (``ColwiseParallel``), without the logits.

@@ -17,10 +17,11 @@ collective has a timeout (``_PG_TIMEOUT``). About 2 min on 2 CPU cores with a co
 * Vocabulary-parallel loss: equal to ``F.cross_entropy(F.linear(e, C_full))`` (loss, dE, each rank's dC
   shard, dbias shard) for every reduction, softcap, bias, ignored rows, ``ignore_index`` inside the
   vocabulary, an uneven split, all rows ignored; chunked path, and the Triton kernels in the interpreter
-  (with gradient filtering); compiled with ``fullgraph=True``; the per-shard custom ops pass ``opcheck``.
+  (default, exact mode, Triton products); compiled with ``fullgraph=True``; the per-shard custom ops pass
+  ``opcheck``.
 * DTensor: equal to ``ColwiseParallel`` + ``loss_parallel`` on materialised logits (also the DTensor form
   ``dtensor_linear_cross_entropy``); the compiled ``ColwiseParallel`` head + ``loss_parallel`` graph is
-  rewritten into ``dtensor_linear_cross_entropy`` by the main pass (and by ``TensorParallelGraphPass`` alone).
+  rewritten into ``dtensor_linear_cross_entropy`` by the backend (``fx_passes/tensor_parallel.py``).
 
 Inductor's FX-graph and AOTAutograd caches are off in the workers so that the pass really runs (a cache hit
 skips it and leaves ``stats()`` empty).
@@ -42,8 +43,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import cce_inductor
+from cce_inductor import CCEOptions
 from cce_inductor.distributed import (
-    TensorParallelGraphPass,
     dtensor_linear_cross_entropy,
     vocab_parallel_linear_cross_entropy,
     vocab_shard_range,
@@ -428,7 +429,7 @@ def _rel(x, ref) -> float:
 
 
 def _vp_case(rank, world, *, impl, dtype, n, dim, vocab, reduction, softcap, bias, ignore_index, ignore_every,
-             tol, seed, filter_eps=None, scale=1.0):  # fmt: skip
+             tol, seed, options=None, scale=1.0):  # fmt: skip
     gen = torch.Generator().manual_seed(seed)
     e = (torch.randn(n, dim, generator=gen, dtype=torch.float64) * scale).to(dtype)
     c = (torch.randn(vocab, dim, generator=gen, dtype=torch.float64) / math.sqrt(dim)).to(dtype)
@@ -452,7 +453,7 @@ def _vp_case(rank, world, *, impl, dtype, n, dim, vocab, reduction, softcap, bia
     b_mine = None if b is None else b[start : start + v_local].clone().requires_grad_()
     loss = vocab_parallel_linear_cross_entropy(
         e_mine, c_mine, targets, vocab_start=start, vocab_size=vocab, bias_shard=b_mine, softcap=softcap,
-        ignore_index=ignore_index, reduction=reduction, impl=impl, filter_eps=filter_eps,
+        ignore_index=ignore_index, reduction=reduction, options=options,
     )  # fmt: skip
     loss.backward(grad_out.to(loss.dtype))
     label = dict(impl=impl, dtype=dtype, reduction=reduction, softcap=softcap, bias=bias, ignore_index=ignore_index)
@@ -467,9 +468,18 @@ def _vp_case(rank, world, *, impl, dtype, n, dim, vocab, reduction, softcap, bia
     assert all(err < tol for err in errors.values()), (rank, label, errors)
 
 
+def _use_kernels_on_cpu() -> None:
+    """The Triton kernels (in the interpreter) for CPU tensors of the kernels' dtypes, in this worker only."""
+    from cce_inductor import _loss
+
+    _loss.uses_kernels = lambda device, dtype: dtype in (torch.float16, torch.bfloat16, torch.float32)
+
+
 def _vp_worker(rank, world, impl):
+    if impl == "kernels":
+        _use_kernels_on_cpu()
     if impl == "chunked":
-        common = dict(impl="chunked", dtype=torch.float64, n=37, dim=16, tol=1e-10)
+        common = dict(impl="chunked", dtype=torch.float64, n=37, dim=16, tol=1e-10)  # fp64: the chunked path
         vocabs = (75, 80)  # uneven (38 / 37) and even split
     else:  # Triton kernels in the interpreter: small shapes, fp32 (ieee dots)
         common = dict(impl="kernels", dtype=torch.float32, n=21, dim=16, tol=1e-5)
@@ -486,26 +496,24 @@ def _vp_worker(rank, world, impl):
     _vp_case(rank, world, **common, vocab=vocabs[0], reduction="mean", softcap=None, bias=False,
              ignore_index=vocabs[0] - 1, ignore_every=3, seed=100)  # fmt: skip
     if impl == "kernels":
-        # Gradient filtering on: tiles are skipped and the target kernels run (confident rows, large eps);
-        # out-of-shard targets must not reach them.
-        for vocab_sort_seed in (200, 201):
-            _vp_case(rank, world, **{**common, "tol": 1e-2}, vocab=vocabs[0], reduction="mean", softcap=None,
-                     bias=True, ignore_index=-100, ignore_every=5, seed=vocab_sort_seed, filter_eps=1e-3,
-                     scale=4.0)  # fmt: skip
+        # The backward's other modes: rows whose target is on the other shard count there too.
+        for seed, options in ((200, CCEOptions(exact=True)), (201, CCEOptions(products="triton", backward_row_chunk=8))):
+            _vp_case(rank, world, **common, vocab=vocabs[0], reduction="mean", softcap=None, bias=True,
+                     ignore_index=-100, ignore_every=5, seed=seed, options=options, scale=4.0)  # fmt: skip
     # Every row ignored: mean is NaN (0/0) as in PyTorch, gradients are 0.
     n, dim, vocab = 6, 8, vocabs[0]
     start, v_local = vocab_shard_range(vocab, rank, world)
     e = torch.randn(n, dim, dtype=common["dtype"], requires_grad=True)
     c = torch.randn(v_local, dim, dtype=common["dtype"], requires_grad=True)
     targets = torch.full((n,), -100)
-    loss = vocab_parallel_linear_cross_entropy(e, c, targets, vocab_start=start, vocab_size=vocab, impl=impl)
+    loss = vocab_parallel_linear_cross_entropy(e, c, targets, vocab_start=start, vocab_size=vocab)
     assert torch.isnan(loss), loss
     loss.backward()
     assert (e.grad == 0).all() and (c.grad == 0).all()
     # Out-of-range targets raise, as in F.cross_entropy.
     with pytest.raises(IndexError):
         vocab_parallel_linear_cross_entropy(
-            e, c, torch.full((n,), vocab), vocab_start=start, vocab_size=vocab, impl=impl
+            e, c, torch.full((n,), vocab), vocab_start=start, vocab_size=vocab
         )  # fmt: skip
 
 
@@ -553,15 +561,15 @@ def test_vocab_shard_ops_opcheck():
     e, c = torch.randn(n, dim, generator=gen), torch.randn(v_local, dim, generator=gen)
     bias = torch.randn(v_local, generator=gen)
     shard_targets = torch.tensor([0, 4, -1, -2, 2, -2, -1, 1, 3])
-    fwd_args = (e, c, shard_targets, bias, 2.0, True, False)
+    fwd_args = (e, c, shard_targets, bias, 2.0)
     torch.library.opcheck(torch.ops.cce_inductor.vocab_shard_forward.default, fwd_args)
-    lse, target_logit, aux = D.vocab_shard_forward(*fwd_args)
+    lse, target_logit = D.vocab_shard_forward(*fwd_args)
     logits = torch.tanh(F.linear(e, c, bias) / 2.0) * 2.0
     torch.testing.assert_close(lse, torch.logsumexp(logits, dim=1))
     picked = logits.gather(1, shard_targets.clamp(min=0)[:, None])[:, 0]
     torch.testing.assert_close(target_logit, torch.where(shard_targets >= 0, picked, 0.0))
     grad_rows = torch.where(shard_targets != -1, torch.rand(n, generator=gen), 0.0)
-    bwd_args = (e, c, shard_targets, bias, lse + 0.5, aux, grad_rows, 2.0, -1.0, True, False, False, True, True, True)
+    bwd_args = (e, c, shard_targets, bias, lse + 0.5, grad_rows, 2.0, CCEOptions().encode(), True, True, True)
     torch.library.opcheck(torch.ops.cce_inductor.vocab_shard_backward.default, bwd_args)
 
 
@@ -570,10 +578,10 @@ def test_vocab_parallel_chunked(task_results):
 
 
 def _kernels_runnable() -> bool:
-    from cce_inductor import ops
+    from cce_inductor import _loss
 
     try:
-        return ops._kernels() is not None and os.environ.get("TRITON_INTERPRET") == "1"
+        return _loss.triton_kernels() is not None and os.environ.get("TRITON_INTERPRET") == "1"
     except Exception:  # noqa: BLE001 - a broken kernels module is test_kernels.py's business
         return False
 
@@ -651,9 +659,8 @@ def test_vocab_parallel_matches_dtensor_loss_parallel(task_results):
 
 
 def _tp_graph_pass_worker(rank, world):
-    """The prototype TP pass + the cce backend on a ColwiseParallel head (bias, softcap, label shift, upcast)
-    under loss_parallel, fullgraph: rewritten into dtensor_linear_cross_entropy, equal to eager loss_parallel."""
-    import torch._inductor.config as inductor_config
+    """The cce backend on a ColwiseParallel head (bias, softcap, label shift, upcast) under loss_parallel,
+    fullgraph: rewritten into dtensor_linear_cross_entropy, equal to eager loss_parallel."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import ColwiseParallel, loss_parallel, parallelize_module
 
@@ -663,10 +670,6 @@ def _tp_graph_pass_worker(rank, world):
     hidden = torch.randn(2, n, dim, generator=gen)
     labels = torch.randint(0, vocab, (2, n), generator=gen)
     labels[:, ::3] = -100
-
-    def tp_backend(gm, example_inputs, **kwargs):
-        with inductor_config.patch(pre_grad_custom_pass=TensorParallelGraphPass()):
-            return cce_inductor.backend(gm, example_inputs, **kwargs)
 
     results = []
     for compiled in (False, True):
@@ -679,7 +682,7 @@ def _tp_graph_pass_worker(rank, world):
             return F.cross_entropy(logits[:, :-1].reshape(-1, vocab).float(), y[:, 1:].reshape(-1))
 
         if compiled:
-            step = torch.compile(step, backend=tp_backend, fullgraph=True)
+            step = torch.compile(step, backend=cce_inductor.backend, fullgraph=True)
         h = hidden.clone().requires_grad_()
         with loss_parallel():
             loss = step(h, labels)
@@ -692,7 +695,7 @@ def _tp_graph_pass_worker(rank, world):
 
     # Through torch 2.11 Dynamo records ColwiseParallel's output redistribute as a call of a generated function
     # named prim_redistribute (torch 2.13: a call_method); the pass must see through both (H200 run, torch 2.11).
-    from cce_inductor.distributed import _is_noop_redistribute
+    from cce_inductor.fx_passes.tensor_parallel import _is_noop_redistribute
 
     def prim_redistribute(x):
         return x

@@ -22,9 +22,10 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import cce_inductor
-from cce_inductor import _chunked, ops
+from cce_inductor import CCEOptions, _chunked, _loss, ops
 
 lce = cce_inductor.linear_cross_entropy
+OPTIONS = CCEOptions().encode()  # the op's options argument, as the pass and the public wrapper pass it
 
 DTYPES = [torch.float64, torch.float32, torch.bfloat16, torch.float16]
 # Unit roundoff of each dtype: a correctly rounded result has relative error <= this.
@@ -348,8 +349,8 @@ def test_backward_op_gradients_not_needed_are_empty_and_distinct():
     lse = torch.logsumexp(e @ c.T, dim=1)
     for need_e, need_c, need_bias in [(True, False, False), (False, True, False), (False, False, False)]:
         grads = ops.linear_cross_entropy_backward_op(
-            torch.tensor(1.0, dtype=torch.float64), e, c, t, None, lse, torch.zeros(0), 0.0, -100, 1, -1.0, True,
-            False, need_e, need_c, need_bias,
+            torch.tensor(1.0, dtype=torch.float64), e, c, t, None, lse, None, -100, "mean", OPTIONS,
+            need_e, need_c, need_bias,
         )
         for grad, needed, full in zip(grads, (need_e, need_c, False), (e, c, None)):
             assert grad.shape == (full.shape if needed else (0,))
@@ -460,20 +461,20 @@ def test_autocast_does_not_change_the_op_precision():
 # ----------------------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("reduction", [0, 1, 2], ids=["none", "mean", "sum"])
-@pytest.mark.parametrize("softcap", [0.0, 3.0], ids=["nocap", "cap"])
+@pytest.mark.parametrize("reduction", ["none", "mean", "sum"])
+@pytest.mark.parametrize("softcap", [None, 3.0], ids=["nocap", "cap"])
 @pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
 def test_opcheck_forward(reduction, softcap, bias):
     e, c, t, b = make_inputs((6,), 10, 4, torch.float64, bias=bias)
     args = (e.requires_grad_(), c.requires_grad_(), t, None if b is None else b.requires_grad_(),
-            softcap, -100, reduction, -1.0, True, False)
+            softcap, -100, reduction, OPTIONS)
     torch.library.opcheck(ops.linear_cross_entropy_op, args)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_opcheck_forward_low_precision(dtype):
     e, c, t, b = make_inputs((5,), 9, 4, dtype, bias=True)
-    args = (e.requires_grad_(), c.requires_grad_(), t, b, 0.0, -100, 1, -1.0, True, False)
+    args = (e.requires_grad_(), c.requires_grad_(), t, b, None, -100, "mean", OPTIONS)
     torch.library.opcheck(ops.linear_cross_entropy_op, args)
 
 
@@ -481,12 +482,12 @@ def test_opcheck_forward_low_precision(dtype):
     "needs", [(True, True, True), (True, True, False), (False, True, True), (True, False, True)],
     ids=["all", "no_bias", "no_e", "no_c"],
 )
-@pytest.mark.parametrize("reduction", [0, 1], ids=["none", "mean"])
+@pytest.mark.parametrize("reduction", ["none", "mean"])
 def test_opcheck_backward(needs, reduction):
     e, c, t, b = make_inputs((6,), 10, 4, torch.float64, bias=True)
     lse = torch.logsumexp(F.linear(e, c, b), dim=1)
-    grad = torch.rand(6, dtype=torch.float64) if reduction == 0 else torch.tensor(0.5, dtype=torch.float64)
-    args = (grad, e, c, t, b, lse, torch.zeros(0), 0.0, -100, reduction, -1.0, True, False, *needs)
+    grad = torch.rand(6, dtype=torch.float64) if reduction == "none" else torch.tensor(0.5, dtype=torch.float64)
+    args = (grad, e, c, t, b, lse, None, -100, reduction, OPTIONS, *needs)
     torch.library.opcheck(ops.linear_cross_entropy_backward_op, args)
 
 
@@ -494,8 +495,8 @@ def test_opcheck_backward_two_grads_not_needed():
     # Regression: see test_frozen_weight_without_bias (the same `empty` tensor returned for two outputs).
     e, c, t, _ = make_inputs((6,), 10, 4, torch.float64)
     lse = torch.logsumexp(F.linear(e, c), dim=1)
-    args = (torch.tensor(0.5, dtype=torch.float64), e, c, t, None, lse, torch.zeros(0), 0.0, -100, 1, -1.0, True,
-            False, True, False, False)
+    args = (torch.tensor(0.5, dtype=torch.float64), e, c, t, None, lse, None, -100, "mean", OPTIONS, True, False,
+            False)
     torch.library.opcheck(ops.linear_cross_entropy_backward_op, args)
 
 
@@ -541,7 +542,8 @@ def test_target_equal_to_ignore_index_is_fine_even_out_of_vocab():
         ("reduction", ValueError, r"reduction must be one of"),
         ("softcap_zero", ValueError, r"softcap must be positive"),
         ("softcap_negative", ValueError, r"softcap must be positive"),
-        ("filter_eps", ValueError, r"filter_eps must be in"),
+        ("options", TypeError, r"options must be a cce_inductor.CCEOptions"),
+        ("retired_option", TypeError, r"unexpected keyword argument 'filter_eps'"),
     ],
 )
 def test_bad_input_errors(case, exc, match):
@@ -558,7 +560,8 @@ def test_bad_input_errors(case, exc, match):
         "reduction": lambda: lce(e, c, t, reduction="avg"),
         "softcap_zero": lambda: lce(e, c, t, softcap=0.0),
         "softcap_negative": lambda: lce(e, c, t, softcap=-2.0),
-        "filter_eps": lambda: lce(e, c, t, filter_eps=1.5),
+        "options": lambda: lce(e, c, t, options={"exact": True}),
+        "retired_option": lambda: lce(e, c, t, filter_eps=1.5),
     }[case]
     with pytest.raises(exc, match=match):
         call()
@@ -591,7 +594,7 @@ def test_shape_mismatch_is_value_error(case, match):
 def test_device_mismatch_is_value_error():
     e, c, t, _ = _small()
     with pytest.raises(ValueError, match="targets is on meta"):
-        ops.check_inputs(e, c, t.to("meta"), None)
+        _loss.check_inputs(e, c, t.to("meta"), None)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -731,7 +734,7 @@ def test_compile_fullgraph_dynamic_no_recompile():
         if frames_after_first is None:
             frames_after_first = counter.frame_count
     # The first call may invoke the backend twice: Dynamo restarts the analysis once to specialise the float
-    # arguments (softcap, filter_eps) it first traced symbolically; that is one frame, not a recompilation.
+    # argument (softcap) it first traced symbolically; that is one frame, not a recompilation.
     assert counter.frame_count == frames_after_first, "recompiled for the second batch size"
     assert counters["stats"]["unique_graphs"] == 1
     assert sum(counters["graph_break"].values()) == 0

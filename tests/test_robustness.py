@@ -692,14 +692,16 @@ def _alternatives(field: dataclasses.Field) -> list:
     default = field.default
     if isinstance(default, bool):
         return [not default]
-    if field.name == "filter_eps":
-        return [None, 2.0**-12, 0.25]
+    if field.name == "products":
+        return ["triton"]
+    if field.name == "backward_row_chunk":
+        return [0, 2048]
     raise AssertionError(f"new CCEOptions field {field.name!r} ({field.type}): add its values to this test")
 
 
 def test_every_option_changes_the_uuid():
     fields = dataclasses.fields(CCEOptions)
-    assert {f.name for f in fields} >= {"filter_eps", "vocab_sort", "exact", "drop_logits"}
+    assert {f.name for f in fields} >= {"drop_logits", "exact", "products", "backward_row_chunk"}
     base = CCEOptions()
     variants = {"default": base}
     for field in fields:
@@ -725,10 +727,10 @@ def test_every_option_changes_the_uuid():
 
 
 ENV_OPTIONS = {
-    "CCE_INDUCTOR_FILTER_EPS": "0.001",
-    "CCE_INDUCTOR_VOCAB_SORT": "1",
-    "CCE_INDUCTOR_EXACT": "1",
     "CCE_INDUCTOR_DROP_LOGITS": "1",
+    "CCE_INDUCTOR_EXACT": "1",
+    "CCE_INDUCTOR_PRODUCTS": "triton",
+    "CCE_INDUCTOR_BACKWARD_ROW_CHUNK": "2048",
 }
 
 
@@ -769,7 +771,7 @@ def test_backend_options_reach_the_pass(no_caches):
         def uuid(self):
             return "spy"
 
-    options = CCEOptions(filter_eps=0.125, vocab_sort=False, exact=True, drop_logits=True)
+    options = CCEOptions(drop_logits=True, exact=True, products="triton", backward_row_chunk=1024)
     fn = make_fn()
     with inductor_config.patch(pre_grad_custom_pass=Spy()):
         torch.compile(fn, backend=cce_inductor.make_backend(options), fullgraph=True)(*inputs(4))
@@ -837,46 +839,37 @@ def test_compiled_is_bitwise_deterministic(no_caches):
         _bitwise_equal(results[0], other)
 
 
-@pytest.mark.parametrize("exact", [False, True])
-def test_deterministic_mode_avoids_the_atomic_backward(monkeypatch, exact):
-    """The filtering tile backward uses atomics; under torch.use_deterministic_algorithms the kernels get
-    filter_eps=0, i.e. their dense path (plain products, no atomics), exact mode included."""
-    import types
-
-    from cce_inductor import _chunked, ops
-
-    calls = []
-    real_chunked_backward = _chunked.backward
-
-    def kernel_backward(e, c, targets, bias, lse, aux, grad_rows, *, filter_eps, exact, **kwargs):
-        calls.append(("kernels", filter_eps, exact))
-        return real_chunked_backward(e, c, targets, bias, lse, grad_rows, softcap=kwargs["softcap"],
-                                     need_e=kwargs["need_e"], need_c=kwargs["need_c"], need_bias=kwargs["need_bias"])
-
-    fake_kernels = types.SimpleNamespace(backward=kernel_backward, default_filter_eps=lambda dtype: 2.0**-12)
-    monkeypatch.setattr(ops, "_kernels", lambda: fake_kernels)
-    monkeypatch.setattr(ops, "uses_kernels", lambda device, dtype: True)
-    monkeypatch.setattr(_chunked, "backward", lambda *a, **k: calls.append("chunked") or real_chunked_backward(*a, **k))
-    e, c = torch.randn(5, 4, dtype=torch.float64), torch.randn(7, 4, dtype=torch.float64)
-    targets, lse = torch.randint(0, 7, (5,)), torch.logsumexp(e @ c.T, dim=1)
-    args = (torch.tensor(1.0, dtype=torch.float64), e, c, targets, None, lse, torch.zeros(0), 0.0, -100, 1, -1.0,
-            True, exact, True, True, False)  # fmt: skip  (filter_eps=-1.0: "auto", i.e. filtering asked for)
-    previous = torch.are_deterministic_algorithms_enabled()
-    torch.use_deterministic_algorithms(True)
-    try:
-        grad_e, grad_c, _ = ops._backward_impl(*args)
-    finally:
-        torch.use_deterministic_algorithms(previous)
-    assert calls == [("kernels", 0.0, exact)]
-    torch.testing.assert_close(grad_e, torch.autograd.functional.jacobian(lambda x: F.cross_entropy(x @ c.T, targets), e))
-    torch.testing.assert_close(grad_c, torch.autograd.functional.jacobian(lambda w: F.cross_entropy(e @ w.T, targets), c))
+@pytest.mark.parametrize(
+    "variable, value, error",
+    [("CCE_INDUCTOR_EXACT", "maybe", "is not a boolean"), ("CCE_INDUCTOR_BACKWARD_ROW_CHUNK", "8k", "not an integer"),
+     ("CCE_INDUCTOR_BACKWARD_ROW_CHUNK", "-1", "must be >= 0"), ("CCE_INDUCTOR_PRODUCTS", "cutlass", "'cublas' or")],
+)
+def test_bad_environment_options_fail_loudly(monkeypatch, variable, value, error):
+    monkeypatch.setenv(variable, value)
+    with pytest.raises((ValueError, TypeError), match=error):
+        CCEOptions.from_env()
 
 
-def test_filter_eps_defaults_to_off_and_auto_means_the_paper_threshold(monkeypatch):
-    monkeypatch.delenv("CCE_INDUCTOR_FILTER_EPS", raising=False)
-    assert CCEOptions.from_env().filter_eps == 0.0  # every gradient entry is computed unless asked otherwise
-    monkeypatch.setenv("CCE_INDUCTOR_FILTER_EPS", "auto")
-    assert CCEOptions.from_env().filter_eps is None
-    monkeypatch.delenv("CCE_INDUCTOR_FILTER_EPS")
-    assert cce_inductor.make_backend(filter_eps="auto").options.filter_eps is None
-    assert cce_inductor.make_backend(filter_eps=2.0**-12).options.filter_eps == 2.0**-12
+@pytest.mark.parametrize(
+    "kwargs, error",
+    [(dict(exact=1), "must be a bool"), (dict(products="TRITON"), "'cublas' or"), (dict(backward_row_chunk=2.0), "int"),
+     (dict(backward_row_chunk=True), "int"), (dict(filter_eps=0.1), "unknown cce_inductor option")],
+)
+def test_bad_keyword_options_fail_loudly(kwargs, error):
+    with pytest.raises((ValueError, TypeError), match=error):
+        cce_inductor.make_backend(**kwargs)
+
+
+@pytest.mark.parametrize("variable", ["CCE_INDUCTOR_FILTER_EPS", "CCE_INDUCTOR_VOCAB_SORT"])
+def test_retired_environment_options_say_so(monkeypatch, variable):
+    """Gradient filtering was retired: a leftover setting is reported, and the options are the exact defaults."""
+    monkeypatch.setenv(variable, "auto")
+    with pytest.warns(FutureWarning, match=f"{variable} is ignored"):
+        assert CCEOptions.from_env() == CCEOptions()
+
+
+def test_encoded_options_round_trip():
+    for options in (CCEOptions(), CCEOptions(exact=True, products="triton", backward_row_chunk=0)):
+        assert CCEOptions.decode(options.encode()) == options
+    with pytest.raises(ValueError, match="not an encoded cce_inductor option"):
+        CCEOptions.decode("filter_eps=0.1")

@@ -16,7 +16,7 @@ A ``ColwiseParallel(use_local_output=False)`` head under ``loss_parallel()``, as
 is replaced by::
 
     loss = dtensor_linear_cross_entropy(rows, weight, targets, bias=..., softcap=..., ignore_index=..., reduction=...,
-                                        options=options)
+                                        options=options.encode())
 
 The site is matched by ``linear_cross_entropy.match_site`` and replaced by ``linear_cross_entropy.replace_site``;
 only the checks of the parallel layout and the loss call are this module's. Sites on plain tensors are left to
@@ -89,7 +89,7 @@ def _dtensor_loss(graph: fx.Graph, site: lce.Site, rows, weight, targets, bias, 
         dtensor_linear_cross_entropy,
         (rows, weight, targets),
         dict(bias=bias, softcap=site.softcap, ignore_index=site.ignore_index, reduction=site.reduction,
-             options=options),
+             options=options.encode()),
     )  # fmt: skip
 
 
