@@ -6,7 +6,8 @@ plain matmuls over row chunks of ``e`` and vocabulary chunks of ``c``, so at mos
 
     logits[n, v] = softcap * tanh((e[n] . c[v] + bias[v]) / softcap)        (no tanh without softcap)
     lse[n]       = log sum_v exp(logits[n, v])                                (online over vocab chunks)
-    dlogits[n,v] = grad_rows[n] * (exp(logits[n, v] - lse[n]) - [v == targets[n]])
+    logit_sum[n] = sum_v logits[n, v]                                         (label smoothing only)
+    dlogits[n,v] = grad_rows[n] * (exp(logits[n, v] - lse[n]) - (1 - eps) [v == targets[n]] - eps / V)
     draw         = dlogits * (1 - tanh^2)                                    (softcap chain rule)
     dE = draw @ c,   dC = draw^T @ e,   dbias = sum_n draw
 
@@ -49,14 +50,17 @@ def forward(
     *,
     softcap: Optional[float],
     ignore_index: int,
+    logit_sum: bool = False,
     row_chunk: int = ROW_CHUNK,
     vocab_chunk: int = VOCAB_CHUNK,
-) -> tuple[Tensor, Tensor]:
-    """Returns ``(lse, target_logit)``, each ``(N,)`` in the accumulation dtype; ignored rows hold finite junk."""
+) -> tuple[Tensor, Tensor, Optional[Tensor]]:
+    """Returns ``(lse, target_logit, logit_sum | None)``, each ``(N,)`` in the accumulation dtype; ignored rows
+    hold finite junk. ``logit_sum``: also the sum of each row's logits (the label-smoothing term)."""
     n_rows, vocab = e.shape[0], c.shape[0]
     acc = accumulation_dtype(e.dtype)
     lse = torch.empty(n_rows, dtype=acc, device=e.device)
     target_logit = torch.empty(n_rows, dtype=acc, device=e.device)
+    row_sums = torch.zeros(n_rows, dtype=acc, device=e.device) if logit_sum else None
     bias_acc = None if bias is None else bias.to(acc)
     for r0 in range(0, n_rows, row_chunk):
         e_rows = e[r0 : r0 + row_chunk].to(acc)
@@ -65,6 +69,8 @@ def forward(
         for v0 in range(0, vocab, vocab_chunk):
             bias_block = None if bias_acc is None else bias_acc[v0 : v0 + vocab_chunk]
             logits, _ = _logits_block(e_rows, c[v0 : v0 + vocab_chunk].to(acc), bias_block, softcap)
+            if row_sums is not None:
+                row_sums[r0 : r0 + row_chunk] += logits.sum(dim=1)
             new_max = torch.maximum(running_max, logits.amax(dim=1))
             running_sum = running_sum * torch.exp(running_max - new_max) + torch.exp(
                 logits - new_max[:, None]
@@ -78,7 +84,7 @@ def forward(
         if bias_acc is not None:
             raw = raw + bias_acc[safe_targets]
         target_logit[r0 : r0 + row_chunk] = raw if softcap is None else torch.tanh(raw / softcap) * softcap
-    return lse, target_logit
+    return lse, target_logit, row_sums
 
 
 def backward(
@@ -93,6 +99,7 @@ def backward(
     need_e: bool,
     need_c: bool,
     need_bias: bool,
+    label_smoothing: float = 0.0,
     row_chunk: int = ROW_CHUNK,
     vocab_chunk: int = VOCAB_CHUNK,
 ) -> tuple[Optional[Tensor], Optional[Tensor], Optional[Tensor]]:
@@ -118,11 +125,13 @@ def backward(
             e_rows = e_acc[r0 : r0 + row_chunk]
             logits, capped = _logits_block(e_rows, c_block, bias_block, softcap)
             grad_logits = torch.exp(logits - lse[r0 : r0 + row_chunk, None])
+            if label_smoothing:
+                grad_logits -= label_smoothing / vocab
             # Subtract the one-hot with a masked scatter: no data-dependent shapes, so no device sync.
             local_targets = targets[r0 : r0 + row_chunk] - v0
             in_block = (local_targets >= 0) & (local_targets < width)
             grad_logits.scatter_add_(
-                1, local_targets.clamp(0, width - 1)[:, None], -in_block.to(acc)[:, None]
+                1, local_targets.clamp(0, width - 1)[:, None], -(1.0 - label_smoothing) * in_block.to(acc)[:, None]
             )
             grad_logits *= grad_rows[r0 : r0 + row_chunk, None]
             if capped is not None:

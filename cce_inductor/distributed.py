@@ -106,7 +106,7 @@ def vocab_shard_forward(
         lse, target_logit = _loss.triton_kernels().forward(e, c, shard_targets, bias, softcap=softcap,
                                                            ignore_index=_LOCAL_IGNORED)  # fmt: skip
     else:
-        lse, target_logit = _chunked.forward(e, c, _local_codes(shard_targets), bias, softcap=softcap,
+        lse, target_logit, _ = _chunked.forward(e, c, _local_codes(shard_targets), bias, softcap=softcap,
                                              ignore_index=_LOCAL_IGNORED)  # fmt: skip
     return lse, torch.where(in_shard, target_logit, 0.0)
 

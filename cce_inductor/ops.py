@@ -1,6 +1,6 @@
 """The fused linear-cross-entropy op: ``torch.ops.cce_inductor.linear_cross_entropy`` and its backward.
 
-    loss = cross_entropy(softcap(e @ c.T + bias), targets, ignore_index=..., reduction=...)
+    loss = cross_entropy(softcap(e @ c.T + bias), targets, ignore_index=..., reduction=..., label_smoothing=...)
 
 computed without materialising the ``N x V`` logits. Both ops are ``torch.library.custom_op``s, so Inductor
 keeps each as one opaque call; the backward is a second custom op traced into the joint graph by
@@ -33,9 +33,13 @@ def linear_cross_entropy_op(
     softcap: Optional[float],
     ignore_index: int,
     reduction: str,
+    label_smoothing: float,
     options: str,
 ) -> tuple[Tensor, Tensor]:
-    """Returns ``(loss, lse)``: the reduced loss and the per-row log-sum-exp (what the backward needs)."""
+    """Returns ``(loss, lse)``: the reduced loss and the per-row log-sum-exp (what the backward needs).
+
+    With label smoothing eps (as ``F.cross_entropy``): ``row_loss = lse - (1 - eps) * target_logit - eps / V *
+    sum_v logits``, the last sum coming out of the same forward pass."""
     diagnostics.count_execution("linear_cross_entropy")
     # Autocast already did its work on the inputs (the public wrapper casts them as F.linear would); inside,
     # the chunked path's matmuls must run in the accumulation dtype, not be downcast again.
@@ -43,18 +47,24 @@ def linear_cross_entropy_op(
         _loss.check_inputs(e, c, targets, bias)
         _loss.check_target_range(targets, c.shape[0], ignore_index)
         acc = _chunked.accumulation_dtype(e.dtype)
+        smoothing = label_smoothing != 0.0
         if _loss.uses_kernels(e.device, e.dtype) and e.shape[0] > 0:
-            lse, target_logit = _loss.triton_kernels().forward(e, c, targets, bias, softcap=softcap,
-                                                               ignore_index=ignore_index)  # fmt: skip
+            lse, target_logit, logit_sum = _loss.triton_kernels().forward(
+                e, c, targets, bias, softcap=softcap, ignore_index=ignore_index, logit_sum=smoothing
+            )
         else:
-            lse, target_logit = _chunked.forward(e, c, targets, bias, softcap=softcap, ignore_index=ignore_index)
+            lse, target_logit, logit_sum = _chunked.forward(e, c, targets, bias, softcap=softcap,
+                                                            ignore_index=ignore_index, logit_sum=smoothing)  # fmt: skip
         valid = targets != ignore_index
-        row_loss = torch.where(valid, lse.to(acc) - target_logit.to(acc), 0.0)
+        row_loss = lse.to(acc) - target_logit.to(acc)
+        if smoothing:
+            row_loss = row_loss + label_smoothing * (target_logit.to(acc) - logit_sum.to(acc) / c.shape[0])
+        row_loss = torch.where(valid, row_loss, 0.0)
         return _loss.reduce_rows(row_loss, valid, reduction), lse
 
 
 @linear_cross_entropy_op.register_fake
-def _(e, c, targets, bias, softcap, ignore_index, reduction, options):
+def _(e, c, targets, bias, softcap, ignore_index, reduction, label_smoothing, options):
     _loss.check_inputs(e, c, targets, bias)
     n_rows = e.shape[0]
     loss = e.new_empty((n_rows,) if reduction == "none" else (), dtype=_chunked.accumulation_dtype(e.dtype))
@@ -72,6 +82,7 @@ def linear_cross_entropy_backward_op(
     softcap: Optional[float],
     ignore_index: int,
     reduction: str,
+    label_smoothing: float,
     options: str,
     need_e: bool,
     need_c: bool,
@@ -85,22 +96,25 @@ def linear_cross_entropy_backward_op(
         if _loss.uses_kernels(e.device, e.dtype) and e.shape[0] > 0:
             grad_e, grad_c, grad_bias = _loss.triton_kernels().backward(
                 e, c, targets, bias, lse, grad_rows.float(), softcap=softcap, ignore_index=ignore_index,
-                options=CCEOptions.decode(options), need_e=need_e, need_c=need_c, need_bias=need_bias,
+                label_smoothing=label_smoothing, options=CCEOptions.decode(options),
+                need_e=need_e, need_c=need_c, need_bias=need_bias,
             )  # fmt: skip
         else:
             grad_e, grad_c, grad_bias = _chunked.backward(
-                e, c, targets, bias, lse, grad_rows, softcap=softcap, need_e=need_e, need_c=need_c, need_bias=need_bias
+                e, c, targets, bias, lse, grad_rows, softcap=softcap, need_e=need_e, need_c=need_c, need_bias=need_bias,
+                label_smoothing=label_smoothing,
             )
     return _loss.empty_unless(need_e, grad_e, e), _loss.empty_unless(need_c, grad_c, e), \
         _loss.empty_unless(need_bias, grad_bias, e)  # fmt: skip
 
 
 @linear_cross_entropy_backward_op.register_fake
-def _(grad_loss, e, c, targets, bias, lse, softcap, ignore_index, reduction, options, need_e, need_c, need_bias):
+def _(grad_loss, e, c, targets, bias, lse, softcap, ignore_index, reduction, label_smoothing, options, need_e, need_c,
+      need_bias):  # fmt: skip
     return _loss.grad_outputs_fake(e, c, bias, need_e, need_c, need_bias)
 
 
-_FORWARD_ATTRS = ("softcap", "ignore_index", "reduction", "options")
+_FORWARD_ATTRS = ("softcap", "ignore_index", "reduction", "label_smoothing", "options")
 
 
 def _setup_context(ctx, inputs, output) -> None:
@@ -137,6 +151,7 @@ def linear_cross_entropy(
     softcap: Optional[float] = None,
     ignore_index: int = -100,
     reduction: str = "mean",
+    label_smoothing: float = 0.0,
     options: Optional[CCEOptions] = None,
 ) -> Tensor:
     """``F.cross_entropy(softcap(e @ c.T + bias), targets, ...)`` without materialising the logits.
@@ -149,6 +164,7 @@ def linear_cross_entropy(
         softcap: Gemma-2 style logit soft-capping ``softcap * tanh(logits / softcap)``; ``None`` for none.
         reduction: ``"mean"`` (over non-ignored targets; NaN if there are none), ``"sum"`` or ``"none"``
             (shape ``targets.shape``, 0 at ignored positions).
+        label_smoothing: as in ``F.cross_entropy``, in ``[0, 1]``.
         options: :class:`cce_inductor.CCEOptions` (``exact``, ``products``, ``backward_row_chunk``); default
             ``CCEOptions()``, not the environment: a direct call does what its arguments say.
 
@@ -156,6 +172,8 @@ def linear_cross_entropy(
     to the autocast dtype, as ``F.linear`` would be.
     """
     _loss.check_public_args(e, c, targets, softcap=softcap, reduction=reduction)
+    if not 0.0 <= label_smoothing <= 1.0:
+        raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing}")
     if options is not None and not isinstance(options, CCEOptions):
         raise TypeError(f"options must be a cce_inductor.CCEOptions, got {type(options).__name__}")
     e, c, bias = _loss.autocast_inputs(e, c, bias)
@@ -167,6 +185,7 @@ def linear_cross_entropy(
         None if softcap is None else float(softcap),
         int(ignore_index),
         reduction,
+        float(label_smoothing),
         (options or CCEOptions()).encode(),
     )
     if reduction == "none":

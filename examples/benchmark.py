@@ -1,43 +1,81 @@
-"""Benchmark of the CCE kernels against eager PyTorch and torch.compile (one process, CUDA only).
+"""Benchmark of the CCE kernels against eager PyTorch and torch.compile (one process; CUDA, or CPU with --tiny).
 
     python examples/benchmark.py --shapes gemma2 --regimes flat,lm,mixed,lm_ign50
+    python examples/benchmark.py --shapes gemma2,llama3,qwen25,phi35 --regimes flat,lm,mixed,lm_ign50,real \
+        --methods matmul,eager,compile,cce,cce_rowskip,cce_exact --check --real-cache /tmp/realtext_head.pt
+    python examples/benchmark.py --sweep "products=cublas;products=triton;exact=1;bwd.vocab_chunk=4096" \
+        --shapes gemma2 --regimes lm,lm_ign50 --check
+    python examples/benchmark.py --tiny --methods eager,cce,cce_exact --regimes lm,real --check --real-seconds 5
 
 Methods (each timed as loss only = "fwd" and loss + gradients = "fwdbwd"):
-    matmul     one bf16 N x D @ D x V product (the floor; fwd only)
-    eager      F.cross_entropy(F.linear(e, c).float(), t)
-    compile    torch.compile of the same function
-    cce        cce_inductor.linear_cross_entropy with its defaults (no gradient filtering: the dense backward,
-               a Triton recompute of the softmax gradient + cuBLAS products) -- or, with --direct or when the op is not
-               importable, the kernels called directly through a small autograd.Function
-    cce_cublas the same with the recompute's logits from cuBLAS (fp32) and a separate softmax-gradient kernel
-    cce_rowskip the same with the dE / dC products in Triton, which skip the ignored rows (dense_products=triton)
-    cce_tile   the same through the tile kernel (kernel config bwd_dense=0; the previous default path)
-    cce_filter filter_eps="auto" (the paper's 2^-12 for bf16), vocab_sort=False (tiles skipped from the
-               forward's per-tile max, no recompute)
-    cce_filter_sort  the same with vocab_sort=True
-    cce_exact  exact=True (no filtering; the dense path with G in bf16 hi + lo halves, fp32 dC sums)
-Time: median of CUDA-event timings after warm-up (triton.testing.do_bench).  Memory: peak allocated
-above what was allocated before the call (inputs excluded; gradients included for fwdbwd).
+    matmul       one bf16 N x D @ D x V product (the floor; fwd only, once per shape)
+    eager        F.cross_entropy(F.linear(e, c).float(), t)
+    compile      torch.compile(dynamic=False) of the same function
+    cce          cce_inductor.linear_cross_entropy with CCEOptions() (the defaults): the Triton forward; the backward
+                 a Triton recompute of the softmax gradient G per (row chunk x vocabulary chunk) block + cuBLAS dE / dC
+    cce_rowskip  CCEOptions(products="triton"): the dE / dC products in Triton, skipping the ignored rows
+    cce_exact    CCEOptions(exact=True): G carried into the products as bf16 hi + lo halves, dC summed in fp32
+--direct calls cce_inductor.kernels.forward / .backward through a small autograd.Function instead of the custom op.
+--config "k=v,..." (syntax as one sweep config, below) sets CCEOptions fields under every cce method (the
+method's own field wins) and _TUNING overrides for the whole run.
+Time: median of CUDA-event timings after warm-up (triton.testing.do_bench).  Memory: peak allocated above what
+was allocated before the call (inputs excluded; gradients included for fwdbwd).  --check: relative Frobenius
+errors of dE and dC against fp32-logit gradients (true fp32 matmuls), for every method with gradients, eager and
+compile included (their errors are the bar the CCE methods are held to).
 
-Data regimes (synthetic; c Gaussian with unit-norm rows, e built from chosen token vectors):
+Data regimes (synthetic ones: c Gaussian with unit-norm rows, e built from chosen token vectors):
     flat      e Gaussian, logits ~ N(0, 1), uniform targets
     lm        48 plausible tokens per row with logits 14 - log(rank) (p ~ 1/rank), drawn from a Zipf
               popularity over a randomly permuted vocabulary; target sampled from them
     mixed     85% confident rows (4 plausible tokens, top p ~0.9), 15% broad rows (128 plausible tokens)
+    real      the output head of a small language model trained on real text (examples/real_text.py: byte-level
+              BPE on this Python installation's sources and docs, a decoder trained for --real-seconds): e (the
+              states entering the head on held-out text), c (the head weight), the next tokens as targets.
+              Ignores --shapes: its shape is the trained head's, named "realtext (D, V)"; trained once per
+              process, and with --real-cache PATH saved there / loaded from there when the settings match.
     *_ign50   the same with 50% of the targets set to ignore_index
-The softmax statistics of each regime are printed (sampled rows).
+Each case first prints its softmax statistics: real_text.softmax_stats over the counted rows (up to --stats-rows):
+loss, entries with p >= 2^-12 per row, the share of 128 x 128 tiles holding such an entry, the probability mass
+below it, and what a tile-skipping gradient filter would cost in dE error (no method here filters: the
+statistics say how peaked each regime's softmax is), plus valid_frac; for `real` also the training metadata.
+
+Sweep (--sweep "config;config;..."): times kernels.forward and kernels.backward directly, per case and config:
+forward ms, backward ms (given that forward), the backward's peak memory, gradient errors with --check.  A config is
+"k=v,k=v" with
+    exact=0|1, products=cublas|triton, backward_row_chunk=N     CCEOptions fields (over --config's)
+    fwd.KEY=N, bwd.KEY=N, prod.KEY=N                            _TUNING overrides of kernels/_forward.py,
+        _backward.py, _products.py, e.g. fwd.block_v=128, bwd.vocab_chunk=4096, prod.BLOCK_K=32: the entry in
+        use ("gpu"; "interpret" under TRITON_INTERPRET=1) is replaced for that config and restored after
+    need_e=0|1, need_c=0|1, fwd_only=0|1                        sweep only: what the backward computes
+Output: a "# device ..." header; per case a "## shape N= D= V= regime=" line with the statistics (and for `real` a
+"## realtext trained ..." line); per method and mode "ms, MB [err_dE err_dC]"; last a markdown table of every row
+(x compile, x matmul, MB over the N*D + V*D lower bound).  --json PATH writes the rows, the cases (statistics,
+real-text metadata) and the settings.
+
+--tiny: a CPU smoke run (< 1 minute): shape "tiny" (D 64, V 2048), N 256, method cce unless --methods says
+otherwise, perf_counter timings (median, --rep ms per measurement), no memory figures; the `real` head from
+real_text.TINY (20 steps, also bounded by --real-seconds).  On CPU every cce method is the op's chunked PyTorch
+path (its options change nothing there); with --direct or --sweep the Triton kernels run in the interpreter
+(the script sets TRITON_INTERPRET=1).
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
+import importlib
 import json
 import math
 import os
+import statistics
 import sys
 import time
 
 import torch
 import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import real_text  # noqa: E402  (examples/real_text.py: the `real` regime's head, the softmax statistics)
 
 SHAPES = {  # name: (D, V)
     "gemma2": (2304, 256000),
@@ -45,7 +83,23 @@ SHAPES = {  # name: (D, V)
     "qwen25": (3584, 152064),
     "phi35": (3072, 32064),
 }
+TINY_SHAPES = {"tiny": (64, 2048)}
+REGIMES = ("flat", "lm", "mixed", "real")  # each also with the suffix "_ign50"
 IGNORE = -100
+CCE_METHODS = {  # name: CCEOptions fields over the base options (--config)
+    "cce": {},
+    "cce_rowskip": {"products": "triton"},
+    "cce_exact": {"exact": True},
+}
+METHODS = ("matmul", "eager", "compile", *CCE_METHODS)
+TUNING_FILES = {"fwd": "_forward", "bwd": "_backward", "prod": "_products"}  # prefix: cce_inductor.kernels module
+SWEEP_KNOBS = ("need_e", "need_c", "fwd_only")
+REAL_DEFAULTS = dict(real_seconds=90.0, real_vocab=65536, real_dim=2048)
+
+
+def _kernels():
+    from cce_inductor import kernels  # imports Triton; TRITON_INTERPRET must be set before (--tiny does it)
+    return kernels
 
 
 # --------------------------------------------------------------------------------------------------
@@ -60,10 +114,10 @@ def _build_e(c, toks, alpha):
     return e
 
 
-def make_data(n, d, v, regime, seed=0, dtype=torch.bfloat16):
-    dev = "cuda"
+def make_data(n, d, v, base, device, seed=0, dtype=torch.bfloat16):
+    """A synthetic regime (flat / lm / mixed) without ignored targets."""
+    dev = device
     g = torch.Generator(device=dev).manual_seed(seed)
-    base = regime.replace("_ign50", "")
     c32 = torch.randn(v, d, device=dev, generator=g) / math.sqrt(d)
     if base == "flat":
         e32 = torch.randn(n, d, device=dev, generator=g)
@@ -83,7 +137,7 @@ def make_data(n, d, v, regime, seed=0, dtype=torch.bfloat16):
             broad_alpha = 10.0 - 0.5 * torch.log(torch.arange(1, k + 1, device=dev, dtype=torch.float32))
             alpha[broad] = broad_alpha
         else:
-            raise ValueError(regime)
+            raise ValueError(base)
         # k distinct plausible tokens per row, drawn from the popularity without replacement (in chunks)
         toks = torch.cat([
             torch.multinomial(popularity.expand(min(1024, n - s), v), k, replacement=False, generator=g)
@@ -92,26 +146,174 @@ def make_data(n, d, v, regime, seed=0, dtype=torch.bfloat16):
         # target: one of the row's plausible tokens, chosen with probability ~ softmax(alpha)
         pick = torch.multinomial(torch.softmax(alpha.masked_fill(alpha == 0, -1e4), -1), 1, generator=g)[:, 0]
         targets = toks.gather(1, pick[:, None])[:, 0]
-    if regime.endswith("_ign50"):
-        targets = torch.where(torch.rand(n, device=dev, generator=g) < 0.5, torch.full_like(targets, IGNORE), targets)
     return e32.to(dtype).contiguous(), c32.to(dtype).contiguous(), targets
 
 
-def softmax_stats(e, c, targets, rows=256):
-    lg = e[:rows].float() @ c.float().T
-    p = torch.softmax(lg, -1)
-    top = p.topk(48, dim=-1).values
-    t = targets[:rows]
+def ignore_half(targets, seed=0):
+    g = torch.Generator(device=targets.device).manual_seed(seed + 1)
+    drop = torch.rand(targets.shape, device=targets.device, generator=g) < 0.5
+    return torch.where(drop, torch.full_like(targets, IGNORE), targets)
+
+
+_REAL_HEADS = {}  # settings -> (e, c, targets on the CPU, metadata): one training per process
+
+
+def real_settings(args):
+    """real_text_head keywords (--tiny: real_text.TINY, with --real-* flags given explicitly on top)."""
+    kw = dict(getattr(real_text, "TINY", {})) if args.tiny else {}
+    for flag, key in (("real_seconds", "train_seconds"), ("real_vocab", "vocab_size"), ("real_dim", "d_model")):
+        value = getattr(args, flag)
+        if value is not None:
+            kw[key] = value
+        elif not args.tiny:
+            kw[key] = REAL_DEFAULTS[flag]
+    kw.update(n_tokens=args.n, seed=args.seed, dtype=torch.bfloat16)
+    return kw
+
+
+def real_head(args):
+    """``(e, c, targets, metadata)`` of the trained head on ``args.device``: from this process's memo, from
+    --real-cache when it holds the same settings, else trained (and saved to --real-cache)."""
+    kw = real_settings(args)
+    key = json.dumps({k: (str(v) if isinstance(v, torch.dtype) else v) for k, v in sorted(kw.items())})
+    source = "memo"
+    if key not in _REAL_HEADS:
+        cached = None
+        if args.real_cache and os.path.exists(args.real_cache):
+            cached = torch.load(args.real_cache, map_location="cpu")
+            if cached.get("key") != key:
+                print(f"# --real-cache {args.real_cache} holds other settings ({cached.get('key')}); retraining",
+                      flush=True)
+                cached = None
+        if cached is not None:
+            source = f"cache {args.real_cache}"
+        else:
+            source = "trained"
+            head = real_text.real_text_head(args.device, **kw)
+            meta = {k: v for k, v in head.items() if not isinstance(v, torch.Tensor)}
+            cached = dict(key=key, e=head["e"].cpu(), c=head["c"].cpu(), targets=head["targets"].cpu(), meta=meta)
+            del head
+            if args.device == "cuda":
+                torch.cuda.empty_cache()
+            if args.real_cache:
+                torch.save(cached, args.real_cache)
+                source = f"trained, saved to {args.real_cache}"
+        _REAL_HEADS[key] = cached
+    h = _REAL_HEADS[key]
+    meta = dict(h["meta"], source=source, settings=json.loads(key))
+    return h["e"].to(args.device), h["c"].to(args.device), h["targets"].to(args.device), meta
+
+
+def regime_stats(e, c, t, rows):
+    """real_text.softmax_stats over the counted rows (the first ``rows`` of them; 0: all), plus valid_frac."""
     valid = t != IGNORE
-    pt = p.gather(1, t.clamp(min=0)[:, None])[:, 0][valid]
-    return dict(
-        p_max=round(p.max(-1).values.mean().item(), 4),
-        top48_mass=round(top.sum(-1).mean().item(), 4),
-        above_eps_per_row=round((p >= 2.0**-12).sum(-1).float().mean().item(), 1),
-        p_target=round(pt.mean().item(), 4) if valid.any() else None,
-        lse_mean=round(torch.logsumexp(lg, -1).mean().item(), 2),
-        valid_frac=round((targets != IGNORE).float().mean().item(), 3),
-    )
+    idx = valid.nonzero()[:, 0]
+    if rows:
+        idx = idx[:rows]
+    stats = real_text.softmax_stats(e[idx], c, t[idx]) if len(idx) else {}
+    stats["valid_frac"] = valid.float().mean().item()
+    return stats
+
+
+def _fmt_stats(stats):
+    def num(x):
+        return f"{x:.4g}" if isinstance(x, float) else str(x)
+    return " ".join(f"{k}={num(v)}" for k, v in stats.items())
+
+
+def build_cases(args):
+    """[(shape name, D, V, regime)]: every shape x synthetic regime, then the `real` regimes once."""
+    shapes = {**SHAPES, **TINY_SHAPES}
+    cases, real = [], []
+    for regime in args.regimes.split(","):
+        if regime.removesuffix("_ign50") not in REGIMES:
+            raise SystemExit(f"unknown regime {regime!r}; regimes: {', '.join(REGIMES)} (each also with _ign50)")
+    for shape in args.shapes.split(","):
+        if shape not in shapes:
+            raise SystemExit(f"unknown shape {shape!r}; shapes: {', '.join(shapes)}")
+        for regime in args.regimes.split(","):
+            if regime.removesuffix("_ign50") == "real":
+                continue
+            cases.append((shape, *shapes[shape], regime))
+    for regime in args.regimes.split(","):
+        if regime.removesuffix("_ign50") == "real":
+            real.append((None, None, None, regime))
+    return cases + real
+
+
+def case_data(args, case):
+    """``(shape label, e, c, targets, real-text metadata or None)`` on ``args.device``."""
+    shape, d, v, regime = case
+    base = regime.removesuffix("_ign50")
+    meta = None
+    if base == "real":
+        e, c, t, meta = real_head(args)
+        shape = f"realtext ({e.shape[1]}, {c.shape[0]})"
+    else:
+        e, c, t = make_data(args.n, d, v, base, args.device, seed=args.seed)
+    if regime.endswith("_ign50"):
+        t = ignore_half(t, args.seed)
+    return shape, e, c, t, meta
+
+
+# --------------------------------------------------------------------------------------------------
+# options and kernel tuning
+# --------------------------------------------------------------------------------------------------
+def parse_config(text):
+    """``"k=v,..."`` -> (CCEOptions fields, {(prefix, key): int} _TUNING overrides, sweep knobs)."""
+    from cce_inductor import CCEOptions
+    kinds = {f.name: f.type for f in dataclasses.fields(CCEOptions)}
+    fields, tuning, knobs = {}, {}, {}
+    for item in filter(None, (s.strip() for s in text.split(","))):
+        key, sep, raw = item.partition("=")
+        if not sep:
+            raise SystemExit(f"config item {item!r} is not key=value")
+        prefix, dot, name = key.partition(".")
+        if dot:
+            if prefix not in TUNING_FILES:
+                raise SystemExit(f"{key!r}: tuning keys start with {', '.join(p + '.' for p in TUNING_FILES)}")
+            tuning[(prefix, name)] = int(raw)
+        elif key in SWEEP_KNOBS:
+            knobs[key] = bool(int(raw))
+        elif key in kinds and key != "drop_logits":  # drop_logits changes the graph around the op, not the op
+            kind = str(kinds[key])
+            fields[key] = bool(int(raw)) if kind == "bool" else int(raw) if kind == "int" else raw
+        else:
+            raise SystemExit(f"unknown config key {key!r}: CCEOptions fields {[k for k in kinds if k != 'drop_logits']}, "
+                             f"tuning prefix.KEY ({', '.join(TUNING_FILES)}), sweep knobs {list(SWEEP_KNOBS)}")
+    return fields, tuning, knobs
+
+
+def _tuning_entry(prefix):
+    module = importlib.import_module(f"cce_inductor.kernels.{TUNING_FILES[prefix]}")
+    return module, ("interpret" if _kernels().INTERPRET else "gpu")
+
+
+def tuning_in_use():
+    """{prefix: the _TUNING entry the kernels read now}."""
+    out = {}
+    for prefix in TUNING_FILES:
+        module, which = _tuning_entry(prefix)
+        out[prefix] = dict(module._TUNING[which])
+    return out
+
+
+@contextlib.contextmanager
+def tuning_overrides(tuning):
+    """Replace the entries in use of the kernel files' ``_TUNING`` dicts with overridden copies; restore after."""
+    saved = []
+    try:
+        for (prefix, name), value in tuning.items():
+            module, which = _tuning_entry(prefix)
+            entry = module._TUNING[which]
+            if name not in entry:
+                raise KeyError(f"{prefix}.{name}: {module.__name__}._TUNING[{which!r}] has {', '.join(entry)}")
+            saved.append((module, which, entry))
+            module._TUNING[which] = {**entry, name: value}
+        yield
+    finally:
+        for module, which, entry in reversed(saved):
+            module._TUNING[which] = entry
 
 
 # --------------------------------------------------------------------------------------------------
@@ -122,50 +324,64 @@ def torch_loss(e, c, t):
 
 
 class _DirectCCE(torch.autograd.Function):
-    """Kernels called directly (mean reduction), for when the custom op is not available."""
+    """cce_inductor.kernels called directly (mean reduction), bypassing the custom op."""
 
     @staticmethod
-    def forward(ctx, e, c, t, vocab_sort, exact):
-        from cce_inductor import kernels as K
-        lse, tgt, aux = K.forward(e, c, t, None, softcap=None, ignore_index=IGNORE, vocab_sort=vocab_sort)
+    def forward(ctx, e, c, t, options):
+        lse, tgt = _kernels().forward(e, c, t, None, softcap=None, ignore_index=IGNORE)
         valid = t != IGNORE
         count = valid.sum().clamp(min=1)
-        ctx.save_for_backward(e, c, t, lse, aux, count)
-        ctx.flags = (vocab_sort, exact)
-        return torch.where(valid, lse - tgt, 0.0).sum() / count
+        ctx.save_for_backward(e, c, t, lse, count)
+        ctx.options = options
+        return torch.where(valid, lse.float() - tgt.float(), 0.0).sum() / count
 
     @staticmethod
     def backward(ctx, grad):
-        from cce_inductor import kernels as K
-        e, c, t, lse, aux, count = ctx.saved_tensors
-        vocab_sort, exact = ctx.flags
+        e, c, t, lse, count = ctx.saved_tensors
         grad_rows = (t != IGNORE).float() * (grad / count)
-        de, dc, _ = K.backward(e, c, t, None, lse, aux, grad_rows, softcap=None, ignore_index=IGNORE,
-                               filter_eps=K.default_filter_eps(e.dtype), vocab_sort=vocab_sort, exact=exact,
-                               need_e=ctx.needs_input_grad[0], need_c=ctx.needs_input_grad[1], need_bias=False)
-        return de, dc, None, None, None
+        de, dc, _ = _kernels().backward(e, c, t, None, lse, grad_rows, softcap=None, ignore_index=IGNORE,
+                                        options=ctx.options, need_e=ctx.needs_input_grad[0],
+                                        need_c=ctx.needs_input_grad[1], need_bias=False)
+        return de, dc, None, None
 
 
-def cce_fn(direct, vocab_sort, exact, filter_eps=None):
-    if not direct:
-        from cce_inductor import linear_cross_entropy
-
-        def f(e, c, t):
-            # filter_eps=None: the paper's per-dtype threshold; 0.0: no filtering (the op's default)
-            return linear_cross_entropy(e, c, t, ignore_index=IGNORE, vocab_sort=vocab_sort, exact=exact,
-                                        filter_eps=filter_eps)
-        return f
-
-    def g(e, c, t):
-        return _DirectCCE.apply(e, c, t, vocab_sort, exact)
-    return g
+def cce_fn(options, direct):
+    if direct:
+        return lambda e, c, t: _DirectCCE.apply(e, c, t, options)
+    from cce_inductor import linear_cross_entropy
+    return lambda e, c, t: linear_cross_entropy(e, c, t, ignore_index=IGNORE, options=options)
 
 
 # --------------------------------------------------------------------------------------------------
 # measurement
 # --------------------------------------------------------------------------------------------------
-def measure(fn, e, c, t, mode, warmup=25, rep=100):
-    import triton
+def sync(device):
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def bench(fn, args, grad_to_none=None):
+    """Median ms: triton.testing.do_bench on CUDA; on the CPU perf_counter over one warm-up call and then calls
+    for --rep ms (3 to 50)."""
+    if args.device == "cuda":
+        import triton
+        return triton.testing.do_bench(fn, warmup=args.warmup, rep=args.rep, grad_to_none=grad_to_none,
+                                       return_mode="median")
+    times, start = [], time.perf_counter()
+    for i in range(51):
+        for x in grad_to_none or ():
+            x.grad = None
+        t0 = time.perf_counter()
+        fn()
+        if i:
+            times.append((time.perf_counter() - t0) * 1e3)
+        if i >= 3 and (time.perf_counter() - start) * 1e3 > args.rep:
+            break
+    return statistics.median(times)
+
+
+def measure(fn, e, c, t, mode, args):
+    cuda = args.device == "cuda"
     if mode == "fwd":
         def run():
             with torch.no_grad():
@@ -180,24 +396,27 @@ def measure(fn, e, c, t, mode, warmup=25, rep=100):
             loss.backward()
             return loss
         grads = [e, c]
-    out = run()  # compile / warm up
-    torch.cuda.synchronize()
-    e.grad = c.grad = None
-    torch.cuda.empty_cache()
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
-    out = run()
-    torch.cuda.synchronize()
-    peak_mb = (torch.cuda.max_memory_allocated() - base) / 2**20
-    result = dict(loss=float(out.detach().float()))
-    if mode == "fwdbwd":
-        result["grads"] = (e.grad.detach().clone(), c.grad.detach().clone())
-    e.grad = c.grad = None
-    del out
-    ms = triton.testing.do_bench(run, warmup=warmup, rep=rep, grad_to_none=grads, return_mode="median")
-    e.grad = c.grad = None
-    e.requires_grad_(False)
-    c.requires_grad_(False)
+    try:
+        out = run()  # compile / warm up
+        sync(args.device)
+        e.grad = c.grad = None
+        if cuda:
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
+        out = run()
+        sync(args.device)
+        peak_mb = (torch.cuda.max_memory_allocated() - base) / 2**20 if cuda else float("nan")
+        result = dict(loss=float(out.detach().float()))
+        if mode == "fwdbwd":
+            result["grads"] = (e.grad.detach().clone(), c.grad.detach().clone())
+        e.grad = c.grad = None
+        del out
+        ms = bench(run, args, grad_to_none=grads)
+    finally:
+        e.grad = c.grad = None
+        e.requires_grad_(False)
+        c.requires_grad_(False)
     result.update(ms=ms, mb=peak_mb)
     return result
 
@@ -231,185 +450,235 @@ def rel(a, b):
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
-def _parse_cfg(text):
-    cfg = {}
-    for kv in filter(None, text.split(",")):
-        key, val = kv.split("=")
-        if key == "eps":
-            cfg[key] = float(val)
-        else:
+def _print_case(shape, n, d, v, regime, stats, meta, tag="##"):
+    print(f"{tag} {shape} N={n} D={d} V={v} regime={regime} stats: {_fmt_stats(stats)}", flush=True)
+    if meta is not None:
+        keep = {k: val for k, val in meta.items() if k != "settings"}
+        print(f"{tag} realtext trained: {_fmt_stats(keep)} settings={meta['settings']}", flush=True)
+
+
+# --------------------------------------------------------------------------------------------------
+# sweep: the kernels called directly under several configs
+# --------------------------------------------------------------------------------------------------
+def sweep(args, base_options):
+    K = _kernels()
+    configs = [(text, *parse_config(text)) for text in args.sweep.split(";")]  # bad keys stop the run here
+    out_rows = []
+    for case in build_cases(args):
+        shape, e, c, t, meta = case_data(args, case)
+        regime = case[3]
+        n, d, v = e.shape[0], e.shape[1], c.shape[0]
+        stats = regime_stats(e, c, t, args.stats_rows)
+        _print_case(shape, n, d, v, regime, stats, meta, tag="## sweep")
+        ref = fp32_reference_grads(e, c, t) if args.check else None
+        mm = bench(lambda: e @ c.T, args)
+        print(f"  matmul {mm:.2f} ms", flush=True)
+        valid = t != IGNORE
+        grad_rows = valid.float() / valid.sum().clamp(min=1).float()
+        for text, fields, tuning, knobs in configs:
+            options = dataclasses.replace(base_options, **fields)
+            need_e, need_c = knobs.get("need_e", True), knobs.get("need_c", True)
+            row = dict(shape=shape, regime=regime, config=text, options=dataclasses.asdict(options), matmul_ms=mm)
             try:
-                cfg[key] = int(val)
-            except ValueError:
-                cfg[key] = val  # e.g. dense_recompute=cublas
-    return cfg
-
-
-def sweep(args):
-    """Time the kernels called directly under several configs (``--sweep "k=v,k=v;k=v"``).
-
-    Each config may set kernel CONFIG keys plus ``eps`` (filter_eps; -1 = default), ``sort`` (0/1), ``exact``,
-    ``need_e``/``need_c`` (0/1), ``summ`` (0/1: forward summaries; default: as the op, only when filtering).  Prints forward ms, backward ms (given that forward) and gradient errors
-    against the fp32 reference."""
-    import triton
-    from cce_inductor import kernels as K
-    for shape in args.shapes.split(","):
-        d, v = SHAPES[shape]
-        n = args.n
-        for regime in args.regimes.split(","):
-            e, c, t = make_data(n, d, v, regime)
-            print(f"## sweep {shape} N={n} D={d} V={v} regime={regime} stats={softmax_stats(e, c, t)}", flush=True)
-            ref = fp32_reference_grads(e, c, t) if args.check else None
-            mm = triton.testing.do_bench(lambda: e @ c.T, warmup=args.warmup, rep=args.rep, return_mode="median")
-            print(f"  matmul {mm:.2f} ms", flush=True)
-            valid = t != IGNORE
-            grad_rows = valid.float() / valid.sum().clamp(min=1).float()
-            for text in args.sweep.split(";"):
-                cfg = _parse_cfg(text)
-                eps = cfg.pop("eps", -1.0)
-                eps = K.default_filter_eps(e.dtype) if eps < 0 else eps
-                sort = bool(cfg.pop("sort", 0))
-                exact = bool(cfg.pop("exact", 0))
-                need_e = bool(cfg.pop("need_e", 1))
-                need_c = bool(cfg.pop("need_c", 1))
-                fwd_only = bool(cfg.pop("fwd_only", 0))
-                summaries = bool(cfg.pop("summ", int(eps > 0 and not exact)))  # as the op asks for them
-                try:
-                    with K.override_config(**cfg):
-                        fwd = lambda: K.forward(e, c, t, None, softcap=None, ignore_index=IGNORE,  # noqa: E731
-                                                vocab_sort=sort, summaries=summaries)
-                        lse, tgt, aux = fwd()
-                        f_ms = triton.testing.do_bench(fwd, warmup=args.warmup, rep=args.rep, return_mode="median")
-                        line = f"  {text:60s} fwd {f_ms:7.2f} ms ({f_ms / mm:.2f}x mm)"
-                        if not fwd_only:
-                            bwd = lambda: K.backward(e, c, t, None, lse, aux, grad_rows, softcap=None,  # noqa: E731
-                                                     ignore_index=IGNORE, filter_eps=eps, vocab_sort=sort,
-                                                     exact=exact, need_e=need_e, need_c=need_c, need_bias=False)
-                            torch.cuda.synchronize()
+                with tuning_overrides(tuning):
+                    def fwd():
+                        return K.forward(e, c, t, None, softcap=None, ignore_index=IGNORE)
+                    lse, _ = fwd()
+                    row["fwd_ms"] = f_ms = bench(fwd, args)
+                    line = f"  {text:60s} fwd {f_ms:7.2f} ms ({f_ms / mm:.2f}x mm)"
+                    if not knobs.get("fwd_only", False):
+                        def bwd():
+                            return K.backward(e, c, t, None, lse, grad_rows, softcap=None, ignore_index=IGNORE,
+                                              options=options, need_e=need_e, need_c=need_c, need_bias=False)
+                        sync(args.device)
+                        if args.device == "cuda":
                             torch.cuda.reset_peak_memory_stats()
                             base = torch.cuda.memory_allocated()
-                            de, dc, _ = bwd()
-                            torch.cuda.synchronize()
-                            b_mb = (torch.cuda.max_memory_allocated() - base) / 2**20
-                            del de, dc
-                            b_ms = triton.testing.do_bench(bwd, warmup=args.warmup, rep=args.rep, return_mode="median")
-                            line += f" bwd {b_ms:7.2f} ms total {f_ms + b_ms:7.2f} bwd peak {b_mb:7.0f} MB"
-                            if ref is not None:
-                                de, dc, _ = bwd()
-                                if need_e:
-                                    line += f" err_dE={rel(de, ref[0]):.2e}"
-                                if need_c:
-                                    line += f" err_dC={rel(dc, ref[1]):.2e}"
-                                del de, dc
-                        print(line, flush=True)
-                except Exception as exc:  # noqa: BLE001
-                    print(f"  {text:60s} FAILED {type(exc).__name__}: {str(exc)[:200]}", flush=True)
-            del e, c, t, ref
+                        de, dc, _ = bwd()
+                        sync(args.device)
+                        b_mb = (torch.cuda.max_memory_allocated() - base) / 2**20 if args.device == "cuda" \
+                            else float("nan")
+                        row["bwd_ms"] = b_ms = bench(bwd, args)
+                        row["bwd_mb"] = b_mb
+                        line += f" bwd {b_ms:7.2f} ms total {f_ms + b_ms:7.2f} bwd peak {b_mb:7.0f} MB"
+                        if ref is not None:
+                            if need_e:
+                                row["err_de"] = rel(de, ref[0])
+                                line += f" err_dE={row['err_de']:.2e}"
+                            if need_c:
+                                row["err_dc"] = rel(dc, ref[1])
+                                line += f" err_dC={row['err_dc']:.2e}"
+                        del de, dc
+                    print(line, flush=True)
+            except Exception as exc:  # noqa: BLE001
+                row["error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+                print(f"  {text:60s} FAILED {row['error']}", flush=True)
+            out_rows.append(row)
+        e = c = t = ref = None  # free the case before the next one
+    return out_rows
 
 
-def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--shapes", default="gemma2")
-    ap.add_argument("--regimes", default="flat,lm,mixed,lm_ign50")
-    ap.add_argument("--methods", default="matmul,eager,compile,cce,cce_filter")
+# --------------------------------------------------------------------------------------------------
+# main
+# --------------------------------------------------------------------------------------------------
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shapes", default=None, help=f"comma-separated of {', '.join(SHAPES)} (default gemma2)")
+    ap.add_argument("--regimes", default=None,
+                    help="comma-separated of flat, lm, mixed, real, each also *_ign50 (default flat,lm,mixed,lm_ign50)")
+    ap.add_argument("--methods", default=None, help=f"comma-separated of {', '.join(METHODS)} "
+                    "(default matmul,eager,compile,cce,cce_exact)")
     ap.add_argument("--modes", default="fwd,fwdbwd")
-    ap.add_argument("--n", type=int, default=8192)
-    ap.add_argument("--direct", action="store_true", help="call the kernels directly, not the custom op")
-    ap.add_argument("--check", action="store_true", help="check CCE gradients against an fp32 reference")
-    ap.add_argument("--config", default="", help="kernel config overrides, e.g. tile_v=256,bwd_num_warps=4")
-    ap.add_argument("--warmup", type=int, default=25)
-    ap.add_argument("--rep", type=int, default=100)
-    ap.add_argument("--json", default="")
-    ap.add_argument("--sweep", default="", help='kernel configs to time directly, ";"-separated')
-    args = ap.parse_args()
-    if args.sweep:
-        return sweep(args)
+    ap.add_argument("--n", type=int, default=None, help="rows (tokens) per case (default 8192)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--direct", action="store_true", help="call cce_inductor.kernels directly, not the custom op")
+    ap.add_argument("--check", action="store_true", help="gradient errors against an fp32 reference")
+    ap.add_argument("--config", default="",
+                    help="CCEOptions fields and _TUNING overrides for the whole run, e.g. "
+                         "backward_row_chunk=4096,bwd.vocab_chunk=4096,fwd.block_v=128")
+    ap.add_argument("--sweep", default="", help='";"-separated configs: time the kernels directly under each')
+    ap.add_argument("--stats-rows", type=int, default=0, help="counted rows for the softmax statistics (0: all)")
+    ap.add_argument("--warmup", type=int, default=25, help="do_bench warm-up (ms)")
+    ap.add_argument("--rep", type=int, default=None, help="do_bench repetitions (ms; default 100, --tiny 50)")
+    ap.add_argument("--json", default="", help="write the rows, cases and settings here")
+    ap.add_argument("--tiny", action="store_true", help="CPU smoke run: tiny shapes, chunked path (< 1 minute)")
+    real = ap.add_argument_group("real text", "the `real` regime's head (examples/real_text.py)")
+    real.add_argument("--real-seconds", type=float, default=None, help="training budget in seconds (default 90)")
+    real.add_argument("--real-vocab", type=int, default=None, help="BPE vocabulary size V (default 65536)")
+    real.add_argument("--real-dim", type=int, default=None, help="model width D (default 2048)")
+    real.add_argument("--real-cache", default="",
+                      help="torch.save the trained head here; a later run with the same settings loads it")
+    args = ap.parse_args(argv)
+    tiny = args.tiny
+    defaults = dict(shapes="tiny" if tiny else "gemma2", regimes="lm,lm_ign50" if tiny else "flat,lm,mixed,lm_ign50",
+                    methods="cce" if tiny else "matmul,eager,compile,cce,cce_exact", n=256 if tiny else 8192,
+                    rep=50 if tiny else 100)
+    for key, value in defaults.items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    args.device = "cpu" if tiny else "cuda"
+    for m in args.methods.split(","):
+        if m not in METHODS:
+            ap.error(f"unknown method {m!r}; methods: {', '.join(METHODS)}")
+    for mode in args.modes.split(","):
+        if mode not in ("fwd", "fwdbwd"):
+            ap.error(f"unknown mode {mode!r}; modes: fwd, fwdbwd")
+    return args
 
-    from cce_inductor import kernels as K
-    direct = args.direct
-    if not direct:
-        try:
-            from cce_inductor import linear_cross_entropy  # noqa: F401
-        except Exception as exc:  # noqa: BLE001
-            print(f"custom op not importable ({exc!r}); calling the kernels directly", file=sys.stderr)
-            direct = True
-    if args.config:
-        K.CONFIG.update(_parse_cfg(args.config))
-    dev_name = torch.cuda.get_device_name()
-    print(f"# device {dev_name}, torch {torch.__version__}, triton {__import__('triton').__version__}, "
-          f"path {'direct kernels' if direct else 'cce_inductor.linear_cross_entropy'}, config {K.CONFIG}")
-    compiled = torch.compile(torch_loss)
-    # name -> (loss function, kernel config overrides held while it runs forward and backward)
-    methods = {
-        "eager": (torch_loss, {}),
-        "compile": (compiled, {}),
-        "cce": (cce_fn(direct, False, False, filter_eps=0.0), {}),  # the op's defaults: no filtering
-        "cce_tile": (cce_fn(direct, False, False, filter_eps=0.0), {"bwd_dense": 0}),  # ... through the tile kernel
-        # ... with the dense backward's logits from cuBLAS (fp32 out) and a separate softmax-gradient kernel
-        "cce_cublas": (cce_fn(direct, False, False, filter_eps=0.0), {"dense_recompute": "cublas"}),
-        # ... with the dE / dC products in Triton, skipping the ignored rows (kernels/_products.py)
-        "cce_rowskip": (cce_fn(direct, False, False, filter_eps=0.0), {"dense_products": "triton"}),
-        "cce_filter": (cce_fn(direct, False, False), {}),  # the paper's threshold (filter_eps="auto")
-        "cce_filter_sort": (cce_fn(direct, True, False), {}),
-        "cce_exact": (cce_fn(direct, False, True), {}),
-    }
-    rows = []
-    for shape in args.shapes.split(","):
-        d, v = SHAPES[shape]
-        n = args.n
-        lower_bound_mb = (n * d + v * d) * 2 / 2**20
-        for regime in args.regimes.split(","):
-            torch.cuda.empty_cache()
-            e, c, t = make_data(n, d, v, regime)
-            stats = softmax_stats(e, c, t)
-            print(f"## {shape} N={n} D={d} V={v} regime={regime} stats={stats}", flush=True)
-            ref = fp32_reference_grads(e, c, t) if args.check else None
-            results = {}
-            for mode in args.modes.split(","):
-                for m in args.methods.split(","):
-                    if m == "matmul":
-                        if mode != "fwd" or regime != args.regimes.split(",")[0]:
-                            continue
-                        import triton
-                        ms = triton.testing.do_bench(lambda: e @ c.T, warmup=args.warmup, rep=args.rep, return_mode="median")
-                        results[(m, mode)] = dict(ms=ms, mb=n * v * 2 / 2**20)
-                    else:
-                        t0 = time.time()
-                        try:
-                            fn, overrides = methods[m]
-                            with K.override_config(**overrides):
-                                results[(m, mode)] = measure(fn, e, c, t, mode, args.warmup, args.rep)
-                        except torch.OutOfMemoryError:
-                            results[(m, mode)] = dict(ms=float("nan"), mb=float("nan"))
-                            torch.cuda.empty_cache()
-                        results[(m, mode)]["wall_s"] = time.time() - t0
-                    r = results[(m, mode)]
-                    extra = ""
-                    if ref is not None and "grads" in r:
-                        r["err_de"], r["err_dc"] = rel(r["grads"][0], ref[0]), rel(r["grads"][1], ref[1])
-                        extra = f" err_dE={r['err_de']:.2e} err_dC={r['err_dc']:.2e}"
-                    r.pop("grads", None)
-                    print(f"  {m:18s} {mode:7s} {r['ms']:9.2f} ms {r['mb']:10.1f} MB{extra}", flush=True)
-            for (m, mode), r in results.items():
-                comp = results.get(("compile", mode))
-                mm = next((rr for (mm_, _), rr in results.items() if mm_ == "matmul"), None)
-                rows.append(dict(shape=shape, regime=regime, method=m, mode=mode, ms=r["ms"], mb=r["mb"],
-                                 vs_compile=r["ms"] / comp["ms"] if comp else None,
-                                 vs_matmul=r["ms"] / mm["ms"] if mm else None,
-                                 mb_vs_lower_bound=(r["mb"] / lower_bound_mb) if mode == "fwdbwd" else None,
-                                 err_de=r.get("err_de"), err_dc=r.get("err_dc"), stats=stats))
-            del e, c, t, ref
+
+def main(argv=None):
+    args = parse_args(argv)
+    uses_kernels = args.device == "cuda" or args.direct or bool(args.sweep)
+    if args.device == "cpu" and uses_kernels:
+        os.environ.setdefault("TRITON_INTERPRET", "1")  # before cce_inductor.kernels is imported
+        if os.environ["TRITON_INTERPRET"] != "1":
+            raise SystemExit("--tiny with --direct / --sweep runs the kernels in the Triton interpreter: "
+                             "TRITON_INTERPRET=1")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("no CUDA device: use --tiny for a CPU smoke run")
+    from cce_inductor import CCEOptions
+    fields, tuning, knobs = parse_config(args.config)
+    if knobs:
+        raise SystemExit(f"{list(knobs)} are sweep-only keys")
+    base_options = CCEOptions(**fields)
+    with contextlib.ExitStack() as stack:
+        if tuning:
+            stack.enter_context(tuning_overrides(tuning))
+        header = dict(device=torch.cuda.get_device_name() if args.device == "cuda" else "cpu", torch=torch.__version__,
+                      path="direct kernels" if args.direct or args.sweep else "cce_inductor.linear_cross_entropy",
+                      base_options=dataclasses.asdict(base_options))
+        if uses_kernels:
+            import triton
+            header.update(triton=triton.__version__, tuning=tuning_in_use(), interpret=_kernels().INTERPRET)
+        else:
+            header.update(path="cce_inductor.linear_cross_entropy (chunked PyTorch on the CPU)")
+        print("# " + ", ".join(f"{k} {v}" for k, v in header.items()), flush=True)
+        settings = {k: v for k, v in vars(args).items()}
+        if args.sweep:
+            rows = sweep(args, base_options)
+            if args.json:
+                with open(args.json, "w") as fh:
+                    json.dump(dict(header, settings=settings, sweep=rows), fh, indent=1)
+            return
+        rows, cases = run_methods(args, base_options)
     if args.json:
         with open(args.json, "w") as fh:
-            json.dump(dict(device=dev_name, rows=rows), fh, indent=1)
+            json.dump(dict(header, settings=settings, cases=cases, rows=rows), fh, indent=1)
+    print_table(rows)
+
+
+def run_methods(args, base_options):
+    dyn = torch._dynamo.config  # every shape x grad mode is one more compiled graph of torch_loss
+    if hasattr(dyn, "recompile_limit"):
+        dyn.recompile_limit = max(dyn.recompile_limit, 64)
+    else:
+        dyn.cache_size_limit = max(dyn.cache_size_limit, 64)
+    methods = {"eager": torch_loss, "compile": torch.compile(torch_loss, dynamic=False)}
+    for name, fields in CCE_METHODS.items():
+        methods[name] = cce_fn(dataclasses.replace(base_options, **fields), args.direct)
+    matmul_ms = {}  # (N, D, V) -> ms
+    rows, cases = [], []
+    for case in build_cases(args):
+        if args.device == "cuda":
+            torch.cuda.empty_cache()
+        shape, e, c, t, meta = case_data(args, case)
+        regime = case[3]
+        n, d, v = e.shape[0], e.shape[1], c.shape[0]
+        lower_bound_mb = (n * d + v * d) * e.element_size() / 2**20
+        stats = regime_stats(e, c, t, args.stats_rows)
+        _print_case(shape, n, d, v, regime, stats, meta)
+        cases.append(dict(shape=shape, n=n, d=d, v=v, regime=regime, stats=stats, real_text=meta))
+        ref = fp32_reference_grads(e, c, t) if args.check else None
+        results = {}
+        for mode in args.modes.split(","):
+            for m in args.methods.split(","):
+                if m == "matmul":
+                    if mode != "fwd" or (n, d, v) in matmul_ms:
+                        continue
+                    matmul_ms[(n, d, v)] = ms = bench(lambda: e @ c.T, args)
+                    r = results[(m, mode)] = dict(ms=ms, mb=n * v * e.element_size() / 2**20)
+                else:
+                    t0 = time.time()
+                    try:
+                        r = measure(methods[m], e, c, t, mode, args)
+                    except torch.OutOfMemoryError:
+                        r = dict(ms=float("nan"), mb=float("nan"), error="OutOfMemoryError")
+                        if args.device == "cuda":
+                            torch.cuda.empty_cache()
+                    except Exception as exc:  # noqa: BLE001
+                        r = dict(ms=float("nan"), mb=float("nan"), error=f"{type(exc).__name__}: {str(exc)[:200]}")
+                    r["wall_s"] = time.time() - t0
+                    results[(m, mode)] = r
+                extra = ""
+                if ref is not None and "grads" in r:
+                    r["err_de"], r["err_dc"] = rel(r["grads"][0], ref[0]), rel(r["grads"][1], ref[1])
+                    extra = f" err_dE={r['err_de']:.2e} err_dC={r['err_dc']:.2e}"
+                r.pop("grads", None)
+                if "error" in r:
+                    extra += f" FAILED {r['error']}"
+                print(f"  {m:12s} {mode:7s} {r['ms']:9.2f} ms {r['mb']:10.1f} MB{extra}", flush=True)
+        for (m, mode), r in results.items():
+            comp = results.get(("compile", mode))
+            mm = matmul_ms.get((n, d, v))
+            rows.append(dict(shape=shape, regime=regime, n=n, d=d, v=v, method=m, mode=mode, ms=r["ms"], mb=r["mb"],
+                             vs_compile=r["ms"] / comp["ms"] if comp else None,
+                             vs_matmul=r["ms"] / mm if mm else None,
+                             mb_vs_lower_bound=(r["mb"] / lower_bound_mb) if mode == "fwdbwd" else None,
+                             err_de=r.get("err_de"), err_dc=r.get("err_dc"), error=r.get("error"), stats=stats))
+        e = c = t = ref = None  # free the case before the next one
+    return rows, cases
+
+
+def print_table(rows):
     print()
-    print(f"| shape | regime | method | mode | ms | MB | x compile | x matmul | MB / lower bound | err dE | err dC |")
+    print("| shape | regime | method | mode | ms | MB | x compile | x matmul | MB / lower bound | err dE | err dC |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     f = lambda x, p=2: "" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.{p}f}"  # noqa: E731
     g = lambda x: "" if x is None else f"{x:.1e}"  # noqa: E731
     for r in rows:
         print(f"| {r['shape']} | {r['regime']} | {r['method']} | {r['mode']} | {f(r['ms'])} | {f(r['mb'], 0)} | "
-              f"{f(r['vs_compile'])} | {f(r['vs_matmul'])} | {f(r['mb_vs_lower_bound'], 3)} | {g(r['err_de'])} | {g(r['err_dc'])} |")
+              f"{f(r['vs_compile'])} | {f(r['vs_matmul'])} | {f(r['mb_vs_lower_bound'], 3)} | {g(r['err_de'])} | "
+              f"{g(r['err_dc'])} |")
 
 
 if __name__ == "__main__":

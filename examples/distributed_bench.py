@@ -20,7 +20,7 @@ head and loss, and nothing would be rewritten (``tests/test_distributed.py``).
 Part ``tp``: the output head split by vocabulary over the ranks (``ColwiseParallel``): forward + backward of
 ``torch.distributed.tensor.parallel.loss_parallel`` on materialised logits against
 ``cce_inductor.distributed.vocab_parallel_linear_cross_entropy`` on the local shard, and the same head + loss
-compiled (plain Inductor; the cce backend with ``TensorParallelGraphPass``, which rewrites the site into
+compiled (plain Inductor; the cce backend, whose ``fx_passes/tensor_parallel.py`` rewrites the site into
 ``dtensor_linear_cross_entropy``): time, peak memory above the inputs, and the loss / gradient differences to
 eager ``loss_parallel`` (default 8192 rows, the same on every rank). The eager TP variants run first (cheap),
 then FSDP, then the compiled TP variants.
@@ -59,7 +59,6 @@ import torch.nn.functional as F  # noqa: E402
 
 import cce_inductor  # noqa: E402
 from cce_inductor.distributed import (  # noqa: E402
-    TensorParallelGraphPass,
     vocab_parallel_linear_cross_entropy,
     vocab_shard_range,
 )
@@ -542,8 +541,6 @@ class TPBench:
 
 
 def tp_variants(ctx: Ctx, names: list[str]) -> None:
-    import torch._inductor.config as inductor_config
-
     holder = {}
 
     def setup(entry):
@@ -553,10 +550,6 @@ def tp_variants(ctx: Ctx, names: list[str]) -> None:
     run_variant(ctx, "tp", setup_name, setup)
     bench = holder.get("bench")
     setup_status = ctx.results["tp"][setup_name]["status"]
-
-    def tp_backend(gm, example_inputs, **kwargs):
-        with inductor_config.patch(pre_grad_custom_pass=TensorParallelGraphPass()):
-            return cce_inductor.backend(gm, example_inputs, **kwargs)
 
     def make_fn(name):
         if name == "loss_parallel":
@@ -568,7 +561,7 @@ def tp_variants(ctx: Ctx, names: list[str]) -> None:
             return bench.compiled_runner("inductor")
         if name == "compiled_cce_tp_pass":
             torch._dynamo.reset()
-            return bench.compiled_runner(tp_backend)
+            return bench.compiled_runner(cce_inductor.backend)
         raise ValueError(name)
 
     for name in names:

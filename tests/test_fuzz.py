@@ -94,7 +94,7 @@ class SiteSpec:
     post: str  # what follows the cross_entropy
     near_miss: Optional[str] = None  # for near-miss sites: which poison
     near_miss_arg: float = 0.0
-    ce_style: str = "functional"  # functional | positional | explicit_defaults | module (nn.CrossEntropyLoss)
+    ce_style: str = "functional"  # functional | positional | explicit_defaults | smoothed | module (nn.CrossEntropyLoss)
     shares: Optional[int] = None  # index of an earlier site whose hidden states, head and bias this one reuses
     frozen: str = ""  # "" | "hidden" | "weight" | "bias": that input does not require grad
 
@@ -152,7 +152,8 @@ def site_specs(draw, index: int, dtype: torch.dtype, min_vocab: int = 1):
         chain=order, chain_forms=forms, softcap=softcap, shift=shift,
         label_flatten=draw(st.sampled_from(["reshape", "flatten", "view"])),
         reduction=reduction, ignore_index=ignore_index, ignored_share=ignored_share, post=post,
-        ce_style=draw(st.sampled_from(["functional", "functional", "positional", "explicit_defaults", "module"])),
+        ce_style=draw(st.sampled_from(["functional", "functional", "positional", "explicit_defaults", "smoothed",
+                                       "module"])),
         frozen=draw(st.sampled_from(["", "", "", "hidden", "weight", "bias"])),
     )  # fmt: skip
 
@@ -269,6 +270,9 @@ def _render_site(spec: SiteSpec, dtype: torch.dtype) -> list[str]:
     elif spec.ce_style == "explicit_defaults":
         ce = (f"F.cross_entropy({x}, t{i}, weight=None, ignore_index={spec.ignore_index}, "
               f"reduction={spec.reduction!r}, label_smoothing=0.0)")  # fmt: skip
+    elif spec.ce_style == "smoothed":  # label smoothing, as SFT recipes use it
+        ce = (f"F.cross_entropy({x}, t{i}, ignore_index={spec.ignore_index}, reduction={spec.reduction!r}, "
+              f"label_smoothing={0.05 * (1 + spec.index % 3)!r})")  # fmt: skip
     elif spec.ce_style == "module":  # crit{i} = nn.CrossEntropyLoss(...), a global of the snippet
         ce = f"crit{i}({x}, t{i})"
     else:
@@ -505,7 +509,7 @@ def test_fuzz_matched_low_precision(drawn):
 
 # Poisons, rendered by _near_miss_site: each makes the site something the pass does not claim.
 NEAR_MISSES = [
-    "label_smoothing", "class_weights", "metric", "second_loss", "returned_logits", "sigmoid_cap", "clamp_cap",
+    "class_weights", "metric", "second_loss", "returned_logits", "sigmoid_cap", "clamp_cap",
     "tanh_no_scale", "mismatched_cap", "double_cap", "negative_cap", "atan_cap", "plus_tensor", "matmul_plus_bias",
     "times_tensor", "scale_after_cap", "tensor_scale", "vocab_slice", "vocab_narrow", "downcast",
     "class_dim_not_last", "floor_div_cap", "floor_div_scale", "fp16_bf16_cast",
@@ -521,10 +525,7 @@ def _near_miss_site(spec: SiteSpec, dtype: torch.dtype) -> tuple[list[str], dict
     to_2d = f"{x} = {x}.reshape(-1, {V})"
     ce_kwargs, extra, out = "", {}, f"loss{i}"
     lines = [head]
-    if kind == "label_smoothing":
-        lines += [to_2d]
-        ce_kwargs = f", label_smoothing={min(spec.near_miss_arg, 0.5)!r}"  # must lie in [0, 1]
-    elif kind == "class_weights":
+    if kind == "class_weights":
         lines += [to_2d]
         ce_kwargs = f", weight=cw{i}"
         extra[f"cw{i}"] = ("class_weights", V)

@@ -101,7 +101,7 @@ def forward(self, L_hidden_ : torch.Tensor, L_labels_ : torch.Tensor, L_weight_ 
     l_hidden_ = L_hidden_
     l_labels_ = L_labels_
     l_weight_ = L_weight_
-    linear_cross_entropy_default = torch.ops.cce_inductor.linear_cross_entropy.default(l_hidden_, l_weight_, l_labels_, None, None, -100, 'mean', 'exact=False;products=cublas;backward_row_chunk=8192')
+    linear_cross_entropy_default = torch.ops.cce_inductor.linear_cross_entropy.default(l_hidden_, l_weight_, l_labels_, None, None, -100, 'mean', 0.0, 'exact=False;products=cublas;backward_row_chunk=8192')
     getitem = linear_cross_entropy_default[0]
     return (getitem,)""")
 
@@ -119,7 +119,7 @@ def forward(self, L_head_parameters_bias_ : torch.nn.parameter.Parameter, L_head
     l_head_parameters_weight_ = L_head_parameters_weight_
     l_hidden_ = L_hidden_
     l_labels_ = L_labels_
-    linear_cross_entropy_default = torch.ops.cce_inductor.linear_cross_entropy.default(l_hidden_, l_head_parameters_weight_, l_labels_, l_head_parameters_bias_, None, -100, 'mean', 'exact=False;products=cublas;backward_row_chunk=8192')
+    linear_cross_entropy_default = torch.ops.cce_inductor.linear_cross_entropy.default(l_hidden_, l_head_parameters_weight_, l_labels_, l_head_parameters_bias_, None, -100, 'mean', 0.0, 'exact=False;products=cublas;backward_row_chunk=8192')
     getitem = linear_cross_entropy_default[0]
     return (getitem,)""")
 
@@ -149,7 +149,7 @@ def forward(self, L_hidden_ : torch.Tensor, L_labels_ : torch.Tensor, L_weight_ 
     l_weight_ = L_weight_
     view_1 = l_labels_.view(-1)
     reshape = l_hidden_.reshape(-1, 16)
-    linear_cross_entropy_default = torch.ops.cce_inductor.linear_cross_entropy.default(reshape, l_weight_, view_1, None, None, -100, 'mean', 'exact=False;products=cublas;backward_row_chunk=8192')
+    linear_cross_entropy_default = torch.ops.cce_inductor.linear_cross_entropy.default(reshape, l_weight_, view_1, None, None, -100, 'mean', 0.0, 'exact=False;products=cublas;backward_row_chunk=8192')
     getitem = linear_cross_entropy_default[0]
     return (getitem,)""")
 
@@ -169,10 +169,10 @@ def forward(self, L_hidden_ : torch.Tensor, L_labels_ : torch.Tensor, L_weight_ 
     l_labels_ = L_labels_
     l_weight_ = L_weight_
     l_weight_t_ = L_weight_t_
-    linear_cross_entropy_default = torch.ops.cce_inductor.linear_cross_entropy.default(l_hidden_, l_weight_, l_labels_, None, None, -100, 'mean', 'exact=False;products=cublas;backward_row_chunk=8192')
+    linear_cross_entropy_default = torch.ops.cce_inductor.linear_cross_entropy.default(l_hidden_, l_weight_, l_labels_, None, None, -100, 'mean', 0.0, 'exact=False;products=cublas;backward_row_chunk=8192')
     getitem = linear_cross_entropy_default[0]
     t_1 = l_weight_t_.t()
-    linear_cross_entropy_default_1 = torch.ops.cce_inductor.linear_cross_entropy.default(l_hidden_, t_1, l_labels_, None, None, -100, 'sum', 'exact=False;products=cublas;backward_row_chunk=8192')
+    linear_cross_entropy_default_1 = torch.ops.cce_inductor.linear_cross_entropy.default(l_hidden_, t_1, l_labels_, None, None, -100, 'sum', 0.0, 'exact=False;products=cublas;backward_row_chunk=8192')
     getitem_1 = linear_cross_entropy_default_1[0]
     add = getitem + getitem_1
     return (add,)""")
@@ -194,7 +194,7 @@ def forward(self, L_hidden_ : torch.Tensor, L_labels_ : torch.Tensor, L_weight_ 
     float_1 = to.float()
     flatten_1 = l_labels_.flatten()
     flatten_2 = l_hidden_.flatten(0, 1)
-    linear_cross_entropy_default = torch.ops.cce_inductor.linear_cross_entropy.default(flatten_2, float_1, flatten_1, None, None, -100, 'mean', 'exact=False;products=cublas;backward_row_chunk=8192')
+    linear_cross_entropy_default = torch.ops.cce_inductor.linear_cross_entropy.default(flatten_2, float_1, flatten_1, None, None, -100, 'mean', 0.0, 'exact=False;products=cublas;backward_row_chunk=8192')
     getitem = linear_cross_entropy_default[0]
     return (getitem,)""")
 
@@ -215,7 +215,7 @@ def forward(self, L_hidden_ : torch.Tensor, L_labels_ : torch.Tensor, L_weight_ 
     l_weight_ = L_weight_
     view_1 = l_labels_.view(-1)
     reshape = l_hidden_.reshape(-1, 16)
-    linear_cross_entropy_default = torch.ops.cce_inductor.linear_cross_entropy.default(reshape, l_weight_, view_1, None, None, -100, 'mean', 'exact=False;products=cublas;backward_row_chunk=8192')
+    linear_cross_entropy_default = torch.ops.cce_inductor.linear_cross_entropy.default(reshape, l_weight_, view_1, None, None, -100, 'mean', 0.0, 'exact=False;products=cublas;backward_row_chunk=8192')
     getitem = linear_cross_entropy_default[0]
     return (getitem,)""")
 
@@ -232,7 +232,7 @@ def forward(self, L_hidden_ : torch.Tensor, L_labels_ : torch.Tensor, L_weight_ 
     l_hidden_ = L_hidden_
     l_labels_ = L_labels_
     l_weight_ = L_weight_
-    linear_cross_entropy_default = torch.ops.cce_inductor.linear_cross_entropy.default(l_hidden_, l_weight_, l_labels_, None, None, -100, 'mean', 'exact=False;products=cublas;backward_row_chunk=8192')
+    linear_cross_entropy_default = torch.ops.cce_inductor.linear_cross_entropy.default(l_hidden_, l_weight_, l_labels_, None, None, -100, 'mean', 0.0, 'exact=False;products=cublas;backward_row_chunk=8192')
     getitem = linear_cross_entropy_default[0]
     to = getitem.to(torch.bfloat16)
     return (to,)""")
@@ -267,7 +267,7 @@ def forward(self, L_hidden_ : torch.Tensor, L_labels_ : torch.Tensor, L_weight_ 
     l_weight_ = L_weight_
     view_1 = l_labels_.view(-1)
     reshape = l_hidden_.reshape(-1, 16)
-    linear_cross_entropy_default = torch.ops.cce_inductor.linear_cross_entropy.default(reshape, l_weight_, view_1, None, 3.0, -100, 'mean', 'exact=False;products=cublas;backward_row_chunk=8192')
+    linear_cross_entropy_default = torch.ops.cce_inductor.linear_cross_entropy.default(reshape, l_weight_, view_1, None, 3.0, -100, 'mean', 0.0, 'exact=False;products=cublas;backward_row_chunk=8192')
     getitem = linear_cross_entropy_default[0]
     return (getitem,)""")
 
@@ -288,7 +288,7 @@ def forward(self, L_hidden_ : torch.Tensor, L_labels_ : torch.Tensor, L_weight_ 
     l_weight_ = L_weight_
     view_1 = l_labels_.view(-1)
     reshape = l_hidden_.reshape(-1, 16)
-    linear_cross_entropy_default = torch.ops.cce_inductor.linear_cross_entropy.default(reshape, l_weight_, view_1, None, 2.5, -100, 'mean', 'exact=False;products=cublas;backward_row_chunk=8192')
+    linear_cross_entropy_default = torch.ops.cce_inductor.linear_cross_entropy.default(reshape, l_weight_, view_1, None, 2.5, -100, 'mean', 0.0, 'exact=False;products=cublas;backward_row_chunk=8192')
     getitem = linear_cross_entropy_default[0]
     return (getitem,)""")
 
@@ -312,7 +312,7 @@ def forward(self, L_head_parameters_bias_ : torch.nn.parameter.Parameter, L_head
     mul_2 = l_hidden_ * 0.125
     reshape = mul_2.reshape(-1, 16)
     mul_3 = l_head_parameters_bias_ * 0.125
-    linear_cross_entropy_default = torch.ops.cce_inductor.linear_cross_entropy.default(reshape, l_head_parameters_weight_, view_1, mul_3, 3.0, -100, 'mean', 'exact=False;products=cublas;backward_row_chunk=8192')
+    linear_cross_entropy_default = torch.ops.cce_inductor.linear_cross_entropy.default(reshape, l_head_parameters_weight_, view_1, mul_3, 3.0, -100, 'mean', 0.0, 'exact=False;products=cublas;backward_row_chunk=8192')
     getitem = linear_cross_entropy_default[0]
     return (getitem,)""")
 
@@ -350,7 +350,7 @@ def forward(self, L_hidden_ : torch.Tensor, L_labels_ : torch.Tensor, L_weight_ 
     view_1 = shift_labels.view(-1)
     getitem_2 = l_hidden_[(Ellipsis, slice(None, -1, None), slice(None, None, None))]
     reshape = getitem_2.reshape(-1, 16)
-    linear_cross_entropy_default = torch.ops.cce_inductor.linear_cross_entropy.default(reshape, l_weight_, view_1, None, None, -100, 'mean', 'exact=False;products=cublas;backward_row_chunk=8192')
+    linear_cross_entropy_default = torch.ops.cce_inductor.linear_cross_entropy.default(reshape, l_weight_, view_1, None, None, -100, 'mean', 0.0, 'exact=False;products=cublas;backward_row_chunk=8192')
     getitem_3 = linear_cross_entropy_default[0]
     return (getitem_3,)""")
 
@@ -392,10 +392,35 @@ def forward(self, L_hidden_ : torch.Tensor, L_labels_ : torch.Tensor, L_num_item
     shift_labels = getitem.contiguous()
     view_1 = shift_labels.view(-1)
     reshape = l_hidden_.reshape(-1, 16)
-    linear_cross_entropy_default = torch.ops.cce_inductor.linear_cross_entropy.default(reshape, l_weight_, view_1, None, None, -100, 'sum', 'exact=False;products=cublas;backward_row_chunk=8192')
+    linear_cross_entropy_default = torch.ops.cce_inductor.linear_cross_entropy.default(reshape, l_weight_, view_1, None, None, -100, 'sum', 0.0, 'exact=False;products=cublas;backward_row_chunk=8192')
     getitem_1 = linear_cross_entropy_default[0]
     truediv = getitem_1 / l_num_items_in_batch_
     return (truediv,)""")
+
+    def test_label_smoothing(self):
+        """SFT recipes' label smoothing (any epsilon, reduction and ignore_index): the smoothing term needs only
+        each row's sum of logits, which the fused forward computes beside the log-sum-exp."""
+        weight = _weight(V, D)
+
+        def f(hidden, labels):
+            logits = torch.tanh(F.linear(hidden, weight) / 4.0) * 4.0
+            return F.cross_entropy(logits.view(-1, V), labels.view(-1), label_smoothing=0.1, ignore_index=3,
+                                   reduction="sum")
+
+        cap = self.run_pass(f, _hidden(B, T, D), _labels(B, T, ignore_index=3), params=[weight])
+        self.assertExpectedInline(cap.after[0], """\
+def forward(self, L_hidden_ : torch.Tensor, L_labels_ : torch.Tensor, L_weight_ : torch.Tensor):
+    l_hidden_ = L_hidden_
+    l_labels_ = L_labels_
+    l_weight_ = L_weight_
+    view_1 = l_labels_.view(-1)
+    reshape = l_hidden_.reshape(-1, 16)
+    linear_cross_entropy_default = torch.ops.cce_inductor.linear_cross_entropy.default(reshape, l_weight_, view_1, None, 4.0, 3, 'sum', 0.1, 'exact=False;products=cublas;backward_row_chunk=8192')
+    getitem = linear_cross_entropy_default[0]
+    return (getitem,)""")
+        for reduction, eps in (("mean", 0.25), ("none", 1.0)):
+            g = lambda h, y: F.cross_entropy(F.linear(h, weight), y, label_smoothing=eps, reduction=reduction)  # noqa: E731
+            self.run_pass(g, _hidden(B * T, D), _labels(B * T), params=[weight])
 
     def test_ignore_index_inside_vocabulary(self):
         weight = _weight(V, D)
@@ -411,7 +436,7 @@ def forward(self, L_hidden_ : torch.Tensor, L_labels_ : torch.Tensor, L_weight_ 
     l_hidden_ = L_hidden_
     l_labels_ = L_labels_
     l_weight_ = L_weight_
-    linear_cross_entropy_default = torch.ops.cce_inductor.linear_cross_entropy.default(l_hidden_, l_weight_, l_labels_, None, 0.0, 0, 1, 0.0, False, False)
+    linear_cross_entropy_default = torch.ops.cce_inductor.linear_cross_entropy.default(l_hidden_, l_weight_, l_labels_, None, None, 0, 'mean', 0.0, 'exact=False;products=cublas;backward_row_chunk=8192')
     getitem = linear_cross_entropy_default[0]
     return (getitem,)""")
 
@@ -431,7 +456,7 @@ def forward(self, L_head_parameters_bias_ : torch.nn.parameter.Parameter, L_head
     l_labels_ = L_labels_
     view_1 = l_labels_.view(-1)
     reshape = l_hidden_.reshape(-1, 16)
-    linear_cross_entropy_default = torch.ops.cce_inductor.linear_cross_entropy.default(reshape, l_head_parameters_weight_, view_1, l_head_parameters_bias_, None, -100, 'none', 'exact=False;products=cublas;backward_row_chunk=8192')
+    linear_cross_entropy_default = torch.ops.cce_inductor.linear_cross_entropy.default(reshape, l_head_parameters_weight_, view_1, l_head_parameters_bias_, None, -100, 'none', 0.0, 'exact=False;products=cublas;backward_row_chunk=8192')
     getitem = linear_cross_entropy_default[0]
     view_2 = getitem.view(2, 5)
     sum_1 = view_2.sum(dim = 1)
@@ -465,11 +490,11 @@ def forward(self, L_heads_modules_0_parameters_weight_ : torch.nn.parameter.Para
     l_heads_modules_2_parameters_weight_ = L_heads_modules_2_parameters_weight_
     l_hidden_ = L_hidden_
     l_labels_ = L_labels_
-    linear_cross_entropy_default = torch.ops.cce_inductor.linear_cross_entropy.default(l_hidden_, l_heads_modules_0_parameters_weight_, l_labels_, None, None, -100, 'mean', 'exact=False;products=cublas;backward_row_chunk=8192')
+    linear_cross_entropy_default = torch.ops.cce_inductor.linear_cross_entropy.default(l_hidden_, l_heads_modules_0_parameters_weight_, l_labels_, None, None, -100, 'mean', 0.0, 'exact=False;products=cublas;backward_row_chunk=8192')
     getitem = linear_cross_entropy_default[0]
-    linear_cross_entropy_default_1 = torch.ops.cce_inductor.linear_cross_entropy.default(l_hidden_, l_heads_modules_1_parameters_weight_, l_labels_, None, None, -100, 'mean', 'exact=False;products=cublas;backward_row_chunk=8192')
+    linear_cross_entropy_default_1 = torch.ops.cce_inductor.linear_cross_entropy.default(l_hidden_, l_heads_modules_1_parameters_weight_, l_labels_, None, None, -100, 'mean', 0.0, 'exact=False;products=cublas;backward_row_chunk=8192')
     getitem_1 = linear_cross_entropy_default_1[0]
-    linear_cross_entropy_default_2 = torch.ops.cce_inductor.linear_cross_entropy.default(l_hidden_, l_heads_modules_2_parameters_weight_, l_labels_, None, None, -100, 'mean', 'exact=False;products=cublas;backward_row_chunk=8192')
+    linear_cross_entropy_default_2 = torch.ops.cce_inductor.linear_cross_entropy.default(l_hidden_, l_heads_modules_2_parameters_weight_, l_labels_, None, None, -100, 'mean', 0.0, 'exact=False;products=cublas;backward_row_chunk=8192')
     getitem_2 = linear_cross_entropy_default_2[0]
     value = 0 + getitem
     value_1 = value + getitem_1
@@ -519,7 +544,7 @@ def forward(self, L_hidden_ : torch.Tensor, L_labels_ : torch.Tensor, L_weight_ 
     l_weight_ = L_weight_
     view_1 = l_labels_.view(-1)
     reshape = l_hidden_.reshape(-1, 16)
-    linear_cross_entropy_default = torch.ops.cce_inductor.linear_cross_entropy.default(reshape, l_weight_, view_1, None, None, -100, 'mean', 'exact=False;products=cublas;backward_row_chunk=8192')
+    linear_cross_entropy_default = torch.ops.cce_inductor.linear_cross_entropy.default(reshape, l_weight_, view_1, None, None, -100, 'mean', 0.0, 'exact=False;products=cublas;backward_row_chunk=8192')
     getitem = linear_cross_entropy_default[0]
     empty = torch.empty((0,), dtype = torch.float32, device = device(type='cpu'))
     return (getitem, empty)""")
@@ -539,12 +564,6 @@ class TestRefusals(PatternTestCase):
         self.assertEqual(len(reasons), 1, reasons)
         self.assertIn(reason, next(iter(reasons)))
         return next(iter(reasons))
-
-    def test_label_smoothing(self):
-        weight = _weight(V, D)
-        f = lambda h, y: F.cross_entropy(F.linear(h, weight), y, label_smoothing=0.1)  # noqa: E731
-        reason = self.assert_refused(f, _hidden(B * T, D), _labels(B * T), reason="label_smoothing")
-        self.assertExpectedInline(reason, """cross_entropy has label_smoothing=0.1""")
 
     def test_class_weights(self):
         weight, class_weight = _weight(V, D), torch.rand(V)

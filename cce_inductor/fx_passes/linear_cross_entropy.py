@@ -17,12 +17,12 @@ in any order)::
                   |         ---- softcap:     tanh(logits / cap) * cap  (or  * (1 / cap))
           logits2d (M, V)           targets (M,) int   (any computation: shifts, F.pad(labels, (0, 1), value=ignore))
                    \\                /
-                 cross_entropy(logits2d, targets, ignore_index=i, reduction=r)   [weight=None, label_smoothing=0]
+                 cross_entropy(logits2d, targets, ignore_index=i, reduction=r, label_smoothing=eps)   [weight=None]
 
 is replaced by::
 
     rows = <the same row views replayed on hidden * k, with D in place of V>       (M, D)
-    loss = cce_inductor::linear_cross_entropy(rows, weight, targets, bias, cap, i, r, options.encode())[0]
+    loss = cce_inductor::linear_cross_entropy(rows, weight, targets, bias, cap, i, r, eps, options.encode())[0]
     loss = loss.to(<dtype cross_entropy returned>)
 
 Every ``cross_entropy`` that is not rewritten gets a reason in :func:`cce_inductor.stats` and the
@@ -127,6 +127,7 @@ class Site:
     targets: fx.Node
     ignore_index: int
     reduction: str
+    label_smoothing: float
     chain: list[fx.Node]  # head ... cross_entropy input, forward order
     escaping: list[fx.Node]  # chain nodes that are also graph outputs
 
@@ -371,8 +372,9 @@ def match_site(ce: fx.Node) -> Site:
     args = bound.arguments
     if args["weight"] is not None:
         raise NoMatch("cross_entropy has class weights (weight=...)")
-    if args["label_smoothing"] != 0.0:
-        raise NoMatch(f"cross_entropy has label_smoothing={args['label_smoothing']}")
+    label_smoothing = _const_float(args["label_smoothing"])
+    if label_smoothing is None or not 0.0 <= label_smoothing <= 1.0:
+        raise NoMatch(f"label_smoothing={args['label_smoothing']!r} is not a constant in [0, 1]")
     if args["size_average"] is not None or args["reduce"] is not None:
         raise NoMatch("cross_entropy uses the deprecated size_average/reduce arguments")
     if not isinstance(args["ignore_index"], int) or not isinstance(args["reduction"], str):
@@ -483,6 +485,7 @@ def match_site(ce: fx.Node) -> Site:
         targets=targets,
         ignore_index=args["ignore_index"],
         reduction=args["reduction"],
+        label_smoothing=label_smoothing,
         chain=chain,
         escaping=escaping,
     )
@@ -563,7 +566,8 @@ def _fused_loss(options: CCEOptions) -> EmitLoss:
     def emit(graph: fx.Graph, site: Site, rows, weight, targets, bias) -> fx.Node:
         fused = graph.call_function(
             torch.ops.cce_inductor.linear_cross_entropy.default,
-            (rows, weight, targets, bias, site.softcap, site.ignore_index, site.reduction, options.encode()),
+            (rows, weight, targets, bias, site.softcap, site.ignore_index, site.reduction, site.label_smoothing,
+             options.encode()),
         )
         return graph.call_function(operator.getitem, (fused, 0))
 
@@ -580,6 +584,8 @@ def describe_site(site: Site) -> str:
         parts.append(f"softcap={site.softcap:g}")
     parts.append(f"reduction={site.reduction}")
     parts.append(f"ignore_index={site.ignore_index}")
+    if site.label_smoothing:
+        parts.append(f"label_smoothing={site.label_smoothing:g}")
     if site.escaping:
         parts.append("logits dropped from the outputs")
     return ", ".join(parts)

@@ -79,6 +79,8 @@ def _tensor_parallel_reason(site: lce.Site) -> Optional[str]:
             return "head bias is not Shard(0)"
     if site.escaping:
         return "the logits escape the compiled region"
+    if site.label_smoothing:
+        return "label smoothing (the vocabulary-parallel loss has none)"
     return None
 
 
