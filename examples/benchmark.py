@@ -328,7 +328,7 @@ class _DirectCCE(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, e, c, t, options):
-        lse, tgt = _kernels().forward(e, c, t, None, softcap=None, ignore_index=IGNORE)
+        lse, tgt, _ = _kernels().forward(e, c, t, None, softcap=None, ignore_index=IGNORE)
         valid = t != IGNORE
         count = valid.sum().clamp(min=1)
         ctx.save_for_backward(e, c, t, lse, count)
@@ -483,7 +483,7 @@ def sweep(args, base_options):
                 with tuning_overrides(tuning):
                     def fwd():
                         return K.forward(e, c, t, None, softcap=None, ignore_index=IGNORE)
-                    lse, _ = fwd()
+                    lse, _, _ = fwd()
                     row["fwd_ms"] = f_ms = bench(fwd, args)
                     line = f"  {text:60s} fwd {f_ms:7.2f} ms ({f_ms / mm:.2f}x mm)"
                     if not knobs.get("fwd_only", False):

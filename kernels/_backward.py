@@ -10,7 +10,7 @@ g_n = grad_rows[n] (0 at ignored rows), s = the softcap's chain factor:
 
     raw[n, v] = E[n] . C[v]                                        (fp32 accumulation)
     z[n, v]   = softcap * tanh((raw + bias[v]) / softcap)          (no tanh without softcap)
-    G[n, v]   = g_n * (exp(z - lse[n]) - [v == targets[n]]) * s[n, v]
+    G[n, v]   = g_n * (exp(z - lse[n]) - (1 - eps) [v == targets[n]] - eps / V) * s[n, v]     (eps: label smoothing)
     dE = G @ C,     dC = G^T @ E,     dbias = sum_n G[n, :]
 
 Chunking / layout
@@ -66,7 +66,7 @@ _TUNING = {
 def _recompute_grad_kernel(
     E, C, Bias, Lse, GradRows, Targets, RowOrder, NumCounted, RowPoison, G, GLo,
     n_rows, width, vocab_start, V, D,
-    stride_en, stride_ed, stride_cv, stride_cd, stride_g, softcap,
+    stride_en, stride_ed, stride_cv, stride_cd, stride_g, softcap, target_weight, uniform,
     HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, COMPACT_G: tl.constexpr, SPLIT_G: tl.constexpr,
     UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, EVEN_D: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -106,7 +106,7 @@ def _recompute_grad_kernel(
         E, C, Bias, rows, vocab_ids, D, stride_en, stride_ed, stride_cv, stride_cd, softcap,
         HAS_BIAS, HAS_SOFTCAP, UPCAST, DOT_PRECISION, EVEN_D, BLOCK_N, BLOCK_V, BLOCK_D,
     )
-    grad = softmax_grad(logits, lse, grad_row, target, vocab_start + cols, softcap, HAS_SOFTCAP)
+    grad = softmax_grad(logits, lse, grad_row, target, vocab_start + cols, softcap, target_weight, uniform, HAS_SOFTCAP)
     grad = tl.where((pos < num_counted)[:, None], grad, poison[:, None])
     grad_hi = grad.to(G.dtype.element_ty)
     tl.store(G + g_offs, grad_hi, mask=mask)
@@ -140,7 +140,8 @@ def _product_into(out, a, b, *, accumulate, **out_dtype):
         torch.mm(a, b, out=out, **out_dtype)
 
 
-def backward(e, c, targets, bias, lse, grad_rows, *, softcap, ignore_index, options, need_e, need_c, need_bias):
+def backward(e, c, targets, bias, lse, grad_rows, *, softcap, ignore_index, options, need_e, need_c, need_bias,
+             label_smoothing=0.0):
     """Launch helper: ``(dE | None, dC | None, dbias | None)``; ``grad_rows`` fp32, 0 at ignored rows.  Rows whose
     target is ``ignore_index`` are skipped by the recompute (and by the Triton products); a target outside
     ``[0, V)`` (a vocabulary shard's code for "another shard's") counts, with no one-hot term.  ``options``: a
@@ -212,6 +213,7 @@ def backward(e, c, targets, bias, lse, grad_rows, *, softcap, ignore_index, opti
                 row_order, num_counted, row_poison, grad, grad_lo,
                 rows, width, v0, v, d,
                 e.stride(0), e.stride(1), c.stride(0), c.stride(1), grad.stride(0), softcap_val,
+                1.0 - label_smoothing, label_smoothing / v,
                 HAS_BIAS=bias is not None, HAS_SOFTCAP=softcap is not None, COMPACT_G=triton_products,
                 SPLIT_G=split_g,
                 UPCAST=_launch.upcast_dots(e.dtype), DOT_PRECISION=_launch.dot_precision(e.dtype),

@@ -7,6 +7,7 @@ For every row n that counts (targets[n] != ignore_index)
     lse[n]          = log sum_v exp(logits[n, v])
     target_logit[n] = logits[n, targets[n]]        (0 when targets[n] is outside [0, V): a vocabulary shard
                                                     sees the targets other shards hold that way)
+    logit_sum[n]    = sum_v logits[n, v]           (only with LOGIT_SUM: the label-smoothing term)
 
 Block / grid layout (flash-decoding style)
 ------------------------------------------
@@ -19,11 +20,11 @@ is row-block fastest, so the programs resident at one time share the same split 
 from HBM about once while E (small) stays in L2.  Row blocks past the device-side count of counted rows
 return at once, so ignored rows cost nothing.
 
-Each program writes its partial ``(max, sumexp, target)`` for its rows into ``(splits, N)`` fp32
+Each program writes its partial ``(max, sumexp, target[, logit_sum])`` for its rows into ``(splits, N)`` fp32
 buffers; ``_combine_kernel`` (grid ``cdiv(N, BLOCK)``) merges the splits:
-``lse = m + log(sum_s sumexp_s * exp(max_s - m))``.  Ignored rows get lse = target_logit = 0.
+``lse = m + log(sum_s sumexp_s * exp(max_s - m))``.  Ignored rows get lse = target_logit = logit_sum = 0.
 
-Memory: the partial buffers, ``3 * splits * N * 4`` bytes (a few MB), far below the logit matrix.
+Memory: the partial buffers, ``(3 or 4) * splits * N * 4`` bytes (a few MB), far below the logit matrix.
 """
 from __future__ import annotations
 
@@ -43,11 +44,11 @@ _TUNING = {
 
 @triton.jit
 def _lse_forward_kernel(
-    E, C, Bias, Targets, RowOrder, NumValid, PartMax, PartSum, PartTarget,
+    E, C, Bias, Targets, RowOrder, NumValid, PartMax, PartSum, PartTarget, PartLogitSum,
     N, V, D,
     stride_en, stride_ed, stride_cv, stride_cd,
     vblocks_per_split, softcap,
-    HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, LOGIT_SUM: tl.constexpr,
     UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, EVEN_D: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
@@ -65,6 +66,7 @@ def _lse_forward_kernel(
     run_max = tl.full((BLOCK_N,), float("-inf"), dtype=tl.float32)
     run_sum = tl.zeros((BLOCK_N,), dtype=tl.float32)
     target_logit = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    logit_sum = tl.zeros((BLOCK_N,), dtype=tl.float32)
 
     num_vblocks = tl.cdiv(V, BLOCK_V)
     vb_start = split * vblocks_per_split
@@ -76,21 +78,27 @@ def _lse_forward_kernel(
             E, C, Bias, rows, vocab_ids, D, stride_en, stride_ed, stride_cv, stride_cd, softcap,
             HAS_BIAS, HAS_SOFTCAP, UPCAST, DOT_PRECISION, EVEN_D, BLOCK_N, BLOCK_V, BLOCK_D,
         )
-        logits = tl.where((cols < V)[None, :], logits, float("-inf"))
+        in_vocab = (cols < V)[None, :]
+        if LOGIT_SUM:
+            logit_sum += tl.sum(tl.where(in_vocab, logits, 0.0), axis=1)
+        logits = tl.where(in_vocab, logits, float("-inf"))
         new_max = tl.maximum(run_max, tl.max(logits, axis=1))
         run_sum = run_sum * tl.exp(run_max - new_max) + tl.sum(tl.exp(logits - new_max[:, None]), axis=1)
         run_max = new_max
-        target_logit += tl.sum(tl.where(cols[None, :] == target[:, None], logits, 0.0), axis=1)
+        target_logit += tl.sum(tl.where(in_vocab & (cols[None, :] == target[:, None]), logits, 0.0), axis=1)
 
     out = split * N + rows
     tl.store(PartMax + out, run_max, mask=row_mask)
     tl.store(PartSum + out, run_sum, mask=row_mask)
     tl.store(PartTarget + out, target_logit, mask=row_mask)
+    if LOGIT_SUM:
+        tl.store(PartLogitSum + out, logit_sum, mask=row_mask)
 
 
 @triton.jit
 def _combine_kernel(
-    PartMax, PartSum, PartTarget, Targets, Lse, TargetLogit, N, num_splits, ignore_index, BLOCK: tl.constexpr,
+    PartMax, PartSum, PartTarget, PartLogitSum, Targets, Lse, TargetLogit, LogitSum, N, num_splits, ignore_index,
+    LOGIT_SUM: tl.constexpr, BLOCK: tl.constexpr,
 ):
     rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     in_range = rows < N
@@ -101,25 +109,31 @@ def _combine_kernel(
     safe_max = tl.where(valid, run_max, 0.0)
     total = tl.zeros((BLOCK,), dtype=tl.float32)
     target_logit = tl.zeros((BLOCK,), dtype=tl.float32)
+    logit_sum = tl.zeros((BLOCK,), dtype=tl.float32)
     for s in range(0, num_splits):
         part_max = tl.load(PartMax + s * N + rows, mask=valid, other=float("-inf"))
         total += tl.load(PartSum + s * N + rows, mask=valid, other=0.0) * tl.exp(part_max - safe_max)
         target_logit += tl.load(PartTarget + s * N + rows, mask=valid, other=0.0)
+        if LOGIT_SUM:
+            logit_sum += tl.load(PartLogitSum + s * N + rows, mask=valid, other=0.0)
     lse = tl.where(valid, safe_max + tl.log(tl.where(valid, total, 1.0)), 0.0)
     tl.store(Lse + rows, lse, mask=in_range)
     tl.store(TargetLogit + rows, tl.where(valid, target_logit, 0.0), mask=in_range)
+    if LOGIT_SUM:
+        tl.store(LogitSum + rows, tl.where(valid, logit_sum, 0.0), mask=in_range)
 
 
-def forward(e, c, targets, bias, *, softcap, ignore_index):
-    """Launch helper: ``(lse, target_logit)``, fp32 ``(N,)`` each; see the package docstring."""
+def forward(e, c, targets, bias, *, softcap, ignore_index, logit_sum=False):
+    """Launch helper: ``(lse, target_logit, logit_sum | None)``, fp32 ``(N,)`` each; see the package docstring."""
     tune = _launch.tuning(_TUNING)
     n, d = e.shape
     v = c.shape[0]
     device = e.device
     lse = torch.empty((n,), dtype=torch.float32, device=device)
     target_logit = torch.empty((n,), dtype=torch.float32, device=device)
+    row_sums = torch.empty((n,), dtype=torch.float32, device=device) if logit_sum else None
     if n == 0:
-        return lse, target_logit
+        return lse, target_logit, row_sums
     row_order, num_valid = _launch.compact_counted(targets != ignore_index)
     block_n, block_v, block_d = tune["block_n"], tune["block_v"], tune["block_d"]
     row_blocks = triton.cdiv(n, block_n)
@@ -129,13 +143,14 @@ def forward(e, c, targets, bias, *, softcap, ignore_index):
     vblocks_per_split = triton.cdiv(vblocks, splits)
     splits = triton.cdiv(vblocks, vblocks_per_split)
 
-    part_max, part_sum, part_target = torch.empty((3, splits, n), dtype=torch.float32, device=device)
+    part = torch.empty((4 if logit_sum else 3, splits, n), dtype=torch.float32, device=device)
+    part_logit_sum = part[3] if logit_sum else part[0]  # unused without logit_sum
     _lse_forward_kernel[(row_blocks, splits)](
-        e, c, bias if bias is not None else e, targets, row_order, num_valid, part_max, part_sum, part_target,
+        e, c, bias if bias is not None else e, targets, row_order, num_valid, part[0], part[1], part[2], part_logit_sum,
         n, v, d,
         e.stride(0), e.stride(1), c.stride(0), c.stride(1),
         vblocks_per_split, float(softcap) if softcap is not None else 1.0,
-        HAS_BIAS=bias is not None, HAS_SOFTCAP=softcap is not None,
+        HAS_BIAS=bias is not None, HAS_SOFTCAP=softcap is not None, LOGIT_SUM=logit_sum,
         UPCAST=_launch.upcast_dots(e.dtype), DOT_PRECISION=_launch.dot_precision(e.dtype), EVEN_D=(d % block_d == 0),
         BLOCK_N=block_n, BLOCK_V=block_v, BLOCK_D=block_d,
         num_warps=tune["num_warps"],
@@ -143,7 +158,8 @@ def forward(e, c, targets, bias, *, softcap, ignore_index):
     )
     combine_block = 256
     _combine_kernel[(triton.cdiv(n, combine_block),)](
-        part_max, part_sum, part_target, targets, lse, target_logit, n, splits, ignore_index,
-        BLOCK=combine_block, num_warps=4,
+        part[0], part[1], part[2], part_logit_sum, targets, lse, target_logit,
+        row_sums if logit_sum else lse, n, splits, ignore_index,
+        LOGIT_SUM=logit_sum, BLOCK=combine_block, num_warps=4,
     )
-    return lse, target_logit
+    return lse, target_logit, row_sums

@@ -59,14 +59,17 @@ def logit_tile(
 
 
 @triton.jit
-def softmax_grad(logits, lse, grad_row, target, vocab_ids, softcap, HAS_SOFTCAP: tl.constexpr):
+def softmax_grad(logits, lse, grad_row, target, vocab_ids, softcap, target_weight, uniform,
+                 HAS_SOFTCAP: tl.constexpr):
     """The gradient w.r.t. the raw logits of a ``rows x cols`` tile, from its (softcapped) ``logits``:
-    ``g * (exp(logits - lse) - [col == target]) * (1 - (logits / softcap)^2)`` (no last factor without softcap).
+    ``g * (exp(logits - lse) - target_weight * [col == target] - uniform) * (1 - (logits / softcap)^2)`` (no last
+    factor without softcap).  Plain cross-entropy: ``target_weight = 1, uniform = 0``; label smoothing eps:
+    ``1 - eps`` and ``eps / V``.
 
     Rows with g = 0 get 0, not g * (p - onehot): an ignored row's lse is 0 and exp(logits) may overflow to inf.
     A NaN / inf logit still gives NaN there (``logits * 0``), as eager's log-softmax backward does."""
     one_hot = vocab_ids[None, :] == target[:, None]
-    grad = grad_row[:, None] * (tl.exp(logits - lse[:, None]) - one_hot.to(tl.float32))
+    grad = grad_row[:, None] * (tl.exp(logits - lse[:, None]) - target_weight * one_hot.to(tl.float32) - uniform)
     if HAS_SOFTCAP:
         capped = logits / softcap
         grad = grad * (1.0 - capped * capped)

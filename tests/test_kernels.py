@@ -33,6 +33,7 @@ default-mode 1e-2 against the unrounded fp64 reference.  (With fp32 inputs exact
 import os
 
 import torch
+import torch.nn.functional as F
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -138,7 +139,7 @@ def mean_grad_rows(targets):
 
 def run_kernels(e, c, targets, bias, grad_rows, *, softcap, opts=None, ignore_index=IGNORE,
                 need_e=True, need_c=True, need_bias=True):
-    lse, tgt = K.forward(e, c, targets, bias, softcap=softcap, ignore_index=ignore_index)
+    lse, tgt, _ = K.forward(e, c, targets, bias, softcap=softcap, ignore_index=ignore_index)
     grads = K.backward(e, c, targets, bias, lse, grad_rows, softcap=softcap, ignore_index=ignore_index,
                        options=opts or CCEOptions(), need_e=need_e, need_c=need_c, need_bias=need_bias)
     return lse, tgt, grads
@@ -327,9 +328,9 @@ def test_backward_is_reproducible_and_chunking_invariant(device, products, monke
     _device_ok(device)
     e, c, targets, b = make_inputs(45, 170, 24, torch.float32, device, ignore_frac=0.2, bias=True, seed=7)
     g = mean_grad_rows(targets)
-    lse, _ = K.forward(e, c, targets, b, softcap=20.0, ignore_index=IGNORE)
+    lse, _, _ = K.forward(e, c, targets, b, softcap=20.0, ignore_index=IGNORE)
     e16, c16, b16 = e.bfloat16(), c.bfloat16(), b.bfloat16()
-    lse16, _ = K.forward(e16, c16, targets, b16, softcap=20.0, ignore_index=IGNORE)
+    lse16, _, _ = K.forward(e16, c16, targets, b16, softcap=20.0, ignore_index=IGNORE)
 
     def grads(exact=False, row_chunk=0, sixteen=False):
         args = (e16, c16, targets, b16, lse16) if sixteen else (e, c, targets, b, lse)
@@ -534,3 +535,43 @@ def test_gpu_no_host_sync():
             run_kernels(e, c, targets, b, g, softcap=30.0, opts=opts)
     finally:
         torch.cuda.set_sync_debug_mode(0)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Label smoothing: the forward's per-row logit sum, the backward's uniform term
+# ----------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize(
+    "dtype, softcap, opts",
+    [(torch.float32, 15.0, CCEOptions()), (torch.bfloat16, None, CCEOptions()),
+     (torch.bfloat16, 15.0, CCEOptions(products="triton")), (torch.bfloat16, 15.0, CCEOptions(exact=True))],
+    ids=["fp32_cap", "bf16", "bf16_cap_triton_products", "bf16_cap_exact"],
+)
+def test_label_smoothing_matches_fp64_reference(device, dtype, softcap, opts):
+    """``F.cross_entropy(..., label_smoothing=eps)`` from the kernels: lse, target logit and logit sum of the
+    forward combined as the op combines them, the backward's G with (1 - eps) on the target and eps / V on
+    every entry; against fp64 autograd through materialised logits."""
+    _device_ok(device)
+    eps = 0.2
+    e, c, targets, b = make_inputs(37, 150, 40, dtype, device, ignore_frac=0.3, bias=True, seed=7)
+    lse, tgt, logit_sum = K.forward(e, c, targets, b, softcap=softcap, ignore_index=IGNORE, logit_sum=True)
+
+    e64, c64, b64 = (x.detach().double().cpu().requires_grad_() for x in (e, c, b))
+    logits = F.linear(e64, c64, b64)
+    if softcap is not None:
+        logits = softcap * torch.tanh(logits / softcap)
+    valid = targets.cpu() != IGNORE
+    want_sum = logits.detach().sum(dim=1)
+    assert rel(logit_sum.cpu()[valid], want_sum[valid]) < LSE_TOL * 10
+    assert (logit_sum.cpu()[~valid] == 0).all()
+    row_loss = lse.double().cpu() - (1 - eps) * tgt.double().cpu() - eps / c.shape[0] * logit_sum.double().cpu()
+    want = F.cross_entropy(logits, targets.cpu(), ignore_index=IGNORE, label_smoothing=eps)
+    torch.testing.assert_close(row_loss[valid].sum() / valid.sum(), want.detach(), rtol=1e-5, atol=1e-5)
+
+    want.backward()
+    grads = K.backward(e, c, targets, b, lse, mean_grad_rows(targets), softcap=softcap, ignore_index=IGNORE,
+                       options=opts, need_e=True, need_c=True, need_bias=True, label_smoothing=eps)
+    for got, ref in zip(grads, (e64.grad, c64.grad, b64.grad)):
+        check_grad(got, ref, opts.exact and dtype != torch.float32)

@@ -80,12 +80,13 @@ def make_inputs(lead, vocab, dim, dtype, *, bias=False, ignore="some", ignore_in
     return e.reshape(*lead, dim).to(dtype), c.to(dtype), targets.reshape(lead), b
 
 
-def eager_loss(e, c, targets, bias=None, softcap=None, ignore_index=-100, reduction="mean"):
+def eager_loss(e, c, targets, bias=None, softcap=None, ignore_index=-100, reduction="mean", label_smoothing=0.0):
     logits = F.linear(e, c, bias)
     if softcap is not None:
         logits = torch.tanh(logits / softcap) * softcap
     loss = F.cross_entropy(
-        logits.reshape(-1, logits.shape[-1]), targets.reshape(-1).long(), ignore_index=ignore_index, reduction=reduction
+        logits.reshape(-1, logits.shape[-1]), targets.reshape(-1).long(), ignore_index=ignore_index, reduction=reduction,
+        label_smoothing=label_smoothing,
     )
     return loss.view(targets.shape) if reduction == "none" else loss
 
@@ -111,11 +112,11 @@ def grad_output_for(loss_shape, reduction, seed=1):
 
 
 def check_against_eager(lead, vocab, dim, dtype, *, bias, softcap, reduction, ignore="some", ignore_index=-100,
-                        seed=0, transform=None):
+                        seed=0, transform=None, label_smoothing=0.0):
     e, c, t, b = make_inputs(lead, vocab, dim, dtype, bias=bias, ignore=ignore, ignore_index=ignore_index, seed=seed)
     if transform is not None:
         e, c, t, b = transform(e, c, t, b)
-    kw = dict(softcap=softcap, ignore_index=ignore_index, reduction=reduction)
+    kw = dict(softcap=softcap, ignore_index=ignore_index, reduction=reduction, label_smoothing=label_smoothing)
     g = grad_output_for(t.shape, reduction)
     # fp64 reference from the same (already rounded) inputs
     ref = run(eager_loss, e, c, t, b, grad_out=g, dtype=torch.float64, **kw)
@@ -167,6 +168,22 @@ def check_against_eager(lead, vocab, dim, dtype, *, bias, softcap, reduction, ig
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
 def test_matches_eager(dtype, bias, softcap, reduction):
     check_against_eager((37,), 53, 24, dtype, bias=bias, softcap=softcap, reduction=reduction)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("label_smoothing", [0.1, 1.0])
+@pytest.mark.parametrize("ignore", ["some", "all"])
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_label_smoothing_matches_eager(dtype, label_smoothing, ignore, reduction):
+    check_against_eager((5, 7), 53, 24, dtype, bias=True, softcap=4.0, reduction=reduction, ignore=ignore,
+                        ignore_index=2, label_smoothing=label_smoothing)
+
+
+@pytest.mark.parametrize("label_smoothing", [-0.1, 1.5])
+def test_label_smoothing_out_of_range_is_value_error(label_smoothing):
+    e, c, t, _ = make_inputs((6,), 10, 4, torch.float32)
+    with pytest.raises(ValueError, match=r"label_smoothing must be in \[0, 1\]"):
+        lce(e, c, t, label_smoothing=label_smoothing)
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=str)
@@ -349,7 +366,7 @@ def test_backward_op_gradients_not_needed_are_empty_and_distinct():
     lse = torch.logsumexp(e @ c.T, dim=1)
     for need_e, need_c, need_bias in [(True, False, False), (False, True, False), (False, False, False)]:
         grads = ops.linear_cross_entropy_backward_op(
-            torch.tensor(1.0, dtype=torch.float64), e, c, t, None, lse, None, -100, "mean", OPTIONS,
+            torch.tensor(1.0, dtype=torch.float64), e, c, t, None, lse, None, -100, "mean", 0.0, OPTIONS,
             need_e, need_c, need_bias,
         )
         for grad, needed, full in zip(grads, (need_e, need_c, False), (e, c, None)):
@@ -467,14 +484,14 @@ def test_autocast_does_not_change_the_op_precision():
 def test_opcheck_forward(reduction, softcap, bias):
     e, c, t, b = make_inputs((6,), 10, 4, torch.float64, bias=bias)
     args = (e.requires_grad_(), c.requires_grad_(), t, None if b is None else b.requires_grad_(),
-            softcap, -100, reduction, OPTIONS)
+            softcap, -100, reduction, 0.0, OPTIONS)
     torch.library.opcheck(ops.linear_cross_entropy_op, args)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_opcheck_forward_low_precision(dtype):
     e, c, t, b = make_inputs((5,), 9, 4, dtype, bias=True)
-    args = (e.requires_grad_(), c.requires_grad_(), t, b, None, -100, "mean", OPTIONS)
+    args = (e.requires_grad_(), c.requires_grad_(), t, b, None, -100, "mean", 0.1, OPTIONS)
     torch.library.opcheck(ops.linear_cross_entropy_op, args)
 
 
@@ -487,7 +504,7 @@ def test_opcheck_backward(needs, reduction):
     e, c, t, b = make_inputs((6,), 10, 4, torch.float64, bias=True)
     lse = torch.logsumexp(F.linear(e, c, b), dim=1)
     grad = torch.rand(6, dtype=torch.float64) if reduction == "none" else torch.tensor(0.5, dtype=torch.float64)
-    args = (grad, e, c, t, b, lse, None, -100, reduction, OPTIONS, *needs)
+    args = (grad, e, c, t, b, lse, None, -100, reduction, 0.1, OPTIONS, *needs)
     torch.library.opcheck(ops.linear_cross_entropy_backward_op, args)
 
 
@@ -495,7 +512,7 @@ def test_opcheck_backward_two_grads_not_needed():
     # Regression: see test_frozen_weight_without_bias (the same `empty` tensor returned for two outputs).
     e, c, t, _ = make_inputs((6,), 10, 4, torch.float64)
     lse = torch.logsumexp(F.linear(e, c), dim=1)
-    args = (torch.tensor(0.5, dtype=torch.float64), e, c, t, None, lse, None, -100, "mean", OPTIONS, True, False,
+    args = (torch.tensor(0.5, dtype=torch.float64), e, c, t, None, lse, None, -100, "mean", 0.0, OPTIONS, True, False,
             False)
     torch.library.opcheck(ops.linear_cross_entropy_backward_op, args)
 
