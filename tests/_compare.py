@@ -1,10 +1,13 @@
-"""Helpers shared by the parity tests: run a loss with a random upstream gradient, compare two runs.
+"""Helpers shared by the tests: run a loss with a random upstream gradient, compare two runs, measure a relative
+error, compile with Inductor's caches off.
 
 A comparison wants the same shape (and dtype), NaN and +-Inf at the same places, and the finite values close:
 elementwise (``rtol`` / ``atol``), or for gradients in relative L2 when ``grad_l2`` is given.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 
@@ -25,8 +28,22 @@ def run(fn, args, upstream_seed=1):
 
 
 def rel_l2(got: torch.Tensor, want: torch.Tensor) -> float:
-    got, want = got.double(), want.double()
-    return float((got - want).norm() / want.norm().clamp_min(1e-30))
+    """``||got - want|| / ||want||`` in fp64 on the CPU (the absolute norm where ``want`` is 0); the two must have one
+    shape and be finite at the same time."""
+    got, want = got.detach().double().cpu(), want.detach().double().cpu()
+    assert got.shape == want.shape, (got.shape, want.shape)
+    assert bool(got.isfinite().all()) == bool(want.isfinite().all()), "finite in one, not in the other"
+    den = want.norm().item()
+    num = (got - want).norm().item()
+    return num if den == 0 else num / den
+
+
+@contextlib.contextmanager
+def inductor_caches_off():
+    """Compile from scratch in this process: a hit in Inductor's FX-graph or AOTAutograd cache skips the pass (the
+    cached code already calls the fused op), so the pass's decisions would not be seen."""
+    with torch._inductor.config.patch(fx_graph_cache=False), torch._functorch.config.patch(enable_autograd_cache=False):
+        yield
 
 
 def assert_same_values(got, want, what="", *, rtol=1e-5, atol=1e-6, grad_l2=None, check_dtype=True):

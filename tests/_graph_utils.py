@@ -24,13 +24,36 @@ def _sorted_placeholders(lines: list[str]) -> list[str]:
     return lines[:1] + sorted(lines[1:end]) + lines[end:]
 
 
+# Tensor attribute -> (the aten op torch 2.14's Dynamo records for it, the name FX gives that node).
+_VIEW_ATTR_OPS = {"T": ("numpy_T", "numpy_t"), "mT": ("mT", "m_t"), "H": ("matrix_H", "matrix_h"), "mH": ("mH", "m_h")}
+
+
+def _view_attrs_as_ops(text: str) -> str:
+    """Torch 2.13 records ``w.T`` as ``getattr_1 = w.T``, 2.14 as ``numpy_t = torch.ops.aten.numpy_T(w)``:
+    write the former as the latter, renaming the node as FX names it."""
+    renames: dict[str, str] = {}
+    counts: dict[str, int] = {}
+
+    def as_op(m: re.Match) -> str:
+        indent, name, base, attr = m.groups()
+        op, stem = _VIEW_ATTR_OPS[attr]
+        renames[name] = stem if stem not in counts else f"{stem}_{counts[stem]}"
+        counts[stem] = counts.get(stem, 0) + 1
+        return f"{indent}{renames[name]} = torch.ops.aten.{op}({base})"
+
+    text = re.sub(r"^(\s+)(getattr_\d+) = (\w+)\.(T|mT|H|mH)$", as_op, text, flags=re.M)
+    if renames:
+        text = re.sub(r"\bgetattr_\d+\b", lambda m: renames.get(m.group(), m.group()), text)
+    return text
+
+
 def graph_code(gm: torch.fx.GraphModule) -> str:
     """``gm.code`` without blank lines and torch's per-version noise."""
     lines = [line.rstrip() for line in gm.code.strip().splitlines() if line.strip()]
     text = "\n".join(_sorted_placeholders(lines))
     text = re.sub(r"  # .*", "", text)  # source comments
     text = re.sub(r";  [\w ,=]+ = None$", "", text, flags=re.M)  # Dynamo's "free this early" assignments
-    return text
+    return _view_attrs_as_ops(text)
 
 
 class PassCapture:

@@ -10,6 +10,7 @@ if not torch.cuda.is_available():
 import pytest  # noqa: E402
 
 import cce_inductor  # noqa: E402
+from _compare import inductor_caches_off  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -18,6 +19,13 @@ def _fresh_dynamo_and_stats():
     cce_inductor.reset_stats()
     yield
     torch._dynamo.reset()
+
+
+@pytest.fixture
+def no_inductor_caches():
+    """Compile from scratch in this process (see ``_compare.inductor_caches_off``)."""
+    with inductor_caches_off():
+        yield
 
 
 def pytest_configure(config):

@@ -44,6 +44,7 @@ import torch.nn.functional as F
 
 import cce_inductor
 from cce_inductor import CCEOptions
+from _compare import rel_l2
 from cce_inductor.distributed import (
     dtensor_linear_cross_entropy,
     vocab_parallel_linear_cross_entropy,
@@ -421,13 +422,6 @@ def test_fsdp2_head_and_loss_unit_is_rewritten(task_results):
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def _rel(x, ref) -> float:
-    x, ref = x.detach().double(), ref.detach().double()
-    assert x.shape == ref.shape, (x.shape, ref.shape)
-    den = ref.norm().item()
-    return (x - ref).norm().item() / (den if den else 1.0)
-
-
 def _vp_case(rank, world, *, impl, dtype, n, dim, vocab, reduction, softcap, bias, ignore_index, ignore_every,
              tol, seed, options=None, scale=1.0):  # fmt: skip
     gen = torch.Generator().manual_seed(seed)
@@ -459,12 +453,12 @@ def _vp_case(rank, world, *, impl, dtype, n, dim, vocab, reduction, softcap, bia
     label = dict(impl=impl, dtype=dtype, reduction=reduction, softcap=softcap, bias=bias, ignore_index=ignore_index)
     assert loss.shape == ref.shape, label
     errors = {
-        "loss": _rel(loss, ref),
-        "dE": _rel(e_mine.grad, e_ref.grad),
-        "dC": _rel(c_mine.grad, c_ref.grad[start : start + v_local]),
+        "loss": rel_l2(loss, ref),
+        "dE": rel_l2(e_mine.grad, e_ref.grad),
+        "dC": rel_l2(c_mine.grad, c_ref.grad[start : start + v_local]),
     }
     if bias:
-        errors["dbias"] = _rel(b_mine.grad, b_ref.grad[start : start + v_local])
+        errors["dbias"] = rel_l2(b_mine.grad, b_ref.grad[start : start + v_local])
     assert all(err < tol for err in errors.values()), (rank, label, errors)
 
 

@@ -18,7 +18,6 @@ import textwrap
 
 import pytest
 import torch
-import torch._functorch.config as functorch_config
 import torch._inductor.config as inductor_config
 import torch.nn as nn
 import torch.nn.functional as F
@@ -71,13 +70,6 @@ _namespace: dict = {}
 exec(compile(MODEL_SRC, "<tiny_gpt>", "exec"), _namespace)
 TinyGPT = _namespace["TinyGPT"]
 make_batch = _namespace["make_batch"]
-
-
-@pytest.fixture
-def no_inductor_caches():
-    """A cache hit skips the pass (and stats() would not see the site): compile from scratch in-process."""
-    with inductor_config.patch(fx_graph_cache=False), functorch_config.patch(enable_autograd_cache=False):
-        yield
 
 
 @pytest.fixture

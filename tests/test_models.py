@@ -14,6 +14,7 @@ import torch.nn.functional as F
 import cce_inductor
 from cce_inductor.options import CCEOptions
 
+from _compare import inductor_caches_off
 from _graph_utils import PassCapture
 
 transformers = pytest.importorskip("transformers")
@@ -155,9 +156,7 @@ def test_hf_through_inductor(family):
     model = _model(family)
     input_ids, labels = _batch()
     compiled = torch.compile(model, backend=cce_inductor.make_backend(drop_logits=True))
-    with torch._inductor.config.patch(fx_graph_cache=False), torch._functorch.config.patch(
-        enable_autograd_cache=False
-    ):
+    with inductor_caches_off():
         _assert_same_training_step(model, compiled, dict(input_ids=input_ids, labels=labels), atol=1e-4, rtol=1e-3)
     assert cce_inductor.stats()["rewritten"] == 1
 

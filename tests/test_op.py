@@ -24,6 +24,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import cce_inductor
 from cce_inductor import CCEOptions, _chunked, _loss, ops
 
+from _compare import rel_l2 as rel_err
+
 lce = cce_inductor.linear_cross_entropy
 OPTIONS = CCEOptions().encode()  # the op's options argument, as the pass and the public wrapper pass it
 
@@ -37,15 +39,6 @@ LOSS_RTOL = {torch.float64: 1e-12, torch.float32: 1e-5, torch.bfloat16: 1e-5, to
 def grad_rtol(dtype: torch.dtype) -> float:
     """Relative L2 error allowed for a gradient returned in ``dtype``: fp32 accumulation, then one rounding."""
     return max(4 * UNIT_ROUNDOFF[dtype], 1e-5) if dtype != torch.float64 else 1e-10
-
-
-def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
-    x, ref = x.detach().double(), ref.detach().double()
-    assert x.shape == ref.shape, (x.shape, ref.shape)
-    assert torch.isfinite(x).all() == torch.isfinite(ref).all()
-    den = ref.norm().item()
-    num = (x - ref).norm().item()
-    return num if den == 0 else num / den
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -15,6 +15,7 @@ from expecttest import TestCase
 import cce_inductor
 from cce_inductor.options import CCEOptions
 
+from _compare import inductor_caches_off
 from _graph_utils import PassCapture
 
 V, D = 37, 16  # vocabulary and hidden size: deliberately not multiples of anything
@@ -136,8 +137,8 @@ def forward(self, L_hidden_ : torch.Tensor, L_labels_ : torch.Tensor, L_weight_ 
     l_hidden_ = L_hidden_
     l_labels_ = L_labels_
     l_weight_ = L_weight_
-    getattr_1 = l_weight_.T
-    logits = l_hidden_ @ getattr_1
+    numpy_t = torch.ops.aten.numpy_T(l_weight_)
+    logits = l_hidden_ @ numpy_t
     view = logits.view(-1, 37)
     view_1 = l_labels_.view(-1)
     cross_entropy = torch.nn.functional.cross_entropy(view, view_1)
@@ -678,13 +679,9 @@ class TestThroughInductor(PatternTestCase):
         compiled = torch.compile(f, backend=cce_inductor.backend, dynamic=True)
         torch._dynamo.utils.counters.clear()
         # A cache hit skips the pass (the cached code calls the op already): count rewrites on a cold cache.
-        no_caches = [
-            torch._inductor.config.patch(fx_graph_cache=False),
-            torch._functorch.config.patch(enable_autograd_cache=False),
-        ]
-        for patch in no_caches:
-            patch.__enter__()
-            self.addCleanup(patch.__exit__, None, None, None)
+        caches_off = inductor_caches_off()
+        caches_off.__enter__()
+        self.addCleanup(caches_off.__exit__, None, None, None)
         for seq in (5, 9, 12):
             hidden, labels = _hidden(B, seq, D), _labels(B, seq)
             expected = f(hidden, labels)

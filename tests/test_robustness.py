@@ -46,12 +46,6 @@ V, D = 13, 7  # not multiples of anything
 REDUCTIONS = ["mean", "sum", "none"]
 
 
-@pytest.fixture
-def no_caches():
-    with inductor_config.patch(force_disable_caches=True):
-        yield
-
-
 def head_loss(hidden, weight, labels, bias=None, softcap=None, ignore_index=-100, reduction="mean"):
     """Eager reference: linear -> [softcap] -> cross_entropy."""
     logits = F.linear(hidden, weight, bias)
@@ -145,7 +139,7 @@ def test_out_of_range_target_compiled_raises_like_eager(bad, ignore_index, reduc
 
 @pytest.mark.slow
 @pytest.mark.parametrize("bad,ignore_index", [(V, -100), (-100, 0)])
-def test_out_of_range_target_through_inductor_raises_like_eager(no_caches, bad, ignore_index):
+def test_out_of_range_target_through_inductor_raises_like_eager(no_inductor_caches, bad, ignore_index):
     hidden, weight, labels = _with_bad_target(bad, ignore_index, "mean")
     fn = make_fn(ignore_index=ignore_index)
     want = _eager_error(fn, (hidden, weight, labels))
@@ -230,7 +224,7 @@ def test_nan_inf_propagate_as_in_eager_compiled(case, reduction, softcap):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("case,reduction", [("hidden_nan", "none"), ("hidden_inf_and_-inf", "mean")])
-def test_nan_inf_propagate_as_in_eager_through_inductor(no_caches, case, reduction):
+def test_nan_inf_propagate_as_in_eager_through_inductor(no_inductor_caches, case, reduction):
     hidden, weight, labels, bias = _poisoned(case)
     fn = make_fn(softcap=3.0, reduction=reduction, bias=True)
     want = run(fn, (hidden, weight, labels, bias))
@@ -299,7 +293,7 @@ def test_empty_after_label_shift_compiled(reduction):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("reduction", REDUCTIONS)
-def test_empty_batch_through_inductor(no_caches, reduction):
+def test_empty_batch_through_inductor(no_inductor_caches, reduction):
     hidden, weight, labels = inputs(0)
     fn = make_fn(reduction=reduction)
     want = run(fn, (hidden, weight, labels))
@@ -374,7 +368,7 @@ def test_dynamic_shapes_rewrite_once_capture(make, how):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("how", ["dynamic=True", "mark_dynamic"])
-def test_dynamic_shapes_compile_once_through_inductor(no_caches, how):
+def test_dynamic_shapes_compile_once_through_inductor(no_inductor_caches, how):
     from torch._dynamo.testing import CompileCounterWithBackend
 
     fn, head = _hf_shift_fn()
@@ -458,7 +452,7 @@ def test_dynamic_vocabulary_and_hidden_size_capture():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["no_grad", "inference_mode"])
-def test_no_grad_and_inference_mode(no_caches, mode):
+def test_no_grad_and_inference_mode(no_inductor_caches, mode):
     context = {"no_grad": torch.no_grad, "inference_mode": torch.inference_mode}[mode]
     fn = make_fn(softcap=10.0, bias=True, ignore_index=-100)
     hidden, weight, labels, bias = inputs(8, bias=True)
@@ -486,7 +480,7 @@ def test_no_grad_and_inference_mode_capture(mode):
 
 
 @pytest.mark.slow
-def test_activation_checkpoint_around_head_and_loss(no_caches):
+def test_activation_checkpoint_around_head_and_loss(no_inductor_caches):
     """checkpoint(use_reentrant=False) around head + loss: Dynamo makes it a higher-order op with a subgraph."""
     head = nn.Linear(D, V)
 
@@ -548,7 +542,7 @@ def test_loss_under_no_grad_on_logits_with_grad_capture():
 
 
 @pytest.mark.parametrize("backend", ["capture", pytest.param("inductor", marks=pytest.mark.slow)])
-def test_head_under_no_grad_stays_non_differentiable(no_caches, backend):
+def test_head_under_no_grad_stays_non_differentiable(no_inductor_caches, backend):
     hidden, weight, labels = inputs(6)
     want = _head_under_no_grad(hidden, weight, labels)
     assert not want.requires_grad
@@ -579,9 +573,17 @@ def _mutate_weight_after_head(x, weight, labels):
     return F.cross_entropy(logits, labels)
 
 
-@pytest.mark.parametrize("fn", [_mutate_hidden_after_head, _mutate_weight_after_head], ids=["hidden", "weight"])
+def _mutate_weight_through_its_transpose_after_head(x, weight, labels):
+    logits = F.linear(x, weight)
+    weight.T.mul_(3.0)  # a view of the weight: Dynamo records `.T` as getattr up to torch 2.13, aten.numpy_T from 2.14
+    return F.cross_entropy(logits, labels)
+
+
+@pytest.mark.parametrize("fn", [_mutate_hidden_after_head, _mutate_weight_after_head,
+                                _mutate_weight_through_its_transpose_after_head],
+                         ids=["hidden", "weight", "weight_through_T"])  # fmt: skip
 @pytest.mark.parametrize("backend", ["capture", pytest.param("inductor", marks=pytest.mark.slow)])
-def test_in_place_update_after_the_head(no_caches, fn, backend):
+def test_in_place_update_after_the_head(no_inductor_caches, fn, backend):
     x, weight, labels = (t.detach() for t in inputs(6))
     want = fn(x.clone(), weight.clone(), labels)
     compiled = torch.compile(fn, backend=PassCapture() if backend == "capture" else cce_inductor.backend,
@@ -629,7 +631,7 @@ def test_autocast_cpu_bf16_capture(enabled, inside):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("enabled", [True, False], ids=["on", "off"])
-def test_autocast_cpu_bf16_through_inductor(no_caches, enabled):
+def test_autocast_cpu_bf16_through_inductor(no_inductor_caches, enabled):
     fn = make_fn(softcap=20.0, bias=True)
     args = inputs(10, bias=True)
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=enabled):
@@ -758,7 +760,7 @@ def test_environment_covers_every_field(monkeypatch):
 
 
 @pytest.mark.slow
-def test_backend_options_reach_the_pass(no_caches):
+def test_backend_options_reach_the_pass(no_inductor_caches):
     """make_backend(...) compiles with a pass carrying exactly its options (what Inductor's cache key sees)."""
     from torch._inductor.custom_graph_pass import CustomGraphPass
 
@@ -823,7 +825,7 @@ def test_direct_op_is_bitwise_deterministic_with_tiny_chunks(monkeypatch):
 
 
 @pytest.mark.slow
-def test_compiled_is_bitwise_deterministic(no_caches):
+def test_compiled_is_bitwise_deterministic(no_inductor_caches):
     fn, head = _hf_shift_fn()
     hidden, _, labels = inputs(lead=(3, 9))
     results = []

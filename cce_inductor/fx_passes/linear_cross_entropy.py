@@ -64,6 +64,10 @@ LINEAR = _functions(F.linear, torch._C._nn.linear)
 MATMUL = _functions(operator.matmul, torch.matmul, torch.mm) | _methods("matmul", "mm", "__matmul__")
 TRANSPOSE_2D = _functions(torch.t, torch.transpose, torch.permute) | _methods("t", "transpose", "permute")
 TRANSPOSE_ATTRS = ("T", "mT")
+# From torch 2.14 Dynamo records the view attributes as calls of the aten ops behind them, `w.T` as
+# `torch.ops.aten.numpy_T(w)` where 2.13 has `getattr(w, "T")`; on a 2-D weight the first two are its transpose.
+TRANSPOSE_ATTR_OPS = _functions(torch.ops.aten.numpy_T, torch.ops.aten.mT)
+VIEW_ATTR_OPS = TRANSPOSE_ATTR_OPS | _functions(torch.ops.aten.matrix_H, torch.ops.aten.mH)
 RESHAPE = _functions(torch.reshape) | _methods("view", "reshape")
 FLATTEN = _functions(torch.flatten) | _methods("flatten")
 IDENTITY_VIEW = _methods("contiguous")
@@ -293,6 +297,8 @@ def _transposed_source(node: fx.Node) -> Optional[fx.Node]:
         return None
     if node.op == "call_function" and node.target is getattr and node.args[1] in TRANSPOSE_ATTRS:
         return node.args[0]
+    if matches(node, TRANSPOSE_ATTR_OPS):
+        return node.args[0]
     if matches(node, TRANSPOSE_2D):
         src, dims = node.args[0], node.args[1:]
         if len(dims) == 1 and isinstance(dims[0], (tuple, list)):
@@ -309,7 +315,10 @@ def _transposed_source(node: fx.Node) -> Optional[fx.Node]:
 
 
 GRAD_MODE = _functions(torch._C._set_grad_enabled)
-VIEW_LIKE = RESHAPE | FLATTEN | GETITEM | IDENTITY_VIEW | TRANSPOSE_2D | _methods("expand", "narrow", "detach")
+# With VIEW_ATTR_OPS: torch 2.14's spelling of the view attributes, which are getattr nodes (followed below) before.
+VIEW_LIKE = (
+    RESHAPE | FLATTEN | GETITEM | IDENTITY_VIEW | TRANSPOSE_2D | VIEW_ATTR_OPS | _methods("expand", "narrow", "detach")
+)
 INPLACE_FUNCTIONS = _functions(
     operator.setitem, operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ipow
 )
