@@ -7,7 +7,8 @@ plain matmuls over row chunks of ``e`` and vocabulary chunks of ``c``, so at mos
     logits[n, v] = softcap * tanh((e[n] . c[v] + bias[v]) / softcap)        (no tanh without softcap)
     lse[n]       = log sum_v exp(logits[n, v])                                (online over vocab chunks)
     logit_sum[n] = sum_v logits[n, v]                                         (label smoothing only)
-    dlogits[n,v] = grad_rows[n] * (exp(logits[n, v] - lse[n]) - (1 - eps) [v == targets[n]] - eps / V)
+    dlogits[n,v] = (grad_rows[n] + grad_lse[n]) exp(logits[n, v] - lse[n]) - grad_rows[n] ((1 - eps) [v == targets[n]] + eps / V)
+                   (grad_lse: the upstream gradient of lse where it is used beyond the loss, else 0)
     draw         = dlogits * (1 - tanh^2)                                    (softcap chain rule)
     dE = draw @ c,   dC = draw^T @ e,   dbias = sum_n draw
 
@@ -100,6 +101,7 @@ def backward(
     need_c: bool,
     need_bias: bool,
     label_smoothing: float = 0.0,
+    grad_lse: Optional[Tensor] = None,
     row_chunk: int = ROW_CHUNK,
     vocab_chunk: int = VOCAB_CHUNK,
 ) -> tuple[Optional[Tensor], Optional[Tensor], Optional[Tensor]]:
@@ -114,6 +116,7 @@ def backward(
 
     e_acc = e.to(acc)
     grad_rows = grad_rows.to(acc)
+    grad_p = grad_rows if grad_lse is None else grad_rows + grad_lse.to(acc)
     bias_acc = None if bias is None else bias.to(acc)
     for v0 in range(0, vocab, vocab_chunk):
         c_block = c[v0 : v0 + vocab_chunk].to(acc)
@@ -124,16 +127,17 @@ def backward(
         for r0 in range(0, n_rows, row_chunk):
             e_rows = e_acc[r0 : r0 + row_chunk]
             logits, capped = _logits_block(e_rows, c_block, bias_block, softcap)
-            grad_logits = torch.exp(logits - lse[r0 : r0 + row_chunk, None])
+            rows_grad = grad_rows[r0 : r0 + row_chunk, None]
+            grad_logits = torch.exp(logits - lse[r0 : r0 + row_chunk, None]) * grad_p[r0 : r0 + row_chunk, None]
             if label_smoothing:
-                grad_logits -= label_smoothing / vocab
+                grad_logits -= rows_grad * (label_smoothing / vocab)
             # Subtract the one-hot with a masked scatter: no data-dependent shapes, so no device sync.
             local_targets = targets[r0 : r0 + row_chunk] - v0
             in_block = (local_targets >= 0) & (local_targets < width)
             grad_logits.scatter_add_(
-                1, local_targets.clamp(0, width - 1)[:, None], -(1.0 - label_smoothing) * in_block.to(acc)[:, None]
+                1, local_targets.clamp(0, width - 1)[:, None],
+                -(1.0 - label_smoothing) * in_block.to(acc)[:, None] * rows_grad,
             )
-            grad_logits *= grad_rows[r0 : r0 + row_chunk, None]
             if capped is not None:
                 grad_logits *= 1.0 - capped * capped
             if need_e:

@@ -35,11 +35,13 @@ def linear_cross_entropy_op(
     reduction: str,
     label_smoothing: float,
     options: str,
+    full_lse: bool,
 ) -> tuple[Tensor, Tensor]:
     """Returns ``(loss, lse)``: the reduced loss and the per-row log-sum-exp (what the backward needs).
 
     With label smoothing eps (as ``F.cross_entropy``): ``row_loss = lse - (1 - eps) * target_logit - eps / V *
-    sum_v logits``, the last sum coming out of the same forward pass."""
+    sum_v logits``, the last sum coming out of the same forward pass. ``full_lse``: the graph uses ``lse`` beyond the
+    loss (a z-loss): it is computed for every row, ignored ones included, and is differentiable."""
     diagnostics.count_execution("linear_cross_entropy")
     # Autocast already did its work on the inputs (the public wrapper casts them as F.linear would); inside,
     # the chunked path's matmuls must run in the accumulation dtype, not be downcast again.
@@ -50,7 +52,7 @@ def linear_cross_entropy_op(
         smoothing = label_smoothing != 0.0
         if _loss.uses_kernels(e.device, e.dtype) and e.shape[0] > 0:
             lse, target_logit, logit_sum = _loss.triton_kernels().forward(
-                e, c, targets, bias, softcap=softcap, ignore_index=ignore_index, logit_sum=smoothing
+                e, c, targets, bias, softcap=softcap, ignore_index=ignore_index, logit_sum=smoothing, every_row=full_lse
             )
         else:
             lse, target_logit, logit_sum = _chunked.forward(e, c, targets, bias, softcap=softcap,
@@ -64,7 +66,7 @@ def linear_cross_entropy_op(
 
 
 @linear_cross_entropy_op.register_fake
-def _(e, c, targets, bias, softcap, ignore_index, reduction, label_smoothing, options):
+def _(e, c, targets, bias, softcap, ignore_index, reduction, label_smoothing, options, full_lse):
     _loss.check_inputs(e, c, targets, bias)
     n_rows = e.shape[0]
     loss = e.new_empty((n_rows,) if reduction == "none" else (), dtype=_chunked.accumulation_dtype(e.dtype))
@@ -79,6 +81,7 @@ def linear_cross_entropy_backward_op(
     targets: Tensor,
     bias: Optional[Tensor],
     lse: Tensor,
+    grad_lse: Optional[Tensor],
     softcap: Optional[float],
     ignore_index: int,
     reduction: str,
@@ -96,21 +99,21 @@ def linear_cross_entropy_backward_op(
         if _loss.uses_kernels(e.device, e.dtype) and e.shape[0] > 0:
             grad_e, grad_c, grad_bias = _loss.triton_kernels().backward(
                 e, c, targets, bias, lse, grad_rows.float(), softcap=softcap, ignore_index=ignore_index,
-                label_smoothing=label_smoothing, options=CCEOptions.decode(options),
+                label_smoothing=label_smoothing, grad_lse=grad_lse, options=CCEOptions.decode(options),
                 need_e=need_e, need_c=need_c, need_bias=need_bias,
             )  # fmt: skip
         else:
             grad_e, grad_c, grad_bias = _chunked.backward(
                 e, c, targets, bias, lse, grad_rows, softcap=softcap, need_e=need_e, need_c=need_c, need_bias=need_bias,
-                label_smoothing=label_smoothing,
+                label_smoothing=label_smoothing, grad_lse=grad_lse,
             )
     return _loss.empty_unless(need_e, grad_e, e), _loss.empty_unless(need_c, grad_c, e), \
         _loss.empty_unless(need_bias, grad_bias, e)  # fmt: skip
 
 
 @linear_cross_entropy_backward_op.register_fake
-def _(grad_loss, e, c, targets, bias, lse, softcap, ignore_index, reduction, label_smoothing, options, need_e, need_c,
-      need_bias):  # fmt: skip
+def _(grad_loss, e, c, targets, bias, lse, grad_lse, softcap, ignore_index, reduction, label_smoothing, options,
+      need_e, need_c, need_bias):  # fmt: skip
     return _loss.grad_outputs_fake(e, c, bias, need_e, need_c, need_bias)
 
 
@@ -118,25 +121,28 @@ _FORWARD_ATTRS = ("softcap", "ignore_index", "reduction", "label_smoothing", "op
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    e, c, targets, bias, *attrs = inputs
+    e, c, targets, bias, *attrs, full_lse = inputs
     _, lse = output
     ctx.save_for_backward(e, c, targets, bias, lse)
-    ctx.mark_non_differentiable(lse)
+    if not full_lse:
+        ctx.mark_non_differentiable(lse)
+    ctx.full_lse = full_lse
     ctx.attrs = dict(zip(_FORWARD_ATTRS, attrs))
 
 
-def _backward(ctx, grad_loss, _grad_lse):
+def _backward(ctx, grad_loss, grad_lse):
     e, c, targets, bias, lse = ctx.saved_tensors
     need_e, need_c, _, need_bias = ctx.needs_input_grad[:4]
     grad_e, grad_c, grad_bias = linear_cross_entropy_backward_op(
-        grad_loss, e, c, targets, bias, lse, **ctx.attrs, need_e=need_e, need_c=need_c, need_bias=need_bias
+        grad_loss, e, c, targets, bias, lse, grad_lse if ctx.full_lse else None, **ctx.attrs,
+        need_e=need_e, need_c=need_c, need_bias=need_bias,
     )
     return (
         grad_e if need_e else None,
         grad_c if need_c else None,
         None,
         grad_bias if need_bias else None,
-    ) + (None,) * len(_FORWARD_ATTRS)
+    ) + (None,) * (len(_FORWARD_ATTRS) + 1)
 
 
 linear_cross_entropy_op.register_autograd(_backward, setup_context=_setup_context)
@@ -187,6 +193,7 @@ def linear_cross_entropy(
         reduction,
         float(label_smoothing),
         (options or CCEOptions()).encode(),
+        False,
     )
     if reduction == "none":
         loss = loss.view(targets.shape)

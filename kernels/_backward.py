@@ -10,7 +10,8 @@ g_n = grad_rows[n] (0 at ignored rows), s = the softcap's chain factor:
 
     raw[n, v] = E[n] . C[v]                                        (fp32 accumulation)
     z[n, v]   = softcap * tanh((raw + bias[v]) / softcap)          (no tanh without softcap)
-    G[n, v]   = g_n * (exp(z - lse[n]) - (1 - eps) [v == targets[n]] - eps / V) * s[n, v]     (eps: label smoothing)
+    G[n, v]   = ((g_n + h_n) exp(z - lse[n]) - g_n ((1 - eps) [v == targets[n]] + eps / V)) * s[n, v]
+                (eps: label smoothing; h_n: the upstream gradient of lse[n] where the log-sum-exp is used elsewhere)
     dE = G @ C,     dC = G^T @ E,     dbias = sum_n G[n, :]
 
 Chunking / layout
@@ -64,11 +65,11 @@ _TUNING = {
 
 @triton.jit
 def _recompute_grad_kernel(
-    E, C, Bias, Lse, GradRows, Targets, RowOrder, NumCounted, RowPoison, G, GLo,
+    E, C, Bias, Lse, GradRows, GradLse, Targets, RowOrder, NumCounted, RowPoison, G, GLo,
     n_rows, width, vocab_start, V, D,
     stride_en, stride_ed, stride_cv, stride_cd, stride_g, softcap, target_weight, uniform,
-    HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, COMPACT_G: tl.constexpr, SPLIT_G: tl.constexpr,
-    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, EVEN_D: tl.constexpr,
+    HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_LSE_GRAD: tl.constexpr, COMPACT_G: tl.constexpr,
+    SPLIT_G: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, EVEN_D: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """``G[r, c]`` of one (row chunk, vocabulary chunk) block.  Every pointer but C / Bias starts at the chunk's
@@ -101,12 +102,16 @@ def _recompute_grad_kernel(
 
     lse = tl.load(Lse + rows, mask=in_chunk, other=0.0)
     grad_row = tl.load(GradRows + rows, mask=in_chunk, other=0.0)
+    grad_p = grad_row
+    if HAS_LSE_GRAD:
+        grad_p += tl.load(GradLse + rows, mask=in_chunk, other=0.0)
     target = tl.load(Targets + rows, mask=in_chunk, other=-1)
     logits = logit_tile(
         E, C, Bias, rows, vocab_ids, D, stride_en, stride_ed, stride_cv, stride_cd, softcap,
         HAS_BIAS, HAS_SOFTCAP, UPCAST, DOT_PRECISION, EVEN_D, BLOCK_N, BLOCK_V, BLOCK_D,
     )
-    grad = softmax_grad(logits, lse, grad_row, target, vocab_start + cols, softcap, target_weight, uniform, HAS_SOFTCAP)
+    grad = softmax_grad(logits, lse, grad_p, grad_row, target, vocab_start + cols, softcap, target_weight, uniform,
+                        HAS_SOFTCAP)
     grad = tl.where((pos < num_counted)[:, None], grad, poison[:, None])
     grad_hi = grad.to(G.dtype.element_ty)
     tl.store(G + g_offs, grad_hi, mask=mask)
@@ -141,11 +146,12 @@ def _product_into(out, a, b, *, accumulate, **out_dtype):
 
 
 def backward(e, c, targets, bias, lse, grad_rows, *, softcap, ignore_index, options, need_e, need_c, need_bias,
-             label_smoothing=0.0):
+             label_smoothing=0.0, grad_lse=None):
     """Launch helper: ``(dE | None, dC | None, dbias | None)``; ``grad_rows`` fp32, 0 at ignored rows.  Rows whose
-    target is ``ignore_index`` are skipped by the recompute (and by the Triton products); a target outside
-    ``[0, V)`` (a vocabulary shard's code for "another shard's") counts, with no one-hot term.  ``options``: a
-    :class:`cce_inductor.CCEOptions` (``exact``, ``products``, ``backward_row_chunk``)."""
+    target is ``ignore_index`` are skipped by the recompute (and by the Triton products) unless ``grad_lse`` (the
+    upstream gradient of every row's lse, fp32) is given; a target outside ``[0, V)`` (a vocabulary shard's code for
+    "another shard's") counts, with no one-hot term.  ``options``: a :class:`cce_inductor.CCEOptions` (``exact``,
+    ``products``, ``backward_row_chunk``)."""
     tune = _launch.tuning(_TUNING)
     n, d = e.shape
     v = c.shape[0]
@@ -159,7 +165,7 @@ def backward(e, c, targets, bias, lse, grad_rows, *, softcap, ignore_index, opti
             dc_out.zero_()
         return de_out, dc_out, (dbias32.to(bias.dtype) if need_bias else None)
 
-    counted = targets != ignore_index
+    counted = targets != ignore_index if grad_lse is None else torch.ones_like(targets, dtype=torch.bool)
     row_chunk = min(n, options.backward_row_chunk or n)
     vocab_chunk = min(v, tune["vocab_chunk"])
     sixteen_bit = e.dtype in (torch.bfloat16, torch.float16)
@@ -182,6 +188,7 @@ def backward(e, c, targets, bias, lse, grad_rows, *, softcap, ignore_index, opti
         dc32 = torch.empty((v if n > row_chunk else vocab_chunk, d), dtype=torch.float32, device=device)
     lse = lse.contiguous()
     grad_rows = grad_rows.to(torch.float32).contiguous()
+    grad_lse = None if grad_lse is None else grad_lse.to(torch.float32).contiguous()
     targets = targets.contiguous()
     softcap_val = float(softcap) if softcap is not None else 1.0
     # 0, or NaN when any of C / bias is not finite (then every logit row holds a NaN)
@@ -209,12 +216,14 @@ def backward(e, c, targets, bias, lse, grad_rows, *, softcap, ignore_index, opti
             grad_lo = _block(g_lo_buf, rows, width) if split_g else grad
             grid = (triton.cdiv(rows, block_n), triton.cdiv(width, block_v))
             _recompute_grad_kernel[grid](
-                e_rows, c, bias if bias is not None else lse, lse[r0:], grad_rows[r0:], targets[r0:],
+                e_rows, c, bias if bias is not None else lse, lse[r0:], grad_rows[r0:],
+                (grad_rows if grad_lse is None else grad_lse)[r0:], targets[r0:],
                 row_order, num_counted, row_poison, grad, grad_lo,
                 rows, width, v0, v, d,
                 e.stride(0), e.stride(1), c.stride(0), c.stride(1), grad.stride(0), softcap_val,
                 1.0 - label_smoothing, label_smoothing / v,
-                HAS_BIAS=bias is not None, HAS_SOFTCAP=softcap is not None, COMPACT_G=triton_products,
+                HAS_BIAS=bias is not None, HAS_SOFTCAP=softcap is not None, HAS_LSE_GRAD=grad_lse is not None,
+                COMPACT_G=triton_products,
                 SPLIT_G=split_g,
                 UPCAST=_launch.upcast_dots(e.dtype), DOT_PRECISION=_launch.dot_precision(e.dtype),
                 EVEN_D=(d % block_d == 0),

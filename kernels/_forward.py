@@ -123,8 +123,16 @@ def _combine_kernel(
         tl.store(LogitSum + rows, tl.where(valid, logit_sum, 0.0), mask=in_range)
 
 
-def forward(e, c, targets, bias, *, softcap, ignore_index, logit_sum=False):
-    """Launch helper: ``(lse, target_logit, logit_sum | None)``, fp32 ``(N,)`` each; see the package docstring."""
+# An ignore_index no target equals: every row counts (a log-sum-exp used beyond the loss needs every row's).
+_EVERY_ROW = -(2**63)
+
+
+def forward(e, c, targets, bias, *, softcap, ignore_index, logit_sum=False, every_row=False):
+    """Launch helper: ``(lse, target_logit, logit_sum | None)``, fp32 ``(N,)`` each; see the package docstring.
+    ``every_row``: the rows whose target is ``ignore_index`` are computed too (their target logit is that of
+    ``ignore_index`` where it lies in ``[0, V)``, else 0)."""
+    if every_row:
+        ignore_index = _EVERY_ROW
     tune = _launch.tuning(_TUNING)
     n, d = e.shape
     v = c.shape[0]

@@ -59,18 +59,20 @@ def logit_tile(
 
 
 @triton.jit
-def softmax_grad(logits, lse, grad_row, target, vocab_ids, softcap, target_weight, uniform,
+def softmax_grad(logits, lse, grad_p, grad_row, target, vocab_ids, softcap, target_weight, uniform,
                  HAS_SOFTCAP: tl.constexpr):
     """The gradient w.r.t. the raw logits of a ``rows x cols`` tile, from its (softcapped) ``logits``:
-    ``g * (exp(logits - lse) - target_weight * [col == target] - uniform) * (1 - (logits / softcap)^2)`` (no last
-    factor without softcap).  Plain cross-entropy: ``target_weight = 1, uniform = 0``; label smoothing eps:
-    ``1 - eps`` and ``eps / V``.
+    ``(grad_p * exp(logits - lse) - g * (target_weight * [col == target] + uniform)) * (1 - (logits / softcap)^2)``
+    (no last factor without softcap), ``g = grad_row``.  Plain cross-entropy: ``grad_p = g``, ``target_weight = 1``,
+    ``uniform = 0``; label smoothing eps: ``1 - eps`` and ``eps / V``; a log-sum-exp that is also used elsewhere
+    adds its own upstream gradient to ``grad_p``.
 
-    Rows with g = 0 get 0, not g * (p - onehot): an ignored row's lse is 0 and exp(logits) may overflow to inf.
-    A NaN / inf logit still gives NaN there (``logits * 0``), as eager's log-softmax backward does."""
+    Rows with no gradient get 0, not 0 * (p - onehot): an ignored row's lse is 0 and exp(logits) may overflow to
+    inf.  A NaN / inf logit still gives NaN there (``logits * 0``), as eager's log-softmax backward does."""
     one_hot = vocab_ids[None, :] == target[:, None]
-    grad = grad_row[:, None] * (tl.exp(logits - lse[:, None]) - target_weight * one_hot.to(tl.float32) - uniform)
+    grad = grad_p[:, None] * tl.exp(logits - lse[:, None]) - grad_row[:, None] * (
+        target_weight * one_hot.to(tl.float32) + uniform)
     if HAS_SOFTCAP:
         capped = logits / softcap
         grad = grad * (1.0 - capped * capped)
-    return tl.where(grad_row[:, None] != 0.0, grad, logits * 0.0)
+    return tl.where(((grad_p != 0.0) | (grad_row != 0.0))[:, None], grad, logits * 0.0)

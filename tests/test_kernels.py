@@ -575,3 +575,26 @@ def test_label_smoothing_matches_fp64_reference(device, dtype, softcap, opts):
                        options=opts, need_e=True, need_c=True, need_bias=True, label_smoothing=eps)
     for got, ref in zip(grads, (e64.grad, c64.grad, b64.grad)):
         check_grad(got, ref, opts.exact and dtype != torch.float32)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("opts", [CCEOptions(), CCEOptions(products="triton"), CCEOptions(exact=True)],
+                         ids=["cublas", "triton_products", "exact"])
+def test_log_sum_exp_used_beyond_the_loss(device, opts):
+    """A z-loss reads every row's lse, ignored rows too (``every_row``), and its gradient h_n enters G as
+    ``(g_n + h_n) * softmax``; against fp64 autograd of ``sum(g * row_loss) + sum(h * lse)``."""
+    _device_ok(device)
+    e, c, targets, b = make_inputs(37, 150, 40, torch.bfloat16, device, ignore_frac=0.3, bias=True, seed=11)
+    lse, tgt, _ = K.forward(e, c, targets, b, softcap=15.0, ignore_index=IGNORE, every_row=True)
+    e64, c64, b64 = (x.detach().double().cpu().requires_grad_() for x in (e, c, b))
+    logits = 15.0 * torch.tanh(F.linear(e64, c64, b64) / 15.0)
+    want_lse = torch.logsumexp(logits, dim=1)
+    assert rel(lse.cpu(), want_lse.detach()) < LSE_TOL  # ignored rows included
+    grad_rows = mean_grad_rows(targets)
+    grad_lse = torch.rand(37, generator=torch.Generator().manual_seed(3)).to(device) * 2e-2
+    row_loss = F.cross_entropy(logits, targets.cpu(), ignore_index=IGNORE, reduction="none")
+    ((row_loss * grad_rows.double().cpu()).sum() + (want_lse * grad_lse.double().cpu()).sum()).backward()
+    grads = K.backward(e, c, targets, b, lse, grad_rows, softcap=15.0, ignore_index=IGNORE, options=opts,
+                       need_e=True, need_c=True, need_bias=True, grad_lse=grad_lse)
+    for got, ref in zip(grads, (e64.grad, c64.grad, b64.grad)):
+        check_grad(got, ref, opts.exact)

@@ -359,7 +359,7 @@ def test_backward_op_gradients_not_needed_are_empty_and_distinct():
     lse = torch.logsumexp(e @ c.T, dim=1)
     for need_e, need_c, need_bias in [(True, False, False), (False, True, False), (False, False, False)]:
         grads = ops.linear_cross_entropy_backward_op(
-            torch.tensor(1.0, dtype=torch.float64), e, c, t, None, lse, None, -100, "mean", 0.0, OPTIONS,
+            torch.tensor(1.0, dtype=torch.float64), e, c, t, None, lse, None, None, -100, "mean", 0.0, OPTIONS,
             need_e, need_c, need_bias,
         )
         for grad, needed, full in zip(grads, (need_e, need_c, False), (e, c, None)):
@@ -477,14 +477,14 @@ def test_autocast_does_not_change_the_op_precision():
 def test_opcheck_forward(reduction, softcap, bias):
     e, c, t, b = make_inputs((6,), 10, 4, torch.float64, bias=bias)
     args = (e.requires_grad_(), c.requires_grad_(), t, None if b is None else b.requires_grad_(),
-            softcap, -100, reduction, 0.0, OPTIONS)
+            softcap, -100, reduction, 0.0, OPTIONS, reduction == "mean")
     torch.library.opcheck(ops.linear_cross_entropy_op, args)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_opcheck_forward_low_precision(dtype):
     e, c, t, b = make_inputs((5,), 9, 4, dtype, bias=True)
-    args = (e.requires_grad_(), c.requires_grad_(), t, b, None, -100, "mean", 0.1, OPTIONS)
+    args = (e.requires_grad_(), c.requires_grad_(), t, b, None, -100, "mean", 0.1, OPTIONS, True)
     torch.library.opcheck(ops.linear_cross_entropy_op, args)
 
 
@@ -497,7 +497,8 @@ def test_opcheck_backward(needs, reduction):
     e, c, t, b = make_inputs((6,), 10, 4, torch.float64, bias=True)
     lse = torch.logsumexp(F.linear(e, c, b), dim=1)
     grad = torch.rand(6, dtype=torch.float64) if reduction == "none" else torch.tensor(0.5, dtype=torch.float64)
-    args = (grad, e, c, t, b, lse, None, -100, reduction, 0.1, OPTIONS, *needs)
+    grad_lse = torch.rand(6, dtype=torch.float64) if reduction == "none" else None
+    args = (grad, e, c, t, b, lse, grad_lse, None, -100, reduction, 0.1, OPTIONS, *needs)
     torch.library.opcheck(ops.linear_cross_entropy_backward_op, args)
 
 
@@ -505,8 +506,8 @@ def test_opcheck_backward_two_grads_not_needed():
     # Regression: see test_frozen_weight_without_bias (the same `empty` tensor returned for two outputs).
     e, c, t, _ = make_inputs((6,), 10, 4, torch.float64)
     lse = torch.logsumexp(F.linear(e, c), dim=1)
-    args = (torch.tensor(0.5, dtype=torch.float64), e, c, t, None, lse, None, -100, "mean", 0.0, OPTIONS, True, False,
-            False)
+    args = (torch.tensor(0.5, dtype=torch.float64), e, c, t, None, lse, None, None, -100, "mean", 0.0, OPTIONS, True,
+            False, False)
     torch.library.opcheck(ops.linear_cross_entropy_backward_op, args)
 
 

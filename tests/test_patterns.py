@@ -102,7 +102,7 @@ def forward(self, L_hidden_ : torch.Tensor, L_labels_ : torch.Tensor, L_weight_ 
     l_hidden_ = L_hidden_
     l_labels_ = L_labels_
     l_weight_ = L_weight_
-    linear_cross_entropy_default = torch.ops.cce_inductor.linear_cross_entropy.default(l_hidden_, l_weight_, l_labels_, None, None, -100, 'mean', 0.0, 'exact=False;products=cublas;backward_row_chunk=8192')
+    linear_cross_entropy_default = torch.ops.cce_inductor.linear_cross_entropy.default(l_hidden_, l_weight_, l_labels_, None, None, -100, 'mean', 0.0, 'exact=False;products=cublas;backward_row_chunk=8192', False)
     getitem = linear_cross_entropy_default[0]
     return (getitem,)""")
 
@@ -120,7 +120,7 @@ def forward(self, L_head_parameters_bias_ : torch.nn.parameter.Parameter, L_head
     l_head_parameters_weight_ = L_head_parameters_weight_
     l_hidden_ = L_hidden_
     l_labels_ = L_labels_
-    linear_cross_entropy_default = torch.ops.cce_inductor.linear_cross_entropy.default(l_hidden_, l_head_parameters_weight_, l_labels_, l_head_parameters_bias_, None, -100, 'mean', 0.0, 'exact=False;products=cublas;backward_row_chunk=8192')
+    linear_cross_entropy_default = torch.ops.cce_inductor.linear_cross_entropy.default(l_hidden_, l_head_parameters_weight_, l_labels_, l_head_parameters_bias_, None, -100, 'mean', 0.0, 'exact=False;products=cublas;backward_row_chunk=8192', False)
     getitem = linear_cross_entropy_default[0]
     return (getitem,)""")
 
@@ -150,7 +150,7 @@ def forward(self, L_hidden_ : torch.Tensor, L_labels_ : torch.Tensor, L_weight_ 
     l_weight_ = L_weight_
     view_1 = l_labels_.view(-1)
     reshape = l_hidden_.reshape(-1, 16)
-    linear_cross_entropy_default = torch.ops.cce_inductor.linear_cross_entropy.default(reshape, l_weight_, view_1, None, None, -100, 'mean', 0.0, 'exact=False;products=cublas;backward_row_chunk=8192')
+    linear_cross_entropy_default = torch.ops.cce_inductor.linear_cross_entropy.default(reshape, l_weight_, view_1, None, None, -100, 'mean', 0.0, 'exact=False;products=cublas;backward_row_chunk=8192', False)
     getitem = linear_cross_entropy_default[0]
     return (getitem,)""")
 
@@ -170,10 +170,10 @@ def forward(self, L_hidden_ : torch.Tensor, L_labels_ : torch.Tensor, L_weight_ 
     l_labels_ = L_labels_
     l_weight_ = L_weight_
     l_weight_t_ = L_weight_t_
-    linear_cross_entropy_default = torch.ops.cce_inductor.linear_cross_entropy.default(l_hidden_, l_weight_, l_labels_, None, None, -100, 'mean', 0.0, 'exact=False;products=cublas;backward_row_chunk=8192')
+    linear_cross_entropy_default = torch.ops.cce_inductor.linear_cross_entropy.default(l_hidden_, l_weight_, l_labels_, None, None, -100, 'mean', 0.0, 'exact=False;products=cublas;backward_row_chunk=8192', False)
     getitem = linear_cross_entropy_default[0]
     t_1 = l_weight_t_.t()
-    linear_cross_entropy_default_1 = torch.ops.cce_inductor.linear_cross_entropy.default(l_hidden_, t_1, l_labels_, None, None, -100, 'sum', 0.0, 'exact=False;products=cublas;backward_row_chunk=8192')
+    linear_cross_entropy_default_1 = torch.ops.cce_inductor.linear_cross_entropy.default(l_hidden_, t_1, l_labels_, None, None, -100, 'sum', 0.0, 'exact=False;products=cublas;backward_row_chunk=8192', False)
     getitem_1 = linear_cross_entropy_default_1[0]
     add = getitem + getitem_1
     return (add,)""")
@@ -195,7 +195,7 @@ def forward(self, L_hidden_ : torch.Tensor, L_labels_ : torch.Tensor, L_weight_ 
     float_1 = to.float()
     flatten_1 = l_labels_.flatten()
     flatten_2 = l_hidden_.flatten(0, 1)
-    linear_cross_entropy_default = torch.ops.cce_inductor.linear_cross_entropy.default(flatten_2, float_1, flatten_1, None, None, -100, 'mean', 0.0, 'exact=False;products=cublas;backward_row_chunk=8192')
+    linear_cross_entropy_default = torch.ops.cce_inductor.linear_cross_entropy.default(flatten_2, float_1, flatten_1, None, None, -100, 'mean', 0.0, 'exact=False;products=cublas;backward_row_chunk=8192', False)
     getitem = linear_cross_entropy_default[0]
     return (getitem,)""")
 
@@ -216,7 +216,7 @@ def forward(self, L_hidden_ : torch.Tensor, L_labels_ : torch.Tensor, L_weight_ 
     l_weight_ = L_weight_
     view_1 = l_labels_.view(-1)
     reshape = l_hidden_.reshape(-1, 16)
-    linear_cross_entropy_default = torch.ops.cce_inductor.linear_cross_entropy.default(reshape, l_weight_, view_1, None, None, -100, 'mean', 0.0, 'exact=False;products=cublas;backward_row_chunk=8192')
+    linear_cross_entropy_default = torch.ops.cce_inductor.linear_cross_entropy.default(reshape, l_weight_, view_1, None, None, -100, 'mean', 0.0, 'exact=False;products=cublas;backward_row_chunk=8192', False)
     getitem = linear_cross_entropy_default[0]
     return (getitem,)""")
 
@@ -233,7 +233,7 @@ def forward(self, L_hidden_ : torch.Tensor, L_labels_ : torch.Tensor, L_weight_ 
     l_hidden_ = L_hidden_
     l_labels_ = L_labels_
     l_weight_ = L_weight_
-    linear_cross_entropy_default = torch.ops.cce_inductor.linear_cross_entropy.default(l_hidden_, l_weight_, l_labels_, None, None, -100, 'mean', 0.0, 'exact=False;products=cublas;backward_row_chunk=8192')
+    linear_cross_entropy_default = torch.ops.cce_inductor.linear_cross_entropy.default(l_hidden_, l_weight_, l_labels_, None, None, -100, 'mean', 0.0, 'exact=False;products=cublas;backward_row_chunk=8192', False)
     getitem = linear_cross_entropy_default[0]
     to = getitem.to(torch.bfloat16)
     return (to,)""")
@@ -268,7 +268,7 @@ def forward(self, L_hidden_ : torch.Tensor, L_labels_ : torch.Tensor, L_weight_ 
     l_weight_ = L_weight_
     view_1 = l_labels_.view(-1)
     reshape = l_hidden_.reshape(-1, 16)
-    linear_cross_entropy_default = torch.ops.cce_inductor.linear_cross_entropy.default(reshape, l_weight_, view_1, None, 3.0, -100, 'mean', 0.0, 'exact=False;products=cublas;backward_row_chunk=8192')
+    linear_cross_entropy_default = torch.ops.cce_inductor.linear_cross_entropy.default(reshape, l_weight_, view_1, None, 3.0, -100, 'mean', 0.0, 'exact=False;products=cublas;backward_row_chunk=8192', False)
     getitem = linear_cross_entropy_default[0]
     return (getitem,)""")
 
@@ -289,7 +289,7 @@ def forward(self, L_hidden_ : torch.Tensor, L_labels_ : torch.Tensor, L_weight_ 
     l_weight_ = L_weight_
     view_1 = l_labels_.view(-1)
     reshape = l_hidden_.reshape(-1, 16)
-    linear_cross_entropy_default = torch.ops.cce_inductor.linear_cross_entropy.default(reshape, l_weight_, view_1, None, 2.5, -100, 'mean', 0.0, 'exact=False;products=cublas;backward_row_chunk=8192')
+    linear_cross_entropy_default = torch.ops.cce_inductor.linear_cross_entropy.default(reshape, l_weight_, view_1, None, 2.5, -100, 'mean', 0.0, 'exact=False;products=cublas;backward_row_chunk=8192', False)
     getitem = linear_cross_entropy_default[0]
     return (getitem,)""")
 
@@ -313,7 +313,7 @@ def forward(self, L_head_parameters_bias_ : torch.nn.parameter.Parameter, L_head
     mul_2 = l_hidden_ * 0.125
     reshape = mul_2.reshape(-1, 16)
     mul_3 = l_head_parameters_bias_ * 0.125
-    linear_cross_entropy_default = torch.ops.cce_inductor.linear_cross_entropy.default(reshape, l_head_parameters_weight_, view_1, mul_3, 3.0, -100, 'mean', 0.0, 'exact=False;products=cublas;backward_row_chunk=8192')
+    linear_cross_entropy_default = torch.ops.cce_inductor.linear_cross_entropy.default(reshape, l_head_parameters_weight_, view_1, mul_3, 3.0, -100, 'mean', 0.0, 'exact=False;products=cublas;backward_row_chunk=8192', False)
     getitem = linear_cross_entropy_default[0]
     return (getitem,)""")
 
@@ -351,7 +351,7 @@ def forward(self, L_hidden_ : torch.Tensor, L_labels_ : torch.Tensor, L_weight_ 
     view_1 = shift_labels.view(-1)
     getitem_2 = l_hidden_[(Ellipsis, slice(None, -1, None), slice(None, None, None))]
     reshape = getitem_2.reshape(-1, 16)
-    linear_cross_entropy_default = torch.ops.cce_inductor.linear_cross_entropy.default(reshape, l_weight_, view_1, None, None, -100, 'mean', 0.0, 'exact=False;products=cublas;backward_row_chunk=8192')
+    linear_cross_entropy_default = torch.ops.cce_inductor.linear_cross_entropy.default(reshape, l_weight_, view_1, None, None, -100, 'mean', 0.0, 'exact=False;products=cublas;backward_row_chunk=8192', False)
     getitem_3 = linear_cross_entropy_default[0]
     return (getitem_3,)""")
 
@@ -393,7 +393,7 @@ def forward(self, L_hidden_ : torch.Tensor, L_labels_ : torch.Tensor, L_num_item
     shift_labels = getitem.contiguous()
     view_1 = shift_labels.view(-1)
     reshape = l_hidden_.reshape(-1, 16)
-    linear_cross_entropy_default = torch.ops.cce_inductor.linear_cross_entropy.default(reshape, l_weight_, view_1, None, None, -100, 'sum', 0.0, 'exact=False;products=cublas;backward_row_chunk=8192')
+    linear_cross_entropy_default = torch.ops.cce_inductor.linear_cross_entropy.default(reshape, l_weight_, view_1, None, None, -100, 'sum', 0.0, 'exact=False;products=cublas;backward_row_chunk=8192', False)
     getitem_1 = linear_cross_entropy_default[0]
     truediv = getitem_1 / l_num_items_in_batch_
     return (truediv,)""")
@@ -416,12 +416,47 @@ def forward(self, L_hidden_ : torch.Tensor, L_labels_ : torch.Tensor, L_weight_ 
     l_weight_ = L_weight_
     view_1 = l_labels_.view(-1)
     reshape = l_hidden_.reshape(-1, 16)
-    linear_cross_entropy_default = torch.ops.cce_inductor.linear_cross_entropy.default(reshape, l_weight_, view_1, None, 4.0, 3, 'sum', 0.1, 'exact=False;products=cublas;backward_row_chunk=8192')
+    linear_cross_entropy_default = torch.ops.cce_inductor.linear_cross_entropy.default(reshape, l_weight_, view_1, None, 4.0, 3, 'sum', 0.1, 'exact=False;products=cublas;backward_row_chunk=8192', False)
     getitem = linear_cross_entropy_default[0]
     return (getitem,)""")
         for reduction, eps in (("mean", 0.25), ("none", 1.0)):
             g = lambda h, y: F.cross_entropy(F.linear(h, weight), y, label_smoothing=eps, reduction=reduction)  # noqa: E731
             self.run_pass(g, _hidden(B * T, D), _labels(B * T), params=[weight])
+
+    def test_z_loss_reuses_the_log_sum_exp(self):
+        """OLMo / PaLM's z-loss next to the cross-entropy: ``logsumexp(logits)`` is fed by the op's per-row lse
+        (every row's, ignored ones too), with its gradient; the logits are never formed."""
+        weight = _weight(V, D)
+
+        def f(hidden, labels):
+            logits = F.linear(hidden, weight).float().view(-1, V)
+            ce = F.cross_entropy(logits, labels.view(-1), ignore_index=-100)
+            z_squared = logits.logsumexp(-1).pow(2)
+            return ce + 1e-2 * (z_squared * (labels.view(-1) != -100)).mean() + 1e-3 * z_squared.mean()
+
+        cap = self.run_pass(f, _hidden(B, T, D), _labels(B, T), params=[weight])
+        self.assertExpectedInline(cap.after[0], """\
+def forward(self, L_hidden_ : torch.Tensor, L_labels_ : torch.Tensor, L_weight_ : torch.Tensor):
+    l_hidden_ = L_hidden_
+    l_labels_ = L_labels_
+    l_weight_ = L_weight_
+    view_1 = l_labels_.view(-1)
+    reshape = l_hidden_.reshape(-1, 16)
+    linear_cross_entropy_default = torch.ops.cce_inductor.linear_cross_entropy.default(reshape, l_weight_, view_1, None, None, -100, 'mean', 0.0, 'exact=False;products=cublas;backward_row_chunk=8192', True)
+    getitem = linear_cross_entropy_default[1]
+    getitem_1 = linear_cross_entropy_default[0]
+    z_squared = getitem.pow(2)
+    view_2 = l_labels_.view(-1)
+    ne = view_2 != -100
+    mul = z_squared * ne
+    mean = mul.mean()
+    mul_1 = 0.01 * mean
+    add = getitem_1 + mul_1
+    mean_1 = z_squared.mean()
+    mul_2 = 0.001 * mean_1
+    add_1 = add + mul_2
+    return (add_1,)""")
+        self.assertIn("log-sum-exp reused", cce_inductor.stats()["sites"][0]["reason"])
 
     def test_ignore_index_inside_vocabulary(self):
         weight = _weight(V, D)
@@ -437,7 +472,7 @@ def forward(self, L_hidden_ : torch.Tensor, L_labels_ : torch.Tensor, L_weight_ 
     l_hidden_ = L_hidden_
     l_labels_ = L_labels_
     l_weight_ = L_weight_
-    linear_cross_entropy_default = torch.ops.cce_inductor.linear_cross_entropy.default(l_hidden_, l_weight_, l_labels_, None, None, 0, 'mean', 0.0, 'exact=False;products=cublas;backward_row_chunk=8192')
+    linear_cross_entropy_default = torch.ops.cce_inductor.linear_cross_entropy.default(l_hidden_, l_weight_, l_labels_, None, None, 0, 'mean', 0.0, 'exact=False;products=cublas;backward_row_chunk=8192', False)
     getitem = linear_cross_entropy_default[0]
     return (getitem,)""")
 
@@ -457,7 +492,7 @@ def forward(self, L_head_parameters_bias_ : torch.nn.parameter.Parameter, L_head
     l_labels_ = L_labels_
     view_1 = l_labels_.view(-1)
     reshape = l_hidden_.reshape(-1, 16)
-    linear_cross_entropy_default = torch.ops.cce_inductor.linear_cross_entropy.default(reshape, l_head_parameters_weight_, view_1, l_head_parameters_bias_, None, -100, 'none', 0.0, 'exact=False;products=cublas;backward_row_chunk=8192')
+    linear_cross_entropy_default = torch.ops.cce_inductor.linear_cross_entropy.default(reshape, l_head_parameters_weight_, view_1, l_head_parameters_bias_, None, -100, 'none', 0.0, 'exact=False;products=cublas;backward_row_chunk=8192', False)
     getitem = linear_cross_entropy_default[0]
     view_2 = getitem.view(2, 5)
     sum_1 = view_2.sum(dim = 1)
@@ -491,11 +526,11 @@ def forward(self, L_heads_modules_0_parameters_weight_ : torch.nn.parameter.Para
     l_heads_modules_2_parameters_weight_ = L_heads_modules_2_parameters_weight_
     l_hidden_ = L_hidden_
     l_labels_ = L_labels_
-    linear_cross_entropy_default = torch.ops.cce_inductor.linear_cross_entropy.default(l_hidden_, l_heads_modules_0_parameters_weight_, l_labels_, None, None, -100, 'mean', 0.0, 'exact=False;products=cublas;backward_row_chunk=8192')
+    linear_cross_entropy_default = torch.ops.cce_inductor.linear_cross_entropy.default(l_hidden_, l_heads_modules_0_parameters_weight_, l_labels_, None, None, -100, 'mean', 0.0, 'exact=False;products=cublas;backward_row_chunk=8192', False)
     getitem = linear_cross_entropy_default[0]
-    linear_cross_entropy_default_1 = torch.ops.cce_inductor.linear_cross_entropy.default(l_hidden_, l_heads_modules_1_parameters_weight_, l_labels_, None, None, -100, 'mean', 0.0, 'exact=False;products=cublas;backward_row_chunk=8192')
+    linear_cross_entropy_default_1 = torch.ops.cce_inductor.linear_cross_entropy.default(l_hidden_, l_heads_modules_1_parameters_weight_, l_labels_, None, None, -100, 'mean', 0.0, 'exact=False;products=cublas;backward_row_chunk=8192', False)
     getitem_1 = linear_cross_entropy_default_1[0]
-    linear_cross_entropy_default_2 = torch.ops.cce_inductor.linear_cross_entropy.default(l_hidden_, l_heads_modules_2_parameters_weight_, l_labels_, None, None, -100, 'mean', 0.0, 'exact=False;products=cublas;backward_row_chunk=8192')
+    linear_cross_entropy_default_2 = torch.ops.cce_inductor.linear_cross_entropy.default(l_hidden_, l_heads_modules_2_parameters_weight_, l_labels_, None, None, -100, 'mean', 0.0, 'exact=False;products=cublas;backward_row_chunk=8192', False)
     getitem_2 = linear_cross_entropy_default_2[0]
     value = 0 + getitem
     value_1 = value + getitem_1
@@ -545,7 +580,7 @@ def forward(self, L_hidden_ : torch.Tensor, L_labels_ : torch.Tensor, L_weight_ 
     l_weight_ = L_weight_
     view_1 = l_labels_.view(-1)
     reshape = l_hidden_.reshape(-1, 16)
-    linear_cross_entropy_default = torch.ops.cce_inductor.linear_cross_entropy.default(reshape, l_weight_, view_1, None, None, -100, 'mean', 0.0, 'exact=False;products=cublas;backward_row_chunk=8192')
+    linear_cross_entropy_default = torch.ops.cce_inductor.linear_cross_entropy.default(reshape, l_weight_, view_1, None, None, -100, 'mean', 0.0, 'exact=False;products=cublas;backward_row_chunk=8192', False)
     getitem = linear_cross_entropy_default[0]
     empty = torch.empty((0,), dtype = torch.float32, device = device(type='cpu'))
     return (getitem, empty)""")

@@ -19,11 +19,14 @@ in any order)::
                    \\                /
                  cross_entropy(logits2d, targets, ignore_index=i, reduction=r, label_smoothing=eps)   [weight=None]
 
+                 [logsumexp(logits2d, -1), after the cross_entropy: a z-loss, logging]
+
 is replaced by::
 
     rows = <the same row views replayed on hidden * k, with D in place of V>       (M, D)
-    loss = cce_inductor::linear_cross_entropy(rows, weight, targets, bias, cap, i, r, eps, options.encode())[0]
-    loss = loss.to(<dtype cross_entropy returned>)
+    fused = cce_inductor::linear_cross_entropy(rows, weight, targets, bias, cap, i, r, eps, options.encode(), full_lse)
+    loss = fused[0].to(<dtype cross_entropy returned>)
+    lse = fused[1].to(<dtype logsumexp returned>)          (only with logsumexp users: full_lse, every row's lse)
 
 Every ``cross_entropy`` that is not rewritten gets a reason in :func:`cce_inductor.stats` and the
 ``cce_inductor`` log. The tables below are the whole vocabulary of the matcher. Sites on DTensors belong to
@@ -75,6 +78,7 @@ GETITEM = _functions(operator.getitem)
 TO_DTYPE = _methods("to", "type")
 DTYPE_METHODS = {"float": torch.float32, "double": torch.float64, "half": torch.float16, "bfloat16": torch.bfloat16}
 TANH = _functions(torch.tanh, F.tanh) | _methods("tanh")
+LOGSUMEXP = _functions(torch.logsumexp) | _methods("logsumexp")
 MUL = _functions(operator.mul, torch.mul) | _methods("mul")
 DIV = _functions(operator.truediv, torch.div, torch.true_divide) | _methods("div", "true_divide")
 
@@ -134,6 +138,7 @@ class Site:
     label_smoothing: float
     chain: list[fx.Node]  # head ... cross_entropy input, forward order
     escaping: list[fx.Node]  # chain nodes that are also graph outputs
+    lse_users: list[fx.Node]  # logsumexp(cross_entropy input, -1) nodes: fed by the op's lse
 
 
 def _short(node: fx.Node) -> str:
@@ -468,12 +473,17 @@ def match_site(ce: fx.Node) -> Site:
         raise NoMatch("a constant logit scale on fp16 logits cannot be folded safely")
     _check_nothing_in_between(head, ce, protected=[hidden, weight] + ([bias] if bias is not None else []))
 
-    # The chain must be private to this loss, except for being returned from the graph (HF returns logits).
+    # The chain must be private to this loss, except for being returned from the graph (HF returns logits) and for
+    # a log-sum-exp of the loss's own logits (a z-loss), which the op computes anyway.
     chain.reverse()
     escaping = []
+    lse_users = [user for user in logits2d.users if _is_row_logsumexp(user, logits2d)]
+    position = {node: i for i, node in enumerate(ce.graph.nodes)}
+    if any(position[user] < position[ce] for user in lse_users):
+        raise NoMatch("logsumexp of the logits comes before the cross_entropy (only the other order is matched)")
     for i, node in enumerate(chain):
         consumer = chain[i + 1] if i + 1 < len(chain) else ce
-        others = [user for user in node.users if user is not consumer]
+        others = [user for user in node.users if user is not consumer and user not in lse_users]
         if any(user.op != "output" for user in others):
             names = ", ".join(_short(user) for user in others if user.op != "output")
             raise NoMatch(f"the logits ({node.name}) are also used by {names}, not only by the loss")
@@ -497,7 +507,17 @@ def match_site(ce: fx.Node) -> Site:
         label_smoothing=label_smoothing,
         chain=chain,
         escaping=escaping,
+        lse_users=lse_users,
     )
+
+
+def _is_row_logsumexp(node: fx.Node, logits2d: fx.Node) -> bool:
+    """``logsumexp(logits2d, -1)`` (or dim 1, or ``[-1]``; keepdim False): one value per row of the loss."""
+    if not matches(node, LOGSUMEXP) or _arg(node, 0, "input") is not logits2d or _arg(node, 2, "keepdim", False):
+        return False
+    dim = _arg(node, 1, "dim")
+    dims = tuple(dim) if isinstance(dim, (list, tuple)) else (dim,)
+    return len(dims) == 1 and dims[0] in (-1, 1)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -576,8 +596,15 @@ def _fused_loss(options: CCEOptions) -> EmitLoss:
         fused = graph.call_function(
             torch.ops.cce_inductor.linear_cross_entropy.default,
             (rows, weight, targets, bias, site.softcap, site.ignore_index, site.reduction, site.label_smoothing,
-             options.encode()),
+             options.encode(), bool(site.lse_users)),
         )
+        lse_dtype = torch.float64 if site.compute_dtype == torch.float64 else torch.float32
+        for user in site.lse_users:
+            lse = graph.call_function(operator.getitem, (fused, 1))
+            if example_value(user).dtype != lse_dtype:
+                lse = graph.call_method("to", (lse, example_value(user).dtype))
+            user.replace_all_uses_with(lse)
+            graph.erase_node(user)
         return graph.call_function(operator.getitem, (fused, 0))
 
     return emit
@@ -595,6 +622,8 @@ def describe_site(site: Site) -> str:
     parts.append(f"ignore_index={site.ignore_index}")
     if site.label_smoothing:
         parts.append(f"label_smoothing={site.label_smoothing:g}")
+    if site.lse_users:
+        parts.append("log-sum-exp reused")
     if site.escaping:
         parts.append("logits dropped from the outputs")
     return ", ".join(parts)

@@ -81,6 +81,8 @@ def _tensor_parallel_reason(site: lce.Site) -> Optional[str]:
         return "the logits escape the compiled region"
     if site.label_smoothing:
         return "label smoothing (the vocabulary-parallel loss has none)"
+    if site.lse_users:
+        return "the log-sum-exp is used beyond the loss (the vocabulary-parallel loss does not return it)"
     return None
 
 
