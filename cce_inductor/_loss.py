@@ -1,7 +1,7 @@
 """What the fused op and the vocabulary-parallel loss share around the kernels: argument checks, the choice of
 kernels or chunked path, the reduction and its gradient per row.
 
-    row_loss[n] = lse[n] - target_logit[n]   (0 where targets[n] == ignore_index)
+    row_loss[n] = lse[n] - target_logit[n]   (0 where targets[n] == ignore_index; label smoothing: ops.py)
     loss        = row_loss | sum(row_loss) | sum(row_loss) / #valid        ("none" | "sum" | "mean")
     grad_rows   = d loss / d row_loss          (0 at ignored rows)
 """

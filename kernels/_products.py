@@ -1,7 +1,7 @@
 """Gradient products of the dense backward over compacted rows: dE and dC of one G block, in Triton, sized by
 a device-side row count.  Chosen by the option ``products="triton"``, not the default: see below.
 
-The dense backward (``_backward_dense``) holds the softmax gradient of one (row chunk x vocabulary chunk)
+The backward (``_backward``) holds the softmax gradient of one (row chunk x vocabulary chunk)
 block, G, with the chunk's rows in *compacted* order: position p of G is local row ``row_order[p]``, and the
 ``num_counted`` rows that count (target not ignored) come first.  Vendor-BLAS products must be sized on the
 host, so they multiply the ignored rows' zeros too; these kernels read ``num_counted`` on the device and skip

@@ -7,7 +7,7 @@ import re
 import torch
 
 from cce_inductor import _compat
-from cce_inductor.fx_passes.linear_cross_entropy import rewrite_linear_cross_entropy
+from cce_inductor.fx_passes import rewrite_graph
 from cce_inductor.options import CCEOptions
 
 
@@ -68,7 +68,7 @@ class PassCapture:
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs):
         self.before.append(graph_code(gm))
-        self.rewrites.append(rewrite_linear_cross_entropy(gm.graph, self.options))
+        self.rewrites.append(rewrite_graph(gm.graph, self.options))
         gm.recompile()
         self.after.append(graph_code(gm))
         return gm.forward

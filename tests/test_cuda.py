@@ -13,7 +13,7 @@ Run on a GPU machine (skipped elsewhere):
 
 Tolerances (each comparison is against eager PyTorch on the same device and inputs):
 
-* fp32 (``FP32``): the kernels use IEEE fp32 products (no TF32, ``kernels/_config.py: dot_precision``) and
+* fp32 (``FP32``): the kernels use IEEE fp32 products (no TF32, ``kernels/_launch.py: dot_precision``) and
   cuBLAS runs fp32 matmuls in fp32 by default; what is left is summation order and atomics, ~1e-6 relative,
   so 1e-4 on the loss and 1e-4 relative L2 on the gradients leaves two orders of magnitude of margin.
 * bf16 (``BF16``): eager rounds the logits (and, without an upcast, the loss) to bf16 (8 bits of mantissa,

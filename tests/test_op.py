@@ -620,19 +620,22 @@ def test_chunked_matches_unchunked(row_chunk, vocab_chunk, softcap):
     e, c, t, b = make_inputs((23,), 37, 6, torch.float64, bias=True)
     big = dict(row_chunk=10**6, vocab_chunk=10**6)
     small = dict(row_chunk=row_chunk, vocab_chunk=vocab_chunk)
-    lse_ref, tl_ref = _chunked.forward(e, c, t, b, softcap=softcap, ignore_index=-100, **big)
-    lse, tl = _chunked.forward(e, c, t, b, softcap=softcap, ignore_index=-100, **small)
+    lse_ref, tl_ref, sum_ref = _chunked.forward(e, c, t, b, softcap=softcap, ignore_index=-100, logit_sum=True, **big)
+    lse, tl, logit_sum = _chunked.forward(e, c, t, b, softcap=softcap, ignore_index=-100, logit_sum=True, **small)
     valid = t != -100
     torch.testing.assert_close(lse, lse_ref, rtol=1e-13, atol=1e-13)
     torch.testing.assert_close(tl[valid], tl_ref[valid], rtol=1e-13, atol=1e-13)
+    torch.testing.assert_close(logit_sum, sum_ref, rtol=1e-12, atol=1e-12)
     # and the single block is right
     logits = F.linear(e, c, b)
     if softcap is not None:
         logits = torch.tanh(logits / softcap) * softcap
     torch.testing.assert_close(lse_ref, torch.logsumexp(logits, 1), rtol=1e-13, atol=1e-13)
+    torch.testing.assert_close(sum_ref, logits.sum(1), rtol=1e-12, atol=1e-12)
 
     grad_rows = torch.where(valid, torch.rand(23, dtype=torch.float64), 0.0)
-    kw = dict(softcap=softcap, need_e=True, need_c=True, need_bias=True)
+    grad_lse = torch.rand(23, dtype=torch.float64)  # a z-loss's, also at ignored rows
+    kw = dict(softcap=softcap, need_e=True, need_c=True, need_bias=True, label_smoothing=0.1, grad_lse=grad_lse)
     ref = _chunked.backward(e, c, t, b, lse_ref, grad_rows, **kw, **big)
     got = _chunked.backward(e, c, t, b, lse, grad_rows, **kw, **small)
     for x, y in zip(got, ref):

@@ -458,6 +458,71 @@ def forward(self, L_hidden_ : torch.Tensor, L_labels_ : torch.Tensor, L_weight_ 
     return (add_1,)""")
         self.assertIn("log-sum-exp reused", cce_inductor.stats()["sites"][0]["reason"])
 
+    def test_grpo_token_log_probs(self):
+        """GRPO / PPO: log-probabilities of the sampled tokens after a temperature, then ratios against detached
+        old log-probabilities, clipping, advantages and a mask; a token's log-probability is minus its
+        cross-entropy, so the op computes it without the logits."""
+        weight = _weight(V, D)
+
+        def f(hidden, ids, old_logps, advantages, mask):
+            logits = F.linear(hidden, weight)[:, :-1, :]
+            logits = logits / 0.7
+            logps = torch.gather(logits.log_softmax(-1), dim=-1, index=ids[:, 1:].unsqueeze(-1)).squeeze(-1)
+            ratio = torch.exp(logps - old_logps)
+            clipped = torch.clamp(ratio, 0.8, 1.2)
+            per_token = -torch.min(ratio * advantages[:, None], clipped * advantages[:, None])
+            return (per_token * mask).sum() / mask.sum()
+
+        ids = torch.randint(0, V, (B, T))
+        old_logps = -torch.rand(B, T - 1) * 4
+        mask = (torch.rand(B, T - 1) < 0.7).float()
+        cap = self.run_pass(f, _hidden(B, T, D), ids, old_logps, torch.randn(B), mask, params=[weight])
+        self.assertExpectedInline(cap.after[0], """\
+def forward(self, L_advantages_ : torch.Tensor, L_hidden_ : torch.Tensor, L_ids_ : torch.Tensor, L_mask_ : torch.Tensor, L_old_logps_ : torch.Tensor, L_weight_ : torch.Tensor):
+    l_advantages_ = L_advantages_
+    l_hidden_ = L_hidden_
+    l_ids_ = L_ids_
+    l_mask_ = L_mask_
+    l_old_logps_ = L_old_logps_
+    l_weight_ = L_weight_
+    getitem_1 = l_ids_[(slice(None, None, None), slice(1, None, None))]
+    unsqueeze = getitem_1.unsqueeze(-1)
+    mul_3 = l_hidden_ * 1.4285714285714286
+    getitem_4 = mul_3[(slice(None, None, None), slice(None, -1, None), slice(None, None, None))]
+    squeeze_1 = unsqueeze.squeeze(-1)
+    flatten = getitem_4.flatten(0, -2)
+    flatten_1 = squeeze_1.flatten()
+    linear_cross_entropy_default = torch.ops.cce_inductor.linear_cross_entropy.default(flatten, l_weight_, flatten_1, None, None, -9223372036854775808, 'none', 0.0, 'exact=False;products=cublas;backward_row_chunk=8192', False)
+    getitem_5 = linear_cross_entropy_default[0]
+    neg_1 = -getitem_5
+    view_as = neg_1.view_as(squeeze_1)
+    sub = view_as - l_old_logps_
+    ratio = torch.exp(sub)
+    clipped = torch.clamp(ratio, 0.8, 1.2)
+    getitem_2 = l_advantages_[(slice(None, None, None), None)]
+    mul = ratio * getitem_2
+    getitem_3 = l_advantages_[(slice(None, None, None), None)]
+    mul_1 = clipped * getitem_3
+    min_1 = torch.min(mul, mul_1)
+    per_token = -min_1
+    mul_2 = per_token * l_mask_
+    sum_1 = mul_2.sum()
+    sum_2 = l_mask_.sum()
+    truediv_1 = sum_1 / sum_2
+    return (truediv_1,)""")
+        self.assertIn("token log-probs", cce_inductor.stats()["sites"][0]["reason"])
+
+    def test_openrlhf_log_probs_from_logits(self):
+        """OpenRLHF's form: bf16 head, upcast, F.log_softmax, .gather(dim=-1, ...), no squeeze."""
+        weight = torch.randn(V, D, dtype=torch.bfloat16, requires_grad=True)
+
+        def f(hidden, labels):
+            log_probs = F.log_softmax(F.linear(hidden, weight).float(), dim=-1)
+            return log_probs.gather(dim=-1, index=labels.unsqueeze(-1)) * 0.5
+
+        hidden = torch.randn(B, T, D, dtype=torch.bfloat16, requires_grad=True)
+        self.run_pass(f, hidden, torch.randint(0, V, (B, T)), params=[weight], atol=1e-2, rtol=1e-2)
+
     def test_ignore_index_inside_vocabulary(self):
         weight = _weight(V, D)
 
@@ -600,6 +665,18 @@ class TestRefusals(PatternTestCase):
         self.assertEqual(len(reasons), 1, reasons)
         self.assertIn(reason, next(iter(reasons)))
         return next(iter(reasons))
+
+    def test_token_log_probs_with_an_entropy_bonus(self):
+        weight = _weight(V, D)
+
+        def f(hidden, ids):
+            logits = F.linear(hidden, weight)
+            logps = logits.log_softmax(-1).gather(-1, ids.unsqueeze(-1)).squeeze(-1)
+            entropy = -(logits.softmax(-1) * logits.log_softmax(-1)).sum(-1)
+            return (logps + 0.01 * entropy).mean()
+
+        reason = self.assert_refused(f, _hidden(B, T, D), torch.randint(0, V, (B, T)), reason="token log-probs")
+        self.assertIn("are also used by", reason)
 
     def test_class_weights(self):
         weight, class_weight = _weight(V, D), torch.rand(V)

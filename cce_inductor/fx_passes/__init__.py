@@ -2,7 +2,8 @@
 
 * ``linear_cross_entropy.py``: ``linear -> [softcap] -> cross_entropy`` on plain tensors -> the fused op; its
   ``match_site`` / ``replace_site`` are shared by the other passes;
-* ``tensor_parallel.py``: the same site on a vocabulary-sharded DTensor head -> the vocabulary-parallel loss.
+* ``tensor_parallel.py``: the same site on a vocabulary-sharded DTensor head -> the vocabulary-parallel loss;
+* ``token_log_probs.py``: ``log_softmax(logits).gather(-1, ids)`` (RL's per-token log-probabilities) -> the op.
 
 :func:`rewrite_graph` runs them all on one graph (what ``CCEGraphPass`` calls).
 """
@@ -15,11 +16,16 @@ from .. import diagnostics
 from ..options import CCEOptions
 from .linear_cross_entropy import rewrite_linear_cross_entropy
 from .tensor_parallel import rewrite_tensor_parallel_sites
+from .token_log_probs import rewrite_token_log_probs
 
-__all__ = ["rewrite_graph", "rewrite_linear_cross_entropy", "rewrite_tensor_parallel_sites"]
+__all__ = ["rewrite_graph", "rewrite_linear_cross_entropy", "rewrite_tensor_parallel_sites", "rewrite_token_log_probs"]
 
 
 def rewrite_graph(graph: fx.Graph, options: CCEOptions) -> int:
     """Every rewrite of cce_inductor on ``graph`` (DTensor sites first); returns the number of sites rewritten."""
     graph_id = diagnostics.new_graph()
-    return rewrite_tensor_parallel_sites(graph, options, graph_id) + rewrite_linear_cross_entropy(graph, options, graph_id)
+    return (
+        rewrite_tensor_parallel_sites(graph, options, graph_id)
+        + rewrite_linear_cross_entropy(graph, options, graph_id)
+        + rewrite_token_log_probs(graph, options, graph_id)
+    )

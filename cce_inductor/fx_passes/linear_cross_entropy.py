@@ -54,33 +54,33 @@ from ..options import CCEOptions
 # --------------------------------------------------------------------------------------------------------------
 
 
-def _functions(*targets) -> set:
+def functions(*targets) -> set:
     return {("call_function", t) for t in targets}
 
 
-def _methods(*names) -> set:
+def methods(*names) -> set:
     return {("call_method", n) for n in names}
 
 
-CROSS_ENTROPY = _functions(F.cross_entropy)
-LINEAR = _functions(F.linear, torch._C._nn.linear)
-MATMUL = _functions(operator.matmul, torch.matmul, torch.mm) | _methods("matmul", "mm", "__matmul__")
-TRANSPOSE_2D = _functions(torch.t, torch.transpose, torch.permute) | _methods("t", "transpose", "permute")
+CROSS_ENTROPY = functions(F.cross_entropy)
+LINEAR = functions(F.linear, torch._C._nn.linear)
+MATMUL = functions(operator.matmul, torch.matmul, torch.mm) | methods("matmul", "mm", "__matmul__")
+TRANSPOSE_2D = functions(torch.t, torch.transpose, torch.permute) | methods("t", "transpose", "permute")
 TRANSPOSE_ATTRS = ("T", "mT")
 # From torch 2.14 Dynamo records the view attributes as calls of the aten ops behind them, `w.T` as
 # `torch.ops.aten.numpy_T(w)` where 2.13 has `getattr(w, "T")`; on a 2-D weight the first two are its transpose.
-TRANSPOSE_ATTR_OPS = _functions(torch.ops.aten.numpy_T, torch.ops.aten.mT)
-VIEW_ATTR_OPS = TRANSPOSE_ATTR_OPS | _functions(torch.ops.aten.matrix_H, torch.ops.aten.mH)
-RESHAPE = _functions(torch.reshape) | _methods("view", "reshape")
-FLATTEN = _functions(torch.flatten) | _methods("flatten")
-IDENTITY_VIEW = _methods("contiguous")
-GETITEM = _functions(operator.getitem)
-TO_DTYPE = _methods("to", "type")
+TRANSPOSE_ATTR_OPS = functions(torch.ops.aten.numpy_T, torch.ops.aten.mT)
+VIEW_ATTR_OPS = TRANSPOSE_ATTR_OPS | functions(torch.ops.aten.matrix_H, torch.ops.aten.mH)
+RESHAPE = functions(torch.reshape) | methods("view", "reshape")
+FLATTEN = functions(torch.flatten) | methods("flatten")
+IDENTITY_VIEW = methods("contiguous")
+GETITEM = functions(operator.getitem)
+TO_DTYPE = methods("to", "type")
 DTYPE_METHODS = {"float": torch.float32, "double": torch.float64, "half": torch.float16, "bfloat16": torch.bfloat16}
-TANH = _functions(torch.tanh, F.tanh) | _methods("tanh")
-LOGSUMEXP = _functions(torch.logsumexp) | _methods("logsumexp")
-MUL = _functions(operator.mul, torch.mul) | _methods("mul")
-DIV = _functions(operator.truediv, torch.div, torch.true_divide) | _methods("div", "true_divide")
+TANH = functions(torch.tanh, F.tanh) | methods("tanh")
+LOGSUMEXP = functions(torch.logsumexp) | methods("logsumexp")
+MUL = functions(operator.mul, torch.mul) | methods("mul")
+DIV = functions(operator.truediv, torch.div, torch.true_divide) | methods("div", "true_divide")
 
 SUPPORTED_DEVICES = ("cpu", "cuda")
 _CE_SIGNATURE = inspect.signature(F.cross_entropy)
@@ -217,7 +217,7 @@ def _reshape_shape(node: fx.Node) -> list:
     return list(args)
 
 
-def _arg(node: fx.Node, index: int, name: str, default: Any = None) -> Any:
+def call_arg(node: fx.Node, index: int, name: str, default: Any = None) -> Any:
     """Argument ``index`` (positional) or ``name`` (keyword) of a call; builtins have no inspectable signature."""
     if len(node.args) > index:
         return node.args[index]
@@ -241,8 +241,8 @@ def _row_step(node: fx.Node, vocab) -> RowStep:
             raise NoMatch(f"{node.name} has two inferred dimensions")
         return RowStep("reshape", tuple(shape[:-1]))
     if matches(node, FLATTEN):
-        start = _normalize_dim(_arg(node, 1, "start_dim", 0), src.dim())
-        end = _normalize_dim(_arg(node, 2, "end_dim", -1), src.dim())
+        start = _normalize_dim(call_arg(node, 1, "start_dim", 0), src.dim())
+        end = _normalize_dim(call_arg(node, 2, "end_dim", -1), src.dim())
         if end >= src.dim() - 1:
             raise NoMatch(f"{node.name} flattens the vocabulary dimension into the rows")
         return RowStep("flatten", (start, end))
@@ -276,13 +276,13 @@ def _upcast_target(node: fx.Node) -> Optional[torch.dtype]:
 def _match_head(node: fx.Node) -> tuple[fx.Node, fx.Node, bool, Optional[fx.Node]]:
     """(hidden, weight, weight_is_transposed, bias) of the linear layer producing ``node``."""
     if matches(node, LINEAR):
-        bias = _arg(node, 2, "bias")
+        bias = call_arg(node, 2, "bias")
         if bias is not None and not isinstance(bias, fx.Node):
             raise NoMatch(f"{node.name} has a non-tensor bias")
-        return _arg(node, 0, "input"), _arg(node, 1, "weight"), False, bias
+        return call_arg(node, 0, "input"), call_arg(node, 1, "weight"), False, bias
     if matches(node, MATMUL):
         hidden = node.args[0]
-        rhs = _arg(node, 1, "other")
+        rhs = call_arg(node, 1, "other")
         rhs_meta = example_value(rhs)
         if not isinstance(rhs_meta, torch.Tensor) or rhs_meta.dim() != 2:
             raise NoMatch(f"{node.name} multiplies by a {getattr(rhs_meta, 'dim', lambda: '?')()}-D tensor, not a weight matrix")
@@ -319,12 +319,12 @@ def _transposed_source(node: fx.Node) -> Optional[fx.Node]:
     return None
 
 
-GRAD_MODE = _functions(torch._C._set_grad_enabled)
+GRAD_MODE = functions(torch._C._set_grad_enabled)
 # With VIEW_ATTR_OPS: torch 2.14's spelling of the view attributes, which are getattr nodes (followed below) before.
 VIEW_LIKE = (
-    RESHAPE | FLATTEN | GETITEM | IDENTITY_VIEW | TRANSPOSE_2D | VIEW_ATTR_OPS | _methods("expand", "narrow", "detach")
+    RESHAPE | FLATTEN | GETITEM | IDENTITY_VIEW | TRANSPOSE_2D | VIEW_ATTR_OPS | methods("expand", "narrow", "detach")
 )
-INPLACE_FUNCTIONS = _functions(
+INPLACE_FUNCTIONS = functions(
     operator.setitem, operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ipow
 )
 
@@ -379,46 +379,38 @@ def _check_nothing_in_between(head: fx.Node, ce: fx.Node, protected: list) -> No
         raise NoMatch("the head runs under torch.no_grad but the loss does not")
 
 
-def match_site(ce: fx.Node) -> Site:
-    """Match the chain feeding one cross_entropy call, or raise NoMatch with the reason."""
-    bound = _CE_SIGNATURE.bind(*ce.args, **ce.kwargs)
-    bound.apply_defaults()
-    args = bound.arguments
-    if args["weight"] is not None:
-        raise NoMatch("cross_entropy has class weights (weight=...)")
-    label_smoothing = _const_float(args["label_smoothing"])
-    if label_smoothing is None or not 0.0 <= label_smoothing <= 1.0:
-        raise NoMatch(f"label_smoothing={args['label_smoothing']!r} is not a constant in [0, 1]")
-    if args["size_average"] is not None or args["reduce"] is not None:
-        raise NoMatch("cross_entropy uses the deprecated size_average/reduce arguments")
-    if not isinstance(args["ignore_index"], int) or not isinstance(args["reduction"], str):
-        raise NoMatch("ignore_index or reduction is not a constant")
-    if args["reduction"] not in _loss.REDUCTIONS:
-        raise NoMatch(f"unknown reduction {args['reduction']!r}")
-    logits2d, targets = args["input"], args["target"]
-    logits_meta, targets_meta = example_value(logits2d), example_value(targets)
-    if not isinstance(logits_meta, torch.Tensor) or not isinstance(targets_meta, torch.Tensor):
-        raise NoMatch("cross_entropy input or target is not a tensor")
-    if targets_meta.dtype.is_floating_point:
-        raise NoMatch("cross_entropy has probability (floating-point) targets")
-    if targets_meta.dtype != torch.int64:
-        raise NoMatch(f"targets are {targets_meta.dtype}, not int64 (eager cross_entropy rejects them)")
-    if logits_meta.dim() != 2 or targets_meta.dim() != 1:
-        raise NoMatch(
-            f"cross_entropy input is {logits_meta.dim()}-D and target {targets_meta.dim()}-D; "
-            "only (N, V) logits with (N,) class targets are matched"
-        )
-    vocab = logits_meta.shape[-1]
+@dataclasses.dataclass
+class Logits:
+    """The head and everything between it and the node a loss reads (row views, upcasts, scale, softcap)."""
 
-    chain: list[fx.Node] = []  # cross_entropy input ... head, backwards
+    head: fx.Node
+    hidden: fx.Node
+    weight: fx.Node
+    weight_is_transposed: bool
+    bias: Optional[fx.Node]
+    compute_dtype: torch.dtype
+    row_steps: list[RowStep]
+    softcap: Optional[float]
+    scale: float
+    chain: list[fx.Node]  # head ... the node the loss reads, forward order
+
+    def fields(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+
+def walk_logits(logits: fx.Node, consumer: fx.Node) -> Logits:
+    """Walk back from ``logits`` (what ``consumer``, a loss, reads) to the linear head, or raise NoMatch."""
+    logits_meta = example_value(logits)
+    vocab = logits_meta.shape[-1]
+    chain: list[fx.Node] = []  # logits ... head, backwards
     row_steps: list[RowStep] = []
     softcap: Optional[float] = None
     scale = 1.0
     scaled_after_softcap = False  # a factor met before the softcap on the way back is applied after it
-    node = logits2d
+    node = logits
     while True:
         if not isinstance(node, fx.Node):
-            raise NoMatch("cross_entropy input is not computed in the graph")
+            raise NoMatch(f"the input of {_short(consumer)} is not computed in the graph")
         chain.append(node)
         softcap_match = _match_softcap(node)
         if softcap_match is not None:
@@ -457,7 +449,7 @@ def match_site(ce: fx.Node) -> Site:
     if not all(isinstance(m, torch.Tensor) for m in (head_meta, hidden_meta, weight_meta)):
         raise NoMatch(f"{head.name}: operands are not tensors")
     if hidden_meta.dim() < 1 or head_meta.shape[-1] != vocab:
-        raise NoMatch(f"{head.name} does not produce the vocabulary dimension of cross_entropy")
+        raise NoMatch(f"{head.name} does not produce the vocabulary dimension of {_short(consumer)}")
     compute_dtype = head_meta.dtype
     if compute_dtype not in _loss.SUPPORTED_DTYPES:
         raise NoMatch(f"logits dtype {compute_dtype} is not supported")
@@ -471,51 +463,80 @@ def match_site(ce: fx.Node) -> Site:
     if scale != 1.0 and compute_dtype == torch.float16:
         # Folding the factor into fp16 hidden states could overflow where the fp32 logits would not.
         raise NoMatch("a constant logit scale on fp16 logits cannot be folded safely")
-    _check_nothing_in_between(head, ce, protected=[hidden, weight] + ([bias] if bias is not None else []))
-
-    # The chain must be private to this loss, except for being returned from the graph (HF returns logits) and for
-    # a log-sum-exp of the loss's own logits (a z-loss), which the op computes anyway.
+    _check_nothing_in_between(head, consumer, protected=[hidden, weight] + ([bias] if bias is not None else []))
     chain.reverse()
+    return Logits(head=head, hidden=hidden, weight=weight, weight_is_transposed=weight_is_transposed, bias=bias,
+                  compute_dtype=compute_dtype, row_steps=row_steps[::-1], softcap=softcap, scale=scale, chain=chain)
+
+
+def private_chain(chain: list[fx.Node], consumer: fx.Node, allowed: list[fx.Node] = ()) -> list[fx.Node]:
+    """The chain must be private to its loss (besides ``allowed`` users), except for being returned from the graph
+    (Hugging Face models return their logits): returns those escaping nodes, or raises NoMatch."""
     escaping = []
-    lse_users = [user for user in logits2d.users if _is_row_logsumexp(user, logits2d)]
-    position = {node: i for i, node in enumerate(ce.graph.nodes)}
-    if any(position[user] < position[ce] for user in lse_users):
-        raise NoMatch("logsumexp of the logits comes before the cross_entropy (only the other order is matched)")
     for i, node in enumerate(chain):
-        consumer = chain[i + 1] if i + 1 < len(chain) else ce
-        others = [user for user in node.users if user is not consumer and user not in lse_users]
+        next_node = chain[i + 1] if i + 1 < len(chain) else consumer
+        others = [user for user in node.users if user is not next_node and user not in allowed]
         if any(user.op != "output" for user in others):
             names = ", ".join(_short(user) for user in others if user.op != "output")
             raise NoMatch(f"the logits ({node.name}) are also used by {names}, not only by the loss")
         if others:
             escaping.append(node)
+    return escaping
 
+
+def match_site(ce: fx.Node) -> Site:
+    """Match the chain feeding one cross_entropy call, or raise NoMatch with the reason."""
+    bound = _CE_SIGNATURE.bind(*ce.args, **ce.kwargs)
+    bound.apply_defaults()
+    args = bound.arguments
+    if args["weight"] is not None:
+        raise NoMatch("cross_entropy has class weights (weight=...)")
+    label_smoothing = _const_float(args["label_smoothing"])
+    if label_smoothing is None or not 0.0 <= label_smoothing <= 1.0:
+        raise NoMatch(f"label_smoothing={args['label_smoothing']!r} is not a constant in [0, 1]")
+    if args["size_average"] is not None or args["reduce"] is not None:
+        raise NoMatch("cross_entropy uses the deprecated size_average/reduce arguments")
+    if not isinstance(args["ignore_index"], int) or not isinstance(args["reduction"], str):
+        raise NoMatch("ignore_index or reduction is not a constant")
+    if args["reduction"] not in _loss.REDUCTIONS:
+        raise NoMatch(f"unknown reduction {args['reduction']!r}")
+    logits2d, targets = args["input"], args["target"]
+    logits_meta, targets_meta = example_value(logits2d), example_value(targets)
+    if not isinstance(logits_meta, torch.Tensor) or not isinstance(targets_meta, torch.Tensor):
+        raise NoMatch("cross_entropy input or target is not a tensor")
+    if targets_meta.dtype.is_floating_point:
+        raise NoMatch("cross_entropy has probability (floating-point) targets")
+    if targets_meta.dtype != torch.int64:
+        raise NoMatch(f"targets are {targets_meta.dtype}, not int64 (eager cross_entropy rejects them)")
+    if logits_meta.dim() != 2 or targets_meta.dim() != 1:
+        raise NoMatch(
+            f"cross_entropy input is {logits_meta.dim()}-D and target {targets_meta.dim()}-D; "
+            "only (N, V) logits with (N,) class targets are matched"
+        )
+    logits = walk_logits(logits2d, ce)
+
+    # A log-sum-exp of the loss's own logits (a z-loss) may read them too: the op computes it anyway.
+    lse_users = [user for user in logits2d.users if _is_row_logsumexp(user, logits2d)]
+    position = {node: i for i, node in enumerate(ce.graph.nodes)}
+    if any(position[user] < position[ce] for user in lse_users):
+        raise NoMatch("logsumexp of the logits comes before the cross_entropy (only the other order is matched)")
     return Site(
         cross_entropy=ce,
-        head=head,
-        hidden=hidden,
-        weight=weight,
-        weight_is_transposed=weight_is_transposed,
-        bias=bias,
-        compute_dtype=compute_dtype,
-        row_steps=row_steps[::-1],
-        softcap=softcap,
-        scale=scale,
         targets=targets,
         ignore_index=args["ignore_index"],
         reduction=args["reduction"],
         label_smoothing=label_smoothing,
-        chain=chain,
-        escaping=escaping,
+        escaping=private_chain(logits.chain, ce, allowed=lse_users),
         lse_users=lse_users,
+        **logits.fields(),
     )
 
 
 def _is_row_logsumexp(node: fx.Node, logits2d: fx.Node) -> bool:
     """``logsumexp(logits2d, -1)`` (or dim 1, or ``[-1]``; keepdim False): one value per row of the loss."""
-    if not matches(node, LOGSUMEXP) or _arg(node, 0, "input") is not logits2d or _arg(node, 2, "keepdim", False):
+    if not matches(node, LOGSUMEXP) or call_arg(node, 0, "input") is not logits2d or call_arg(node, 2, "keepdim", False):
         return False
-    dim = _arg(node, 1, "dim")
+    dim = call_arg(node, 1, "dim")
     dims = tuple(dim) if isinstance(dim, (list, tuple)) else (dim,)
     return len(dims) == 1 and dims[0] in (-1, 1)
 
@@ -634,7 +655,7 @@ def is_dtensor(value: Any) -> bool:
 
 
 def cross_entropy_input(ce: fx.Node) -> Any:
-    return _arg(ce, 0, "input")
+    return call_arg(ce, 0, "input")
 
 
 def rewrite_linear_cross_entropy(graph: fx.Graph, options: CCEOptions, graph_id: Optional[int] = None) -> int:
