@@ -15,8 +15,8 @@ A few examples go through the real backend (``cce_inductor.backend``: AOTAutogra
 Every example prints its source on failure (``note``), so a failure is a self-contained reproducer.
 ``CCE_FUZZ_SCALE=10 pytest tests/test_fuzz.py`` runs ten times as many examples.
 
-Bugs found (the package rewrites although that changes the result or breaks the model) are pinned as
-``xfail(strict=True)`` tests named ``test_bug_*``; each turns into an XPASS failure once fixed -- then drop the mark.
+A bug found here (the package rewrites although that changes the result or breaks the model) gets a regression test
+of its own beside the fuzzing.
 """
 
 from __future__ import annotations

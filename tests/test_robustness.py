@@ -8,14 +8,12 @@
 * caches: every ``CCEOptions`` field is part of ``CCEGraphPass.uuid()``;
 * determinism: the CPU path is bitwise reproducible.
 
-Compiled runs through the real backend turn Inductor's caches off (``force_disable_caches``): a cache hit skips
-the pass, so ``cce_inductor.stats()`` would not see the rewrite.
+Compiled runs through the real backend turn Inductor's caches off (the ``no_inductor_caches`` fixture): a cache hit
+skips the pass, so ``cce_inductor.stats()`` would not see the rewrite.
 
-Bugs found are pinned as ``xfail(strict=True)`` tests named ``test_bug_*`` (an XPASS failure once fixed):
-int32 targets (eager raises, compiled computes), a softcap held in a float attribute under ``dynamic=True`` (not
-rewritten, misleading reason), a head under ``no_grad`` with the loss outside it (the compiled loss becomes
-differentiable), and in-place updates of the hidden states / weight between the head and the loss (seen by the
-compiled loss).
+Regressions of bugs found here keep a test each: int32 targets (eager raises, compiled computed), a softcap held in a
+float attribute under ``dynamic=True``, a head under ``no_grad`` with the loss outside it, and in-place updates of
+the hidden states / weight (also through ``weight.T``) between the head and the loss.
 """
 
 from __future__ import annotations
@@ -308,8 +306,8 @@ def test_empty_batch_through_inductor(no_inductor_caches, reduction):
 
 
 def _hf_shift_fn():
-    """Gemma-2 style: upcast, softcap written as a literal (see test_bug_dynamic_true_softcap_attribute for a
-    softcap held in a Python float attribute), HF label shift."""
+    """Gemma-2 style: upcast, softcap written as a literal (a softcap held in a Python float attribute has a test of
+    its own below), HF label shift."""
     head = nn.Linear(D, V, bias=False)
 
     def fn(hidden, labels):
