@@ -523,6 +523,79 @@ def forward(self, L_advantages_ : torch.Tensor, L_hidden_ : torch.Tensor, L_ids_
         hidden = torch.randn(B, T, D, dtype=torch.bfloat16, requires_grad=True)
         self.run_pass(f, hidden, torch.randint(0, V, (B, T)), params=[weight], atol=1e-2, rtol=1e-2)
 
+    def test_torchtune_chunked_head_is_one_call(self):
+        """torchtune's chunked output: the head on 4 chunks of the sequence, a summed cross-entropy per chunk; one
+        fused call over the concatenated rows, each chunk's loss a slice of its per-row losses."""
+        weight = _weight(V, D)
+
+        def f(hidden, labels):
+            logits = [F.linear(chunk, weight) for chunk in hidden.chunk(4, dim=1)]
+            logits = [chunk.reshape(-1, chunk.size(-1)) for chunk in logits]
+            label_chunks = [chunk.reshape(-1) for chunk in labels.chunk(4, dim=1)]
+            total = 0.0
+            for logits_chunk, labels_chunk in zip(logits, label_chunks):
+                total += F.cross_entropy(logits_chunk.float(), labels_chunk, ignore_index=-100, reduction="sum")
+            return total / (labels != -100).sum()
+
+        cap = self.run_pass(f, _hidden(B, 8, D), _labels(B, 8), params=[weight], rewrites=4)
+        self.assertEqual(cap.after[0].count("linear_cross_entropy.default("), 1)
+        self.assertExpectedInline(cap.after[0], """\
+def forward(self, L_hidden_ : torch.Tensor, L_labels_ : torch.Tensor, L_weight_ : torch.Tensor):
+    l_hidden_ = L_hidden_
+    l_labels_ = L_labels_
+    l_weight_ = L_weight_
+    chunk = l_hidden_.chunk(4, dim = 1)
+    chunk_1 = chunk[0]
+    chunk_2 = chunk[1]
+    chunk_3 = chunk[2]
+    chunk_4 = chunk[3]
+    chunk_9 = l_labels_.chunk(4, dim = 1)
+    chunk_10 = chunk_9[0]
+    chunk_11 = chunk_9[1]
+    chunk_12 = chunk_9[2]
+    chunk_13 = chunk_9[3]
+    labels_chunk = chunk_10.reshape(-1)
+    labels_chunk_1 = chunk_11.reshape(-1)
+    labels_chunk_2 = chunk_12.reshape(-1)
+    labels_chunk_3 = chunk_13.reshape(-1)
+    reshape_8 = chunk_1.reshape(-1, 16)
+    reshape_9 = chunk_2.reshape(-1, 16)
+    reshape_10 = chunk_3.reshape(-1, 16)
+    reshape_11 = chunk_4.reshape(-1, 16)
+    cat = torch.cat([reshape_8, reshape_9, reshape_10, reshape_11], 0)
+    cat_1 = torch.cat([labels_chunk, labels_chunk_1, labels_chunk_2, labels_chunk_3], 0)
+    linear_cross_entropy_default = torch.ops.cce_inductor.linear_cross_entropy.default(cat, l_weight_, cat_1, None, None, -100, 'none', 0.0, 'exact=False;products=cublas;backward_row_chunk=8192', False)
+    getitem_8 = linear_cross_entropy_default[0]
+    split = torch.functional.split(getitem_8, [4, 4, 4, 4])
+    getitem_9 = split[0]
+    sum_2 = getitem_9.sum()
+    getitem_10 = split[1]
+    sum_3 = getitem_10.sum()
+    getitem_11 = split[2]
+    sum_4 = getitem_11.sum()
+    getitem_12 = split[3]
+    sum_5 = getitem_12.sum()
+    total = 0.0 + sum_2
+    total += sum_3;  total_1 = total
+    total_1 += sum_4;  total_2 = total_1
+    total_2 += sum_5;  total_3 = total_2
+    ne = l_labels_ != -100
+    sum_1 = ne.sum()
+    truediv = total_3 / sum_1
+    return (truediv,)""")
+        self.assertIn("one call with 3 other chunk(s)", cce_inductor.stats()["sites"][0]["reason"])
+
+    def test_chunks_with_mean_reductions(self):
+        weight = _weight(V, D)
+
+        def f(hidden, labels):
+            losses = [F.cross_entropy(F.linear(h, weight), y) for h, y in zip(hidden.split(3), labels.split(3))]
+            return torch.stack(losses) * torch.arange(1.0, 1.0 + len(losses))
+
+        labels = _labels(7)
+        labels[3:6] = -100  # a chunk with every target ignored: its mean is NaN, as in eager
+        self.run_pass(f, _hidden(7, D), labels, params=[weight], rewrites=3)
+
     def test_ignore_index_inside_vocabulary(self):
         weight = _weight(V, D)
 

@@ -568,30 +568,43 @@ def replace_site(graph: fx.Graph, site: Site, emit_loss: EmitLoss) -> None:
     """Replace the matched site by ``emit_loss``'s nodes: replay the row views on the hidden states, fold the
     scale, hand the operands to ``emit_loss``, cast its loss to cross_entropy's dtype, drop escaping logits and
     erase the chain. Shared by every pass that rewrites a ``linear -> cross_entropy`` site."""
-    ce = site.cross_entropy
-    with graph.inserting_before(ce):
-        rows = _cast(graph, site.hidden, site.compute_dtype)
-        if site.scale != 1.0:
-            rows = graph.call_function(operator.mul, (rows, site.scale))
-        hidden_size = _hidden_size(graph, site.hidden)
-        for step in site.row_steps:
-            if step.kind == "reshape":
-                rows = graph.call_method("reshape", (rows, *step.args, hidden_size))
-            elif step.kind == "flatten":
-                rows = graph.call_method("flatten", (rows, *step.args))
-            else:
-                rows = graph.call_function(operator.getitem, (rows, *step.args))
-        weight = _cast(graph, site.weight, site.compute_dtype)
-        if site.weight_is_transposed:
-            weight = graph.call_method("t", (weight,))
-        bias = None if site.bias is None else _cast(graph, site.bias, site.compute_dtype)
-        if bias is not None and site.scale != 1.0:
-            bias = graph.call_function(operator.mul, (bias, site.scale))
+    with graph.inserting_before(site.cross_entropy):
+        rows, weight, bias = _operands(graph, site)
         loss = emit_loss(graph, site, rows, weight, site.targets, bias)
-        out_dtype = example_value(ce).dtype
-        if out_dtype != torch.float32:
-            loss = graph.call_method("to", (loss, out_dtype))
+    _retire(graph, site, loss)
 
+
+def _operands(graph: fx.Graph, site: Site) -> tuple[fx.Node, fx.Node, Optional[fx.Node]]:
+    """``(rows, weight, bias)`` for the op, at the graph's insertion point: the row views replayed on the hidden
+    states, the logits' dtype, the scale folded in."""
+    rows = _cast(graph, site.hidden, site.compute_dtype)
+    if site.scale != 1.0:
+        rows = graph.call_function(operator.mul, (rows, site.scale))
+    hidden_size = _hidden_size(graph, site.hidden)
+    for step in site.row_steps:
+        if step.kind == "reshape":
+            rows = graph.call_method("reshape", (rows, *step.args, hidden_size))
+        elif step.kind == "flatten":
+            rows = graph.call_method("flatten", (rows, *step.args))
+        else:
+            rows = graph.call_function(operator.getitem, (rows, *step.args))
+    weight = _cast(graph, site.weight, site.compute_dtype)
+    if site.weight_is_transposed:
+        weight = graph.call_method("t", (weight,))
+    bias = None if site.bias is None else _cast(graph, site.bias, site.compute_dtype)
+    if bias is not None and site.scale != 1.0:
+        bias = graph.call_function(operator.mul, (bias, site.scale))
+    return rows, weight, bias
+
+
+def _retire(graph: fx.Graph, site: Site, loss: fx.Node) -> None:
+    """``loss`` (fp32, or fp64 for fp64 logits) takes the place of the site's cross_entropy; the escaping logits
+    become empty tensors; the chain goes."""
+    ce = site.cross_entropy
+    out_dtype = example_value(ce).dtype
+    if out_dtype != torch.float32:
+        with graph.inserting_after(loss):
+            loss = graph.call_method("to", (loss, out_dtype))
     ce.replace_all_uses_with(loss)
     graph.erase_node(ce)
 
@@ -667,6 +680,7 @@ def rewrite_linear_cross_entropy(graph: fx.Graph, options: CCEOptions, graph_id:
         graph_id = diagnostics.new_graph()
     emit = _fused_loss(options)
     rewritten = 0
+    matched: list[Site] = []
     for ce in sites:
         try:
             try:
@@ -691,12 +705,99 @@ def rewrite_linear_cross_entropy(graph: fx.Graph, options: CCEOptions, graph_id:
         except NoMatch as why:
             diagnostics.record(diagnostics.SiteDecision(graph_id, ce.name, False, str(why)))
             continue
-        description = describe_site(site)
-        replace_site(graph, site, emit)
-        rewritten += 1
-        diagnostics.record(diagnostics.SiteDecision(graph_id, ce.name, True, description))
+        matched.append(site)
+    for group in _chunk_groups(matched):
+        if len(group) > 1:
+            _replace_chunks(graph, group, options)
+        else:
+            replace_site(graph, group[0], emit)
+        for site in group:
+            merged = f"; one call with {len(group) - 1} other chunk(s) of this head" if len(group) > 1 else ""
+            diagnostics.record(diagnostics.SiteDecision(graph_id, site.cross_entropy.name, True,
+                                                        describe_site(site) + merged))  # fmt: skip
+        rewritten += len(group)
     if not sites:
         diagnostics.log.debug("cce_inductor: graph %d has no cross_entropy call on plain tensors", graph_id)
     if rewritten:
         graph.lint()
     return rewritten
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Chunked heads: one call for the sites that share a head
+# --------------------------------------------------------------------------------------------------------------
+#
+# torchtune-style code applies the head to chunks of the hidden states and takes a cross-entropy per chunk:
+#
+#     chunk_k = hidden.chunk(n, dim=1)[k];  loss_k = cross_entropy(linear(chunk_k, W).reshape(-1, V), labels_k)
+#
+# One fused call per chunk would pay the per-call costs n times (a full V x D dC per chunk, summed by autograd, and
+# underfilled grids). Sites with the same head (weight, bias, scale, softcap) and loss settings become one call over
+# the concatenated rows with reduction "none"; each chunk's loss is then its own slice of the per-row losses,
+# reduced as its cross_entropy asked, so every use of every chunk's loss sees eager's value.
+
+
+def _chunk_key(site: Site) -> Optional[tuple]:
+    if site.escaping or site.lse_users:
+        return None
+    return (site.weight, site.weight_is_transposed, site.bias, site.scale, site.softcap, site.ignore_index,
+            site.label_smoothing, site.compute_dtype)  # fmt: skip
+
+
+def _chunk_groups(sites: list[Site]) -> list[list[Site]]:
+    """Sites grouped for one call each: same head and settings, and every operand computed before the first loss
+    of the group (the call goes there)."""
+    groups: dict = {}
+    singles = []
+    for site in sites:
+        key = _chunk_key(site)
+        if key is None:
+            singles.append([site])
+        else:
+            groups.setdefault(key, []).append(site)
+    result = singles
+    for group in groups.values():
+        if len(group) == 1:
+            result.append(group)
+            continue
+        position = {node: i for i, node in enumerate(group[0].cross_entropy.graph.nodes)}
+        first = min(position[site.cross_entropy] for site in group)
+        operands = [n for site in group for n in (site.hidden, site.targets, site.weight, site.bias)
+                    if isinstance(n, fx.Node)]  # fmt: skip
+        if all(position[n] < first for n in operands):
+            result.append(sorted(group, key=lambda site: position[site.cross_entropy]))
+        else:
+            result.extend([site] for site in group)
+    return result
+
+
+def _row_count(graph: fx.Graph, targets: fx.Node) -> Union[int, fx.Node]:
+    size = example_value(targets).shape[0]
+    return size if isinstance(size, int) else graph.call_method("size", (targets, 0))
+
+
+def _replace_chunks(graph: fx.Graph, group: list[Site], options: CCEOptions) -> None:
+    head = group[0]
+    with graph.inserting_before(head.cross_entropy):
+        parts = [_operands(graph, site) for site in group]
+        rows = graph.call_function(torch.cat, ([p[0] for p in parts], 0))
+        targets = graph.call_function(torch.cat, ([site.targets for site in group], 0))
+        fused = graph.call_function(
+            torch.ops.cce_inductor.linear_cross_entropy.default,
+            (rows, parts[0][1], targets, parts[0][2], head.softcap, head.ignore_index, "none", head.label_smoothing,
+             options.encode(), False),
+        )  # fmt: skip
+        row_loss = graph.call_function(operator.getitem, (fused, 0))
+        pieces = graph.call_function(torch.split, (row_loss, [_row_count(graph, site.targets) for site in group]))
+        losses = []
+        for k, site in enumerate(group):
+            piece = graph.call_function(operator.getitem, (pieces, k))
+            if site.reduction == "sum":
+                piece = graph.call_method("sum", (piece,))
+            elif site.reduction == "mean":  # over the chunk's counted rows: 0/0 = NaN when all are ignored, as eager
+                counted = graph.call_function(operator.ne, (site.targets, site.ignore_index))
+                piece = graph.call_function(operator.truediv,
+                                            (graph.call_method("sum", (piece,)), graph.call_method("sum", (counted,))))
+            losses.append(piece)
+    for site, loss in zip(group, losses):
+        _retire(graph, site, loss)
