@@ -707,14 +707,15 @@ def rewrite_linear_cross_entropy(graph: fx.Graph, options: CCEOptions, graph_id:
             continue
         matched.append(site)
     for group in _chunk_groups(matched):
+        merged = f"; one call with {len(group) - 1} other chunk(s) of this head" if len(group) > 1 else ""
+        decisions = [diagnostics.SiteDecision(graph_id, site.cross_entropy.name, True, describe_site(site) + merged)
+                     for site in group]  # fmt: skip
         if len(group) > 1:
             _replace_chunks(graph, group, options)
         else:
             replace_site(graph, group[0], emit)
-        for site in group:
-            merged = f"; one call with {len(group) - 1} other chunk(s) of this head" if len(group) > 1 else ""
-            diagnostics.record(diagnostics.SiteDecision(graph_id, site.cross_entropy.name, True,
-                                                        describe_site(site) + merged))  # fmt: skip
+        for decision in decisions:
+            diagnostics.record(decision)
         rewritten += len(group)
     if not sites:
         diagnostics.log.debug("cce_inductor: graph %d has no cross_entropy call on plain tensors", graph_id)

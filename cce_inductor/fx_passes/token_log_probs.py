@@ -124,7 +124,9 @@ def rewrite_token_log_probs(graph: fx.Graph, options: CCEOptions, graph_id: Opti
         except lce.NoMatch as why:
             diagnostics.record(diagnostics.SiteDecision(graph_id, gather.name, False, f"token log-probs: {why}"))
             continue
-        description = f"token log-probs: {lce.describe_site(site)}"
+        loss_settings = ("reduction=", "ignore_index=")  # fixed here: "none", and no id ignored
+        parts = [part for part in lce.describe_site(site).split(", ") if not part.startswith(loss_settings)]
+        description = f"token log-probs of {index.name}: {', '.join(parts)}"
         lce.replace_site(graph, site, _token_log_probs(options, index, squeezed=site.cross_entropy is not gather))
         rewritten += 1
         diagnostics.record(diagnostics.SiteDecision(graph_id, gather.name, True, description))
