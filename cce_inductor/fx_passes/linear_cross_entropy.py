@@ -577,6 +577,10 @@ def replace_site(graph: fx.Graph, site: Site, emit_loss: EmitLoss) -> None:
 def _operands(graph: fx.Graph, site: Site) -> tuple[fx.Node, fx.Node, Optional[fx.Node]]:
     """``(rows, weight, bias)`` for the op, at the graph's insertion point: the row views replayed on the hidden
     states, the logits' dtype, the scale folded in."""
+    return (_rows(graph, site),) + _head_operands(graph, site)
+
+
+def _rows(graph: fx.Graph, site: Site) -> fx.Node:
     rows = _cast(graph, site.hidden, site.compute_dtype)
     if site.scale != 1.0:
         rows = graph.call_function(operator.mul, (rows, site.scale))
@@ -588,13 +592,17 @@ def _operands(graph: fx.Graph, site: Site) -> tuple[fx.Node, fx.Node, Optional[f
             rows = graph.call_method("flatten", (rows, *step.args))
         else:
             rows = graph.call_function(operator.getitem, (rows, *step.args))
+    return rows
+
+
+def _head_operands(graph: fx.Graph, site: Site) -> tuple[fx.Node, Optional[fx.Node]]:
     weight = _cast(graph, site.weight, site.compute_dtype)
     if site.weight_is_transposed:
         weight = graph.call_method("t", (weight,))
     bias = None if site.bias is None else _cast(graph, site.bias, site.compute_dtype)
     if bias is not None and site.scale != 1.0:
         bias = graph.call_function(operator.mul, (bias, site.scale))
-    return rows, weight, bias
+    return weight, bias
 
 
 def _retire(graph: fx.Graph, site: Site, loss: fx.Node) -> None:
@@ -780,12 +788,12 @@ def _row_count(graph: fx.Graph, targets: fx.Node) -> Union[int, fx.Node]:
 def _replace_chunks(graph: fx.Graph, group: list[Site], options: CCEOptions) -> None:
     head = group[0]
     with graph.inserting_before(head.cross_entropy):
-        parts = [_operands(graph, site) for site in group]
-        rows = graph.call_function(torch.cat, ([p[0] for p in parts], 0))
+        rows = graph.call_function(torch.cat, ([_rows(graph, site) for site in group], 0))
+        weight, bias = _head_operands(graph, head)  # the same for every site of the group
         targets = graph.call_function(torch.cat, ([site.targets for site in group], 0))
         fused = graph.call_function(
             torch.ops.cce_inductor.linear_cross_entropy.default,
-            (rows, parts[0][1], targets, parts[0][2], head.softcap, head.ignore_index, "none", head.label_smoothing,
+            (rows, weight, targets, bias, head.softcap, head.ignore_index, "none", head.label_smoothing,
              options.encode(), False),
         )  # fmt: skip
         row_loss = graph.call_function(operator.getitem, (fused, 0))
