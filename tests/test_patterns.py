@@ -751,6 +751,21 @@ class TestRefusals(PatternTestCase):
         reason = self.assert_refused(f, _hidden(B, T, D), torch.randint(0, V, (B, T)), reason="token log-probs")
         self.assertIn("are also used by", reason)
 
+    def test_chunks_are_not_merged_across_an_in_place_update(self):
+        """One call for both chunks would run before the update that the second chunk's head reads in eager."""
+        weight = _weight(V, D)
+
+        def f(hidden, labels):
+            h0, h1 = hidden[:5], hidden[5:].clone()
+            y0, y1 = labels[:5], labels[5:]
+            first = F.cross_entropy(F.linear(h0, weight), y0)
+            h1.mul_(2.0)
+            return first + F.cross_entropy(F.linear(h1, weight), y1)
+
+        cap = self.run_pass(f, _hidden(10, D), _labels(10), params=[weight], rewrites=2)
+        self.assertEqual(cap.after[0].count("linear_cross_entropy.default("), 2)
+        self.assertNotIn("other chunk", str(cce_inductor.stats()["sites"]))
+
     def test_class_weights(self):
         weight, class_weight = _weight(V, D), torch.rand(V)
         f = lambda h, y: F.cross_entropy(F.linear(h, weight), y, weight=class_weight)  # noqa: E731

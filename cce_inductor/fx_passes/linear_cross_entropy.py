@@ -770,14 +770,28 @@ def _chunk_groups(sites: list[Site]) -> list[list[Site]]:
             result.append(group)
             continue
         position = {node: i for i, node in enumerate(group[0].cross_entropy.graph.nodes)}
-        first = min(position[site.cross_entropy] for site in group)
+        group.sort(key=lambda site: position[site.cross_entropy])
         operands = [n for site in group for n in (site.hidden, site.targets, site.weight, site.bias)
                     if isinstance(n, fx.Node)]  # fmt: skip
-        if all(position[n] < first for n in operands):
-            result.append(sorted(group, key=lambda site: position[site.cross_entropy]))
+        first = group[0].cross_entropy
+        if all(position[n] < position[first] for n in operands) and not _changed_between(group[0], group[-1], operands):
+            result.append(group)
         else:
             result.extend([site] for site in group)
     return result
+
+
+def _changed_between(first: Site, last: Site, operands: list[fx.Node]) -> bool:
+    """Whether, between the group's first and last loss, an operand is updated in place or grad mode switches: the
+    one call runs at the first loss, so every loss must read what it would have read there."""
+    roots = set().union(*(_storage_roots(n) for n in operands))
+    node = first.cross_entropy.next
+    while node is not last.cross_entropy:
+        mutated = _mutated_tensor(node)
+        if matches(node, GRAD_MODE) or (mutated is not None and _storage_roots(mutated) & roots):
+            return True
+        node = node.next
+    return False
 
 
 def _row_count(graph: fx.Graph, targets: fx.Node) -> Union[int, fx.Node]:
