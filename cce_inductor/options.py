@@ -73,9 +73,7 @@ class CCEOptions:
         for name, why in _RETIRED_ENV.items():
             if os.environ.get(name, "").strip():
                 warnings.warn(f"{name} is ignored: {why}", FutureWarning, stacklevel=3)
-        unknown = set(overrides) - set(_FIELDS)
-        if unknown:
-            raise TypeError(f"unknown cce_inductor option(s) {sorted(unknown)}; the options are {list(_FIELDS)}")
+        _check_names(overrides)
         values: dict[str, Any] = {}
         for name, field in _FIELDS.items():
             raw = os.environ.get(_env_name(name), "").strip()
@@ -137,7 +135,11 @@ def resolve(options: Optional[CCEOptions], overrides: dict[str, Any]) -> CCEOpti
     """``options`` with keyword ``overrides`` applied, or options from the environment and the overrides."""
     if options is None:
         return CCEOptions.from_env(**overrides)
+    _check_names(overrides)
+    return dataclasses.replace(options, **{k: v for k, v in overrides.items() if v is not None})
+
+
+def _check_names(overrides: dict[str, Any]) -> None:
     unknown = set(overrides) - set(_FIELDS)
     if unknown:
         raise TypeError(f"unknown cce_inductor option(s) {sorted(unknown)}; the options are {list(_FIELDS)}")
-    return dataclasses.replace(options, **{k: v for k, v in overrides.items() if v is not None})
