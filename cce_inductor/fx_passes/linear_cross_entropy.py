@@ -679,6 +679,41 @@ def cross_entropy_input(ce: fx.Node) -> Any:
     return call_arg(ce, 0, "input")
 
 
+def decide(graph_id: int, node: fx.Node, match: Callable[[], Any], prefix: str = "") -> Any:
+    """``match()`` for the site at ``node``, or None with the reason recorded for ``stats()``: a NoMatch's message,
+    or for any other error "not understood" (a graph shape the matcher does not know must never break compilation).
+    Shared by every pass."""
+    try:
+        return match()
+    except NoMatch as why:
+        reason = str(why)
+    except Exception as exc:  # noqa: BLE001
+        reason = f"not understood ({type(exc).__name__}: {exc})"
+    diagnostics.record(diagnostics.SiteDecision(graph_id, node.name, False, prefix + reason))
+    return None
+
+
+def check_escaping(site: Site, options: CCEOptions) -> None:
+    """Logits returned from the graph may only be replaced by an empty tensor when the user opted in."""
+    if site.escaping and not options.drop_logits:
+        names = ", ".join(n.name for n in site.escaping)
+        raise NoMatch(
+            f"logits escape the compiled region ({names} is a graph output, as in Hugging Face models); "
+            "set CCE_INDUCTOR_DROP_LOGITS=1 or cce_inductor.make_backend(drop_logits=True) "
+            "to return an empty tensor in their place"
+        )
+
+
+def _checked(site: Site, options: CCEOptions) -> Site:
+    check_escaping(site, options)
+    dtensor_operand = next(
+        (n.name for n in (site.hidden, site.weight, site.bias, site.targets) if is_dtensor(example_value(n))), None
+    )
+    if dtensor_operand is not None:
+        raise NoMatch(f"{dtensor_operand} is a DTensor but the logits are not: an unsupported parallel layout")
+    return site
+
+
 def rewrite_linear_cross_entropy(graph: fx.Graph, options: CCEOptions, graph_id: Optional[int] = None) -> int:
     """Rewrite every matching site on plain tensors in ``graph``; returns how many were rewritten. Sites whose
     logits are DTensors are ``tensor_parallel.py``'s (run first by ``fx_passes.rewrite_graph``)."""
@@ -690,30 +725,9 @@ def rewrite_linear_cross_entropy(graph: fx.Graph, options: CCEOptions, graph_id:
     rewritten = 0
     matched: list[Site] = []
     for ce in sites:
-        try:
-            try:
-                site = match_site(ce)
-            except NoMatch:
-                raise
-            except Exception as exc:  # an unforeseen graph shape must never break compilation
-                raise NoMatch(f"not understood ({type(exc).__name__}: {exc})") from exc
-            if site.escaping and not options.drop_logits:
-                names = ", ".join(n.name for n in site.escaping)
-                raise NoMatch(
-                    f"logits escape the compiled region ({names} is a graph output, as in Hugging Face models); "
-                    "set CCE_INDUCTOR_DROP_LOGITS=1 or cce_inductor.make_backend(drop_logits=True) "
-                    "to return an empty tensor in their place"
-                )
-            dtensor_operand = next(
-                (n.name for n in (site.hidden, site.weight, site.bias, site.targets) if is_dtensor(example_value(n))),
-                None,
-            )
-            if dtensor_operand is not None:
-                raise NoMatch(f"{dtensor_operand} is a DTensor but the logits are not: an unsupported parallel layout")
-        except NoMatch as why:
-            diagnostics.record(diagnostics.SiteDecision(graph_id, ce.name, False, str(why)))
-            continue
-        matched.append(site)
+        site = decide(graph_id, ce, lambda ce=ce: _checked(match_site(ce), options))
+        if site is not None:
+            matched.append(site)
     for group in _chunk_groups(matched):
         merged = f"; one call with {len(group) - 1} other chunk(s) of this head" if len(group) > 1 else ""
         decisions = [diagnostics.SiteDecision(graph_id, site.cross_entropy.name, True, describe_site(site) + merged)

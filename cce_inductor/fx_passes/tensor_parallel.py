@@ -86,6 +86,13 @@ def _tensor_parallel_reason(site: lce.Site) -> Optional[str]:
     return None
 
 
+def _checked(site: lce.Site) -> lce.Site:
+    reason = _tensor_parallel_reason(site)
+    if reason is not None:
+        raise lce.NoMatch(f"tensor parallel: {reason}")
+    return site
+
+
 def _dtensor_loss(graph: fx.Graph, site: lce.Site, rows, weight, targets, bias, *, options: CCEOptions) -> fx.Node:
     from ..distributed import dtensor_linear_cross_entropy  # noqa: PLC0415 - imports torch.distributed
 
@@ -115,16 +122,8 @@ def rewrite_tensor_parallel_sites(graph: fx.Graph, options: CCEOptions, graph_id
     emit = functools.partial(_dtensor_loss, options=options)
     rewritten = 0
     for ce in sites:
-        try:
-            site = lce.match_site(ce)
-            reason = _tensor_parallel_reason(site)
-            if reason is not None:
-                raise lce.NoMatch(f"tensor parallel: {reason}")
-        except lce.NoMatch as why:
-            diagnostics.record(diagnostics.SiteDecision(graph_id, ce.name, False, str(why)))
-            continue
-        except Exception as exc:  # noqa: BLE001 - never break compilation
-            diagnostics.record(diagnostics.SiteDecision(graph_id, ce.name, False, f"not understood ({exc})"))
+        site = lce.decide(graph_id, ce, lambda ce=ce: _checked(lce.match_site(ce)))
+        if site is None:
             continue
         lce.replace_site(graph, site, emit)
         rewritten += 1

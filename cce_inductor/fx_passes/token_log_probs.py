@@ -86,6 +86,13 @@ def _match(gather: fx.Node) -> tuple[lce.Site, fx.Node]:
     return site, index
 
 
+def _checked(site: lce.Site, index: fx.Node, options: CCEOptions) -> tuple[lce.Site, fx.Node]:
+    lce.check_escaping(site, options)
+    if any(lce.is_dtensor(lce.example_value(n)) for n in (site.hidden, site.weight, index)):
+        raise lce.NoMatch("token log-probs on DTensors are not rewritten")
+    return site, index
+
+
 def _token_log_probs(options: CCEOptions, index: fx.Node, squeezed: bool):
     def emit(graph: fx.Graph, site: lce.Site, rows, weight, targets, bias) -> fx.Node:
         ids = graph.call_method("squeeze", (index, -1)) if squeezed else index
@@ -109,21 +116,11 @@ def rewrite_token_log_probs(graph: fx.Graph, options: CCEOptions, graph_id: Opti
         graph_id = diagnostics.new_graph()
     rewritten = 0
     for gather in gathers:
-        try:
-            try:
-                site, index = _match(gather)
-            except lce.NoMatch:
-                raise
-            except Exception as exc:  # an unforeseen graph shape must never break compilation
-                raise lce.NoMatch(f"not understood ({type(exc).__name__}: {exc})") from exc
-            if site.escaping and not options.drop_logits:
-                raise lce.NoMatch("logits escape the compiled region; set CCE_INDUCTOR_DROP_LOGITS=1 or "
-                                  "cce_inductor.make_backend(drop_logits=True) to return an empty tensor in their place")
-            if any(lce.is_dtensor(lce.example_value(n)) for n in (site.hidden, site.weight, index)):
-                raise lce.NoMatch("token log-probs on DTensors are not rewritten")
-        except lce.NoMatch as why:
-            diagnostics.record(diagnostics.SiteDecision(graph_id, gather.name, False, f"token log-probs: {why}"))
+        matched = lce.decide(graph_id, gather, lambda gather=gather: _checked(*_match(gather), options),
+                             prefix="token log-probs: ")  # fmt: skip
+        if matched is None:
             continue
+        site, index = matched
         loss_settings = ("reduction=", "ignore_index=")  # fixed here: "none", and no id ignored
         parts = [part for part in lce.describe_site(site).split(", ") if not part.startswith(loss_settings)]
         description = f"token log-probs of {index.name}: {', '.join(parts)}"
