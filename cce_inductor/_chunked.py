@@ -7,8 +7,10 @@ plain matmuls over row chunks of ``e`` and vocabulary chunks of ``c``, so at mos
     logits[n, v] = softcap * tanh((e[n] . c[v] + bias[v]) / softcap)        (no tanh without softcap)
     lse[n]       = log sum_v exp(logits[n, v])                                (online over vocab chunks)
     logit_sum[n] = sum_v logits[n, v]                                         (label smoothing only)
-    dlogits[n,v] = (grad_rows[n] + grad_lse[n]) exp(logits[n, v] - lse[n]) - grad_rows[n] ((1 - eps) [v == targets[n]] + eps / V)
-                   (grad_lse: the upstream gradient of lse where it is used beyond the loss, else 0)
+    mean_logit[n] = sum_v p[n, v] logits[n, v],  p = exp(logits - lse)       (entropy only: H = lse - mean_logit)
+    dlogits[n,v] = p[n, v] (grad_rows[n] + grad_lse[n] + grad_entropy[n] (mean_logit[n] - logits[n, v]))
+                   - grad_rows[n] ((1 - eps) [v == targets[n]] + eps / V)
+                   (grad_lse / grad_entropy: the upstream gradients of lse / the entropy where asked for, else 0)
     draw         = dlogits * (1 - tanh^2)                                    (softcap chain rule)
     dE = draw @ c,   dC = draw^T @ e,   dbias = sum_n draw
 
@@ -52,32 +54,40 @@ def forward(
     softcap: Optional[float],
     ignore_index: int,
     logit_sum: bool = False,
+    mean_logit: bool = False,
     row_chunk: int = ROW_CHUNK,
     vocab_chunk: int = VOCAB_CHUNK,
-) -> tuple[Tensor, Tensor, Optional[Tensor]]:
-    """Returns ``(lse, target_logit, logit_sum | None)``, each ``(N,)`` in the accumulation dtype; ignored rows
-    hold finite junk. ``logit_sum``: also the sum of each row's logits (the label-smoothing term)."""
+) -> tuple[Tensor, Tensor, Optional[Tensor], Optional[Tensor]]:
+    """Returns ``(lse, target_logit, logit_sum | None, mean_logit | None)``, each ``(N,)`` in the accumulation
+    dtype; ignored rows hold finite junk. ``logit_sum``: also the sum of each row's logits (the label-smoothing
+    term); ``mean_logit``: also each row's softmax-weighted mean logit (the entropy is ``lse - mean_logit``)."""
     n_rows, vocab = e.shape[0], c.shape[0]
     acc = accumulation_dtype(e.dtype)
     lse = torch.empty(n_rows, dtype=acc, device=e.device)
     target_logit = torch.empty(n_rows, dtype=acc, device=e.device)
     row_sums = torch.zeros(n_rows, dtype=acc, device=e.device) if logit_sum else None
+    row_means = torch.empty(n_rows, dtype=acc, device=e.device) if mean_logit else None
     bias_acc = None if bias is None else bias.to(acc)
     for r0 in range(0, n_rows, row_chunk):
         e_rows = e[r0 : r0 + row_chunk].to(acc)
         running_max = torch.full((e_rows.shape[0],), float("-inf"), dtype=acc, device=e.device)
         running_sum = torch.zeros(e_rows.shape[0], dtype=acc, device=e.device)
+        running_weighted = torch.zeros(e_rows.shape[0], dtype=acc, device=e.device)  # sum exp(z - max) z
         for v0 in range(0, vocab, vocab_chunk):
             bias_block = None if bias_acc is None else bias_acc[v0 : v0 + vocab_chunk]
             logits, _ = _logits_block(e_rows, c[v0 : v0 + vocab_chunk].to(acc), bias_block, softcap)
             if row_sums is not None:
                 row_sums[r0 : r0 + row_chunk] += logits.sum(dim=1)
             new_max = torch.maximum(running_max, logits.amax(dim=1))
-            running_sum = running_sum * torch.exp(running_max - new_max) + torch.exp(
-                logits - new_max[:, None]
-            ).sum(dim=1)
+            rescale = torch.exp(running_max - new_max)
+            exps = torch.exp(logits - new_max[:, None])
+            running_sum = running_sum * rescale + exps.sum(dim=1)
+            if row_means is not None:
+                running_weighted = running_weighted * rescale + (exps * logits).sum(dim=1)
             running_max = new_max
         lse[r0 : r0 + row_chunk] = running_max + torch.log(running_sum)
+        if row_means is not None:
+            row_means[r0 : r0 + row_chunk] = running_weighted / running_sum
 
         rows_targets = targets[r0 : r0 + row_chunk]
         safe_targets = torch.where(rows_targets == ignore_index, 0, rows_targets)
@@ -85,7 +95,7 @@ def forward(
         if bias_acc is not None:
             raw = raw + bias_acc[safe_targets]
         target_logit[r0 : r0 + row_chunk] = raw if softcap is None else torch.tanh(raw / softcap) * softcap
-    return lse, target_logit, row_sums
+    return lse, target_logit, row_sums, row_means
 
 
 def backward(
@@ -102,6 +112,8 @@ def backward(
     need_bias: bool,
     label_smoothing: float = 0.0,
     grad_lse: Optional[Tensor] = None,
+    grad_entropy: Optional[Tensor] = None,
+    mean_logit: Optional[Tensor] = None,
     row_chunk: int = ROW_CHUNK,
     vocab_chunk: int = VOCAB_CHUNK,
 ) -> tuple[Optional[Tensor], Optional[Tensor], Optional[Tensor]]:
@@ -128,7 +140,11 @@ def backward(
             e_rows = e_acc[r0 : r0 + row_chunk]
             logits, capped = _logits_block(e_rows, c_block, bias_block, softcap)
             rows_grad = grad_rows[r0 : r0 + row_chunk, None]
-            grad_logits = torch.exp(logits - lse[r0 : r0 + row_chunk, None]) * grad_p[r0 : r0 + row_chunk, None]
+            weight = grad_p[r0 : r0 + row_chunk, None]
+            if grad_entropy is not None:
+                rows_mean = mean_logit[r0 : r0 + row_chunk, None].to(acc)
+                weight = weight + grad_entropy[r0 : r0 + row_chunk, None].to(acc) * (rows_mean - logits)
+            grad_logits = torch.exp(logits - lse[r0 : r0 + row_chunk, None]) * weight
             if label_smoothing:
                 grad_logits -= rows_grad * (label_smoothing / vocab)
             # Subtract the one-hot with a masked scatter: no data-dependent shapes, so no device sync.

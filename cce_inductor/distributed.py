@@ -103,10 +103,10 @@ def vocab_shard_forward(
         lse = torch.full((n_rows,), float("-inf"), dtype=_loss.lse_dtype(e.device, e.dtype), device=e.device)
         return lse, torch.zeros_like(lse)
     if _loss.uses_kernels(e.device, e.dtype) and n_rows > 0:
-        lse, target_logit, _ = _loss.triton_kernels().forward(e, c, shard_targets, bias, softcap=softcap,
+        lse, target_logit, *_ = _loss.triton_kernels().forward(e, c, shard_targets, bias, softcap=softcap,
                                                            ignore_index=_LOCAL_IGNORED)  # fmt: skip
     else:
-        lse, target_logit, _ = _chunked.forward(e, c, _local_codes(shard_targets), bias, softcap=softcap,
+        lse, target_logit, *_ = _chunked.forward(e, c, _local_codes(shard_targets), bias, softcap=softcap,
                                              ignore_index=_LOCAL_IGNORED)  # fmt: skip
     return lse, torch.where(in_shard, target_logit, 0.0)
 

@@ -1,6 +1,7 @@
 """The fused linear-cross-entropy op: ``torch.ops.cce_inductor.linear_cross_entropy`` and its backward.
 
     loss = cross_entropy(softcap(e @ c.T + bias), targets, ignore_index=..., reduction=..., label_smoothing=...)
+    lse = logsumexp(logits, -1),   entropy = -(softmax(logits) * log_softmax(logits)).sum(-1)   (when asked for)
 
 computed without materialising the ``N x V`` logits. Both ops are ``torch.library.custom_op``s, so Inductor
 keeps each as one opaque call; the backward is a second custom op traced into the joint graph by
@@ -36,12 +37,15 @@ def linear_cross_entropy_op(
     label_smoothing: float,
     options: str,
     full_lse: bool,
-) -> tuple[Tensor, Tensor]:
-    """Returns ``(loss, lse)``: the reduced loss and the per-row log-sum-exp (what the backward needs).
+    entropy: bool,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Returns ``(loss, lse, entropy)``: the reduced loss, the per-row log-sum-exp (what the backward needs) and
+    the per-row entropy of the softmax (an empty tensor unless ``entropy``).
 
     With label smoothing eps (as ``F.cross_entropy``): ``row_loss = lse - (1 - eps) * target_logit - eps / V *
     sum_v logits``, the last sum coming out of the same forward pass. ``full_lse``: the graph uses ``lse`` beyond the
-    loss (a z-loss): it is computed for every row, ignored ones included, and is differentiable."""
+    loss (a z-loss): it is computed for every row, ignored ones included, and is differentiable. ``entropy``: every
+    row's ``lse - sum_v softmax_v logits_v``, from the same forward pass, differentiable."""
     diagnostics.count_execution("linear_cross_entropy")
     # Autocast already did its work on the inputs (the public wrapper casts them as F.linear would); inside,
     # the chunked path's matmuls must run in the accumulation dtype, not be downcast again.
@@ -51,26 +55,30 @@ def linear_cross_entropy_op(
         acc = _chunked.accumulation_dtype(e.dtype)
         smoothing = label_smoothing != 0.0
         if _loss.uses_kernels(e.device, e.dtype) and e.shape[0] > 0:
-            lse, target_logit, logit_sum = _loss.triton_kernels().forward(
-                e, c, targets, bias, softcap=softcap, ignore_index=ignore_index, logit_sum=smoothing, every_row=full_lse
+            lse, target_logit, logit_sum, mean_logit = _loss.triton_kernels().forward(
+                e, c, targets, bias, softcap=softcap, ignore_index=ignore_index, logit_sum=smoothing,
+                mean_logit=entropy, every_row=full_lse or entropy,
             )
         else:
-            lse, target_logit, logit_sum = _chunked.forward(e, c, targets, bias, softcap=softcap,
-                                                            ignore_index=ignore_index, logit_sum=smoothing)  # fmt: skip
+            lse, target_logit, logit_sum, mean_logit = _chunked.forward(
+                e, c, targets, bias, softcap=softcap, ignore_index=ignore_index, logit_sum=smoothing, mean_logit=entropy
+            )
         valid = targets != ignore_index
         row_loss = lse.to(acc) - target_logit.to(acc)
         if smoothing:
             row_loss = row_loss + label_smoothing * (target_logit.to(acc) - logit_sum.to(acc) / c.shape[0])
         row_loss = torch.where(valid, row_loss, 0.0)
-        return _loss.reduce_rows(row_loss, valid, reduction), lse
+        row_entropy = lse - mean_logit if entropy else lse.new_empty(0)
+        return _loss.reduce_rows(row_loss, valid, reduction), lse, row_entropy
 
 
 @linear_cross_entropy_op.register_fake
-def _(e, c, targets, bias, softcap, ignore_index, reduction, label_smoothing, options, full_lse):
+def _(e, c, targets, bias, softcap, ignore_index, reduction, label_smoothing, options, full_lse, entropy):
     _loss.check_inputs(e, c, targets, bias)
     n_rows = e.shape[0]
     loss = e.new_empty((n_rows,) if reduction == "none" else (), dtype=_chunked.accumulation_dtype(e.dtype))
-    return loss, e.new_empty((n_rows,), dtype=_loss.lse_dtype(e.device, e.dtype))
+    row_dtype = _loss.lse_dtype(e.device, e.dtype)
+    return loss, e.new_empty((n_rows,), dtype=row_dtype), e.new_empty((n_rows if entropy else 0,), dtype=row_dtype)
 
 
 @torch.library.custom_op("cce_inductor::linear_cross_entropy_backward", mutates_args=())
@@ -82,6 +90,8 @@ def linear_cross_entropy_backward_op(
     bias: Optional[Tensor],
     lse: Tensor,
     grad_lse: Optional[Tensor],
+    entropy: Optional[Tensor],
+    grad_entropy: Optional[Tensor],
     softcap: Optional[float],
     ignore_index: int,
     reduction: str,
@@ -91,29 +101,32 @@ def linear_cross_entropy_backward_op(
     need_c: bool,
     need_bias: bool,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """Returns ``(grad_e, grad_c, grad_bias)``; a gradient not asked for is an empty tensor and costs nothing."""
+    """Returns ``(grad_e, grad_c, grad_bias)``; a gradient not asked for is an empty tensor and costs nothing.
+    ``grad_lse`` / ``grad_entropy``: upstream gradients of the forward's per-row lse / entropy, where they are used."""
     need_bias = need_bias and bias is not None
     with torch.autocast(e.device.type, enabled=False):
+        # the entropy's gradient needs each row's softmax-weighted mean logit: lse - entropy
+        mean_logit = None if grad_entropy is None else lse - entropy
         valid = targets != ignore_index
         grad_rows = _loss.grad_rows(grad_loss, valid, reduction, _chunked.accumulation_dtype(e.dtype))
         if _loss.uses_kernels(e.device, e.dtype) and e.shape[0] > 0:
             grad_e, grad_c, grad_bias = _loss.triton_kernels().backward(
                 e, c, targets, bias, lse, grad_rows.float(), softcap=softcap, ignore_index=ignore_index,
-                label_smoothing=label_smoothing, grad_lse=grad_lse, options=CCEOptions.decode(options),
-                need_e=need_e, need_c=need_c, need_bias=need_bias,
+                label_smoothing=label_smoothing, grad_lse=grad_lse, grad_entropy=grad_entropy, mean_logit=mean_logit,
+                options=CCEOptions.decode(options), need_e=need_e, need_c=need_c, need_bias=need_bias,
             )  # fmt: skip
         else:
             grad_e, grad_c, grad_bias = _chunked.backward(
                 e, c, targets, bias, lse, grad_rows, softcap=softcap, need_e=need_e, need_c=need_c, need_bias=need_bias,
-                label_smoothing=label_smoothing, grad_lse=grad_lse,
+                label_smoothing=label_smoothing, grad_lse=grad_lse, grad_entropy=grad_entropy, mean_logit=mean_logit,
             )
     return _loss.empty_unless(need_e, grad_e, e), _loss.empty_unless(need_c, grad_c, e), \
         _loss.empty_unless(need_bias, grad_bias, e)  # fmt: skip
 
 
 @linear_cross_entropy_backward_op.register_fake
-def _(grad_loss, e, c, targets, bias, lse, grad_lse, softcap, ignore_index, reduction, label_smoothing, options,
-      need_e, need_c, need_bias):  # fmt: skip
+def _(grad_loss, e, c, targets, bias, lse, grad_lse, entropy, grad_entropy, softcap, ignore_index, reduction,
+      label_smoothing, options, need_e, need_c, need_bias):  # fmt: skip
     return _loss.grad_outputs_fake(e, c, bias, need_e, need_c, need_bias)
 
 
@@ -121,20 +134,23 @@ _FORWARD_ATTRS = ("softcap", "ignore_index", "reduction", "label_smoothing", "op
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    e, c, targets, bias, *attrs, full_lse = inputs
-    _, lse = output
-    ctx.save_for_backward(e, c, targets, bias, lse)
+    e, c, targets, bias, *attrs, full_lse, entropy = inputs
+    _, lse, row_entropy = output
+    ctx.save_for_backward(e, c, targets, bias, lse, row_entropy if entropy else None)
     if not full_lse:
         ctx.mark_non_differentiable(lse)
+    if not entropy:
+        ctx.mark_non_differentiable(row_entropy)
     ctx.full_lse = full_lse
     ctx.attrs = dict(zip(_FORWARD_ATTRS, attrs))
 
 
-def _backward(ctx, grad_loss, grad_lse):
-    e, c, targets, bias, lse = ctx.saved_tensors
+def _backward(ctx, grad_loss, grad_lse, grad_entropy):
+    e, c, targets, bias, lse, row_entropy = ctx.saved_tensors
     need_e, need_c, _, need_bias = ctx.needs_input_grad[:4]
     grad_e, grad_c, grad_bias = linear_cross_entropy_backward_op(
-        grad_loss, e, c, targets, bias, lse, grad_lse if ctx.full_lse else None, **ctx.attrs,
+        grad_loss, e, c, targets, bias, lse, grad_lse if ctx.full_lse else None,
+        row_entropy, grad_entropy if row_entropy is not None else None, **ctx.attrs,
         need_e=need_e, need_c=need_c, need_bias=need_bias,
     )
     return (
@@ -142,7 +158,7 @@ def _backward(ctx, grad_loss, grad_lse):
         grad_c if need_c else None,
         None,
         grad_bias if need_bias else None,
-    ) + (None,) * (len(_FORWARD_ATTRS) + 1)
+    ) + (None,) * (len(_FORWARD_ATTRS) + 2)
 
 
 linear_cross_entropy_op.register_autograd(_backward, setup_context=_setup_context)
@@ -183,7 +199,7 @@ def linear_cross_entropy(
     if options is not None and not isinstance(options, CCEOptions):
         raise TypeError(f"options must be a cce_inductor.CCEOptions, got {type(options).__name__}")
     e, c, bias = _loss.autocast_inputs(e, c, bias)
-    loss, _ = linear_cross_entropy_op(
+    loss, _, _ = linear_cross_entropy_op(
         e.reshape(-1, e.shape[-1]),
         c,
         targets.reshape(-1).long(),
@@ -193,6 +209,7 @@ def linear_cross_entropy(
         reduction,
         float(label_smoothing),
         (options or CCEOptions()).encode(),
+        False,
         False,
     )
     if reduction == "none":

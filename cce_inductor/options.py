@@ -36,9 +36,10 @@ Products = Literal["cublas", "triton"]
 class CCEOptions:
     """How rewritten sites compute their loss; every field is validated and part of the pass's cache key.
 
-    drop_logits: when the logits also leave the compiled region (Hugging Face models return them), return an
-        empty tensor in their place so the site can still be rewritten. Off by default: it changes what the
-        compiled function returns. Environment: ``CCE_INDUCTOR_DROP_LOGITS=1``.
+    drop_logits: when the logits also leave the compiled region (Hugging Face models return them), return in their
+        place a placeholder of their shape and dtype that raises on any use (``DroppedLogits``), so the site can
+        still be rewritten. Off by default: it changes what the compiled function returns (README, "Dropping logits
+        by default?"). Environment: ``CCE_INDUCTOR_DROP_LOGITS=1``.
     exact: the CUDA backward carries the softmax gradient into its products as two 16-bit halves and sums dC in
         fp32: gradients at the rounding floor of the output dtype, for ~1.6x the backward's time.
         Environment: ``CCE_INDUCTOR_EXACT=1``.

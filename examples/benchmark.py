@@ -328,7 +328,7 @@ class _DirectCCE(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, e, c, t, options):
-        lse, tgt, _ = _kernels().forward(e, c, t, None, softcap=None, ignore_index=IGNORE)
+        lse, tgt, *_ = _kernels().forward(e, c, t, None, softcap=None, ignore_index=IGNORE)
         valid = t != IGNORE
         count = valid.sum().clamp(min=1)
         ctx.save_for_backward(e, c, t, lse, count)

@@ -2,11 +2,12 @@
 
 Interface used by the custom op and the vocabulary-parallel loss:
 
-* ``forward(e, c, targets, bias, *, softcap, ignore_index, logit_sum=False, every_row=False)
-  -> (lse, target_logit, logit_sum | None)``
+* ``forward(e, c, targets, bias, *, softcap, ignore_index, logit_sum=False, mean_logit=False, every_row=False)
+  -> RowStats(lse, target_logit, logit_sum | None, mean_logit | None)`` (``mean_logit``: the softmax-weighted mean
+  logit of each row; the entropy is ``lse - mean_logit``)
 * ``backward(e, c, targets, bias, lse, grad_rows, *, softcap, ignore_index, options, need_e, need_c, need_bias,
-  label_smoothing=0.0, grad_lse=None) -> (dE | None, dC | None, dbias | None)``; ``options`` is a
-  :class:`cce_inductor.CCEOptions`
+  label_smoothing=0.0, grad_lse=None, grad_entropy=None, mean_logit=None) -> (dE | None, dC | None, dbias | None)``;
+  ``options`` is a :class:`cce_inductor.CCEOptions`
 
 with ``logits[n, v] = softcap * tanh((e[n] . c[v] + bias[v]) / softcap)`` (no tanh without softcap).  Rows whose
 target is ``ignore_index`` cost nothing; a target outside ``[0, V)`` counts with no one-hot term.

@@ -10,8 +10,10 @@ g_n = grad_rows[n] (0 at ignored rows), s = the softcap's chain factor:
 
     raw[n, v] = E[n] . C[v]                                        (fp32 accumulation)
     z[n, v]   = softcap * tanh((raw + bias[v]) / softcap)          (no tanh without softcap)
-    G[n, v]   = ((g_n + h_n) exp(z - lse[n]) - g_n ((1 - eps) [v == targets[n]] + eps / V)) * s[n, v]
-                (eps: label smoothing; h_n: the upstream gradient of lse[n] where the log-sum-exp is used elsewhere)
+    p[n, v]   = exp(z - lse[n])
+    G[n, v]   = (p (g_n + h_n + k_n (mu[n] - z)) - g_n ((1 - eps) [v == targets[n]] + eps / V)) * s[n, v]
+                (eps: label smoothing; h_n: the upstream gradient of lse[n] where the log-sum-exp is used elsewhere;
+                 k_n: that of the entropy H[n] = lse[n] - mu[n], mu[n] = sum_v p z, where it is asked for)
     dE = G @ C,     dC = G^T @ E,     dbias = sum_n G[n, :]
 
 Chunking / layout
@@ -65,10 +67,11 @@ _TUNING = {
 
 @triton.jit
 def _recompute_grad_kernel(
-    E, C, Bias, Lse, GradRows, GradLse, Targets, RowOrder, NumCounted, RowPoison, G, GLo,
+    E, C, Bias, Lse, GradRows, GradLse, GradEntropy, MeanLogit, Targets, RowOrder, NumCounted, RowPoison, G, GLo,
     n_rows, width, vocab_start, V, D,
     stride_en, stride_ed, stride_cv, stride_cd, stride_g, softcap, target_weight, uniform,
-    HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_LSE_GRAD: tl.constexpr, COMPACT_G: tl.constexpr,
+    HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_LSE_GRAD: tl.constexpr, HAS_ENTROPY_GRAD: tl.constexpr,
+    COMPACT_G: tl.constexpr,
     SPLIT_G: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, EVEN_D: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
@@ -105,13 +108,18 @@ def _recompute_grad_kernel(
     grad_p = grad_row
     if HAS_LSE_GRAD:
         grad_p += tl.load(GradLse + rows, mask=in_chunk, other=0.0)
+    grad_entropy = grad_row  # (unused without HAS_ENTROPY_GRAD)
+    mean_logit = grad_row
+    if HAS_ENTROPY_GRAD:
+        grad_entropy = tl.load(GradEntropy + rows, mask=in_chunk, other=0.0)
+        mean_logit = tl.load(MeanLogit + rows, mask=in_chunk, other=0.0)
     target = tl.load(Targets + rows, mask=in_chunk, other=-1)
     logits = logit_tile(
         E, C, Bias, rows, vocab_ids, D, stride_en, stride_ed, stride_cv, stride_cd, softcap,
         HAS_BIAS, HAS_SOFTCAP, UPCAST, DOT_PRECISION, EVEN_D, BLOCK_N, BLOCK_V, BLOCK_D,
     )
     grad = softmax_grad(logits, lse, grad_p, grad_row, target, vocab_start + cols, softcap, target_weight, uniform,
-                        HAS_SOFTCAP)
+                        grad_entropy, mean_logit, HAS_SOFTCAP, HAS_ENTROPY_GRAD)
     grad = tl.where((pos < num_counted)[:, None], grad, poison[:, None])
     grad_hi = grad.to(G.dtype.element_ty)
     tl.store(G + g_offs, grad_hi, mask=mask)
@@ -146,10 +154,11 @@ def _product_into(out, a, b, *, accumulate, **out_dtype):
 
 
 def backward(e, c, targets, bias, lse, grad_rows, *, softcap, ignore_index, options, need_e, need_c, need_bias,
-             label_smoothing=0.0, grad_lse=None):
+             label_smoothing=0.0, grad_lse=None, grad_entropy=None, mean_logit=None):
     """Launch helper: ``(dE | None, dC | None, dbias | None)``; ``grad_rows`` fp32, 0 at ignored rows.  Rows whose
     target is ``ignore_index`` are skipped by the recompute (and by the Triton products) unless ``grad_lse`` (the
-    upstream gradient of every row's lse, fp32) is given; a target outside ``[0, V)`` (a vocabulary shard's code for
+    upstream gradient of every row's lse, fp32) or ``grad_entropy`` (that of every row's entropy, with the forward's
+    ``mean_logit``) is given; a target outside ``[0, V)`` (a vocabulary shard's code for
     "another shard's") counts, with no one-hot term.  ``options``: a :class:`cce_inductor.CCEOptions` (``exact``,
     ``products``, ``backward_row_chunk``)."""
     tune = _launch.tuning(_TUNING)
@@ -165,7 +174,8 @@ def backward(e, c, targets, bias, lse, grad_rows, *, softcap, ignore_index, opti
             dc_out.zero_()
         return de_out, dc_out, (dbias32.to(bias.dtype) if need_bias else None)
 
-    counted = targets != ignore_index if grad_lse is None else torch.ones_like(targets, dtype=torch.bool)
+    every_row = grad_lse is not None or grad_entropy is not None
+    counted = torch.ones_like(targets, dtype=torch.bool) if every_row else targets != ignore_index
     row_chunk = min(n, options.backward_row_chunk or n)
     vocab_chunk = min(v, tune["vocab_chunk"])
     sixteen_bit = e.dtype in (torch.bfloat16, torch.float16)
@@ -189,6 +199,9 @@ def backward(e, c, targets, bias, lse, grad_rows, *, softcap, ignore_index, opti
     lse = lse.contiguous()
     grad_rows = grad_rows.to(torch.float32).contiguous()
     grad_lse = None if grad_lse is None else grad_lse.to(torch.float32).contiguous()
+    if grad_entropy is not None:
+        grad_entropy = grad_entropy.to(torch.float32).contiguous()
+        mean_logit = mean_logit.to(torch.float32).contiguous()
     targets = targets.contiguous()
     softcap_val = float(softcap) if softcap is not None else 1.0
     # 0, or NaN when any of C / bias is not finite (then every logit row holds a NaN)
@@ -217,13 +230,15 @@ def backward(e, c, targets, bias, lse, grad_rows, *, softcap, ignore_index, opti
             grid = (triton.cdiv(rows, block_n), triton.cdiv(width, block_v))
             _recompute_grad_kernel[grid](
                 e_rows, c, bias if bias is not None else lse, lse[r0:], grad_rows[r0:],
-                (grad_rows if grad_lse is None else grad_lse)[r0:], targets[r0:],
+                (grad_rows if grad_lse is None else grad_lse)[r0:],
+                (grad_rows if grad_entropy is None else grad_entropy)[r0:],
+                (grad_rows if grad_entropy is None else mean_logit)[r0:], targets[r0:],
                 row_order, num_counted, row_poison, grad, grad_lo,
                 rows, width, v0, v, d,
                 e.stride(0), e.stride(1), c.stride(0), c.stride(1), grad.stride(0), softcap_val,
                 1.0 - label_smoothing, label_smoothing / v,
                 HAS_BIAS=bias is not None, HAS_SOFTCAP=softcap is not None, HAS_LSE_GRAD=grad_lse is not None,
-                COMPACT_G=triton_products,
+                HAS_ENTROPY_GRAD=grad_entropy is not None, COMPACT_G=triton_products,
                 SPLIT_G=split_g,
                 UPCAST=_launch.upcast_dots(e.dtype), DOT_PRECISION=_launch.dot_precision(e.dtype),
                 EVEN_D=(d % block_d == 0),

@@ -8,6 +8,7 @@ For every row n that counts (targets[n] != ignore_index)
     target_logit[n] = logits[n, targets[n]]        (0 when targets[n] is outside [0, V): a vocabulary shard
                                                     sees the targets other shards hold that way)
     logit_sum[n]    = sum_v logits[n, v]           (only with LOGIT_SUM: the label-smoothing term)
+    mean_logit[n]   = sum_v softmax[n, v] logits[n, v]   (only with MEAN_LOGIT: entropy[n] = lse[n] - mean_logit[n])
 
 Block / grid layout (flash-decoding style)
 ------------------------------------------
@@ -15,18 +16,22 @@ Block / grid layout (flash-decoding style)
 ``row_order[i*BLOCK_N : (i+1)*BLOCK_N]`` and the vocabulary range of split s, which it walks in
 ``BLOCK_V`` steps.  Each step computes one ``BLOCK_N x BLOCK_V`` logit tile (loop over ``BLOCK_D``
 chunks of D, see ``_tile.logit_tile``) and folds it into a running (max, sum-of-exp) pair per row held in
-registers; the target logit is picked out of the tile with ``tl.where(col == target)``.  Program order
+registers (with MEAN_LOGIT also the running sum of ``exp(logit - max) * logit``, rescaled with the sum of exps);
+the target logit is picked out of the tile with ``tl.where(col == target)``.  Program order
 is row-block fastest, so the programs resident at one time share the same split of C and C is streamed
 from HBM about once while E (small) stays in L2.  Row blocks past the device-side count of counted rows
 return at once, so ignored rows cost nothing.
 
-Each program writes its partial ``(max, sumexp, target[, logit_sum])`` for its rows into ``(splits, N)`` fp32
-buffers; ``_combine_kernel`` (grid ``cdiv(N, BLOCK)``) merges the splits:
-``lse = m + log(sum_s sumexp_s * exp(max_s - m))``.  Ignored rows get lse = target_logit = logit_sum = 0.
+Each program writes its partial ``(max, sumexp, target[, logit_sum][, zexp])`` for its rows into ``(splits, N)``
+fp32 buffers; ``_combine_kernel`` (grid ``cdiv(N, BLOCK)``) merges the splits:
+``lse = m + log(sum_s sumexp_s * exp(max_s - m))``, ``mean_logit = sum_s zexp_s * exp(max_s - m) / sum_s sumexp_s *
+exp(max_s - m)``.  Ignored rows get lse = target_logit = logit_sum = mean_logit = 0.
 
-Memory: the partial buffers, ``(3 or 4) * splits * N * 4`` bytes (a few MB), far below the logit matrix.
+Memory: the partial buffers, ``(3 to 5) * splits * N * 4`` bytes (a few MB), far below the logit matrix.
 """
 from __future__ import annotations
+
+from typing import NamedTuple, Optional
 
 import torch
 import triton
@@ -44,11 +49,11 @@ _TUNING = {
 
 @triton.jit
 def _lse_forward_kernel(
-    E, C, Bias, Targets, RowOrder, NumValid, PartMax, PartSum, PartTarget, PartLogitSum,
+    E, C, Bias, Targets, RowOrder, NumValid, PartMax, PartSum, PartTarget, PartLogitSum, PartZExp,
     N, V, D,
     stride_en, stride_ed, stride_cv, stride_cd,
     vblocks_per_split, softcap,
-    HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, LOGIT_SUM: tl.constexpr,
+    HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, LOGIT_SUM: tl.constexpr, MEAN_LOGIT: tl.constexpr,
     UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, EVEN_D: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
@@ -67,6 +72,7 @@ def _lse_forward_kernel(
     run_sum = tl.zeros((BLOCK_N,), dtype=tl.float32)
     target_logit = tl.zeros((BLOCK_N,), dtype=tl.float32)
     logit_sum = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    run_zexp = tl.zeros((BLOCK_N,), dtype=tl.float32)
 
     num_vblocks = tl.cdiv(V, BLOCK_V)
     vb_start = split * vblocks_per_split
@@ -81,9 +87,15 @@ def _lse_forward_kernel(
         in_vocab = (cols < V)[None, :]
         if LOGIT_SUM:
             logit_sum += tl.sum(tl.where(in_vocab, logits, 0.0), axis=1)
+        if MEAN_LOGIT:
+            finite_logits = tl.where(in_vocab, logits, 0.0)  # padded columns: exp(-inf) * -inf would be NaN
         logits = tl.where(in_vocab, logits, float("-inf"))
         new_max = tl.maximum(run_max, tl.max(logits, axis=1))
-        run_sum = run_sum * tl.exp(run_max - new_max) + tl.sum(tl.exp(logits - new_max[:, None]), axis=1)
+        rescale = tl.exp(run_max - new_max)
+        exps = tl.exp(logits - new_max[:, None])
+        run_sum = run_sum * rescale + tl.sum(exps, axis=1)
+        if MEAN_LOGIT:
+            run_zexp = run_zexp * rescale + tl.sum(exps * finite_logits, axis=1)
         run_max = new_max
         target_logit += tl.sum(tl.where(in_vocab & (cols[None, :] == target[:, None]), logits, 0.0), axis=1)
 
@@ -93,12 +105,15 @@ def _lse_forward_kernel(
     tl.store(PartTarget + out, target_logit, mask=row_mask)
     if LOGIT_SUM:
         tl.store(PartLogitSum + out, logit_sum, mask=row_mask)
+    if MEAN_LOGIT:
+        tl.store(PartZExp + out, run_zexp, mask=row_mask)
 
 
 @triton.jit
 def _combine_kernel(
-    PartMax, PartSum, PartTarget, PartLogitSum, Targets, Lse, TargetLogit, LogitSum, N, num_splits, ignore_index,
-    LOGIT_SUM: tl.constexpr, BLOCK: tl.constexpr,
+    PartMax, PartSum, PartTarget, PartLogitSum, PartZExp, Targets, Lse, TargetLogit, LogitSum, MeanLogit,
+    N, num_splits, ignore_index,
+    LOGIT_SUM: tl.constexpr, MEAN_LOGIT: tl.constexpr, BLOCK: tl.constexpr,
 ):
     rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     in_range = rows < N
@@ -110,9 +125,13 @@ def _combine_kernel(
     total = tl.zeros((BLOCK,), dtype=tl.float32)
     target_logit = tl.zeros((BLOCK,), dtype=tl.float32)
     logit_sum = tl.zeros((BLOCK,), dtype=tl.float32)
+    zexp = tl.zeros((BLOCK,), dtype=tl.float32)
     for s in range(0, num_splits):
         part_max = tl.load(PartMax + s * N + rows, mask=valid, other=float("-inf"))
-        total += tl.load(PartSum + s * N + rows, mask=valid, other=0.0) * tl.exp(part_max - safe_max)
+        rescale = tl.exp(part_max - safe_max)
+        total += tl.load(PartSum + s * N + rows, mask=valid, other=0.0) * rescale
+        if MEAN_LOGIT:
+            zexp += tl.load(PartZExp + s * N + rows, mask=valid, other=0.0) * rescale
         target_logit += tl.load(PartTarget + s * N + rows, mask=valid, other=0.0)
         if LOGIT_SUM:
             logit_sum += tl.load(PartLogitSum + s * N + rows, mask=valid, other=0.0)
@@ -121,16 +140,27 @@ def _combine_kernel(
     tl.store(TargetLogit + rows, tl.where(valid, target_logit, 0.0), mask=in_range)
     if LOGIT_SUM:
         tl.store(LogitSum + rows, tl.where(valid, logit_sum, 0.0), mask=in_range)
+    if MEAN_LOGIT:
+        tl.store(MeanLogit + rows, tl.where(valid, zexp / tl.where(valid, total, 1.0), 0.0), mask=in_range)
+
+
+class RowStats(NamedTuple):
+    """The forward's per-row results, fp32 ``(N,)`` each; the optional ones are None unless asked for."""
+
+    lse: torch.Tensor
+    target_logit: torch.Tensor
+    logit_sum: Optional[torch.Tensor] = None
+    mean_logit: Optional[torch.Tensor] = None
 
 
 # An ignore_index no target equals: every row counts (a log-sum-exp used beyond the loss needs every row's).
 _EVERY_ROW = -(2**63)
 
 
-def forward(e, c, targets, bias, *, softcap, ignore_index, logit_sum=False, every_row=False):
-    """Launch helper: ``(lse, target_logit, logit_sum | None)``, fp32 ``(N,)`` each; see the package docstring.
-    ``every_row``: the rows whose target is ``ignore_index`` are computed too (their target logit is that of
-    ``ignore_index`` where it lies in ``[0, V)``, else 0)."""
+def forward(e, c, targets, bias, *, softcap, ignore_index, logit_sum=False, mean_logit=False, every_row=False):
+    """Launch helper: :class:`RowStats` ``(lse, target_logit, logit_sum | None, mean_logit | None)``; see the module
+    docstring.  ``every_row``: the rows whose target is ``ignore_index`` are computed too (their target logit is that
+    of ``ignore_index`` where it lies in ``[0, V)``, else 0)."""
     if every_row:
         ignore_index = _EVERY_ROW
     tune = _launch.tuning(_TUNING)
@@ -140,8 +170,9 @@ def forward(e, c, targets, bias, *, softcap, ignore_index, logit_sum=False, ever
     lse = torch.empty((n,), dtype=torch.float32, device=device)
     target_logit = torch.empty((n,), dtype=torch.float32, device=device)
     row_sums = torch.empty((n,), dtype=torch.float32, device=device) if logit_sum else None
+    row_means = torch.empty((n,), dtype=torch.float32, device=device) if mean_logit else None
     if n == 0:
-        return lse, target_logit, row_sums
+        return RowStats(lse, target_logit, row_sums, row_means)
     row_order, num_valid = _launch.compact_counted(targets != ignore_index)
     block_n, block_v, block_d = tune["block_n"], tune["block_v"], tune["block_d"]
     row_blocks = triton.cdiv(n, block_n)
@@ -151,14 +182,16 @@ def forward(e, c, targets, bias, *, softcap, ignore_index, logit_sum=False, ever
     vblocks_per_split = triton.cdiv(vblocks, splits)
     splits = triton.cdiv(vblocks, vblocks_per_split)
 
-    part = torch.empty((4 if logit_sum else 3, splits, n), dtype=torch.float32, device=device)
-    part_logit_sum = part[3] if logit_sum else part[0]  # unused without logit_sum
+    part = torch.empty((3 + logit_sum + mean_logit, splits, n), dtype=torch.float32, device=device)
+    part_logit_sum = part[3] if logit_sum else part[0]  # (unused without logit_sum)
+    part_zexp = part[-1] if mean_logit else part[0]  # (unused without mean_logit)
     _lse_forward_kernel[(row_blocks, splits)](
         e, c, bias if bias is not None else e, targets, row_order, num_valid, part[0], part[1], part[2], part_logit_sum,
+        part_zexp,
         n, v, d,
         e.stride(0), e.stride(1), c.stride(0), c.stride(1),
         vblocks_per_split, float(softcap) if softcap is not None else 1.0,
-        HAS_BIAS=bias is not None, HAS_SOFTCAP=softcap is not None, LOGIT_SUM=logit_sum,
+        HAS_BIAS=bias is not None, HAS_SOFTCAP=softcap is not None, LOGIT_SUM=logit_sum, MEAN_LOGIT=mean_logit,
         UPCAST=_launch.upcast_dots(e.dtype), DOT_PRECISION=_launch.dot_precision(e.dtype), EVEN_D=(d % block_d == 0),
         BLOCK_N=block_n, BLOCK_V=block_v, BLOCK_D=block_d,
         num_warps=tune["num_warps"],
@@ -166,8 +199,8 @@ def forward(e, c, targets, bias, *, softcap, ignore_index, logit_sum=False, ever
     )
     combine_block = 256
     _combine_kernel[(triton.cdiv(n, combine_block),)](
-        part[0], part[1], part[2], part_logit_sum, targets, lse, target_logit,
-        row_sums if logit_sum else lse, n, splits, ignore_index,
-        LOGIT_SUM=logit_sum, BLOCK=combine_block, num_warps=4,
+        part[0], part[1], part[2], part_logit_sum, part_zexp, targets, lse, target_logit,
+        row_sums if logit_sum else lse, row_means if mean_logit else lse, n, splits, ignore_index,
+        LOGIT_SUM=logit_sum, MEAN_LOGIT=mean_logit, BLOCK=combine_block, num_warps=4,
     )
-    return lse, target_logit, row_sums
+    return RowStats(lse, target_logit, row_sums, row_means)

@@ -60,19 +60,24 @@ def logit_tile(
 
 @triton.jit
 def softmax_grad(logits, lse, grad_p, grad_row, target, vocab_ids, softcap, target_weight, uniform,
-                 HAS_SOFTCAP: tl.constexpr):
-    """The gradient w.r.t. the raw logits of a ``rows x cols`` tile, from its (softcapped) ``logits``:
-    ``(grad_p * exp(logits - lse) - g * (target_weight * [col == target] + uniform)) * (1 - (logits / softcap)^2)``
-    (no last factor without softcap), ``g = grad_row``.  Plain cross-entropy: ``grad_p = g``, ``target_weight = 1``,
-    ``uniform = 0``; label smoothing eps: ``1 - eps`` and ``eps / V``; a log-sum-exp that is also used elsewhere
-    adds its own upstream gradient to ``grad_p``.
+                 grad_entropy, mean_logit, HAS_SOFTCAP: tl.constexpr, HAS_ENTROPY_GRAD: tl.constexpr):
+    """The gradient w.r.t. the raw logits of a ``rows x cols`` tile, from its (softcapped) ``logits`` z:
+    ``(p * (grad_p + h * (mean_logit - z)) - g * (target_weight * [col == target] + uniform)) * (1 - (z / softcap)^2)``
+    with ``p = exp(z - lse)``, ``g = grad_row``, ``h = grad_entropy`` (no last factor without softcap; no h term
+    without HAS_ENTROPY_GRAD).  Plain cross-entropy: ``grad_p = g``, ``target_weight = 1``, ``uniform = 0``; label
+    smoothing eps: ``1 - eps`` and ``eps / V``; a log-sum-exp that is also used elsewhere adds its own upstream
+    gradient to ``grad_p``; the entropy ``H = lse - sum_v p_v z_v`` has ``dH/dz_v = -p_v (z_v - sum_u p_u z_u)``.
 
     Rows with no gradient get 0, not 0 * (p - onehot): an ignored row's lse is 0 and exp(logits) may overflow to
     inf.  A NaN / inf logit still gives NaN there (``logits * 0``), as eager's log-softmax backward does."""
     one_hot = vocab_ids[None, :] == target[:, None]
-    grad = grad_p[:, None] * tl.exp(logits - lse[:, None]) - grad_row[:, None] * (
-        target_weight * one_hot.to(tl.float32) + uniform)
+    weight = grad_p[:, None]
+    has_grad = (grad_p != 0.0) | (grad_row != 0.0)
+    if HAS_ENTROPY_GRAD:
+        weight += grad_entropy[:, None] * (mean_logit[:, None] - logits)
+        has_grad = has_grad | (grad_entropy != 0.0)
+    grad = weight * tl.exp(logits - lse[:, None]) - grad_row[:, None] * (target_weight * one_hot.to(tl.float32) + uniform)
     if HAS_SOFTCAP:
         capped = logits / softcap
         grad = grad * (1.0 - capped * capped)
-    return tl.where(((grad_p != 0.0) | (grad_row != 0.0))[:, None], grad, logits * 0.0)
+    return tl.where(has_grad[:, None], grad, logits * 0.0)

@@ -139,7 +139,7 @@ def mean_grad_rows(targets):
 
 def run_kernels(e, c, targets, bias, grad_rows, *, softcap, opts=None, ignore_index=IGNORE,
                 need_e=True, need_c=True, need_bias=True):
-    lse, tgt, _ = K.forward(e, c, targets, bias, softcap=softcap, ignore_index=ignore_index)
+    lse, tgt, *_ = K.forward(e, c, targets, bias, softcap=softcap, ignore_index=ignore_index)
     grads = K.backward(e, c, targets, bias, lse, grad_rows, softcap=softcap, ignore_index=ignore_index,
                        options=opts or CCEOptions(), need_e=need_e, need_c=need_c, need_bias=need_bias)
     return lse, tgt, grads
@@ -328,9 +328,9 @@ def test_backward_is_reproducible_and_chunking_invariant(device, products, monke
     _device_ok(device)
     e, c, targets, b = make_inputs(45, 170, 24, torch.float32, device, ignore_frac=0.2, bias=True, seed=7)
     g = mean_grad_rows(targets)
-    lse, _, _ = K.forward(e, c, targets, b, softcap=20.0, ignore_index=IGNORE)
+    lse, *_ = K.forward(e, c, targets, b, softcap=20.0, ignore_index=IGNORE)
     e16, c16, b16 = e.bfloat16(), c.bfloat16(), b.bfloat16()
-    lse16, _, _ = K.forward(e16, c16, targets, b16, softcap=20.0, ignore_index=IGNORE)
+    lse16, *_ = K.forward(e16, c16, targets, b16, softcap=20.0, ignore_index=IGNORE)
 
     def grads(exact=False, row_chunk=0, sixteen=False):
         args = (e16, c16, targets, b16, lse16) if sixteen else (e, c, targets, b, lse)
@@ -556,7 +556,7 @@ def test_label_smoothing_matches_fp64_reference(device, dtype, softcap, opts):
     _device_ok(device)
     eps = 0.2
     e, c, targets, b = make_inputs(37, 150, 40, dtype, device, ignore_frac=0.3, bias=True, seed=7)
-    lse, tgt, logit_sum = K.forward(e, c, targets, b, softcap=softcap, ignore_index=IGNORE, logit_sum=True)
+    lse, tgt, logit_sum, _ = K.forward(e, c, targets, b, softcap=softcap, ignore_index=IGNORE, logit_sum=True)
 
     e64, c64, b64 = (x.detach().double().cpu().requires_grad_() for x in (e, c, b))
     logits = F.linear(e64, c64, b64)
@@ -585,7 +585,7 @@ def test_log_sum_exp_used_beyond_the_loss(device, opts):
     ``(g_n + h_n) * softmax``; against fp64 autograd of ``sum(g * row_loss) + sum(h * lse)``."""
     _device_ok(device)
     e, c, targets, b = make_inputs(37, 150, 40, torch.bfloat16, device, ignore_frac=0.3, bias=True, seed=11)
-    lse, tgt, _ = K.forward(e, c, targets, b, softcap=15.0, ignore_index=IGNORE, every_row=True)
+    lse, tgt, *_ = K.forward(e, c, targets, b, softcap=15.0, ignore_index=IGNORE, every_row=True)
     e64, c64, b64 = (x.detach().double().cpu().requires_grad_() for x in (e, c, b))
     logits = 15.0 * torch.tanh(F.linear(e64, c64, b64) / 15.0)
     want_lse = torch.logsumexp(logits, dim=1)
@@ -596,5 +596,43 @@ def test_log_sum_exp_used_beyond_the_loss(device, opts):
     ((row_loss * grad_rows.double().cpu()).sum() + (want_lse * grad_lse.double().cpu()).sum()).backward()
     grads = K.backward(e, c, targets, b, lse, grad_rows, softcap=15.0, ignore_index=IGNORE, options=opts,
                        need_e=True, need_c=True, need_bias=True, grad_lse=grad_lse)
+    for got, ref in zip(grads, (e64.grad, c64.grad, b64.grad)):
+        check_grad(got, ref, opts.exact)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Entropy of the softmax: the forward's softmax-weighted mean logit, the backward's entropy term
+# ----------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize(
+    "dtype, softcap, opts",
+    [(torch.float32, None, CCEOptions()), (torch.bfloat16, 15.0, CCEOptions()),
+     (torch.bfloat16, 15.0, CCEOptions(products="triton")), (torch.bfloat16, None, CCEOptions(exact=True))],
+    ids=["fp32", "bf16_cap", "bf16_cap_triton_products", "bf16_exact"],
+)
+def test_entropy_matches_fp64_reference(device, dtype, softcap, opts):
+    """Every row's entropy ``lse - mean_logit`` (ignored rows too: ``every_row``) and its gradient k_n entering G as
+    ``p * (g_n + k_n * (mean_logit - z))``, with the loss's gradient beside it; against fp64 autograd of
+    ``sum(g * row_loss) + sum(k * entropy)``.  Sharp rows (large logits) and flat rows both occur."""
+    _device_ok(device)
+    e, c, targets, b = make_inputs(37, 150, 40, dtype, device, ignore_frac=0.3, bias=True, seed=5)
+    e = (e * torch.linspace(0.2, 3.0, 37, device=device)[:, None].to(dtype)).contiguous()  # from flat to peaked
+    lse, tgt, logit_sum, mean_logit = K.forward(e, c, targets, b, softcap=softcap, ignore_index=IGNORE,
+                                                mean_logit=True, every_row=True)
+    assert logit_sum is None
+    e64, c64, b64 = (x.detach().double().cpu().requires_grad_() for x in (e, c, b))
+    logits = F.linear(e64, c64, b64)
+    if softcap is not None:
+        logits = softcap * torch.tanh(logits / softcap)
+    want_entropy = -(logits.softmax(-1) * logits.log_softmax(-1)).sum(-1)
+    assert rel((lse - mean_logit).cpu(), want_entropy.detach()) < LSE_TOL * 10
+    grad_rows = mean_grad_rows(targets)
+    grad_entropy = torch.randn(37, generator=torch.Generator().manual_seed(4)).to(device) * 2e-2
+    row_loss = F.cross_entropy(logits, targets.cpu(), ignore_index=IGNORE, reduction="none")
+    ((row_loss * grad_rows.double().cpu()).sum() + (want_entropy * grad_entropy.double().cpu()).sum()).backward()
+    grads = K.backward(e, c, targets, b, lse, grad_rows, softcap=softcap, ignore_index=IGNORE, options=opts,
+                       need_e=True, need_c=True, need_bias=True, grad_entropy=grad_entropy, mean_logit=mean_logit)
     for got, ref in zip(grads, (e64.grad, c64.grad, b64.grad)):
         check_grad(got, ref, opts.exact)

@@ -100,7 +100,11 @@ def test_hf_family_rewritten_with_drop_logits(family):
     compiled = torch.compile(model, backend=capture)
     out = _assert_same_training_step(model, compiled, dict(input_ids=input_ids, labels=labels))
     assert sum(capture.rewrites) == 1, cce_inductor.stats()["reasons"]
-    assert out.logits.numel() == 0
+    # the logits' placeholder: their shape and dtype, raising on use (tests/test_dropped_logits.py)
+    assert isinstance(out.logits, cce_inductor.DroppedLogits)
+    assert out.logits.shape == (2, 12, VOCAB) and out.logits.dtype == torch.float32
+    with pytest.raises(RuntimeError, match="CCE_INDUCTOR_DROP_LOGITS"):
+        out.logits.softmax(-1)
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma2", "gpt2"])
@@ -307,6 +311,53 @@ def test_grpo_style_step_through_inductor():
         torch.testing.assert_close(param.grad, expected_grads[name], atol=2e-5, rtol=1e-4, msg=name)
     assert cce_inductor.stats()["rewritten"] == 1, cce_inductor.stats()["summary"]
     assert "token log-probs" in cce_inductor.stats()["sites"][0]["reason"]
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_grpo_step_with_entropy_bonus_through_inductor(dynamic):
+    """TRL's GRPO scoring with its entropy: ``selective_log_softmax`` and the row-chunked ``entropy_from_logits`` of
+    the same temperature-scaled logits, an entropy bonus in the loss, through the real backend: one fused call,
+    eager's loss and every parameter gradient."""
+    torch.manual_seed(0)
+    model = TitanStyle()
+    temperature = 0.9
+
+    def entropy_from_logits(logits, chunk_size=8):
+        flat_logits = logits.reshape(-1, logits.shape[-1])
+        entropies = []
+        for chunk in flat_logits.split(chunk_size, dim=0):
+            logps = F.log_softmax(chunk, dim=-1)
+            entropies.append(-(torch.exp(logps) * logps).sum(-1))
+        return torch.cat(entropies, dim=0).reshape(logits.shape[:-1])
+
+    def step(model, tokens, advantages, mask):
+        logits = model(tokens)[:, :-1, :] / temperature
+        logps = torch.gather(logits.log_softmax(dim=-1), dim=-1, index=tokens[:, 1:].unsqueeze(-1)).squeeze(-1)
+        entropies = entropy_from_logits(logits)
+        per_token = -torch.exp(logps - logps.detach()) * advantages[:, None] - 0.01 * entropies
+        return ((per_token * mask).sum(-1) / mask.sum(-1).clamp(min=1)).mean(), entropies.detach()
+
+    tokens, _ = _nanogpt_batch()
+    b, t = tokens.shape
+    inputs = (tokens, torch.randn(b), (torch.rand(b, t - 1) < 0.8).float())
+    expected, expected_entropies = step(model, *inputs)
+    expected.backward()
+    expected_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    with inductor_caches_off():
+        actual, entropies = torch.compile(step, backend=cce_inductor.backend, fullgraph=True, dynamic=dynamic)(
+            model, *inputs
+        )
+    actual.backward()
+    torch.testing.assert_close(actual, expected, atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(entropies, expected_entropies, atol=2e-5, rtol=1e-4)
+    for name, param in model.named_parameters():
+        torch.testing.assert_close(param.grad, expected_grads[name], atol=2e-5, rtol=1e-4, msg=name)
+    stats = cce_inductor.stats()
+    # (with dynamic shapes the pass may see the graph twice)
+    assert stats["skipped"] == 0 and stats["rewritten"] >= 1, stats["summary"]
+    assert stats["executions"]["linear_cross_entropy"] == 1  # one call for the log-probs and every entropy chunk
+    assert "entropy and token log-probs" in stats["sites"][0]["reason"]
 
 
 @pytest.mark.slow

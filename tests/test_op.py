@@ -359,8 +359,8 @@ def test_backward_op_gradients_not_needed_are_empty_and_distinct():
     lse = torch.logsumexp(e @ c.T, dim=1)
     for need_e, need_c, need_bias in [(True, False, False), (False, True, False), (False, False, False)]:
         grads = ops.linear_cross_entropy_backward_op(
-            torch.tensor(1.0, dtype=torch.float64), e, c, t, None, lse, None, None, -100, "mean", 0.0, OPTIONS,
-            need_e, need_c, need_bias,
+            torch.tensor(1.0, dtype=torch.float64), e, c, t, None, lse, None, None, None, None, -100, "mean", 0.0,
+            OPTIONS, need_e, need_c, need_bias,
         )
         for grad, needed, full in zip(grads, (need_e, need_c, False), (e, c, None)):
             assert grad.shape == (full.shape if needed else (0,))
@@ -477,14 +477,14 @@ def test_autocast_does_not_change_the_op_precision():
 def test_opcheck_forward(reduction, softcap, bias):
     e, c, t, b = make_inputs((6,), 10, 4, torch.float64, bias=bias)
     args = (e.requires_grad_(), c.requires_grad_(), t, None if b is None else b.requires_grad_(),
-            softcap, -100, reduction, 0.0, OPTIONS, reduction == "mean")
+            softcap, -100, reduction, 0.0, OPTIONS, reduction == "mean", reduction != "sum")
     torch.library.opcheck(ops.linear_cross_entropy_op, args)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_opcheck_forward_low_precision(dtype):
     e, c, t, b = make_inputs((5,), 9, 4, dtype, bias=True)
-    args = (e.requires_grad_(), c.requires_grad_(), t, b, None, -100, "mean", 0.1, OPTIONS, True)
+    args = (e.requires_grad_(), c.requires_grad_(), t, b, None, -100, "mean", 0.1, OPTIONS, True, True)
     torch.library.opcheck(ops.linear_cross_entropy_op, args)
 
 
@@ -498,7 +498,10 @@ def test_opcheck_backward(needs, reduction):
     lse = torch.logsumexp(F.linear(e, c, b), dim=1)
     grad = torch.rand(6, dtype=torch.float64) if reduction == "none" else torch.tensor(0.5, dtype=torch.float64)
     grad_lse = torch.rand(6, dtype=torch.float64) if reduction == "none" else None
-    args = (grad, e, c, t, b, lse, grad_lse, None, -100, reduction, 0.1, OPTIONS, *needs)
+    # with the entropy's gradient where every row's lse is used too
+    entropy = torch.distributions.Categorical(logits=F.linear(e, c, b)).entropy() if reduction == "none" else None
+    grad_entropy = torch.rand(6, dtype=torch.float64) if reduction == "none" else None
+    args = (grad, e, c, t, b, lse, grad_lse, entropy, grad_entropy, None, -100, reduction, 0.1, OPTIONS, *needs)
     torch.library.opcheck(ops.linear_cross_entropy_backward_op, args)
 
 
@@ -506,8 +509,8 @@ def test_opcheck_backward_two_grads_not_needed():
     # Regression: see test_frozen_weight_without_bias (the same `empty` tensor returned for two outputs).
     e, c, t, _ = make_inputs((6,), 10, 4, torch.float64)
     lse = torch.logsumexp(F.linear(e, c), dim=1)
-    args = (torch.tensor(0.5, dtype=torch.float64), e, c, t, None, lse, None, None, -100, "mean", 0.0, OPTIONS, True,
-            False, False)
+    args = (torch.tensor(0.5, dtype=torch.float64), e, c, t, None, lse, None, None, None, None, -100, "mean", 0.0,
+            OPTIONS, True, False, False)
     torch.library.opcheck(ops.linear_cross_entropy_backward_op, args)
 
 
@@ -620,8 +623,8 @@ def test_chunked_matches_unchunked(row_chunk, vocab_chunk, softcap):
     e, c, t, b = make_inputs((23,), 37, 6, torch.float64, bias=True)
     big = dict(row_chunk=10**6, vocab_chunk=10**6)
     small = dict(row_chunk=row_chunk, vocab_chunk=vocab_chunk)
-    lse_ref, tl_ref, sum_ref = _chunked.forward(e, c, t, b, softcap=softcap, ignore_index=-100, logit_sum=True, **big)
-    lse, tl, logit_sum = _chunked.forward(e, c, t, b, softcap=softcap, ignore_index=-100, logit_sum=True, **small)
+    lse_ref, tl_ref, sum_ref, _ = _chunked.forward(e, c, t, b, softcap=softcap, ignore_index=-100, logit_sum=True, **big)
+    lse, tl, logit_sum, _ = _chunked.forward(e, c, t, b, softcap=softcap, ignore_index=-100, logit_sum=True, **small)
     valid = t != -100
     torch.testing.assert_close(lse, lse_ref, rtol=1e-13, atol=1e-13)
     torch.testing.assert_close(tl[valid], tl_ref[valid], rtol=1e-13, atol=1e-13)
@@ -758,3 +761,47 @@ def test_compile_fullgraph_dynamic_no_recompile():
         for node in counter.graphs[-1].graph.nodes
     )
     torch._dynamo.reset()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Entropy of the softmax (the op's third output)
+# ----------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("softcap", [None, 4.0], ids=["nocap", "cap"])
+@pytest.mark.parametrize("ignore", ["some", "all"])
+def test_entropy_output_matches_eager(dtype, softcap, ignore):
+    """Every row's entropy (ignored rows too) and the gradients of ``sum(g * loss) + sum(k * entropy)``, against
+    eager computed in fp64 from the same inputs; the loss is unchanged by asking for the entropy."""
+    e, c, t, b = make_inputs((23,), 31, 8, dtype, bias=True, ignore=ignore)
+    leaves = [x.detach().clone().requires_grad_() for x in (e, c, b)]
+    loss, lse, entropy = ops.linear_cross_entropy_op(*leaves[:2], t, leaves[2], softcap, -100, "none", 0.0, OPTIONS,
+                                                     False, True)  # fmt: skip
+    plain_loss, _, no_entropy = ops.linear_cross_entropy_op(e, c, t, b, softcap, -100, "none", 0.0, OPTIONS, False,
+                                                            False)  # fmt: skip
+    assert no_entropy.shape == (0,)
+    torch.testing.assert_close(loss, plain_loss)
+    g, k = torch.randn(23, dtype=torch.float64), torch.randn(23, dtype=torch.float64)
+    ((loss.double() * g).sum() + (entropy.double() * k).sum()).backward()
+
+    ref = [x.detach().double().requires_grad_() for x in (e, c, b)]
+    logits = F.linear(*ref)
+    if softcap is not None:
+        logits = softcap * torch.tanh(logits / softcap)
+    want_entropy = -(logits.softmax(-1) * logits.log_softmax(-1)).sum(-1)
+    want_loss = F.cross_entropy(logits, t, reduction="none")
+    ((want_loss * g).sum() + (want_entropy * k).sum()).backward()
+    tol = dict(rtol=grad_rtol(dtype), atol=grad_rtol(dtype))
+    torch.testing.assert_close(entropy.double(), want_entropy.detach(), **tol)
+    for got, want in zip(leaves, ref):
+        torch.testing.assert_close(got.grad.double(), want.grad, **tol)
+
+
+def test_entropy_of_an_empty_batch():
+    e, c, t, _ = make_inputs((0,), 11, 4, torch.float32, ignore="none")
+    e.requires_grad_()
+    loss, _, entropy = ops.linear_cross_entropy_op(e, c, t, None, None, -100, "none", 0.0, OPTIONS, False, True)
+    assert loss.shape == entropy.shape == (0,)
+    entropy.sum().backward()
+    assert e.grad.shape == e.shape

@@ -102,7 +102,7 @@ def forward(self, L_hidden_ : torch.Tensor, L_labels_ : torch.Tensor, L_weight_ 
     l_hidden_ = L_hidden_
     l_labels_ = L_labels_
     l_weight_ = L_weight_
-    linear_cross_entropy_default = torch.ops.cce_inductor.linear_cross_entropy.default(l_hidden_, l_weight_, l_labels_, None, None, -100, 'mean', 0.0, 'exact=False;products=cublas;backward_row_chunk=8192', False)
+    linear_cross_entropy_default = torch.ops.cce_inductor.linear_cross_entropy.default(l_hidden_, l_weight_, l_labels_, None, None, -100, 'mean', 0.0, 'exact=False;products=cublas;backward_row_chunk=8192', False, False)
     getitem = linear_cross_entropy_default[0]
     return (getitem,)""")
 
@@ -120,7 +120,7 @@ def forward(self, L_head_parameters_bias_ : torch.nn.parameter.Parameter, L_head
     l_head_parameters_weight_ = L_head_parameters_weight_
     l_hidden_ = L_hidden_
     l_labels_ = L_labels_
-    linear_cross_entropy_default = torch.ops.cce_inductor.linear_cross_entropy.default(l_hidden_, l_head_parameters_weight_, l_labels_, l_head_parameters_bias_, None, -100, 'mean', 0.0, 'exact=False;products=cublas;backward_row_chunk=8192', False)
+    linear_cross_entropy_default = torch.ops.cce_inductor.linear_cross_entropy.default(l_hidden_, l_head_parameters_weight_, l_labels_, l_head_parameters_bias_, None, -100, 'mean', 0.0, 'exact=False;products=cublas;backward_row_chunk=8192', False, False)
     getitem = linear_cross_entropy_default[0]
     return (getitem,)""")
 
@@ -150,7 +150,7 @@ def forward(self, L_hidden_ : torch.Tensor, L_labels_ : torch.Tensor, L_weight_ 
     l_weight_ = L_weight_
     view_1 = l_labels_.view(-1)
     reshape = l_hidden_.reshape(-1, 16)
-    linear_cross_entropy_default = torch.ops.cce_inductor.linear_cross_entropy.default(reshape, l_weight_, view_1, None, None, -100, 'mean', 0.0, 'exact=False;products=cublas;backward_row_chunk=8192', False)
+    linear_cross_entropy_default = torch.ops.cce_inductor.linear_cross_entropy.default(reshape, l_weight_, view_1, None, None, -100, 'mean', 0.0, 'exact=False;products=cublas;backward_row_chunk=8192', False, False)
     getitem = linear_cross_entropy_default[0]
     return (getitem,)""")
 
@@ -170,10 +170,10 @@ def forward(self, L_hidden_ : torch.Tensor, L_labels_ : torch.Tensor, L_weight_ 
     l_labels_ = L_labels_
     l_weight_ = L_weight_
     l_weight_t_ = L_weight_t_
-    linear_cross_entropy_default = torch.ops.cce_inductor.linear_cross_entropy.default(l_hidden_, l_weight_, l_labels_, None, None, -100, 'mean', 0.0, 'exact=False;products=cublas;backward_row_chunk=8192', False)
+    linear_cross_entropy_default = torch.ops.cce_inductor.linear_cross_entropy.default(l_hidden_, l_weight_, l_labels_, None, None, -100, 'mean', 0.0, 'exact=False;products=cublas;backward_row_chunk=8192', False, False)
     getitem = linear_cross_entropy_default[0]
     t_1 = l_weight_t_.t()
-    linear_cross_entropy_default_1 = torch.ops.cce_inductor.linear_cross_entropy.default(l_hidden_, t_1, l_labels_, None, None, -100, 'sum', 0.0, 'exact=False;products=cublas;backward_row_chunk=8192', False)
+    linear_cross_entropy_default_1 = torch.ops.cce_inductor.linear_cross_entropy.default(l_hidden_, t_1, l_labels_, None, None, -100, 'sum', 0.0, 'exact=False;products=cublas;backward_row_chunk=8192', False, False)
     getitem_1 = linear_cross_entropy_default_1[0]
     add = getitem + getitem_1
     return (add,)""")
@@ -195,7 +195,7 @@ def forward(self, L_hidden_ : torch.Tensor, L_labels_ : torch.Tensor, L_weight_ 
     float_1 = to.float()
     flatten_1 = l_labels_.flatten()
     flatten_2 = l_hidden_.flatten(0, 1)
-    linear_cross_entropy_default = torch.ops.cce_inductor.linear_cross_entropy.default(flatten_2, float_1, flatten_1, None, None, -100, 'mean', 0.0, 'exact=False;products=cublas;backward_row_chunk=8192', False)
+    linear_cross_entropy_default = torch.ops.cce_inductor.linear_cross_entropy.default(flatten_2, float_1, flatten_1, None, None, -100, 'mean', 0.0, 'exact=False;products=cublas;backward_row_chunk=8192', False, False)
     getitem = linear_cross_entropy_default[0]
     return (getitem,)""")
 
@@ -216,7 +216,7 @@ def forward(self, L_hidden_ : torch.Tensor, L_labels_ : torch.Tensor, L_weight_ 
     l_weight_ = L_weight_
     view_1 = l_labels_.view(-1)
     reshape = l_hidden_.reshape(-1, 16)
-    linear_cross_entropy_default = torch.ops.cce_inductor.linear_cross_entropy.default(reshape, l_weight_, view_1, None, None, -100, 'mean', 0.0, 'exact=False;products=cublas;backward_row_chunk=8192', False)
+    linear_cross_entropy_default = torch.ops.cce_inductor.linear_cross_entropy.default(reshape, l_weight_, view_1, None, None, -100, 'mean', 0.0, 'exact=False;products=cublas;backward_row_chunk=8192', False, False)
     getitem = linear_cross_entropy_default[0]
     return (getitem,)""")
 
@@ -233,7 +233,7 @@ def forward(self, L_hidden_ : torch.Tensor, L_labels_ : torch.Tensor, L_weight_ 
     l_hidden_ = L_hidden_
     l_labels_ = L_labels_
     l_weight_ = L_weight_
-    linear_cross_entropy_default = torch.ops.cce_inductor.linear_cross_entropy.default(l_hidden_, l_weight_, l_labels_, None, None, -100, 'mean', 0.0, 'exact=False;products=cublas;backward_row_chunk=8192', False)
+    linear_cross_entropy_default = torch.ops.cce_inductor.linear_cross_entropy.default(l_hidden_, l_weight_, l_labels_, None, None, -100, 'mean', 0.0, 'exact=False;products=cublas;backward_row_chunk=8192', False, False)
     getitem = linear_cross_entropy_default[0]
     to = getitem.to(torch.bfloat16)
     return (to,)""")
@@ -268,7 +268,7 @@ def forward(self, L_hidden_ : torch.Tensor, L_labels_ : torch.Tensor, L_weight_ 
     l_weight_ = L_weight_
     view_1 = l_labels_.view(-1)
     reshape = l_hidden_.reshape(-1, 16)
-    linear_cross_entropy_default = torch.ops.cce_inductor.linear_cross_entropy.default(reshape, l_weight_, view_1, None, 3.0, -100, 'mean', 0.0, 'exact=False;products=cublas;backward_row_chunk=8192', False)
+    linear_cross_entropy_default = torch.ops.cce_inductor.linear_cross_entropy.default(reshape, l_weight_, view_1, None, 3.0, -100, 'mean', 0.0, 'exact=False;products=cublas;backward_row_chunk=8192', False, False)
     getitem = linear_cross_entropy_default[0]
     return (getitem,)""")
 
@@ -289,7 +289,7 @@ def forward(self, L_hidden_ : torch.Tensor, L_labels_ : torch.Tensor, L_weight_ 
     l_weight_ = L_weight_
     view_1 = l_labels_.view(-1)
     reshape = l_hidden_.reshape(-1, 16)
-    linear_cross_entropy_default = torch.ops.cce_inductor.linear_cross_entropy.default(reshape, l_weight_, view_1, None, 2.5, -100, 'mean', 0.0, 'exact=False;products=cublas;backward_row_chunk=8192', False)
+    linear_cross_entropy_default = torch.ops.cce_inductor.linear_cross_entropy.default(reshape, l_weight_, view_1, None, 2.5, -100, 'mean', 0.0, 'exact=False;products=cublas;backward_row_chunk=8192', False, False)
     getitem = linear_cross_entropy_default[0]
     return (getitem,)""")
 
@@ -313,7 +313,7 @@ def forward(self, L_head_parameters_bias_ : torch.nn.parameter.Parameter, L_head
     mul_2 = l_hidden_ * 0.125
     reshape = mul_2.reshape(-1, 16)
     mul_3 = l_head_parameters_bias_ * 0.125
-    linear_cross_entropy_default = torch.ops.cce_inductor.linear_cross_entropy.default(reshape, l_head_parameters_weight_, view_1, mul_3, 3.0, -100, 'mean', 0.0, 'exact=False;products=cublas;backward_row_chunk=8192', False)
+    linear_cross_entropy_default = torch.ops.cce_inductor.linear_cross_entropy.default(reshape, l_head_parameters_weight_, view_1, mul_3, 3.0, -100, 'mean', 0.0, 'exact=False;products=cublas;backward_row_chunk=8192', False, False)
     getitem = linear_cross_entropy_default[0]
     return (getitem,)""")
 
@@ -351,7 +351,7 @@ def forward(self, L_hidden_ : torch.Tensor, L_labels_ : torch.Tensor, L_weight_ 
     view_1 = shift_labels.view(-1)
     getitem_2 = l_hidden_[(Ellipsis, slice(None, -1, None), slice(None, None, None))]
     reshape = getitem_2.reshape(-1, 16)
-    linear_cross_entropy_default = torch.ops.cce_inductor.linear_cross_entropy.default(reshape, l_weight_, view_1, None, None, -100, 'mean', 0.0, 'exact=False;products=cublas;backward_row_chunk=8192', False)
+    linear_cross_entropy_default = torch.ops.cce_inductor.linear_cross_entropy.default(reshape, l_weight_, view_1, None, None, -100, 'mean', 0.0, 'exact=False;products=cublas;backward_row_chunk=8192', False, False)
     getitem_3 = linear_cross_entropy_default[0]
     return (getitem_3,)""")
 
@@ -393,7 +393,7 @@ def forward(self, L_hidden_ : torch.Tensor, L_labels_ : torch.Tensor, L_num_item
     shift_labels = getitem.contiguous()
     view_1 = shift_labels.view(-1)
     reshape = l_hidden_.reshape(-1, 16)
-    linear_cross_entropy_default = torch.ops.cce_inductor.linear_cross_entropy.default(reshape, l_weight_, view_1, None, None, -100, 'sum', 0.0, 'exact=False;products=cublas;backward_row_chunk=8192', False)
+    linear_cross_entropy_default = torch.ops.cce_inductor.linear_cross_entropy.default(reshape, l_weight_, view_1, None, None, -100, 'sum', 0.0, 'exact=False;products=cublas;backward_row_chunk=8192', False, False)
     getitem_1 = linear_cross_entropy_default[0]
     truediv = getitem_1 / l_num_items_in_batch_
     return (truediv,)""")
@@ -416,7 +416,7 @@ def forward(self, L_hidden_ : torch.Tensor, L_labels_ : torch.Tensor, L_weight_ 
     l_weight_ = L_weight_
     view_1 = l_labels_.view(-1)
     reshape = l_hidden_.reshape(-1, 16)
-    linear_cross_entropy_default = torch.ops.cce_inductor.linear_cross_entropy.default(reshape, l_weight_, view_1, None, 4.0, 3, 'sum', 0.1, 'exact=False;products=cublas;backward_row_chunk=8192', False)
+    linear_cross_entropy_default = torch.ops.cce_inductor.linear_cross_entropy.default(reshape, l_weight_, view_1, None, 4.0, 3, 'sum', 0.1, 'exact=False;products=cublas;backward_row_chunk=8192', False, False)
     getitem = linear_cross_entropy_default[0]
     return (getitem,)""")
         for reduction, eps in (("mean", 0.25), ("none", 1.0)):
@@ -442,7 +442,7 @@ def forward(self, L_hidden_ : torch.Tensor, L_labels_ : torch.Tensor, L_weight_ 
     l_weight_ = L_weight_
     view_1 = l_labels_.view(-1)
     reshape = l_hidden_.reshape(-1, 16)
-    linear_cross_entropy_default = torch.ops.cce_inductor.linear_cross_entropy.default(reshape, l_weight_, view_1, None, None, -100, 'mean', 0.0, 'exact=False;products=cublas;backward_row_chunk=8192', True)
+    linear_cross_entropy_default = torch.ops.cce_inductor.linear_cross_entropy.default(reshape, l_weight_, view_1, None, None, -100, 'mean', 0.0, 'exact=False;products=cublas;backward_row_chunk=8192', True, False)
     getitem = linear_cross_entropy_default[1]
     getitem_1 = linear_cross_entropy_default[0]
     z_squared = getitem.pow(2)
@@ -492,7 +492,7 @@ def forward(self, L_advantages_ : torch.Tensor, L_hidden_ : torch.Tensor, L_ids_
     squeeze_1 = unsqueeze.squeeze(-1)
     flatten = getitem_4.flatten(0, -2)
     flatten_1 = squeeze_1.flatten()
-    linear_cross_entropy_default = torch.ops.cce_inductor.linear_cross_entropy.default(flatten, l_weight_, flatten_1, None, None, -9223372036854775808, 'none', 0.0, 'exact=False;products=cublas;backward_row_chunk=8192', False)
+    linear_cross_entropy_default = torch.ops.cce_inductor.linear_cross_entropy.default(flatten, l_weight_, flatten_1, None, None, -9223372036854775808, 'none', 0.0, 'exact=False;products=cublas;backward_row_chunk=8192', False, False)
     getitem_5 = linear_cross_entropy_default[0]
     neg_1 = -getitem_5
     view_as = neg_1.view_as(squeeze_1)
@@ -512,6 +512,83 @@ def forward(self, L_advantages_ : torch.Tensor, L_hidden_ : torch.Tensor, L_ids_
     return (truediv_1,)""")
         self.assertIn("token log-probs", cce_inductor.stats()["sites"][0]["reason"])
 
+    @staticmethod
+    def _trl_selective_log_softmax(logits, index):
+        """TRL's ``selective_log_softmax``, as TRL writes it: gather minus a row loop of logsumexp in fp32 / fp64, a
+        loop over the batch rows of log_softmax-gather otherwise."""
+        if logits.dtype in [torch.float32, torch.float64]:
+            selected_logits = torch.gather(logits, dim=-1, index=index.unsqueeze(-1)).squeeze(-1)
+            logsumexp_values = torch.stack([torch.logsumexp(lg, dim=-1) for lg in logits])
+            per_token_logps = selected_logits - logsumexp_values
+        else:
+            per_token_logps = []
+            for row_logits, row_labels in zip(logits, index, strict=True):
+                row_logps = F.log_softmax(row_logits, dim=-1)
+                row_per_token_logps = row_logps.gather(dim=-1, index=row_labels.unsqueeze(-1)).squeeze(-1)
+                per_token_logps.append(row_per_token_logps)
+            per_token_logps = torch.stack(per_token_logps)
+        return per_token_logps
+
+    def test_trl_selective_log_softmax_fp32(self):
+        """The fp32 branch: ``gather(logits, ids) - stack([logsumexp(row) for row in logits])``."""
+        weight = _weight(V, D)
+
+        def f(hidden, ids):
+            logits = (hidden @ weight.T)[:, :-1, :] / 0.7
+            return self._trl_selective_log_softmax(logits, ids[:, 1:]).mean()
+
+        cap = self.run_pass(f, _hidden(B, T, D), torch.randint(0, V, (B, T)), params=[weight])
+        self.assertExpectedInline(cap.after[0], """\
+def forward(self, L_hidden_ : torch.Tensor, L_ids_ : torch.Tensor, L_weight_ : torch.Tensor):
+    l_hidden_ = L_hidden_
+    l_ids_ = L_ids_
+    l_weight_ = L_weight_
+    getitem_1 = l_ids_[(slice(None, None, None), slice(1, None, None))]
+    unsqueeze = getitem_1.unsqueeze(-1)
+    mul = l_hidden_ * 1.4285714285714286
+    getitem_4 = mul[(slice(None, None, None), slice(None, -1, None), slice(None, None, None))]
+    squeeze_1 = unsqueeze.squeeze(-1)
+    flatten = getitem_4.flatten(0, -2)
+    flatten_1 = squeeze_1.flatten()
+    linear_cross_entropy_default = torch.ops.cce_inductor.linear_cross_entropy.default(flatten, l_weight_, flatten_1, None, None, -9223372036854775808, 'none', 0.0, 'exact=False;products=cublas;backward_row_chunk=8192', False, False)
+    getitem_5 = linear_cross_entropy_default[0]
+    neg = -getitem_5
+    view_as = neg.view_as(squeeze_1)
+    mean = view_as.mean()
+    return (mean,)""")
+
+    def test_trl_selective_log_softmax_bf16_row_loop(self):
+        """The 16-bit branch: a loop over the batch rows, each row's log_softmax-gather, stacked. Eager computes it in
+        bf16; the op in fp32: against an fp32 reference its error is no larger than eager's own."""
+        weight = torch.randn(V, D, dtype=torch.bfloat16, requires_grad=True)
+
+        def f(hidden, ids, w):
+            return self._trl_selective_log_softmax(F.linear(hidden, w) / 0.7, ids)
+
+        hidden = torch.randn(B, T, D, dtype=torch.bfloat16)
+        ids = torch.randint(0, V, (B, T))
+        cap = PassCapture()
+        got = torch.compile(f, backend=cap, fullgraph=True)(hidden, ids, weight)
+        self.assertEqual(cap.rewrites, [1])
+        self.assertEqual(cap.after[0].count("linear_cross_entropy.default("), 1)
+        self.assertNotIn("stack", cap.after[0])
+        want = f(hidden.float(), ids, weight.float())
+        eager = f(hidden, ids, weight)
+        self.assertEqual((got.dtype, got.shape), (eager.dtype, eager.shape))
+        self.assertLessEqual((got.float() - want).norm(), (eager.float() - want).norm())
+        self.assertIn("token log-probs of l_ids_", cce_inductor.stats()["sites"][0]["reason"])
+
+    def test_gather_minus_logsumexp(self):
+        """The vectorised ``gather - logsumexp`` spelling (OpenRLHF's logprobs_from_logits for fp32 logits)."""
+        weight = _weight(V, D)
+
+        def f(hidden, ids):
+            logits = F.linear(hidden, weight).float()
+            logps = torch.gather(logits, dim=-1, index=ids.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+            return logps.sum()
+
+        self.run_pass(f, _hidden(B, T, D), torch.randint(0, V, (B, T)), params=[weight])
+
     def test_openrlhf_log_probs_from_logits(self):
         """OpenRLHF's form: bf16 head, upcast, F.log_softmax, .gather(dim=-1, ...), no squeeze."""
         weight = torch.randn(V, D, dtype=torch.bfloat16, requires_grad=True)
@@ -522,6 +599,92 @@ def forward(self, L_advantages_ : torch.Tensor, L_hidden_ : torch.Tensor, L_ids_
 
         hidden = torch.randn(B, T, D, dtype=torch.bfloat16, requires_grad=True)
         self.run_pass(f, hidden, torch.randint(0, V, (B, T)), params=[weight], atol=1e-2, rtol=1e-2)
+
+    def test_verl_entropy_alone(self):
+        """verl's ``entropy_from_logits`` (logsumexp minus the softmax-weighted logits, ``axis=`` keyword) of a
+        temperature-scaled bf16 head, logged or used as a bonus on its own: one call, entropy from the op."""
+        weight = torch.randn(V, D, dtype=torch.bfloat16, requires_grad=True)
+
+        def f(hidden):
+            logits = F.linear(hidden, weight).float() / 0.8
+            pd = torch.nn.functional.softmax(logits, dim=-1)
+            entropy = torch.logsumexp(logits, axis=-1) - torch.sum(pd * logits, axis=-1)
+            return entropy.mean()
+
+        hidden = torch.randn(B, T, D, dtype=torch.bfloat16, requires_grad=True)
+        cap = self.run_pass(f, hidden, params=[weight], atol=1e-2, rtol=1e-2)
+        self.assertExpectedInline(cap.after[0], """\
+def forward(self, L_hidden_ : torch.Tensor, L_weight_ : torch.Tensor):
+    l_hidden_ = L_hidden_
+    l_weight_ = L_weight_
+    mul_1 = l_hidden_ * 1.25
+    size = mul_1.size()
+    getitem = size[slice(None, -1, None)]
+    new_zeros = mul_1.new_zeros(getitem, dtype = torch.int64)
+    flatten = mul_1.flatten(0, -2)
+    flatten_1 = new_zeros.flatten()
+    linear_cross_entropy_default = torch.ops.cce_inductor.linear_cross_entropy.default(flatten, l_weight_, flatten_1, None, None, -9223372036854775808, 'none', 0.0, 'exact=False;products=cublas;backward_row_chunk=8192', False, True)
+    getitem_1 = linear_cross_entropy_default[2]
+    view = getitem_1.view(getitem)
+    mean = view.mean()
+    return (mean,)""")
+        self.assertIn("entropy: linear: linear, scale=1.25", cce_inductor.stats()["sites"][0]["reason"])
+
+    def test_trl_grpo_log_probs_and_chunked_entropy(self):
+        """TRL's GRPO scoring: ``selective_log_softmax`` of the completion ids and ``entropy_from_logits`` (the
+        entropy over 4-row chunks of ``logits.reshape(-1, V)``, concatenated) of the same temperature-scaled
+        logits; one call gives both, with the gradient of each."""
+        weight = _weight(V, D)
+
+        def selective_log_softmax(logits, index):
+            return torch.gather(logits.log_softmax(-1), dim=-1, index=index.unsqueeze(-1)).squeeze(-1)
+
+        def entropy_from_logits(logits, chunk_size=4):
+            original_shape = logits.shape[:-1]
+            num_classes = logits.shape[-1]
+            flat_logits = logits.reshape(-1, num_classes)
+            entropies = []
+            for chunk in flat_logits.split(chunk_size, dim=0):
+                logps = F.log_softmax(chunk, dim=-1)
+                chunk_entropy = -(torch.exp(logps) * logps).sum(-1)
+                entropies.append(chunk_entropy)
+            return torch.cat(entropies, dim=0).reshape(original_shape)
+
+        def f(hidden, ids, advantages, mask):
+            logits = hidden @ weight.T
+            logits = logits[:, :-1, :] / 0.7
+            logps = selective_log_softmax(logits, ids[:, 1:])
+            entropies = entropy_from_logits(logits)
+            per_token = -torch.exp(logps - logps.detach()) * advantages[:, None] - 0.01 * entropies
+            return (per_token * mask).sum() / mask.sum()
+
+        ids = torch.randint(0, V, (B, T))
+        mask = (torch.rand(B, T - 1) < 0.7).float()
+        cap = self.run_pass(f, _hidden(B, T, D), ids, torch.randn(B), mask, params=[weight])
+        after = cap.after[0]
+        self.assertEqual(after.count("linear_cross_entropy.default("), 1)
+        self.assertNotIn("log_softmax", after)
+        self.assertNotIn("cat(", after)
+        self.assertIn("-9223372036854775808, 'none', 0.0, 'exact=False;products=cublas;backward_row_chunk=8192', "
+                      "False, True)", after)
+        reason = cce_inductor.stats()["sites"][0]["reason"]
+        self.assertIn("entropy and token log-probs", reason)
+
+    def test_entropy_bonus_sharing_the_log_softmax_with_the_log_probs(self):
+        """One log_softmax read by the gather and by the entropy (softmax times log-softmax, ``-torch.sum``),
+        Gemma-2's softcap and a bias on the head: one call."""
+        head = torch.nn.Linear(D, V)
+
+        def f(hidden, ids):
+            logits = torch.tanh(head(hidden) / 5.0) * 5.0
+            log_probs = F.log_softmax(logits, dim=-1)
+            logps = log_probs.gather(-1, ids.unsqueeze(-1)).squeeze(-1)
+            entropy = -torch.sum(F.softmax(logits, dim=-1) * log_probs, dim=-1)
+            return (logps + 0.01 * entropy).mean()
+
+        cap = self.run_pass(f, _hidden(B, T, D), torch.randint(0, V, (B, T)), params=list(head.parameters()))
+        self.assertEqual(cap.after[0].count("linear_cross_entropy.default("), 1)
+        self.assertIn("softcap=5", cce_inductor.stats()["sites"][0]["reason"])
 
     def test_torchtune_chunked_head_is_one_call(self):
         """torchtune's chunked output: the head on 4 chunks of the sequence, a summed cross-entropy per chunk; one
@@ -564,7 +727,7 @@ def forward(self, L_hidden_ : torch.Tensor, L_labels_ : torch.Tensor, L_weight_ 
     reshape_11 = chunk_4.reshape(-1, 16)
     cat = torch.cat([reshape_8, reshape_9, reshape_10, reshape_11], 0)
     cat_1 = torch.cat([labels_chunk, labels_chunk_1, labels_chunk_2, labels_chunk_3], 0)
-    linear_cross_entropy_default = torch.ops.cce_inductor.linear_cross_entropy.default(cat, l_weight_, cat_1, None, None, -100, 'none', 0.0, 'exact=False;products=cublas;backward_row_chunk=8192', False)
+    linear_cross_entropy_default = torch.ops.cce_inductor.linear_cross_entropy.default(cat, l_weight_, cat_1, None, None, -100, 'none', 0.0, 'exact=False;products=cublas;backward_row_chunk=8192', False, False)
     getitem_8 = linear_cross_entropy_default[0]
     split = torch.functional.split(getitem_8, [4, 4, 4, 4])
     getitem_9 = split[0]
@@ -610,7 +773,7 @@ def forward(self, L_hidden_ : torch.Tensor, L_labels_ : torch.Tensor, L_weight_ 
     l_hidden_ = L_hidden_
     l_labels_ = L_labels_
     l_weight_ = L_weight_
-    linear_cross_entropy_default = torch.ops.cce_inductor.linear_cross_entropy.default(l_hidden_, l_weight_, l_labels_, None, None, 0, 'mean', 0.0, 'exact=False;products=cublas;backward_row_chunk=8192', False)
+    linear_cross_entropy_default = torch.ops.cce_inductor.linear_cross_entropy.default(l_hidden_, l_weight_, l_labels_, None, None, 0, 'mean', 0.0, 'exact=False;products=cublas;backward_row_chunk=8192', False, False)
     getitem = linear_cross_entropy_default[0]
     return (getitem,)""")
 
@@ -630,7 +793,7 @@ def forward(self, L_head_parameters_bias_ : torch.nn.parameter.Parameter, L_head
     l_labels_ = L_labels_
     view_1 = l_labels_.view(-1)
     reshape = l_hidden_.reshape(-1, 16)
-    linear_cross_entropy_default = torch.ops.cce_inductor.linear_cross_entropy.default(reshape, l_head_parameters_weight_, view_1, l_head_parameters_bias_, None, -100, 'none', 0.0, 'exact=False;products=cublas;backward_row_chunk=8192', False)
+    linear_cross_entropy_default = torch.ops.cce_inductor.linear_cross_entropy.default(reshape, l_head_parameters_weight_, view_1, l_head_parameters_bias_, None, -100, 'none', 0.0, 'exact=False;products=cublas;backward_row_chunk=8192', False, False)
     getitem = linear_cross_entropy_default[0]
     view_2 = getitem.view(2, 5)
     sum_1 = view_2.sum(dim = 1)
@@ -664,11 +827,11 @@ def forward(self, L_heads_modules_0_parameters_weight_ : torch.nn.parameter.Para
     l_heads_modules_2_parameters_weight_ = L_heads_modules_2_parameters_weight_
     l_hidden_ = L_hidden_
     l_labels_ = L_labels_
-    linear_cross_entropy_default = torch.ops.cce_inductor.linear_cross_entropy.default(l_hidden_, l_heads_modules_0_parameters_weight_, l_labels_, None, None, -100, 'mean', 0.0, 'exact=False;products=cublas;backward_row_chunk=8192', False)
+    linear_cross_entropy_default = torch.ops.cce_inductor.linear_cross_entropy.default(l_hidden_, l_heads_modules_0_parameters_weight_, l_labels_, None, None, -100, 'mean', 0.0, 'exact=False;products=cublas;backward_row_chunk=8192', False, False)
     getitem = linear_cross_entropy_default[0]
-    linear_cross_entropy_default_1 = torch.ops.cce_inductor.linear_cross_entropy.default(l_hidden_, l_heads_modules_1_parameters_weight_, l_labels_, None, None, -100, 'mean', 0.0, 'exact=False;products=cublas;backward_row_chunk=8192', False)
+    linear_cross_entropy_default_1 = torch.ops.cce_inductor.linear_cross_entropy.default(l_hidden_, l_heads_modules_1_parameters_weight_, l_labels_, None, None, -100, 'mean', 0.0, 'exact=False;products=cublas;backward_row_chunk=8192', False, False)
     getitem_1 = linear_cross_entropy_default_1[0]
-    linear_cross_entropy_default_2 = torch.ops.cce_inductor.linear_cross_entropy.default(l_hidden_, l_heads_modules_2_parameters_weight_, l_labels_, None, None, -100, 'mean', 0.0, 'exact=False;products=cublas;backward_row_chunk=8192', False)
+    linear_cross_entropy_default_2 = torch.ops.cce_inductor.linear_cross_entropy.default(l_hidden_, l_heads_modules_2_parameters_weight_, l_labels_, None, None, -100, 'mean', 0.0, 'exact=False;products=cublas;backward_row_chunk=8192', False, False)
     getitem_2 = linear_cross_entropy_default_2[0]
     value = 0 + getitem
     value_1 = value + getitem_1
@@ -709,8 +872,12 @@ def forward(self, L_heads_modules_0_parameters_weight_ : torch.nn.parameter.Para
         loss, logits = torch.compile(f, backend=capture, fullgraph=True)(hidden, labels)
         self.assertEqual(capture.rewrites, [1])
         torch.testing.assert_close(loss, f(hidden, labels)[0])
-        self.assertEqual(logits.numel(), 0)
+        # a placeholder of the logits' shape and dtype that raises on use (tests/test_dropped_logits.py)
+        self.assertIsInstance(logits, cce_inductor.DroppedLogits)
+        self.assertEqual((logits.shape, logits.dtype), (f(hidden, labels)[1].shape, torch.float32))
         self.assertFalse(logits.requires_grad)
+        with self.assertRaisesRegex(RuntimeError, "drop_logits"):
+            logits.sum()
         self.assertExpectedInline(capture.after[0], """\
 def forward(self, L_hidden_ : torch.Tensor, L_labels_ : torch.Tensor, L_weight_ : torch.Tensor):
     l_hidden_ = L_hidden_
@@ -718,10 +885,10 @@ def forward(self, L_hidden_ : torch.Tensor, L_labels_ : torch.Tensor, L_weight_ 
     l_weight_ = L_weight_
     view_1 = l_labels_.view(-1)
     reshape = l_hidden_.reshape(-1, 16)
-    linear_cross_entropy_default = torch.ops.cce_inductor.linear_cross_entropy.default(reshape, l_weight_, view_1, None, None, -100, 'mean', 0.0, 'exact=False;products=cublas;backward_row_chunk=8192', False)
+    linear_cross_entropy_default = torch.ops.cce_inductor.linear_cross_entropy.default(reshape, l_weight_, view_1, None, None, -100, 'mean', 0.0, 'exact=False;products=cublas;backward_row_chunk=8192', False, False)
     getitem = linear_cross_entropy_default[0]
-    empty = torch.empty((0,), dtype = torch.float32, device = device(type='cpu'))
-    return (getitem, empty)""")
+    dropped_logits_default = torch.ops.cce_inductor.dropped_logits.default(view_1, [2, 5, 37], torch.float32)
+    return (getitem, dropped_logits_default)""")
 
 
 class TestRefusals(PatternTestCase):
@@ -739,17 +906,47 @@ class TestRefusals(PatternTestCase):
         self.assertIn(reason, next(iter(reasons)))
         return next(iter(reasons))
 
-    def test_token_log_probs_with_an_entropy_bonus(self):
+    def test_entropy_next_to_a_cross_entropy_of_the_same_logits(self):
+        """An SFT loss that also logs the entropy of its logits: neither is rewritten alone (the other would keep the
+        logits alive); the cross-entropy reports the entropy's use of its logits."""
+        weight = _weight(V, D)
+
+        def f(hidden, labels):
+            logits = F.linear(hidden, weight)
+            entropy = -(logits.softmax(-1) * logits.log_softmax(-1)).sum(-1)
+            return F.cross_entropy(logits, labels) + 0.0 * entropy.mean()
+
+        cap = self.run_pass(f, _hidden(B * T, D), _labels(B * T), rewrites=0)
+        self.assertEqual(cap.before, cap.after)
+        reasons = [site["reason"] for site in cce_inductor.stats()["sites"]]
+        self.assertEqual(len(reasons), 2, reasons)
+        self.assertTrue(any("are also used by" in r and "softmax" in r for r in reasons), reasons)
+        self.assertTrue(any(r.startswith("entropy: ") and "cross_entropy" in r for r in reasons), reasons)
+
+    def test_entropy_with_an_epsilon_inside_the_log_is_not_an_entropy(self):
+        """``-(p * log(p + 1e-8)).sum(-1)`` is not the entropy (it differs where p is tiny): left alone, and the
+        log-probs beside it report why."""
         weight = _weight(V, D)
 
         def f(hidden, ids):
             logits = F.linear(hidden, weight)
             logps = logits.log_softmax(-1).gather(-1, ids.unsqueeze(-1)).squeeze(-1)
-            entropy = -(logits.softmax(-1) * logits.log_softmax(-1)).sum(-1)
-            return (logps + 0.01 * entropy).mean()
+            p = logits.softmax(-1)
+            return (logps - 0.01 * (p * torch.log(p + 1e-8)).sum(-1)).mean()
 
         reason = self.assert_refused(f, _hidden(B, T, D), torch.randint(0, V, (B, T)), reason="token log-probs")
         self.assertIn("are also used by", reason)
+
+    def test_entropy_and_a_top_k_of_the_logits(self):
+        weight = _weight(V, D)
+
+        def f(hidden):
+            logits = F.linear(hidden, weight)
+            entropy = torch.logsumexp(logits, -1) - (logits.softmax(-1) * logits).sum(-1)
+            return entropy.mean() + logits.topk(2, dim=-1).values.mean()
+
+        reason = self.assert_refused(f, _hidden(B, T, D), reason="entropy: ")
+        self.assertIn("topk", reason)
 
     def test_chunks_are_not_merged_across_an_in_place_update(self):
         """One call for both chunks would run before the update that the second chunk's head reads in eager."""
@@ -798,7 +995,7 @@ class TestRefusals(PatternTestCase):
             return F.cross_entropy(logits, labels), logits
 
         reason = self.assert_refused(f, _hidden(B * T, D), _labels(B * T), reason="CCE_INDUCTOR_DROP_LOGITS=1")
-        self.assertExpectedInline(reason, """logits escape the compiled region (logits is a graph output, as in Hugging Face models); set CCE_INDUCTOR_DROP_LOGITS=1 or cce_inductor.make_backend(drop_logits=True) to return an empty tensor in their place""")
+        self.assertExpectedInline(reason, """logits escape the compiled region (logits is a graph output, as in Hugging Face models); set CCE_INDUCTOR_DROP_LOGITS=1 or cce_inductor.make_backend(drop_logits=True) to return, in their place, a placeholder that raises on use""")
 
     def test_non_tanh_softcap(self):
         weight = _weight(V, D)

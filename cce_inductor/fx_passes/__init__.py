@@ -3,6 +3,8 @@
 * ``linear_cross_entropy.py``: ``linear -> [softcap] -> cross_entropy`` on plain tensors -> the fused op; its
   ``match_site`` / ``replace_site`` are shared by the other passes;
 * ``tensor_parallel.py``: the same site on a vocabulary-sharded DTensor head -> the vocabulary-parallel loss;
+* ``entropy.py``: the entropy of the head's softmax (RL's entropy bonus), alone or with the token log-probs of the
+  same logits -> one call of the op;
 * ``token_log_probs.py``: ``log_softmax(logits).gather(-1, ids)`` (RL's per-token log-probabilities) -> the op.
 
 :func:`rewrite_graph` runs them all on one graph (what ``CCEGraphPass`` calls).
@@ -14,11 +16,15 @@ import torch.fx as fx
 
 from .. import diagnostics
 from ..options import CCEOptions
+from .entropy import rewrite_entropy
 from .linear_cross_entropy import rewrite_linear_cross_entropy
 from .tensor_parallel import rewrite_tensor_parallel_sites
 from .token_log_probs import rewrite_token_log_probs
 
-__all__ = ["rewrite_graph", "rewrite_linear_cross_entropy", "rewrite_tensor_parallel_sites", "rewrite_token_log_probs"]
+__all__ = [
+    "rewrite_entropy", "rewrite_graph", "rewrite_linear_cross_entropy", "rewrite_tensor_parallel_sites",
+    "rewrite_token_log_probs",
+]
 
 
 def rewrite_graph(graph: fx.Graph, options: CCEOptions) -> int:
@@ -27,5 +33,6 @@ def rewrite_graph(graph: fx.Graph, options: CCEOptions) -> int:
     return (
         rewrite_tensor_parallel_sites(graph, options, graph_id)
         + rewrite_linear_cross_entropy(graph, options, graph_id)
+        + rewrite_entropy(graph, options, graph_id)  # before token_log_probs: it takes the log-probs beside an entropy
         + rewrite_token_log_probs(graph, options, graph_id)
     )

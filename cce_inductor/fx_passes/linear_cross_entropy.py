@@ -24,7 +24,8 @@ in any order)::
 is replaced by::
 
     rows = <the same row views replayed on hidden * k, with D in place of V>       (M, D)
-    fused = cce_inductor::linear_cross_entropy(rows, weight, targets, bias, cap, i, r, eps, options.encode(), full_lse)
+    fused = cce_inductor::linear_cross_entropy(rows, weight, targets, bias, cap, i, r, eps, options.encode(), full_lse,
+                                              False)
     loss = fused[0].to(<dtype cross_entropy returned>)
     lse = fused[1].to(<dtype logsumexp returned>)          (only with logsumexp users: full_lse, every row's lse)
 
@@ -45,7 +46,7 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from .. import _loss, diagnostics
+from .. import _dropped_logits, _loss, diagnostics
 from ..options import CCEOptions
 
 # --------------------------------------------------------------------------------------------------------------
@@ -260,7 +261,7 @@ def _row_step(node: fx.Node, vocab) -> RowStep:
     raise AssertionError(node)
 
 
-def _upcast_target(node: fx.Node) -> Optional[torch.dtype]:
+def upcast_target(node: fx.Node) -> Optional[torch.dtype]:
     """The dtype a cast node converts to, or None if the node is not a pure dtype cast."""
     if node.op == "call_method" and node.target in DTYPE_METHODS and len(node.args) == 1 and not node.kwargs:
         return DTYPE_METHODS[node.target]
@@ -434,7 +435,7 @@ def walk_logits(logits: fx.Node, consumer: fx.Node) -> Logits:
             scale *= factor
             scaled_after_softcap = scaled_after_softcap or softcap is None
             continue
-        cast_to = _upcast_target(node)
+        cast_to = upcast_target(node)
         if cast_to is not None:
             src_dtype = example_value(node.args[0]).dtype
             if cast_to not in _loss.SUPPORTED_DTYPES or torch.promote_types(src_dtype, cast_to) != cast_to:
@@ -516,7 +517,7 @@ def match_site(ce: fx.Node) -> Site:
     logits = walk_logits(logits2d, ce)
 
     # A log-sum-exp of the loss's own logits (a z-loss) may read them too: the op computes it anyway.
-    lse_users = [user for user in logits2d.users if _is_row_logsumexp(user, logits2d)]
+    lse_users = [user for user in logits2d.users if is_row_logsumexp(user, logits2d)]
     position = {node: i for i, node in enumerate(ce.graph.nodes)}
     if any(position[user] < position[ce] for user in lse_users):
         raise NoMatch("logsumexp of the logits comes before the cross_entropy (only the other order is matched)")
@@ -532,13 +533,14 @@ def match_site(ce: fx.Node) -> Site:
     )
 
 
-def _is_row_logsumexp(node: fx.Node, logits2d: fx.Node) -> bool:
-    """``logsumexp(logits2d, -1)`` (or dim 1, or ``[-1]``; keepdim False): one value per row of the loss."""
-    if not matches(node, LOGSUMEXP) or call_arg(node, 0, "input") is not logits2d or call_arg(node, 2, "keepdim", False):
+def is_row_logsumexp(node: fx.Node, logits: fx.Node) -> bool:
+    """``logsumexp(logits, -1)`` (or the last dim by number, or ``[-1]``, or ``axis=``; keepdim False): one value per
+    row."""
+    if not matches(node, LOGSUMEXP) or call_arg(node, 0, "input") is not logits or call_arg(node, 2, "keepdim", False):
         return False
-    dim = call_arg(node, 1, "dim")
+    dim = call_arg(node, 1, "dim", node.kwargs.get("axis"))
     dims = tuple(dim) if isinstance(dim, (list, tuple)) else (dim,)
-    return len(dims) == 1 and dims[0] in (-1, 1)
+    return len(dims) == 1 and dims[0] in (-1, example_value(logits).dim() - 1)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -607,7 +609,7 @@ def _head_operands(graph: fx.Graph, site: Site) -> tuple[fx.Node, Optional[fx.No
 
 def _retire(graph: fx.Graph, site: Site, loss: fx.Node) -> None:
     """``loss`` (fp32, or fp64 for fp64 logits) takes the place of the site's cross_entropy; the escaping logits
-    become empty tensors; the chain goes."""
+    become ``dropped_logits`` placeholders (drop_logits); the chain goes."""
     ce = site.cross_entropy
     out_dtype = example_value(ce).dtype
     if out_dtype != torch.float32:
@@ -617,12 +619,14 @@ def _retire(graph: fx.Graph, site: Site, loss: fx.Node) -> None:
     graph.erase_node(ce)
 
     if site.escaping:
+        # drop_logits: the returned logits become a placeholder of their shape that raises on use
+        # (cce_inductor/_dropped_logits.py); check_escaping made sure each shape can be rebuilt.
         output = next(n for n in graph.nodes if n.op == "output")
         for node in site.escaping:
-            meta = example_value(node)
+            recipe = _dropped_logits.shape_recipe(node, _dropped_logits.shape_sources(site))
             with graph.inserting_before(output):
-                empty = graph.call_function(torch.empty, ((0,),), {"dtype": meta.dtype, "device": meta.device})
-            output.replace_input_with(node, empty)
+                placeholder = _dropped_logits.emit(graph, node, site, recipe)
+            output.replace_input_with(node, placeholder)
 
     for node in reversed(site.chain):
         if not node.users:
@@ -638,7 +642,7 @@ def _fused_loss(options: CCEOptions) -> EmitLoss:
         fused = graph.call_function(
             torch.ops.cce_inductor.linear_cross_entropy.default,
             (rows, weight, targets, bias, site.softcap, site.ignore_index, site.reduction, site.label_smoothing,
-             options.encode(), bool(site.lse_users)),
+             options.encode(), bool(site.lse_users), False),
         )
         lse_dtype = torch.float64 if site.compute_dtype == torch.float64 else torch.float32
         for user in site.lse_users:
@@ -694,14 +698,22 @@ def decide(graph_id: int, node: fx.Node, match: Callable[[], Any], prefix: str =
 
 
 def check_escaping(site: Site, options: CCEOptions) -> None:
-    """Logits returned from the graph may only be replaced by an empty tensor when the user opted in."""
-    if site.escaping and not options.drop_logits:
+    """Logits returned from the graph may only be replaced by a placeholder (same shape and dtype, raising on any
+    use; see ``cce_inductor/_dropped_logits.py``) when the user opted in, and only when their shape can be rebuilt
+    from nodes that stay in the graph."""
+    if not site.escaping:
+        return
+    if not options.drop_logits:
         names = ", ".join(n.name for n in site.escaping)
         raise NoMatch(
             f"logits escape the compiled region ({names} is a graph output, as in Hugging Face models); "
             "set CCE_INDUCTOR_DROP_LOGITS=1 or cce_inductor.make_backend(drop_logits=True) "
-            "to return an empty tensor in their place"
+            "to return, in their place, a placeholder that raises on use"
         )
+    for node in site.escaping:
+        recipe = _dropped_logits.shape_recipe(node, _dropped_logits.shape_sources(site))
+        if isinstance(recipe, str):
+            raise NoMatch(f"the returned logits cannot be replaced by a placeholder: {recipe}")
 
 
 def _checked(site: Site, options: CCEOptions) -> Site:
@@ -822,7 +834,7 @@ def _replace_chunks(graph: fx.Graph, group: list[Site], options: CCEOptions) -> 
         fused = graph.call_function(
             torch.ops.cce_inductor.linear_cross_entropy.default,
             (rows, weight, targets, bias, head.softcap, head.ignore_index, "none", head.label_smoothing,
-             options.encode(), False),
+             options.encode(), False, False),
         )  # fmt: skip
         row_loss = graph.call_function(operator.getitem, (fused, 0))
         pieces = graph.call_function(torch.split, (row_loss, [_row_count(graph, site.targets) for site in group]))

@@ -12,11 +12,18 @@ log-probabilities). The matched graph::
                                      |
                      gather(-1, ids.unsqueeze(-1))  [.squeeze(-1)]   ids (..., 1) int64, logits' leading shape
 
-is replaced by (a token's log-probability is minus its cross-entropy)::
+and so are the other spellings of the same values (TRL's ``selective_log_softmax``, both branches)::
+
+    squeeze(gather(logits, -1, ids.unsqueeze(-1)), -1) - logsumexp(logits, -1)          (fp32: gather - logsumexp)
+        with logsumexp(logits, -1) also as  stack([logsumexp(row, -1) for row in logits])      (a loop over dim 0)
+    stack([log_softmax(row, -1).gather(-1, row_ids.unsqueeze(-1)).squeeze(-1)                (16-bit: a loop over
+           for row, row_ids in zip(logits, ids)])                                              the batch rows)
+
+Each is replaced by (a token's log-probability is minus its cross-entropy)::
 
     rows = <the row views replayed on hidden>.flatten(0, -2)                       (M, D)
     nll  = cce_inductor::linear_cross_entropy(rows, weight, ids.flatten(), bias, cap, NO_TARGET, "none", 0.0,
-                                              options.encode(), False)[0]
+                                              options.encode(), False, False)[0]
     out  = (-nll).view_as(<gather's index, or its squeezed form>).to(<log_softmax's dtype>)
 
 ``NO_TARGET`` is an ``ignore_index`` no token equals: every row counts, and an out-of-range id fails as in eager.
@@ -26,8 +33,9 @@ log-softmax (an entropy bonus, a KL term against all tokens) keeps the site as i
 
 from __future__ import annotations
 
+import dataclasses
 import operator
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 import torch.fx as fx
@@ -40,6 +48,9 @@ from . import linear_cross_entropy as lce
 LOG_SOFTMAX = lce.functions(F.log_softmax, torch.log_softmax) | lce.methods("log_softmax")
 GATHER = lce.functions(torch.gather) | lce.methods("gather")
 SQUEEZE = lce.functions(torch.squeeze) | lce.methods("squeeze")
+UNSQUEEZE = lce.functions(torch.unsqueeze) | lce.methods("unsqueeze")
+STACK = lce.functions(torch.stack)
+SUB = lce.functions(operator.sub, torch.sub) | lce.methods("sub")
 
 NO_TARGET = -(2**63)
 
@@ -49,8 +60,9 @@ def _last_dim(node: fx.Node, index: int, name: str, ndim: int) -> bool:
     return isinstance(dim, int) and dim in (-1, ndim - 1)
 
 
-def _match(gather: fx.Node) -> tuple[lce.Site, fx.Node]:
-    """The site of one ``gather(log_softmax(logits), -1, ids)``, and the node its value replaces."""
+def gathered_log_probs(gather: fx.Node) -> tuple[fx.Node, fx.Node, fx.Node, Optional[fx.Node]]:
+    """``(log_softmax node, logits, ids, squeeze | None)`` of ``gather(log_softmax(logits, -1), -1, ids)``
+    [``.squeeze(-1)``], or NoMatch. Shared with ``entropy.py`` (log-probs and entropy of the same logits)."""
     log_probs, index = lce.call_arg(gather, 0, "input"), lce.call_arg(gather, 2, "index")
     if not lce.matches(log_probs, LOG_SOFTMAX):
         raise lce.NoMatch("the gathered tensor is not a log_softmax")
@@ -61,7 +73,7 @@ def _match(gather: fx.Node) -> tuple[lce.Site, fx.Node]:
     ndim = logits_meta.dim()
     if ndim < 2 or not _last_dim(log_probs, 1, "dim", ndim) or not _last_dim(gather, 1, "dim", ndim):
         raise lce.NoMatch("log_softmax and gather are not both over the last (vocabulary) dimension")
-    if log_probs.kwargs.get("dtype") is not None or any(isinstance(a, torch.dtype) for a in log_probs.args[2:]):
+    if _has_dtype_arg(log_probs):
         raise lce.NoMatch("log_softmax has a dtype argument")
     if gather.kwargs.get("sparse_grad", False) or (len(gather.args) > 3 and gather.args[3]):
         raise lce.NoMatch("gather with sparse_grad")
@@ -72,6 +84,22 @@ def _match(gather: fx.Node) -> tuple[lce.Site, fx.Node]:
     squeeze = next(iter(gather.users)) if len(gather.users) == 1 else None
     if squeeze is not None and not (lce.matches(squeeze, SQUEEZE) and _last_dim(squeeze, 1, "dim", ndim)):
         squeeze = None
+    return log_probs, logits, index, squeeze
+
+
+def _has_dtype_arg(node: fx.Node) -> bool:
+    return node.kwargs.get("dtype") is not None or any(isinstance(a, torch.dtype) for a in node.args[2:])
+
+
+def is_row_softmax(node: fx.Node) -> bool:
+    """``node`` (a softmax or log_softmax call) is over the last dimension, with no dtype argument."""
+    meta = lce.example_value(node)
+    return isinstance(meta, torch.Tensor) and _last_dim(node, 1, "dim", meta.dim()) and not _has_dtype_arg(node)
+
+
+def _match(gather: fx.Node) -> tuple[lce.Site, fx.Node]:
+    """The site of one ``gather(log_softmax(logits), -1, ids)``, and the node its value replaces."""
+    log_probs, logits, index, squeeze = gathered_log_probs(gather)
     last = squeeze if squeeze is not None else gather
 
     walked = lce.walk_logits(logits, last)
@@ -86,6 +114,135 @@ def _match(gather: fx.Node) -> tuple[lce.Site, fx.Node]:
     return site, index
 
 
+# ------------------------------------------------------------------------------------------------------------
+# The other spellings: gather - logsumexp, and loops over the batch rows
+# ------------------------------------------------------------------------------------------------------------
+
+
+def _squeezed_last(node: Any) -> Optional[fx.Node]:
+    """``x`` of ``x.squeeze(-1)``, else None."""
+    if not lce.matches(node, SQUEEZE):
+        return None
+    meta = lce.example_value(node.args[0])
+    return node.args[0] if isinstance(meta, torch.Tensor) and _last_dim(node, 1, "dim", meta.dim()) else None
+
+
+def _stacked_rows(stack: Any, per_row) -> Optional[tuple[fx.Node, list]]:
+    """``(source, [per_row(item) ...])`` if ``stack`` is ``torch.stack([f(source[0]), ..., f(source[n - 1])])`` over
+    every row of ``source`` (dim 0; ``per_row(item)`` returns ``(row node, payload)`` or None), else None."""
+    if not lce.matches(stack, STACK) or lce.call_arg(stack, 1, "dim", 0) != 0:
+        return None
+    items = lce.call_arg(stack, 0, "tensors")
+    if not isinstance(items, (list, tuple)) or not items:
+        return None
+    found = [per_row(item) if isinstance(item, fx.Node) else None for item in items]
+    if any(f is None for f in found):
+        return None
+    rows = [row for row, _ in found]
+    source = rows[0].args[0] if lce.matches(rows[0], lce.GETITEM) else None
+    meta = lce.example_value(source)
+    if not isinstance(meta, torch.Tensor) or meta.dim() < 2 or meta.shape[0] != len(rows):
+        return None
+    if any(not lce.matches(row, lce.GETITEM) or row.args != (source, i) for i, row in enumerate(rows)):
+        return None
+    return source, [payload for _, payload in found]
+
+
+def _row_logsumexp(item: fx.Node) -> Optional[tuple[fx.Node, list]]:
+    row = lce.call_arg(item, 0, "input")
+    if not isinstance(row, fx.Node) or not lce.is_row_logsumexp(item, row):
+        return None
+    return row, [row, item]
+
+
+def _logsumexp_of(node: Any) -> Optional[tuple[fx.Node, list]]:
+    """``(logits, nodes)`` if ``node`` is ``logsumexp(logits, -1)`` or its loop over the rows of dim 0."""
+    if lce.matches(node, lce.LOGSUMEXP):
+        logits = lce.call_arg(node, 0, "input")
+        return (logits, [node]) if isinstance(logits, fx.Node) and lce.is_row_logsumexp(node, logits) else None
+    stacked = _stacked_rows(node, _row_logsumexp)
+    if stacked is None:
+        return None
+    logits, parts = stacked
+    return logits, [n for part in parts for n in part] + [node]
+
+
+@dataclasses.dataclass
+class Spelling:
+    """One spelling of the log-probs: the node replaced, what it reads, the ids of the rows' tokens."""
+
+    root: fx.Node
+    logits: fx.Node
+    index: fx.Node  # the ids: (..., 1) when ``squeezed`` (the gather's index), else shaped as the logits' rows
+    squeezed: bool
+    nodes: list[fx.Node]  # the spelling's own nodes, root included, forward order
+
+
+def gather_minus_logsumexp(sub: fx.Node) -> Optional[Spelling]:
+    """``gather(logits, -1, index).squeeze(-1) - logsumexp(logits, -1)`` (or the logsumexp's row loop)."""
+    if not lce.matches(sub, SUB) or len(sub.args) != 2 or sub.kwargs:
+        return None
+    gather = _squeezed_last(sub.args[0])
+    lse = _logsumexp_of(sub.args[1])
+    if not lce.matches(gather, GATHER) or lse is None:
+        return None
+    logits, index = lce.call_arg(gather, 0, "input"), lce.call_arg(gather, 2, "index")
+    if logits is not lse[0] or not isinstance(index, fx.Node):
+        return None
+    return Spelling(sub, logits, index, True, [gather, sub.args[0]] + lse[1] + [sub])
+
+
+def _row_log_prob(item: fx.Node) -> Optional[tuple[fx.Node, tuple]]:
+    """``log_softmax(row, -1).gather(-1, ids[i].unsqueeze(-1)).squeeze(-1)``: (row, (ids[i], nodes))."""
+    gather = _squeezed_last(item)
+    if not lce.matches(gather, GATHER):
+        return None
+    log_probs, index = lce.call_arg(gather, 0, "input"), lce.call_arg(gather, 2, "index")
+    if not lce.matches(log_probs, LOG_SOFTMAX) or not lce.matches(index, UNSQUEEZE) or not is_row_softmax(log_probs):
+        return None
+    row = lce.call_arg(log_probs, 0, "input")
+    return row, (index.args[0], [row, log_probs, index, gather, item])
+
+
+def stacked_row_log_probs(stack: fx.Node) -> Optional[Spelling]:
+    """``torch.stack([...])`` of the rows' log-probs, a loop over ``zip(logits, ids)``."""
+    stacked = _stacked_rows(stack, _row_log_prob)
+    if stacked is None:
+        return None
+    logits, parts = stacked
+    ids_rows = [ids_row for ids_row, _ in parts]
+    ids = ids_rows[0].args[0] if lce.matches(ids_rows[0], lce.GETITEM) else None
+    if any(not lce.matches(r, lce.GETITEM) or r.args != (ids, i) for i, r in enumerate(ids_rows)):
+        return None
+    meta, logits_meta = lce.example_value(ids), lce.example_value(logits)
+    if not isinstance(meta, torch.Tensor) or tuple(meta.shape) != tuple(logits_meta.shape[:-1]):
+        return None
+    return Spelling(stack, logits, ids, False, ids_rows + [n for _, nodes in parts for n in nodes] + [stack])
+
+
+def _match_spelling(spelling: Spelling) -> tuple[lce.Site, fx.Node]:
+    index_meta = lce.example_value(spelling.index)
+    if not isinstance(index_meta, torch.Tensor) or index_meta.dtype != torch.int64:
+        raise lce.NoMatch(f"the token ids {spelling.index.name} are not int64")
+    logits_meta = lce.example_value(spelling.logits)
+    rows_shape = tuple(index_meta.shape[:-1]) if spelling.squeezed else tuple(index_meta.shape)
+    if spelling.squeezed and index_meta.shape[-1] != 1 or rows_shape != tuple(logits_meta.shape[:-1]):
+        raise lce.NoMatch(f"the ids {spelling.index.name} are not one per row of the logits")
+    inner = set(spelling.nodes)
+    for node in spelling.nodes:
+        others = [user for user in node.users if user not in inner]
+        if node is not spelling.root and others:
+            raise lce.NoMatch(f"{node.name} is also used by {', '.join(u.name for u in others)}")
+    walked = lce.walk_logits(spelling.logits, spelling.root)
+    escaping = lce.private_chain(walked.chain, spelling.root, allowed=spelling.nodes)
+    position = {node: i for i, node in enumerate(spelling.root.graph.nodes)}
+    fields = walked.fields()
+    fields["chain"] = sorted(set(walked.chain) | (inner - {spelling.root}), key=position.get)
+    site = lce.Site(cross_entropy=spelling.root, targets=spelling.index, ignore_index=NO_TARGET, reduction="none",
+                    label_smoothing=0.0, escaping=escaping, lse_users=[], **fields)  # fmt: skip
+    return site, spelling.index
+
+
 def _checked(site: lce.Site, index: fx.Node, options: CCEOptions) -> tuple[lce.Site, fx.Node]:
     lce.check_escaping(site, options)
     if any(lce.is_dtensor(lce.example_value(n)) for n in (site.hidden, site.weight, index)):
@@ -93,40 +250,57 @@ def _checked(site: lce.Site, index: fx.Node, options: CCEOptions) -> tuple[lce.S
     return site, index
 
 
+def fused_token_call(graph: fx.Graph, site: lce.Site, rows, weight, ids, bias, options: CCEOptions,
+                     entropy: bool) -> fx.Node:
+    """The op over every row of ``rows`` (..., D) with ``ids`` (one per row, none ignored): outputs
+    ``(-log-prob of each id, lse, entropy | empty)``, flat."""
+    return graph.call_function(
+        torch.ops.cce_inductor.linear_cross_entropy.default,
+        (graph.call_method("flatten", (rows, 0, -2)), weight, graph.call_method("flatten", (ids,)), bias,
+         site.softcap, NO_TARGET, "none", 0.0, options.encode(), False, entropy),
+    )  # fmt: skip
+
+
+def log_probs_of(graph: fx.Graph, fused: fx.Node, ids: fx.Node) -> fx.Node:
+    log_prob = graph.call_function(operator.neg, (graph.call_function(operator.getitem, (fused, 0)),))
+    return graph.call_method("view_as", (log_prob, ids))
+
+
 def _token_log_probs(options: CCEOptions, index: fx.Node, squeezed: bool):
     def emit(graph: fx.Graph, site: lce.Site, rows, weight, targets, bias) -> fx.Node:
         ids = graph.call_method("squeeze", (index, -1)) if squeezed else index
-        fused = graph.call_function(
-            torch.ops.cce_inductor.linear_cross_entropy.default,
-            (graph.call_method("flatten", (rows, 0, -2)), weight, graph.call_method("flatten", (ids,)), bias,
-             site.softcap, NO_TARGET, "none", 0.0, options.encode(), False),
-        )  # fmt: skip
-        log_prob = graph.call_function(operator.neg, (graph.call_function(operator.getitem, (fused, 0)),))
-        return graph.call_method("view_as", (log_prob, ids))
+        return log_probs_of(graph, fused_token_call(graph, site, rows, weight, ids, bias, options, False), ids)
 
     return emit
 
 
 def rewrite_token_log_probs(graph: fx.Graph, options: CCEOptions, graph_id: Optional[int] = None) -> int:
-    """Rewrite every ``gather`` of a ``log_softmax`` of head logits in ``graph``; returns the count."""
-    gathers = [n for n in graph.nodes if lce.matches(n, GATHER) and lce.matches(lce.call_arg(n, 0, "input"), LOG_SOFTMAX)]
-    if not gathers:
+    """Rewrite every per-token log-probs spelling over head logits in ``graph``; returns the count."""
+    spellings = [found for node in graph.nodes
+                 if (found := stacked_row_log_probs(node) or gather_minus_logsumexp(node)) is not None]  # fmt: skip
+    members = {node for spelling in spellings for node in spelling.nodes}
+    gathers = [n for n in graph.nodes if n not in members and lce.matches(n, GATHER)
+               and lce.matches(lce.call_arg(n, 0, "input"), LOG_SOFTMAX)]  # fmt: skip
+    if not gathers and not spellings:
         return 0
     if graph_id is None:
         graph_id = diagnostics.new_graph()
+    candidates = [(s.root, lambda s=s: _match_spelling(s), s.squeezed) for s in spellings]
+    candidates += [(g, lambda g=g: _match(g), None) for g in gathers]
     rewritten = 0
-    for gather in gathers:
-        matched = lce.decide(graph_id, gather, lambda gather=gather: _checked(*_match(gather), options),
-                             prefix="token log-probs: ")  # fmt: skip
+    for node, match, squeezed in candidates:
+        matched = lce.decide(graph_id, node, lambda match=match: _checked(*match(), options), prefix="token log-probs: ")
         if matched is None:
             continue
         site, index = matched
         loss_settings = ("reduction=", "ignore_index=")  # fixed here: "none", and no id ignored
         parts = [part for part in lce.describe_site(site).split(", ") if not part.startswith(loss_settings)]
         description = f"token log-probs of {index.name}: {', '.join(parts)}"
-        lce.replace_site(graph, site, _token_log_probs(options, index, squeezed=site.cross_entropy is not gather))
+        if squeezed is None:  # the log_softmax-gather spelling: squeezed where a squeeze follows
+            squeezed = site.cross_entropy is not node
+        lce.replace_site(graph, site, _token_log_probs(options, index, squeezed=squeezed))
         rewritten += 1
-        diagnostics.record(diagnostics.SiteDecision(graph_id, gather.name, True, description))
+        diagnostics.record(diagnostics.SiteDecision(graph_id, node.name, True, description))
     if rewritten:
         graph.lint()
     return rewritten
