@@ -906,6 +906,19 @@ class TestRefusals(PatternTestCase):
         self.assertIn(reason, next(iter(reasons)))
         return next(iter(reasons))
 
+    def test_gather_over_the_rows_minus_logsumexp_is_not_a_log_prob(self):
+        """``gather(logits, 0, ids) - logsumexp(logits, -1)`` picks entries down a column, not a token per row: not
+        the token log-probs spelling, left alone (no site at all)."""
+        weight = _weight(V, D)
+
+        def f(hidden, ids):
+            logits = F.linear(hidden, weight)
+            return (torch.gather(logits, 0, ids.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, -1)).sum()
+
+        cap = self.run_pass(f, _hidden(12, D), torch.randint(0, 12, (12,)), rewrites=0)
+        self.assertEqual(cap.before, cap.after)
+        self.assertEqual(cce_inductor.stats()["sites"], [])
+
     def test_entropy_next_to_a_cross_entropy_of_the_same_logits(self):
         """An SFT loss that also logs the entropy of its logits: neither is rewritten alone (the other would keep the
         logits alive); the cross-entropy reports the entropy's use of its logits."""

@@ -119,6 +119,15 @@ def _match(gather: fx.Node) -> tuple[lce.Site, fx.Node]:
 # ------------------------------------------------------------------------------------------------------------
 
 
+def _is_last_dim_gather(node: Any) -> bool:
+    """``node`` is a gather over the last dimension, without sparse gradients."""
+    if not lce.matches(node, GATHER):
+        return False
+    meta = lce.example_value(lce.call_arg(node, 0, "input"))
+    sparse = node.kwargs.get("sparse_grad", False) or (len(node.args) > 3 and node.args[3])
+    return isinstance(meta, torch.Tensor) and _last_dim(node, 1, "dim", meta.dim()) and not sparse
+
+
 def _squeezed_last(node: Any) -> Optional[fx.Node]:
     """``x`` of ``x.squeeze(-1)``, else None."""
     if not lce.matches(node, SQUEEZE):
@@ -184,7 +193,7 @@ def gather_minus_logsumexp(sub: fx.Node) -> Optional[Spelling]:
         return None
     gather = _squeezed_last(sub.args[0])
     lse = _logsumexp_of(sub.args[1])
-    if not lce.matches(gather, GATHER) or lse is None:
+    if not _is_last_dim_gather(gather) or lse is None:
         return None
     logits, index = lce.call_arg(gather, 0, "input"), lce.call_arg(gather, 2, "index")
     if logits is not lse[0] or not isinstance(index, fx.Node):
@@ -195,7 +204,7 @@ def gather_minus_logsumexp(sub: fx.Node) -> Optional[Spelling]:
 def _row_log_prob(item: fx.Node) -> Optional[tuple[fx.Node, tuple]]:
     """``log_softmax(row, -1).gather(-1, ids[i].unsqueeze(-1)).squeeze(-1)``: (row, (ids[i], nodes))."""
     gather = _squeezed_last(item)
-    if not lce.matches(gather, GATHER):
+    if not _is_last_dim_gather(gather):
         return None
     log_probs, index = lce.call_arg(gather, 0, "input"), lce.call_arg(gather, 2, "index")
     if not lce.matches(log_probs, LOG_SOFTMAX) or not lce.matches(index, UNSQUEEZE) or not is_row_softmax(log_probs):
