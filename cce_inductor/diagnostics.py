@@ -85,12 +85,13 @@ def _summary(graphs: int, rewritten: int, reasons: collections.Counter, executio
             f"the pass has not seen any graph (nothing was compiled with it yet, or every graph came from "
             f"Inductor's cache); {ran}"
         )
-    line = f"rewrote {rewritten} of {rewritten + sum(reasons.values())} cross_entropy sites in {graphs} graphs"
+    # a site: a cross_entropy, a token log-probs gather or an entropy of head logits
+    line = f"rewrote {rewritten} of {rewritten + sum(reasons.values())} loss sites in {graphs} graphs"
     if reasons:
         reason, count = reasons.most_common(1)[0]
         line += f"; left {sum(reasons.values())} alone, most often ({count}x) because {reason}"
     elif rewritten == 0:
-        line += "; no cross_entropy call was found in the compiled graphs"
+        line += "; no cross_entropy, token log-probs or entropy of head logits was found in the compiled graphs"
     return f"{line}; {ran}"
 
 

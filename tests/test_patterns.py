@@ -629,6 +629,7 @@ def forward(self, L_hidden_ : torch.Tensor, L_weight_ : torch.Tensor):
     mean = view.mean()
     return (mean,)""")
         self.assertIn("entropy: linear: linear, scale=1.25", cce_inductor.stats()["sites"][0]["reason"])
+        self.assertTrue(cce_inductor.stats()["summary"].startswith("rewrote 1 of 1 loss sites in 1 graphs"))
 
     def test_trl_grpo_log_probs_and_chunked_entropy(self):
         """TRL's GRPO scoring: ``selective_log_softmax`` of the completion ids and ``entropy_from_logits`` (the
