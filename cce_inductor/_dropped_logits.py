@@ -17,6 +17,7 @@ one element). Code paths that bypass ``__torch_function__`` (C++ code reading th
 from __future__ import annotations
 
 import math
+import operator
 from typing import Any, Callable, Optional, Sequence, Union
 
 import sympy
@@ -188,8 +189,6 @@ def _product_of_leading_dims(expr: Any, sources: Sequence[Optional[fx.Node]]) ->
 
 def build_shape(graph: fx.Graph, recipe: Recipe) -> list[Any]:
     """The shape list for ``dropped_logits``, emitting ``size`` nodes at the graph's insertion point."""
-    import operator
-
     shape: list[Any] = []
     for entry in recipe:
         if isinstance(entry, int):

@@ -1104,3 +1104,63 @@ class TestThroughInductor(PatternTestCase):
                 torch.testing.assert_close(got, want)
         self.assertEqual(cce_inductor.stats()["rewritten"], 1)  # compiled once for all lengths
         self.assertEqual(torch._dynamo.utils.counters["stats"]["unique_graphs"], 1)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Near misses of the entropy and token log-probs spellings: close in shape, different in value; never rewritten
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _lp(logits_row, ids_row):
+    return F.log_softmax(logits_row, dim=-1).gather(-1, ids_row.unsqueeze(-1)).squeeze(-1)
+
+
+def _entropy_terms(logits):
+    return -(torch.exp(F.log_softmax(logits, -1)) * F.log_softmax(logits, -1)).sum(-1)
+
+
+_NEAR_MISSES = {
+    # p and log p of different logits
+    "entropy_of_two_logits": lambda logits, ids: -(logits.softmax(-1) * (2 * logits).log_softmax(-1)).sum(-1),
+    # the softmax over the rows, not the vocabulary
+    "softmax_over_rows": lambda logits, ids: -(logits.softmax(0) * logits.log_softmax(0)).sum(-1),
+    # summed over the rows
+    "summed_over_rows": lambda logits, ids: -(logits.softmax(-1) * logits.log_softmax(-1)).sum(0),
+    # sum(p log p) without the minus is -H: must not become H
+    "no_negation": lambda logits, ids: (logits.softmax(-1) * logits.log_softmax(-1)).sum(-1),
+    # sum(p z) - logsumexp(z) is -H
+    "reversed_difference": lambda logits, ids: (logits.softmax(-1) * logits).sum(-1) - torch.logsumexp(logits, -1),
+    # logsumexp + sum(p z) is no entropy
+    "sum_instead_of_difference": lambda logits, ids: torch.logsumexp(logits, -1) + (logits.softmax(-1) * logits).sum(-1),
+    # the softmax-weighted logits of other logits
+    "weighted_other_logits": lambda logits, ids: torch.logsumexp(logits, -1) - (logits.softmax(-1) * logits.exp()).sum(-1),
+    # a gather minus the logsumexp of other logits
+    "gather_minus_other_lse": lambda logits, ids: (
+        torch.gather(logits, -1, ids.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits * 2, -1)),
+    # a row loop that stacks the rows out of order
+    "rows_out_of_order": lambda logits, ids: torch.stack([_lp(logits[1], ids[1]), _lp(logits[0], ids[0])]),
+    # a row loop that pairs each row with another row's ids
+    "rows_with_other_ids": lambda logits, ids: torch.stack([_lp(logits[0], ids[1]), _lp(logits[1], ids[0])]),
+    # TRL's chunked entropy, its chunks concatenated out of order
+    "entropy_chunks_out_of_order": lambda logits, ids: torch.cat(
+        [_entropy_terms(c) for c in logits.reshape(-1, logits.shape[-1]).split(3, dim=0)][::-1]),
+}
+
+
+class TestNearMissesOfTheRLForms(PatternTestCase):
+    """Each of these reads like an entropy or a token log-prob but computes something else: the graph stays as it is
+    and the result is eager's."""
+
+    def test_near_misses_are_left_alone(self):
+        weight = _weight(V, D)
+        for name, form in _NEAR_MISSES.items():
+            with self.subTest(name):
+                torch._dynamo.reset()
+                cce_inductor.reset_stats()
+
+                def f(hidden, ids, form=form):
+                    return form(F.linear(hidden, weight), ids).sum()
+
+                cap = self.run_pass(f, _hidden(2, 5, D), torch.randint(0, V, (2, 5)), params=[weight], rewrites=0)
+                self.assertEqual(cap.before, cap.after)
+                self.assertEqual(cce_inductor.stats()["rewritten"], 0)
