@@ -65,15 +65,10 @@ class EntropyTerm:
 
 def _row_sum_input(node: fx.Node) -> Optional[fx.Node]:
     """``x`` of ``sum(x, -1)`` (``dim=`` or ``axis=``, or ``[-1]``; no keepdim, no dtype), else None."""
-    if not lce.matches(node, SUM) or node.kwargs.get("dtype") is not None or lce.call_arg(node, 2, "keepdim", False):
+    if not lce.matches(node, SUM):
         return None
     x = lce.call_arg(node, 0, "input")
-    dim = lce.call_arg(node, 1, "dim", node.kwargs.get("axis"))
-    dims = tuple(dim) if isinstance(dim, (list, tuple)) else (dim,)
-    meta = lce.example_value(x)
-    if not isinstance(meta, torch.Tensor) or len(dims) != 1 or dims[0] not in (-1, meta.dim() - 1):
-        return None
-    return x
+    return x if lce.reduces_last_dim(node, x) else None
 
 
 def _factor(node) -> tuple[str, Optional[fx.Node], list[fx.Node]]:
@@ -194,31 +189,12 @@ def _match(term: EntropyTerm, terms_on_logits: int) -> EntropySite:
         squeezed = squeeze is not None
         inner += [node for node in (log_softmax, gathers[0], squeeze) if node is not None and node not in inner]
     replaced = [term.root] + ([log_probs_node] if log_probs_node is not None else [])
-    position = {node: i for i, node in enumerate(term.root.graph.nodes)}
-    first, last = min(replaced, key=position.get), max(replaced, key=position.get)
-    for node in inner:
-        if node in replaced:
-            continue
-        others = [user for user in node.users if user not in inner]
-        if others:
-            names = ", ".join(user.name for user in others)
-            raise lce.NoMatch(f"{node.name} of the entropy / log-probs is also used by {names}")
-    if index is not None and position.get(index, -1) > position[first]:
-        raise lce.NoMatch(f"the token ids ({index.name}) are computed after the entropy")
-    walked = lce.walk_logits(term.logits, last)
-    escaping = lce.private_chain(walked.chain, term.root, allowed=inner)
-    fields = walked.fields()
-    fields["chain"] = sorted(set(walked.chain) | (set(inner) - {first}), key=position.get)
-    site = lce.Site(cross_entropy=first, targets=index, ignore_index=tlp.NO_TARGET, reduction="none",
-                    label_smoothing=0.0, escaping=escaping, lse_users=[], **fields)  # fmt: skip
+    site = tlp.scored_rows_site(term.logits, inner, replaced, index)
     return EntropySite(site, term.root, log_probs_node, squeezed)
 
 
 def _checked(matched: EntropySite, options: CCEOptions) -> EntropySite:
-    lce.check_escaping(matched.site, options)
-    operands = [matched.site.hidden, matched.site.weight] + ([matched.site.targets] if matched.site.targets else [])
-    if any(lce.is_dtensor(lce.example_value(n)) for n in operands):
-        raise lce.NoMatch("entropy on DTensors is not rewritten")
+    tlp.check_rl_site(matched.site, options, "entropy")
     return matched
 
 

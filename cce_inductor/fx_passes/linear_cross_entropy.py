@@ -533,14 +533,22 @@ def match_site(ce: fx.Node) -> Site:
     )
 
 
-def is_row_logsumexp(node: fx.Node, logits: fx.Node) -> bool:
-    """``logsumexp(logits, -1)`` (or the last dim by number, or ``[-1]``, or ``axis=``; keepdim False): one value per
-    row."""
-    if not matches(node, LOGSUMEXP) or call_arg(node, 0, "input") is not logits or call_arg(node, 2, "keepdim", False):
+def reduces_last_dim(node: fx.Node, source: Any) -> bool:
+    """``node`` reduces ``source`` over its last dimension alone (``dim`` / ``axis`` -1, the last by number, or a
+    one-element list), keeping no dimension: one value per row."""
+    meta = example_value(source)
+    if not isinstance(meta, torch.Tensor) or call_arg(node, 0, "input") is not source:
+        return False
+    if call_arg(node, 2, "keepdim", False) or node.kwargs.get("dtype") is not None:
         return False
     dim = call_arg(node, 1, "dim", node.kwargs.get("axis"))
     dims = tuple(dim) if isinstance(dim, (list, tuple)) else (dim,)
-    return len(dims) == 1 and dims[0] in (-1, example_value(logits).dim() - 1)
+    return len(dims) == 1 and dims[0] in (-1, meta.dim() - 1)
+
+
+def is_row_logsumexp(node: fx.Node, logits: fx.Node) -> bool:
+    """``logsumexp(logits, -1)``: one value per row."""
+    return matches(node, LOGSUMEXP) and reduces_last_dim(node, logits)
 
 
 # --------------------------------------------------------------------------------------------------------------

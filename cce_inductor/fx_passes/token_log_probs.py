@@ -237,25 +237,41 @@ def _match_spelling(spelling: Spelling) -> tuple[lce.Site, fx.Node]:
     rows_shape = tuple(index_meta.shape[:-1]) if spelling.squeezed else tuple(index_meta.shape)
     if spelling.squeezed and index_meta.shape[-1] != 1 or rows_shape != tuple(logits_meta.shape[:-1]):
         raise lce.NoMatch(f"the ids {spelling.index.name} are not one per row of the logits")
-    inner = set(spelling.nodes)
-    for node in spelling.nodes:
+    return scored_rows_site(spelling.logits, spelling.nodes, [spelling.root], spelling.index), spelling.index
+
+
+def scored_rows_site(logits: fx.Node, inner: list[fx.Node], replaced: list[fx.Node],
+                     ids: Optional[fx.Node]) -> lce.Site:
+    """The site of a computation over every row of ``logits`` (token log-probs, entropy): ``inner`` its own nodes,
+    of which ``replaced`` take the op's values; the others must be private to it. The op goes where the first of
+    ``replaced`` stood (its ids must be computed by then); ``ids``: the scored tokens, or None (entropy alone).
+    Shared with ``entropy.py``."""
+    position = {node: i for i, node in enumerate(logits.graph.nodes)}
+    first, last = min(replaced, key=position.get), max(replaced, key=position.get)
+    for node in inner:
         others = [user for user in node.users if user not in inner]
-        if node is not spelling.root and others:
+        if node not in replaced and others:
             raise lce.NoMatch(f"{node.name} is also used by {', '.join(u.name for u in others)}")
-    walked = lce.walk_logits(spelling.logits, spelling.root)
-    escaping = lce.private_chain(walked.chain, spelling.root, allowed=spelling.nodes)
-    position = {node: i for i, node in enumerate(spelling.root.graph.nodes)}
+    if ids is not None and position.get(ids, -1) > position[first]:
+        raise lce.NoMatch(f"the token ids ({ids.name}) are computed after {first.name}")
+    walked = lce.walk_logits(logits, last)
+    escaping = lce.private_chain(walked.chain, first, allowed=inner)
     fields = walked.fields()
-    fields["chain"] = sorted(set(walked.chain) | (inner - {spelling.root}), key=position.get)
-    site = lce.Site(cross_entropy=spelling.root, targets=spelling.index, ignore_index=NO_TARGET, reduction="none",
-                    label_smoothing=0.0, escaping=escaping, lse_users=[], **fields)  # fmt: skip
-    return site, spelling.index
+    fields["chain"] = sorted(set(walked.chain) | (set(inner) - {first}), key=position.get)
+    return lce.Site(cross_entropy=first, targets=ids, ignore_index=NO_TARGET, reduction="none", label_smoothing=0.0,
+                    escaping=escaping, lse_users=[], **fields)  # fmt: skip
+
+
+def check_rl_site(site: lce.Site, options: CCEOptions, what: str = "token log-probs") -> None:
+    """What every RL-form site must also pass: returned logits only with ``drop_logits``, no DTensor operands."""
+    lce.check_escaping(site, options)
+    operands = [site.hidden, site.weight] + ([site.targets] if site.targets is not None else [])
+    if any(lce.is_dtensor(lce.example_value(n)) for n in operands):
+        raise lce.NoMatch(f"{what} on DTensors is not rewritten")
 
 
 def _checked(site: lce.Site, index: fx.Node, options: CCEOptions) -> tuple[lce.Site, fx.Node]:
-    lce.check_escaping(site, options)
-    if any(lce.is_dtensor(lce.example_value(n)) for n in (site.hidden, site.weight, index)):
-        raise lce.NoMatch("token log-probs on DTensors are not rewritten")
+    check_rl_site(site, options)
     return site, index
 
 
