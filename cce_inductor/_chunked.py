@@ -116,13 +116,16 @@ def backward(
     mean_logit: Optional[Tensor] = None,
     row_chunk: int = ROW_CHUNK,
     vocab_chunk: int = VOCAB_CHUNK,
+    in_accumulation_dtype: bool = False,
 ) -> tuple[Optional[Tensor], Optional[Tensor], Optional[Tensor]]:
-    """Gradients w.r.t. ``e``, ``c``, ``bias`` (each ``None`` unless asked for). ``grad_rows`` is 0 at ignored rows."""
+    """Gradients w.r.t. ``e``, ``c``, ``bias`` (each ``None`` unless asked for), in their dtypes, or all in the
+    accumulation dtype with ``in_accumulation_dtype``. ``grad_rows`` is 0 at ignored rows."""
     n_rows, vocab = e.shape[0], c.shape[0]
     acc = accumulation_dtype(e.dtype)
     grad_e = torch.zeros(e.shape, dtype=acc, device=e.device) if need_e else None
-    grad_c = torch.empty(c.shape, dtype=c.dtype, device=c.device) if need_c else None
-    grad_bias = torch.empty(vocab, dtype=bias.dtype, device=bias.device) if need_bias else None
+    grad_c = torch.empty(c.shape, dtype=acc if in_accumulation_dtype else c.dtype, device=c.device) if need_c else None
+    grad_bias = (torch.empty(vocab, dtype=acc if in_accumulation_dtype else bias.dtype, device=bias.device)
+                 if need_bias else None)  # fmt: skip
     if not (need_e or need_c or need_bias):
         return None, None, None
 
@@ -166,4 +169,6 @@ def backward(
             grad_c[v0 : v0 + width] = grad_c_block
         if need_bias:
             grad_bias[v0 : v0 + width] = grad_bias_block
-    return (None if grad_e is None else grad_e.to(e.dtype)), grad_c, grad_bias
+    if grad_e is not None and not in_accumulation_dtype:
+        grad_e = grad_e.to(e.dtype)
+    return grad_e, grad_c, grad_bias

@@ -75,6 +75,18 @@ def grad_outputs_fake(e: Tensor, c: Tensor, bias: Optional[Tensor], need_e: bool
     )
 
 
+def lean_path_reason(options, reduction: str, needs_grad: bool) -> Optional[str]:
+    """None where a loss takes the balanced path (``options.scratch_mb > 0``, reduction "mean" or "sum", a gradient
+    needed), else why it takes the lean path (``stats()`` shows it)."""
+    if options.scratch_mb == 0:
+        return "scratch_mb=0"
+    if reduction not in ("mean", "sum"):
+        return f"reduction={reduction!r} (the balanced path computes 'mean' and 'sum')"
+    if not needs_grad:
+        return "no gradient is needed (no input of the head requires grad, or grad mode is off)"
+    return None
+
+
 def check_targets_dtype(targets: Tensor) -> None:
     if targets.dtype.is_floating_point or targets.dtype.is_complex or targets.dtype == torch.bool:
         raise TypeError(

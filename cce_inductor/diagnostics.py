@@ -29,6 +29,7 @@ class SiteDecision:
     node: str
     rewritten: bool
     reason: str  # what was matched when rewritten, why not otherwise
+    path: str = ""  # rewritten sites: "lean" or "balanced" (CCEOptions.scratch_mb); why, in reason
 
 
 _sites: list[SiteDecision] = []
@@ -74,11 +75,12 @@ def stats() -> dict[str, Any]:
         "reasons": dict(reasons),
         "sites": [dataclasses.asdict(site) for site in sites],
         "executions": executions,
-        "summary": _summary(graphs, rewritten, reasons, sum(executions.values())),
+        "summary": _summary(graphs, rewritten, reasons, sum(executions.values()),
+                            sum(site.path == "balanced" for site in sites)),
     }
 
 
-def _summary(graphs: int, rewritten: int, reasons: collections.Counter, executions: int) -> str:
+def _summary(graphs: int, rewritten: int, reasons: collections.Counter, executions: int, balanced: int) -> str:
     ran = f"the fused op ran {executions} times in this process"
     if graphs == 0:
         return (
@@ -87,6 +89,8 @@ def _summary(graphs: int, rewritten: int, reasons: collections.Counter, executio
         )
     # a site: a cross_entropy, a token log-probs gather or an entropy of head logits
     line = f"rewrote {rewritten} of {rewritten + sum(reasons.values())} loss sites in {graphs} graphs"
+    if balanced:
+        line += f" ({balanced} on the balanced path)"
     if reasons:
         reason, count = reasons.most_common(1)[0]
         line += f"; left {sum(reasons.values())} alone, most often ({count}x) because {reason}"

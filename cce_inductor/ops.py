@@ -9,6 +9,10 @@ keeps each as one opaque call; the backward is a second custom op traced into th
 the chunked PyTorch path in ``cce_inductor._chunked``. The user's options reach them as one string argument,
 ``CCEOptions.encode()``.
 
+The balanced path (``CCEOptions.scratch_mb > 0``; mean / sum losses whose head needs gradients) is a third op,
+``cce_inductor::linear_cross_entropy_with_grads``: it returns the loss with its own gradients, and its autograd
+formula is ``grad_loss * saved`` in plain aten, which Inductor fuses into the compiled backward.
+
 Public entry point: :func:`linear_cross_entropy` (shape handling, autocast, argument checks).
 """
 
@@ -164,6 +168,113 @@ def _backward(ctx, grad_loss, grad_lse, grad_entropy):
 linear_cross_entropy_op.register_autograd(_backward, setup_context=_setup_context)
 
 
+# --------------------------------------------------------------------------------------------------------------
+# The balanced path: the gradients computed with the loss (``CCEOptions.scratch_mb``)
+# --------------------------------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("cce_inductor::linear_cross_entropy_with_grads", mutates_args=())
+def linear_cross_entropy_with_grads_op(
+    e: Tensor,
+    c: Tensor,
+    targets: Tensor,
+    bias: Optional[Tensor],
+    softcap: Optional[float],
+    ignore_index: int,
+    reduction: str,
+    label_smoothing: float,
+    options: str,
+    need_e: bool,
+    need_c: bool,
+    need_bias: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Returns ``(loss, grad_e, grad_c, grad_bias)``: the loss (reduction "mean" or "sum") and its own gradients
+    (upstream gradient 1) in the accumulation dtype (fp32; fp64 for fp64 inputs), a gradient not asked for an empty
+    tensor. The autograd formula scales them by the loss's upstream gradient and rounds once to the inputs' dtypes,
+    so the backward pass costs one elementwise pass per gradient. On CUDA the balanced kernels
+    (``kernels/_balanced.py``: row chunks of logits in a scratch of ``options.scratch_mb``); elsewhere the chunked
+    path's forward and backward back to back."""
+    diagnostics.count_execution("linear_cross_entropy")
+    if reduction not in ("mean", "sum"):
+        raise ValueError(f"linear_cross_entropy_with_grads computes reductions 'mean' and 'sum', got {reduction!r}")
+    need_bias = need_bias and bias is not None
+    with torch.autocast(e.device.type, enabled=False):
+        _loss.check_inputs(e, c, targets, bias)
+        _loss.check_target_range(targets, c.shape[0], ignore_index)
+        if _loss.uses_kernels(e.device, e.dtype):
+            loss, grad_e, grad_c, grad_bias = _loss.triton_kernels().loss_and_grads(
+                e, c, targets, bias, softcap=softcap, ignore_index=ignore_index, reduction=reduction,
+                label_smoothing=label_smoothing, scratch_bytes=CCEOptions.decode(options).scratch_mb * 2**20,
+                need_e=need_e, need_c=need_c, need_bias=need_bias,
+            )
+        else:
+            acc = _chunked.accumulation_dtype(e.dtype)
+            smoothing = label_smoothing != 0.0
+            lse, target_logit, logit_sum, _ = _chunked.forward(
+                e, c, targets, bias, softcap=softcap, ignore_index=ignore_index, logit_sum=smoothing
+            )
+            valid = targets != ignore_index
+            row_loss = lse.to(acc) - target_logit.to(acc)
+            if smoothing:
+                row_loss = row_loss + label_smoothing * (target_logit.to(acc) - logit_sum.to(acc) / c.shape[0])
+            loss = _loss.reduce_rows(torch.where(valid, row_loss, 0.0), valid, reduction)
+            grad_rows = _loss.grad_rows(torch.ones((), dtype=acc, device=e.device), valid, reduction, acc)
+            grad_e, grad_c, grad_bias = _chunked.backward(
+                e, c, targets, bias, lse, grad_rows, softcap=softcap, need_e=need_e, need_c=need_c,
+                need_bias=need_bias, label_smoothing=label_smoothing, in_accumulation_dtype=True,
+            )
+    acc = _chunked.accumulation_dtype(e.dtype)
+    return loss, *(grad.to(acc) if needed else e.new_empty(0, dtype=acc)
+                   for needed, grad in ((need_e, grad_e), (need_c, grad_c), (need_bias, grad_bias)))  # fmt: skip
+
+
+@linear_cross_entropy_with_grads_op.register_fake
+def _(e, c, targets, bias, softcap, ignore_index, reduction, label_smoothing, options, need_e, need_c, need_bias):
+    _loss.check_inputs(e, c, targets, bias)
+    acc = _chunked.accumulation_dtype(e.dtype)
+    return (e.new_empty((), dtype=acc),) + tuple(
+        grad.to(acc) for grad in _loss.grad_outputs_fake(e, c, bias, need_e, need_c, need_bias)
+    )
+
+
+def _setup_context_with_grads(ctx, inputs, output) -> None:
+    e, c, _, bias = inputs[:4]
+    _, grad_e, grad_c, grad_bias = output
+    ctx.mark_non_differentiable(grad_e, grad_c, grad_bias)
+    # no zero tensors for the gradient outputs' (absent) upstream gradients: dC's would be a V x D fp32 fill
+    ctx.set_materialize_grads(False)
+    ctx.save_for_backward(grad_e, grad_c, grad_bias)
+    ctx.computed = inputs[-3:]  # need_e, need_c, need_bias: which of them hold a gradient
+    ctx.dtypes = (e.dtype, c.dtype, None if bias is None else bias.dtype)
+
+
+def _scaled(grad: Tensor, grad_loss: Tensor, dtype: torch.dtype) -> Tensor:
+    """``(grad * grad_loss).to(dtype)`` in one pass: the product is formed in ``grad``'s dtype and rounded as it is
+    stored, with no temporary of ``grad``'s size (eager; Inductor fuses either spelling)."""
+    return torch.mul(grad, grad_loss, out=torch.empty(grad.shape, dtype=dtype, device=grad.device))
+
+
+def _backward_with_grads(ctx, grad_loss, *_):
+    """``(grad_loss * saved).to(dtype)``: the product of the fp32 gradients, rounded once to the input's dtype, so
+    the gradients carry one rounding whatever the upstream gradient (Inductor fuses this into one pass)."""
+    saved = ctx.saved_tensors
+    grads = []
+    for needed, computed, grad, dtype in zip(
+        (ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[3]), ctx.computed, saved, ctx.dtypes
+    ):
+        if needed and not computed:
+            raise RuntimeError(
+                "cce_inductor: a gradient is needed that the balanced path was told not to compute "
+                "(linear_cross_entropy_with_grads was called with need_*=False for an input that requires grad)"
+            )
+        grads.append(_scaled(grad, grad_loss, dtype) if needed else None)
+    grad_e, grad_c, grad_bias = grads
+    return (grad_e, grad_c, None, grad_bias) + (None,) * 8
+
+
+linear_cross_entropy_with_grads_op.register_autograd(_backward_with_grads, setup_context=_setup_context_with_grads)
+
+
 def linear_cross_entropy(
     e: Tensor,
     c: Tensor,
@@ -187,8 +298,10 @@ def linear_cross_entropy(
         reduction: ``"mean"`` (over non-ignored targets; NaN if there are none), ``"sum"`` or ``"none"``
             (shape ``targets.shape``, 0 at ignored positions).
         label_smoothing: as in ``F.cross_entropy``, in ``[0, 1]``.
-        options: :class:`cce_inductor.CCEOptions` (``exact``, ``products``, ``backward_row_chunk``); default
-            ``CCEOptions()``, not the environment: a direct call does what its arguments say.
+        options: :class:`cce_inductor.CCEOptions` (``exact``, ``products``, ``backward_row_chunk``,
+            ``scratch_mb``); default ``CCEOptions()``, not the environment: a direct call does what its arguments
+            say. With ``scratch_mb > 0``, a "mean" / "sum" loss of inputs that require grad (grad mode on) takes the
+            balanced path: its gradients are computed with the loss.
 
     Returns the loss in float32 (float64 for float64 inputs). Under autocast ``e``, ``c`` and ``bias`` are cast
     to the autocast dtype, as ``F.linear`` would be.
@@ -199,6 +312,15 @@ def linear_cross_entropy(
     if options is not None and not isinstance(options, CCEOptions):
         raise TypeError(f"options must be a cce_inductor.CCEOptions, got {type(options).__name__}")
     e, c, bias = _loss.autocast_inputs(e, c, bias)
+    options = options or CCEOptions()
+    need = (e.requires_grad, c.requires_grad, bias is not None and bias.requires_grad)
+    if _loss.lean_path_reason(options, reduction, torch.is_grad_enabled() and any(need)) is None:
+        loss, _, _, _ = linear_cross_entropy_with_grads_op(
+            e.reshape(-1, e.shape[-1]), c, targets.reshape(-1).long(), bias,
+            None if softcap is None else float(softcap), int(ignore_index), reduction, float(label_smoothing),
+            options.encode(), *need,
+        )
+        return loss
     loss, _, _ = linear_cross_entropy_op(
         e.reshape(-1, e.shape[-1]),
         c,
@@ -208,7 +330,7 @@ def linear_cross_entropy(
         int(ignore_index),
         reduction,
         float(label_smoothing),
-        (options or CCEOptions()).encode(),
+        options.encode(),
         False,
         False,
     )

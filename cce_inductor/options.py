@@ -49,12 +49,20 @@ class CCEOptions:
     backward_row_chunk: rows per block of the CUDA backward: bounds its scratch memory (one 16-bit
         ``row_chunk x 2048`` gradient block plus ``row_chunk x D`` fp32 rows) whatever the batch. Smaller saves
         memory at some speed; 0 takes all rows in one block. Environment: ``CCE_INDUCTOR_BACKWARD_ROW_CHUNK``.
+    scratch_mb: the balanced path's budget, in MiB, for one row chunk of logits (0, the default: the lean path
+        everywhere). Where the loss is a mean or a sum, its head needs gradients and the log-sum-exp is not used
+        elsewhere, the gradients are computed with the loss, chunk by chunk through this scratch, and the backward
+        only scales them: three matmuls instead of the lean path's four, for the scratch plus (16-bit inputs, more
+        than one chunk) an fp32 sum of dC. Exact like the lean path; slower than it when many targets are ignored
+        (README, "The balanced path"). ``stats()`` says which path each site got and why.
+        Environment: ``CCE_INDUCTOR_SCRATCH_MB``.
     """
 
     drop_logits: bool = False
     exact: bool = False
     products: Products = "cublas"
     backward_row_chunk: int = 8192
+    scratch_mb: int = 0
 
     def __post_init__(self) -> None:
         for name in ("drop_logits", "exact"):
@@ -66,6 +74,10 @@ class CCEOptions:
             raise TypeError(f"backward_row_chunk must be an int, got {self.backward_row_chunk!r}")
         if self.backward_row_chunk < 0:
             raise ValueError(f"backward_row_chunk must be >= 0 (0: all rows), got {self.backward_row_chunk}")
+        if isinstance(self.scratch_mb, bool) or not isinstance(self.scratch_mb, int):
+            raise TypeError(f"scratch_mb must be an int, got {self.scratch_mb!r}")
+        if self.scratch_mb < 0:
+            raise ValueError(f"scratch_mb must be >= 0 (0: the lean path), got {self.scratch_mb}")
 
     @classmethod
     def from_env(cls, **overrides: Any) -> "CCEOptions":
@@ -98,7 +110,7 @@ class CCEOptions:
 
 _FIELDS = {field.name: field for field in dataclasses.fields(CCEOptions)}
 # drop_logits changes the graph around the op, not what the op computes.
-_OP_FIELDS = ("exact", "products", "backward_row_chunk")
+_OP_FIELDS = ("exact", "products", "backward_row_chunk", "scratch_mb")
 
 
 def _env_name(field: str) -> str:

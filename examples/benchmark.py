@@ -15,6 +15,9 @@ Methods (each timed as loss only = "fwd" and loss + gradients = "fwdbwd"):
                  a Triton recompute of the softmax gradient G per (row chunk x vocabulary chunk) block + cuBLAS dE / dC
     cce_rowskip  CCEOptions(products="triton"): the dE / dC products in Triton, skipping the ignored rows
     cce_exact    CCEOptions(exact=True): G carried into the products as bf16 hi + lo halves, dC summed in fp32
+    cce_balanced CCEOptions(scratch_mb=1024) (cce_balanced512: 512): the balanced path where gradients are needed
+                 (fwdbwd): per row chunk cuBLAS logits into the scratch, the softmax gradient in place, cuBLAS dE
+                 and dC (summed in fp32 over chunks); the backward scales by the upstream gradient. fwd: the lean op
 --direct calls cce_inductor.kernels.forward / .backward through a small autograd.Function instead of the custom op.
 --config "k=v,..." (syntax as one sweep config, below) sets CCEOptions fields under every cce method (the
 method's own field wins) and _TUNING overrides for the whole run.
@@ -90,6 +93,8 @@ CCE_METHODS = {  # name: CCEOptions fields over the base options (--config)
     "cce": {},
     "cce_rowskip": {"products": "triton"},
     "cce_exact": {"exact": True},
+    "cce_balanced": {"scratch_mb": 1024},
+    "cce_balanced512": {"scratch_mb": 512},
 }
 METHODS = ("matmul", "eager", "compile", *CCE_METHODS)
 TUNING_FILES = {"fwd": "_forward", "bwd": "_backward", "prod": "_products"}  # prefix: cce_inductor.kernels module
@@ -540,6 +545,8 @@ def parse_args(argv=None):
     ap.add_argument("--stats-rows", type=int, default=0, help="counted rows for the softmax statistics (0: all)")
     ap.add_argument("--warmup", type=int, default=25, help="do_bench warm-up (ms)")
     ap.add_argument("--rep", type=int, default=None, help="do_bench repetitions (ms; default 100, --tiny 50)")
+    ap.add_argument("--profile", action="store_true",
+                    help="per method with gradients: one fwd+bwd under torch.profiler, the per-kernel time breakdown")
     ap.add_argument("--json", default="", help="write the rows, cases and settings here")
     ap.add_argument("--tiny", action="store_true", help="CPU smoke run: tiny shapes, chunked path (< 1 minute)")
     real = ap.add_argument_group("real text", "the `real` regime's head (examples/real_text.py)")
@@ -657,6 +664,13 @@ def run_methods(args, base_options):
                 if "error" in r:
                     extra += f" FAILED {r['error']}"
                 print(f"  {m:12s} {mode:7s} {r['ms']:9.2f} ms {r['mb']:10.1f} MB{extra}", flush=True)
+                if args.profile and mode == "fwdbwd" and m != "matmul" and "error" not in r:
+                    try:
+                        r["kernels"] = kernel_breakdown(methods[m], e, c, t)
+                    except Exception as exc:  # noqa: BLE001 - a profiler problem must not lose the timings
+                        print(f"      (no kernel breakdown: {type(exc).__name__}: {exc})")
+                    for name, calls, ms in r.get("kernels") or []:
+                        print(f"      {ms:8.2f} ms {calls:5d}x  {name}")
         for (m, mode), r in results.items():
             comp = results.get(("compile", mode))
             mm = matmul_ms.get((n, d, v))
@@ -664,9 +678,33 @@ def run_methods(args, base_options):
                              vs_compile=r["ms"] / comp["ms"] if comp else None,
                              vs_matmul=r["ms"] / mm if mm else None,
                              mb_vs_lower_bound=(r["mb"] / lower_bound_mb) if mode == "fwdbwd" else None,
-                             err_de=r.get("err_de"), err_dc=r.get("err_dc"), error=r.get("error"), stats=stats))
+                             err_de=r.get("err_de"), err_dc=r.get("err_dc"), error=r.get("error"), stats=stats,
+                             kernels=r.get("kernels")))
         e = c = t = ref = None  # free the case before the next one
     return rows, cases
+
+
+def kernel_breakdown(fn, e, c, t, top=10):
+    """GPU time per kernel name over one forward + backward (after the timed runs: compiled, warm):
+    ``[(name, calls, ms)]``, the largest first, the rest summed as "other"."""
+    e.requires_grad_(True)
+    c.requires_grad_(True)
+    try:
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            fn(e, c, t).backward()
+            torch.cuda.synchronize()
+    finally:
+        e.grad = c.grad = None
+        e.requires_grad_(False)
+        c.requires_grad_(False)
+    per_kernel = {}
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            calls, us = per_kernel.get(event.name, (0, 0.0))
+            per_kernel[event.name] = (calls + 1, us + event.time_range.elapsed_us())
+    ranked = sorted(((name[:90], calls, us / 1e3) for name, (calls, us) in per_kernel.items()), key=lambda x: -x[2])
+    rest = ranked[top:]
+    return ranked[:top] + ([("other", sum(r[1] for r in rest), sum(r[2] for r in rest))] if rest else [])
 
 
 def print_table(rows):

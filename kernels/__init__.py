@@ -8,19 +8,25 @@ Interface used by the custom op and the vocabulary-parallel loss:
 * ``backward(e, c, targets, bias, lse, grad_rows, *, softcap, ignore_index, options, need_e, need_c, need_bias,
   label_smoothing=0.0, grad_lse=None, grad_entropy=None, mean_logit=None) -> (dE | None, dC | None, dbias | None)``;
   ``options`` is a :class:`cce_inductor.CCEOptions`
+* ``loss_and_grads(e, c, targets, bias, *, softcap, ignore_index, reduction, label_smoothing=0.0, scratch_bytes,
+  need_e=True, need_c=True, need_bias=True) -> LossAndGrads(loss, dE | None, dC | None, dbias | None)``: the balanced
+  path (mean / sum losses whose head needs gradients): the gradients computed with the loss, in row chunks through a
+  bounded scratch of logits
 
-with ``logits[n, v] = softcap * tanh((e[n] . c[v] + bias[v]) / softcap)`` (no tanh without softcap).  Rows whose
-target is ``ignore_index`` cost nothing; a target outside ``[0, V)`` counts with no one-hot term.
+with ``logits[n, v] = softcap * tanh((e[n] . c[v] + bias[v]) / softcap)`` (no tanh without softcap).  In ``forward`` /
+``backward`` rows whose target is ``ignore_index`` cost nothing; a target outside ``[0, V)`` counts with no one-hot term.
 
 Kernel files, each opening with its math, block layout and memory, and keeping its own block sizes:
-``_forward`` (fused log-sum-exp / target logit), ``_backward`` (a Triton kernel recomputes each logit block into
+``_forward`` (fused log-sum-exp / target logit), ``_balanced`` (cuBLAS logits per row chunk, the softmax gradient
+in place, cuBLAS dE / dC), ``_backward`` (a Triton kernel recomputes each logit block into
 the softmax gradient; cuBLAS does dE and dC; exact mode), ``_products`` (Triton dE / dC products that skip
 ignored rows, ``options.products="triton"``), ``_tile`` (the logit tile and softmax gradient shared by the
 kernels), ``_launch`` (host-side helpers: device facts, row compaction).
 No host synchronisation: ignored rows are compacted on the device and the kernels read the count.
 """
 from ._backward import backward
+from ._balanced import LossAndGrads, loss_and_grads
 from ._forward import forward
 from ._launch import INTERPRET
 
-__all__ = ["forward", "backward", "INTERPRET"]
+__all__ = ["forward", "backward", "loss_and_grads", "LossAndGrads", "INTERPRET"]

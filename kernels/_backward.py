@@ -127,30 +127,9 @@ def _recompute_grad_kernel(
         tl.store(GLo + g_offs, (grad - grad_hi.to(tl.float32)).to(G.dtype.element_ty), mask=mask)
 
 
-def _fp32_out_mm_available(device: torch.device) -> bool:
-    """cuBLAS 16-bit products with an fp32 result (``aten::mm.dtype``; CUDA only, torch >= 2.8)."""
-    return device.type == "cuda" and torch._C._dispatch_has_kernel_for_dispatch_key("aten::mm.dtype", "CUDA")
-
-
 def _block(buffer: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
     """A contiguous ``rows x cols`` view at the start of a flat scratch buffer (last chunks are narrower)."""
     return buffer[: rows * cols].view(rows, cols)
-
-
-def _poison(rows: torch.Tensor) -> torch.Tensor:
-    """Per row of a 2-D tensor, fp32: 0 where it is finite, NaN where it holds a NaN / inf (0 * x summed); one
-    matrix-vector product, no temporary the size of ``rows``."""
-    zeros = torch.zeros(rows.shape[1], dtype=rows.dtype, device=rows.device)
-    return torch.mv(rows, zeros).float()
-
-
-def _product_into(out, a, b, *, accumulate, **out_dtype):
-    """``out (+)= a @ b``.  The first product of a sum writes with ``mm``: never ``addmm(beta=0)`` over
-    uninitialised memory (an addmm may form beta * input, and 0 * NaN = NaN)."""
-    if accumulate:
-        torch.addmm(out, a, b, out=out, **out_dtype)
-    else:
-        torch.mm(a, b, out=out, **out_dtype)
 
 
 def backward(e, c, targets, bias, lse, grad_rows, *, softcap, ignore_index, options, need_e, need_c, need_bias,
@@ -185,7 +164,7 @@ def backward(e, c, targets, bias, lse, grad_rows, *, softcap, ignore_index, opti
                        and _products.tma_ok(c) and (d * e.element_size()) % 16 == 0)
     # 16-bit products with fp32 results where cuBLAS has them; where no such product exists (the CPU interpreter)
     # 16-bit operands are upcast.
-    fp32_out = sixteen_bit and _fp32_out_mm_available(device)
+    fp32_out = sixteen_bit and _launch.fp32_out_mm_available(device)
     upcast = sixteen_bit and not fp32_out and not triton_products  # (the interpreter's Triton products upcast inside)
     out_dtype = {"out_dtype": torch.float32} if fp32_out else {}  # the products' fp32 results, 16-bit operands
     # G's row pitch: its width, padded for the Triton products to 16-byte aligned rows
@@ -205,7 +184,7 @@ def backward(e, c, targets, bias, lse, grad_rows, *, softcap, ignore_index, opti
     targets = targets.contiguous()
     softcap_val = float(softcap) if softcap is not None else 1.0
     # 0, or NaN when any of C / bias is not finite (then every logit row holds a NaN)
-    weight_poison = _poison(c).sum() + (0.0 if bias is None else bias.float().sum() * 0.0)
+    weight_poison = _launch.nonfinite_rows(c).sum() + (0.0 if bias is None else bias.float().sum() * 0.0)
     block_n, block_v, block_d = tune["block_n"], tune["block_v"], tune["block_d"]
     num_stages = _launch.fit_num_stages(tune["num_stages"], block_n, block_v, block_d, e.element_size())
 
@@ -216,7 +195,7 @@ def backward(e, c, targets, bias, lse, grad_rows, *, softcap, ignore_index, opti
         de_rows = de32[:rows] if need_e else None
         counted_rows = counted[r0 : r0 + rows]
         row_order, num_counted = _launch.compact_counted(counted_rows)
-        row_poison = _poison(e_rows) + weight_poison
+        row_poison = _launch.nonfinite_rows(e_rows) + weight_poison
         if triton_products and need_c:
             e_compact = e_rows.index_select(0, row_order)
             # what eager's dC receives from the ignored rows: 0, or NaN if any of them is poisoned
@@ -259,13 +238,13 @@ def backward(e, c, targets, bias, lse, grad_rows, *, softcap, ignore_index, opti
             grad_mm = grad.float() if upcast else grad
             grad_lo_mm = (grad_lo.float() if upcast else grad_lo) if split_g else None
             if need_e:
-                _product_into(de_rows, grad_mm, c_chunk_mm, accumulate=v0 > 0, **out_dtype)
+                _launch.product_into(de_rows, grad_mm, c_chunk_mm, accumulate=v0 > 0, **out_dtype)
                 if split_g:
-                    _product_into(de_rows, grad_lo_mm, c_chunk_mm, accumulate=True, **out_dtype)
+                    _launch.product_into(de_rows, grad_lo_mm, c_chunk_mm, accumulate=True, **out_dtype)
             if need_c and split_g:
                 dc_sum = dc32[v0 : v0 + width] if n > row_chunk else dc32[:width]
-                _product_into(dc_sum, grad_mm.T, e_rows_mm, accumulate=r0 > 0, **out_dtype)
-                _product_into(dc_sum, grad_lo_mm.T, e_rows_mm, accumulate=True, **out_dtype)
+                _launch.product_into(dc_sum, grad_mm.T, e_rows_mm, accumulate=r0 > 0, **out_dtype)
+                _launch.product_into(dc_sum, grad_lo_mm.T, e_rows_mm, accumulate=True, **out_dtype)
                 if n <= row_chunk:
                     dc_out[v0 : v0 + width] = dc_sum
             elif need_c:
@@ -274,7 +253,7 @@ def backward(e, c, targets, bias, lse, grad_rows, *, softcap, ignore_index, opti
                     update = grad_mm.T @ e_rows_mm
                     dc_chunk.copy_(update if r0 == 0 else dc_chunk.float() + update)
                 else:
-                    _product_into(dc_chunk, grad.T, e_rows, accumulate=r0 > 0)
+                    _launch.product_into(dc_chunk, grad.T, e_rows, accumulate=r0 > 0)
         if need_e:
             de_out[r0 : r0 + rows] = de_rows
     if split_g and need_c and n > row_chunk:

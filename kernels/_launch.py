@@ -67,3 +67,25 @@ def compact_counted(counted: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Row indices with the counted rows first (stable), and their number as a 1-element int32 device tensor."""
     row_order = torch.argsort((~counted).to(torch.int8), stable=True)
     return row_order, counted.sum(dtype=torch.int32).reshape(1)
+
+
+def fp32_out_mm_available(device: torch.device) -> bool:
+    """cuBLAS 16-bit products with an fp32 result (``aten::mm.dtype`` / ``addmm.dtype``; CUDA only, torch >= 2.8)."""
+    return device.type == "cuda" and torch._C._dispatch_has_kernel_for_dispatch_key("aten::addmm.dtype", "CUDA")
+
+
+def product_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, accumulate: bool, **out_dtype) -> None:
+    """``out (+)= a @ b``.  The first product of a sum writes with ``mm``: never ``addmm(beta=0)`` over
+    uninitialised memory (an addmm may form beta * input, and 0 * NaN = NaN)."""
+    if accumulate:
+        torch.addmm(out, a, b, out=out, **out_dtype)
+    else:
+        torch.mm(a, b, out=out, **out_dtype)
+
+
+def nonfinite_rows(rows: torch.Tensor) -> torch.Tensor:
+    """Per row of a 2-D tensor, fp32: 0 where it is finite, NaN where it holds a NaN / inf (0 * x summed); one
+    matrix-vector product, no temporary the size of ``rows``.  Eager's softmax gradient of a row that gets no
+    gradient is 0, or NaN everywhere when its log-sum-exp is NaN: the kernels write this there."""
+    zeros = torch.zeros(rows.shape[1], dtype=rows.dtype, device=rows.device)
+    return torch.mv(rows, zeros).float()

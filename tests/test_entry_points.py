@@ -533,16 +533,20 @@ print(json.dumps({
     "summary": cce_inductor.stats()["summary"],
     "op_called": "cce_inductor::linear_cross_entropy" in names,
     "bwd_op_called": "cce_inductor::linear_cross_entropy_backward" in names,
+    "balanced_op_called": "cce_inductor::linear_cross_entropy_with_grads" in names,
     "inductor": {k: v for k, v in counters["inductor"].items() if "cache" in k},
     "aot_autograd": {k: v for k, v in counters["aot_autograd"].items() if "cache" in k},
 }))
 '''
 
 
-def _check_run(result):
+def _check_run(result, balanced=False):
     assert result["loss"] == pytest.approx(result["ref"], rel=1e-6)
     assert result["grad_err"] < 1e-6
-    assert result["op_called"] and result["bwd_op_called"]
+    if balanced:  # the loss's gradients come out of the forward op; the backward only scales them
+        assert result["balanced_op_called"] and not result["op_called"] and not result["bwd_op_called"]
+    else:
+        assert result["op_called"] and result["bwd_op_called"] and not result["balanced_op_called"]
 
 
 @pytest.mark.slow
@@ -564,7 +568,7 @@ def test_caches_hit_across_processes_and_miss_on_option_change(tmp_path, kernel_
 
     def run(**extra):
         result = last_json(run_python([str(script), "object"], {**env, **extra}, tmp_path).stdout)
-        _check_run(result)
+        _check_run(result, balanced="CCE_INDUCTOR_SCRATCH_MB" in extra)
         return result
 
     def hits(result):
@@ -585,7 +589,7 @@ def test_caches_hit_across_processes_and_miss_on_option_change(tmp_path, kernel_
 
     # every option the op reads (drop_logits changes the graph: see test_robustness's uuid tests)
     for variable, value in [("CCE_INDUCTOR_EXACT", "1"), ("CCE_INDUCTOR_PRODUCTS", "triton"),
-                            ("CCE_INDUCTOR_BACKWARD_ROW_CHUNK", "2048")]:
+                            ("CCE_INDUCTOR_BACKWARD_ROW_CHUNK", "2048"), ("CCE_INDUCTOR_SCRATCH_MB", "64")]:
         changed = run(**{variable: value})
         assert hits(changed) == 0, (variable, changed)
         assert changed["rewritten"] == 1, (variable, changed)

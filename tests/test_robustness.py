@@ -696,6 +696,8 @@ def _alternatives(field: dataclasses.Field) -> list:
         return ["triton"]
     if field.name == "backward_row_chunk":
         return [0, 2048]
+    if field.name == "scratch_mb":
+        return [256, 1024]
     raise AssertionError(f"new CCEOptions field {field.name!r} ({field.type}): add its values to this test")
 
 
@@ -731,6 +733,7 @@ ENV_OPTIONS = {
     "CCE_INDUCTOR_EXACT": "1",
     "CCE_INDUCTOR_PRODUCTS": "triton",
     "CCE_INDUCTOR_BACKWARD_ROW_CHUNK": "2048",
+    "CCE_INDUCTOR_SCRATCH_MB": "1024",
 }
 
 
@@ -853,7 +856,8 @@ def test_bad_environment_options_fail_loudly(monkeypatch, variable, value, error
 @pytest.mark.parametrize(
     "kwargs, error",
     [(dict(exact=1), "must be a bool"), (dict(products="TRITON"), "'cublas' or"), (dict(backward_row_chunk=2.0), "int"),
-     (dict(backward_row_chunk=True), "int"), (dict(filter_eps=0.1), "unknown cce_inductor option")],
+     (dict(backward_row_chunk=True), "int"), (dict(scratch_mb=-1), ">= 0"), (dict(scratch_mb=0.5), "int"),
+     (dict(filter_eps=0.1), "unknown cce_inductor option")],
 )
 def test_bad_keyword_options_fail_loudly(kwargs, error):
     with pytest.raises((ValueError, TypeError), match=error):
@@ -869,7 +873,7 @@ def test_retired_environment_options_say_so(monkeypatch, variable):
 
 
 def test_encoded_options_round_trip():
-    for options in (CCEOptions(), CCEOptions(exact=True, products="triton", backward_row_chunk=0)):
+    for options in (CCEOptions(), CCEOptions(exact=True, products="triton", backward_row_chunk=0, scratch_mb=512)):
         assert CCEOptions.decode(options.encode()) == options
     with pytest.raises(ValueError, match="not an encoded cce_inductor option"):
         CCEOptions.decode("filter_eps=0.1")

@@ -645,8 +645,31 @@ def _retire(graph: fx.Graph, site: Site, loss: fx.Node) -> None:
                     graph.erase_node(transposed_weight)
 
 
+def requires_grad(node: Any) -> bool:
+    value = example_value(node)
+    return isinstance(value, torch.Tensor) and value.requires_grad
+
+
+def lean_path_reason(site: Site, options: CCEOptions) -> Optional[str]:
+    """None where the site takes the balanced path (its gradients computed with the loss, ``options.scratch_mb``),
+    else why it keeps the lean one. What requires grad is known here: Dynamo traced the graph with it, and guards
+    on it."""
+    why = _loss.lean_path_reason(options, site.reduction, requires_grad(site.head))
+    if why is None and site.lse_users:
+        return "the log-sum-exp is used beyond the loss (a z-loss)"
+    return why
+
+
 def _fused_loss(options: CCEOptions) -> EmitLoss:
     def emit(graph: fx.Graph, site: Site, rows, weight, targets, bias) -> fx.Node:
+        if lean_path_reason(site, options) is None:
+            need = (requires_grad(site.hidden), requires_grad(site.weight), site.bias is not None and requires_grad(site.bias))
+            fused = graph.call_function(
+                torch.ops.cce_inductor.linear_cross_entropy_with_grads.default,
+                (rows, weight, targets, bias, site.softcap, site.ignore_index, site.reduction, site.label_smoothing,
+                 options.encode(), *need),
+            )  # fmt: skip
+            return graph.call_function(operator.getitem, (fused, 0))
         fused = graph.call_function(
             torch.ops.cce_inductor.linear_cross_entropy.default,
             (rows, weight, targets, bias, site.softcap, site.ignore_index, site.reduction, site.label_smoothing,
@@ -662,6 +685,23 @@ def _fused_loss(options: CCEOptions) -> EmitLoss:
         return graph.call_function(operator.getitem, (fused, 0))
 
     return emit
+
+
+def lean_only(options: CCEOptions) -> str:
+    """The suffix of a site whose outputs are per row (token log-probs, entropy): always the lean path."""
+    return "; lean path: per-row outputs (the balanced path computes 'mean' and 'sum' losses)" if options.scratch_mb else ""
+
+
+def path_decision(graph_id: int, site: Site, options: CCEOptions, description: str,
+                  lean_reason: Optional[str]) -> diagnostics.SiteDecision:
+    """The rewritten site's record for ``stats()``: which path it got, and (when the balanced path was asked for)
+    why not."""
+    if lean_reason is None:
+        return diagnostics.SiteDecision(graph_id, site.cross_entropy.name, True,
+                                        f"{description}; balanced path ({options.scratch_mb} MiB scratch)", "balanced")
+    if options.scratch_mb:
+        description += f"; lean path: {lean_reason}"
+    return diagnostics.SiteDecision(graph_id, site.cross_entropy.name, True, description, "lean")
 
 
 def describe_site(site: Site) -> str:
@@ -750,8 +790,9 @@ def rewrite_linear_cross_entropy(graph: fx.Graph, options: CCEOptions, graph_id:
             matched.append(site)
     for group in _chunk_groups(matched):
         merged = f"; one call with {len(group) - 1} other chunk(s) of this head" if len(group) > 1 else ""
-        decisions = [diagnostics.SiteDecision(graph_id, site.cross_entropy.name, True, describe_site(site) + merged)
-                     for site in group]  # fmt: skip
+        chunked = "chunks of one head are fused with reduction='none'" if len(group) > 1 else None
+        decisions = [path_decision(graph_id, site, options, describe_site(site) + merged,
+                                   chunked or lean_path_reason(site, options)) for site in group]
         if len(group) > 1:
             _replace_chunks(graph, group, options)
         else:
