@@ -414,3 +414,20 @@ def test_gpu_no_host_sync():
         cce_inductor.linear_cross_entropy(e, c, t, options=CCEOptions(scratch_mb=2)).backward()
     finally:
         torch.cuda.set_sync_debug_mode(0)
+
+
+def test_pass_under_autocast_is_no_less_accurate_than_eager(no_inductor_caches):
+    """CPU autocast (bf16 head over fp32 weights): the balanced path is taken, and its loss and gradients are at
+    least as close to the fp32 computation as eager autocast's."""
+    torch.manual_seed(0)
+    model = Head(d=32, v=300)
+    ids, labels = _data(b=4, t=16, v=300)
+    ref_loss, ref = _eager_run(model, ids, labels)  # fp32
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        eager_loss, eager = _eager_run(model, ids, labels)
+        loss, grads, stats = _compiled_run(model, ids, labels, BALANCED)
+    assert {s["path"] for s in stats["sites"]} == {"balanced"}, stats["sites"]
+    assert abs(loss.item() - ref_loss.item()) <= abs(eager_loss.item() - ref_loss.item()) + 1e-6
+    for mine, theirs, want in zip(grads, eager, ref):
+        assert mine.dtype == want.dtype
+        assert rel_l2(mine, want) <= rel_l2(theirs, want) + 1e-6

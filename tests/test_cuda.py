@@ -6,8 +6,8 @@ Run on a GPU machine (skipped elsewhere):
 
 * out-of-range targets fail loudly (device-side assert) as in eager, direct op and compiled (subprocesses: a
   device-side assert poisons the CUDA context of the process that triggered it);
-* ``cce_inductor.enable()`` with ``mode="reduce-overhead"`` (CUDA graphs) over several training steps, and with
-  ``mode="max-autotune"``;
+* ``cce_inductor.enable()`` with ``mode="reduce-overhead"`` (CUDA graphs) over several training steps (the lean
+  path, the balanced path, and returned logits dropped), and with ``mode="max-autotune"``;
 * CUDA autocast (bf16) over fp32 weights; ``dynamic=True`` over three sequence lengths with one compile;
 * NaN propagation and empty batches; ``reduction="none"``, every target ignored, a frozen head, a bias.
 
@@ -348,6 +348,74 @@ def test_enable_reduce_overhead_uses_cuda_graphs():
     assert counters["inductor"]["cudagraph_skips"] == 0, dict(counters["inductor"])
     # warm-up on step 0, recording on step 1, replays after: a forward and a backward graph at least
     assert _recorded_cuda_graphs() >= 2, dict(counters["inductor"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_balanced_path_under_cuda_graphs(dtype):
+    """The balanced path (the gradients computed in the forward, scaled in the backward) recorded and replayed."""
+    from torch._dynamo.utils import counters
+
+    torch.manual_seed(0)
+    dim, vocab, shape = 64, 1000, (4, 33)
+    model = TinyLM(dim, vocab).to(DEVICE, dtype)
+    counters.clear()
+    cce_inductor.enable(scratch_mb=1)
+    try:
+        with _cudagraph_or_error():
+            compiled = torch.compile(model, mode="reduce-overhead", fullgraph=True)
+            _train_and_compare(model, compiled, 5, shape, dim, vocab, dtype, FP32 if dtype == torch.float32 else BF16)
+    finally:
+        cce_inductor.disable()
+    assert {site["path"] for site in cce_inductor.stats()["sites"] if site["rewritten"]} == {"balanced"}
+    assert counters["inductor"]["cudagraph_skips"] == 0, dict(counters["inductor"])
+    assert _recorded_cuda_graphs() >= 2, dict(counters["inductor"])
+
+
+class LogitsLM(nn.Module):
+    """Returns its logits beside the loss, as Hugging Face models do: rewritten only with drop_logits."""
+
+    def __init__(self, dim=64, vocab=1000):
+        super().__init__()
+        self.body = nn.Linear(dim, dim)
+        self.head = nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, x, labels):
+        logits = self.head(F.gelu(self.body(x)))
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1)), logits
+
+
+@pytest.mark.slow
+def test_dropped_logits_under_cuda_graphs():
+    """drop_logits with mode="reduce-overhead": the returned placeholder costs no memory in the recorded graph,
+    keeps the logits' shape and dtype, and raises on use at every replay; loss and gradients match eager."""
+    from cce_inductor import DroppedLogits
+
+    torch.manual_seed(0)
+    dim, vocab, shape = 64, 1000, (4, 32)
+    model = LogitsLM(dim, vocab).to(DEVICE)
+    reference = copy.deepcopy(model)
+    cce_inductor.enable(drop_logits=True)
+    try:
+        with _cudagraph_or_error():
+            compiled = torch.compile(model, mode="reduce-overhead", fullgraph=True)
+            for step in range(4):
+                x, labels = _batch(step, shape, dim, vocab, torch.float32)
+                torch.compiler.cudagraph_mark_step_begin()
+                loss, logits = compiled(x, labels)
+                assert isinstance(logits, DroppedLogits) and logits.shape == (*shape, vocab)
+                with pytest.raises(RuntimeError, match="drop_logits"):
+                    logits.sum()
+                loss.backward()
+                want_loss, _ = reference(x, labels)
+                want_loss.backward()
+                assert_same_run((loss.detach().clone(), [p.grad.clone() for p in model.parameters()]),
+                                (want_loss.detach(), [p.grad for p in reference.parameters()]), **FP32)
+                for m in (model, reference):
+                    m.zero_grad(set_to_none=True)
+    finally:
+        cce_inductor.disable()
+    assert_rewritten(1)
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -308,7 +308,14 @@ def _pass_only_backend(gm, example_inputs, **kwargs):
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def _ddp_worker(rank, world):
+def _backend_and_path(balanced: bool):
+    """The backend of a compiled DDP / FSDP2 run, and the path its loss site must take."""
+    if balanced:  # the gradients computed with the loss (CCEOptions.scratch_mb)
+        return cce_inductor.make_backend(scratch_mb=1), "balanced"
+    return cce_inductor.backend, "lean"
+
+
+def _ddp_worker(rank, world, balanced=False):
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     model, x, y = _model_and_batch(world)
@@ -316,19 +323,21 @@ def _ddp_worker(rank, world):
     # Tiny buckets so that DDPOptimizer splits the graph (the first-bucket cap must not exceed the bucket cap).
     dist._DEFAULT_FIRST_BUCKET_BYTES = 16 * 1024
     ddp = DDP(model, bucket_cap_mb=16 * 1024 / 2**20)
-    compiled = torch.compile(ddp, backend=cce_inductor.backend)
+    backend, path = _backend_and_path(balanced)
+    compiled = torch.compile(ddp, backend=backend)
     loss = compiled(_my_rows(x, rank), _my_rows(y, rank))
     loss.backward()
 
     stats = cce_inductor.stats()
     assert stats["graphs"] >= 2, f"optimize_ddp did not split the graph: {stats}"
     assert stats["rewritten"] >= 1, f"rank {rank}: head + loss not rewritten under DDP: {stats['reasons']}"
+    assert {site["path"] for site in stats["sites"] if site["rewritten"]} == {path}, stats["sites"]
     torch.testing.assert_close(_global_mean(loss), ref_loss, rtol=1e-5, atol=1e-6)
     for name, param in model.named_parameters():  # DDP averaged the gradients over the ranks
         torch.testing.assert_close(param.grad, ref_grads[name], rtol=1e-4, atol=1e-6, msg=lambda m: f"{name}: {m}")
 
 
-def _fsdp_worker(rank, world, layout: str):
+def _fsdp_worker(rank, world, layout: str, balanced=False):
     """layout: "root" (lm_head in the root unit), "head_unit" (fully_shard(lm_head)), "head_loss_unit"
     (fully_shard of a module computing norm + head + loss)."""
     from torch.distributed.fsdp import fully_shard
@@ -343,12 +352,14 @@ def _fsdp_worker(rank, world, layout: str):
         fully_shard(model.head)
     fully_shard(model)
     # The real backend for the main case; the graph-level behaviour of the other layouts is checked cheaply.
-    backend = cce_inductor.backend if layout == "root" else _pass_only_backend
-    compiled = torch.compile(model, backend=backend)
+    backend, path = _backend_and_path(balanced)
+    compiled = torch.compile(model, backend=backend if layout == "root" else _pass_only_backend)
     loss = compiled(_my_rows(x, rank), _my_rows(y, rank))
     loss.backward()
 
     stats = cce_inductor.stats()
+    if layout == "root":
+        assert {site["path"] for site in stats["sites"] if site["rewritten"]} == {path}, stats["sites"]
     if layout == "head_unit":
         # The lm_head unit's FSDP hooks are dynamo-disabled: graph breaks around lm_head hide the pattern.
         assert stats["rewritten"] == 0, stats
@@ -404,6 +415,16 @@ def test_ddp_compiled(task_results):
 def test_fsdp2_compiled(task_results):
     """FSDP2 (block and root units) + cce backend: rewritten on each rank; full loss/params/grads match."""
     _check(task_results, "fsdp2_compiled")
+
+
+def test_ddp_compiled_balanced(task_results):
+    """The same DDP run on the balanced path (scratch_mb): the gradients computed with the loss reach DDP's hooks."""
+    _check(task_results, "ddp_compiled_balanced")
+
+
+def test_fsdp2_compiled_balanced(task_results):
+    """The same FSDP2 run on the balanced path: the unsharded head's gradients are reduce-scattered as usual."""
+    _check(task_results, "fsdp2_compiled_balanced")
 
 
 def test_fsdp2_lm_head_unit_hides_the_loss(task_results):
@@ -749,6 +770,8 @@ _TASKS = {
     **({"vocab_parallel_kernels_interpreter": (_vp_worker, ("kernels",))} if _kernels_runnable() else {}),
     "ddp_compiled": (_ddp_worker, ()),
     "fsdp2_compiled": (_fsdp_worker, ("root",)),
+    "ddp_compiled_balanced": (_ddp_worker, (True,)),
+    "fsdp2_compiled_balanced": (_fsdp_worker, ("root", True)),
     "tensor_parallel_graph_pass": (_tp_graph_pass_worker, ()),
     "main_pass_routes_dtensor_sites": (_dtensor_routing_worker, ()),
 }
