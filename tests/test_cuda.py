@@ -386,11 +386,10 @@ class LogitsLM(nn.Module):
 
 
 @pytest.mark.slow
-def test_dropped_logits_under_cuda_graphs():
-    """drop_logits with mode="reduce-overhead": the returned placeholder costs no memory in the recorded graph,
-    keeps the logits' shape and dtype, and raises on use at every replay; loss and gradients match eager."""
-    from cce_inductor import DroppedLogits
-
+def test_dropped_logits_are_not_dropped_under_cuda_graphs():
+    """drop_logits with mode="reduce-overhead": Inductor's CUDA graphs return plain tensors, so a placeholder would
+    come back as a NaN-filled tensor that no longer raises (measured on an H100: it did). The pass leaves such a site
+    alone and says why; the real logits come back, and loss and gradients match eager."""
     torch.manual_seed(0)
     dim, vocab, shape = 64, 1000, (4, 32)
     model = LogitsLM(dim, vocab).to(DEVICE)
@@ -399,15 +398,13 @@ def test_dropped_logits_under_cuda_graphs():
     try:
         with _cudagraph_or_error():
             compiled = torch.compile(model, mode="reduce-overhead", fullgraph=True)
-            for step in range(4):
+            for step in range(3):
                 x, labels = _batch(step, shape, dim, vocab, torch.float32)
                 torch.compiler.cudagraph_mark_step_begin()
                 loss, logits = compiled(x, labels)
-                assert isinstance(logits, DroppedLogits) and logits.shape == (*shape, vocab)
-                with pytest.raises(RuntimeError, match="drop_logits"):
-                    logits.sum()
+                want_loss, want_logits = reference(x, labels)
+                torch.testing.assert_close(logits, want_logits, **{k: FP32[k] for k in ("rtol", "atol")})
                 loss.backward()
-                want_loss, _ = reference(x, labels)
                 want_loss.backward()
                 assert_same_run((loss.detach().clone(), [p.grad.clone() for p in model.parameters()]),
                                 (want_loss.detach(), [p.grad for p in reference.parameters()]), **FP32)
@@ -415,7 +412,8 @@ def test_dropped_logits_under_cuda_graphs():
                     m.zero_grad(set_to_none=True)
     finally:
         cce_inductor.disable()
-    assert_rewritten(1)
+    assert_rewritten(0)
+    assert any("compiled with CUDA graphs" in reason for reason in cce_inductor.stats()["reasons"])
 
 
 # ----------------------------------------------------------------------------------------------------------------

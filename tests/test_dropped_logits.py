@@ -378,3 +378,21 @@ def test_hf_causal_lm_logits_raise(no_inductor_caches, clean_env, family):
     # what training code does with outputs.logits (TRL's SFTTrainer: entropy, token accuracy) fails loudly
     assert_raises_on_use(out.logits, lambda x: -(x.softmax(-1) * x.log_softmax(-1)).sum(-1).mean())
     assert_raises_on_use(out.logits, lambda x: (x[:, :-1].argmax(-1) == labels[:, 1:]).float().mean())
+
+
+def test_cuda_graph_compiles_keep_the_logits(no_inductor_caches):
+    """Under CUDA graphs (mode="reduce-overhead" sets triton.cudagraphs while compiling) Inductor returns plain
+    tensors, so the placeholder could not raise: the site is left alone with that reason (the config is patched
+    here on the CPU, where no graph is recorded; tests/test_cuda.py runs the real thing)."""
+    torch.manual_seed(0)
+    model = TinyGPT(return_logits=True)
+    idx, targets = make_batch(2, 16)
+    with inductor_config.patch({"triton.cudagraphs": True}):
+        loss, logits = torch.compile(model, backend=cce_inductor.make_backend(drop_logits=True))(idx, targets)
+    assert not isinstance(logits, DroppedLogits)
+    want_loss, want_logits = model(idx, targets)
+    torch.testing.assert_close(logits, want_logits)
+    torch.testing.assert_close(loss, want_loss)
+    stats = cce_inductor.stats()
+    assert stats["rewritten"] == 0
+    assert any("compiled with CUDA graphs" in reason for reason in stats["reasons"]), stats["reasons"]

@@ -758,10 +758,25 @@ def check_escaping(site: Site, options: CCEOptions) -> None:
             "set CCE_INDUCTOR_DROP_LOGITS=1 or cce_inductor.make_backend(drop_logits=True) "
             "to return, in their place, a placeholder that raises on use"
         )
+    if _compiling_with_cuda_graphs():
+        # Inductor's CUDA graphs hand their outputs back as plain tensors over the recorded memory: the placeholder
+        # would come back as an ordinary (NaN-filled) tensor that no longer raises on use.
+        raise NoMatch(
+            "logits escape the compiled region and this graph is compiled with CUDA graphs (mode='reduce-overhead'), "
+            "which return plain tensors: a dropped-logits placeholder could not raise on use there"
+        )
     for node in site.escaping:
         recipe = _dropped_logits.shape_recipe(node, _dropped_logits.shape_sources(site))
         if isinstance(recipe, str):
             raise NoMatch(f"the returned logits cannot be replaced by a placeholder: {recipe}")
+
+
+def _compiling_with_cuda_graphs() -> bool:
+    """Whether the graph being compiled will run as Inductor CUDA graphs (``mode="reduce-overhead"`` sets this
+    config for the duration of the compile, the pre-grad pass included)."""
+    import torch._inductor.config as inductor_config  # noqa: PLC0415 - only needed while compiling
+
+    return bool(inductor_config.triton.cudagraphs)
 
 
 def _checked(site: Site, options: CCEOptions) -> Site:
