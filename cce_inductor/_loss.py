@@ -40,6 +40,16 @@ def lse_dtype(device: torch.device, dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if uses_kernels(device, dtype) else _chunked.accumulation_dtype(dtype)
 
 
+def row_losses(lse: Tensor, target_logit: Tensor, logit_sum: Optional[Tensor], valid: Tensor, label_smoothing: float,
+               vocab: int, acc: torch.dtype) -> Tensor:
+    """Each row's loss in ``acc``: ``lse - target_logit`` (with label smoothing eps: ``lse - (1 - eps) target_logit -
+    eps / V logit_sum``, as ``F.cross_entropy``), 0 at ignored rows."""
+    row_loss = lse.to(acc) - target_logit.to(acc)
+    if label_smoothing != 0.0:
+        row_loss = row_loss + label_smoothing * (target_logit.to(acc) - logit_sum.to(acc) / vocab)
+    return torch.where(valid, row_loss, 0.0)
+
+
 def reduce_rows(row_loss: Tensor, valid: Tensor, reduction: str) -> Tensor:
     if reduction == "none":
         return row_loss

@@ -68,10 +68,7 @@ def linear_cross_entropy_op(
                 e, c, targets, bias, softcap=softcap, ignore_index=ignore_index, logit_sum=smoothing, mean_logit=entropy
             )
         valid = targets != ignore_index
-        row_loss = lse.to(acc) - target_logit.to(acc)
-        if smoothing:
-            row_loss = row_loss + label_smoothing * (target_logit.to(acc) - logit_sum.to(acc) / c.shape[0])
-        row_loss = torch.where(valid, row_loss, 0.0)
+        row_loss = _loss.row_losses(lse, target_logit, logit_sum, valid, label_smoothing, c.shape[0], acc)
         row_entropy = lse - mean_logit if entropy else lse.new_empty(0)
         return _loss.reduce_rows(row_loss, valid, reduction), lse, row_entropy
 
@@ -214,10 +211,8 @@ def linear_cross_entropy_with_grads_op(
                 e, c, targets, bias, softcap=softcap, ignore_index=ignore_index, logit_sum=smoothing
             )
             valid = targets != ignore_index
-            row_loss = lse.to(acc) - target_logit.to(acc)
-            if smoothing:
-                row_loss = row_loss + label_smoothing * (target_logit.to(acc) - logit_sum.to(acc) / c.shape[0])
-            loss = _loss.reduce_rows(torch.where(valid, row_loss, 0.0), valid, reduction)
+            row_loss = _loss.row_losses(lse, target_logit, logit_sum, valid, label_smoothing, c.shape[0], acc)
+            loss = _loss.reduce_rows(row_loss, valid, reduction)
             grad_rows = _loss.grad_rows(torch.ones((), dtype=acc, device=e.device), valid, reduction, acc)
             grad_e, grad_c, grad_bias = _chunked.backward(
                 e, c, targets, bias, lse, grad_rows, softcap=softcap, need_e=need_e, need_c=need_c,

@@ -52,8 +52,9 @@ class CCEOptions:
     scratch_mb: the balanced path's budget, in MiB, for one row chunk of logits (0, the default: the lean path
         everywhere). Where the loss is a mean or a sum, its head needs gradients and the log-sum-exp is not used
         elsewhere, the gradients are computed with the loss, chunk by chunk through this scratch, and the backward
-        only scales them: three matmuls instead of the lean path's four, for the scratch plus (16-bit inputs, more
-        than one chunk) an fp32 sum of dC. Exact like the lean path; slower than it when many targets are ignored
+        only scales them: three matmuls instead of the lean path's four, for the scratch plus the gradients in fp32
+        until the backward. No gradient is filtered; its errors are torch.compile's (it rounds the logits to the input
+        dtype, as torch.compile does, where the lean path keeps them in fp32). It does not skip ignored targets
         (README, "The balanced path"). ``stats()`` says which path each site got and why.
         Environment: ``CCE_INDUCTOR_SCRATCH_MB``.
     """

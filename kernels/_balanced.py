@@ -196,7 +196,7 @@ def loss_and_grads(e, c, targets, bias, *, softcap, ignore_index, reduction, lab
     grad_e = torch.empty((n, d), dtype=torch.float32, device=device) if need_e else None
     grad_c = torch.empty((v, d), dtype=torch.float32, device=device) if need_c else None
     grad_bias = torch.zeros((v,), dtype=torch.float32, device=device) if need_bias else None
-    row_loss = torch.zeros((n,), dtype=torch.float32, device=device)
+    row_loss = torch.empty((n,), dtype=torch.float32, device=device)  # the kernel writes every row
     rows_per_chunk = chunk_rows(scratch_bytes, v, e.element_size(), n)
     if n == 0 and need_c:
         grad_c.zero_()

@@ -431,3 +431,25 @@ def test_pass_under_autocast_is_no_less_accurate_than_eager(no_inductor_caches):
     for mine, theirs, want in zip(grads, eager, ref):
         assert mine.dtype == want.dtype
         assert rel_l2(mine, want) <= rel_l2(theirs, want) + 1e-6
+
+
+def test_pass_balanced_gemma_style_softcap_and_label_smoothing(no_inductor_caches):
+    """Gemma-2's final-logit softcap and a label-smoothed loss, through the pass on the balanced path."""
+
+    class SoftcapHead(Head):
+        def forward(self, ids, labels):
+            h = torch.tanh(self.proj(self.embed(ids)))
+            logits = torch.tanh(self.head(h) / 30.0) * 30.0
+            return F.cross_entropy(logits.float().view(-1, self.head.out_features), labels.view(-1),
+                                   label_smoothing=0.1)
+
+    torch.manual_seed(0)
+    model = SoftcapHead()
+    ids, labels = _data()
+    want_loss, want = _eager_run(model, ids, labels)
+    loss, grads, stats = _compiled_run(model, ids, labels, BALANCED)
+    assert {s["path"] for s in stats["sites"]} == {"balanced"}, stats["sites"]
+    assert "softcap=30" in stats["sites"][0]["reason"] and "label_smoothing=0.1" in stats["sites"][0]["reason"]
+    torch.testing.assert_close(loss, want_loss, rtol=1e-5, atol=1e-6)
+    for mine, theirs in zip(grads, want):
+        assert rel_l2(mine, theirs) < 1e-5
