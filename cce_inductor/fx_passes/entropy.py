@@ -249,7 +249,9 @@ def rewrite_entropy(graph: fx.Graph, options: CCEOptions, graph_id: Optional[int
         description = f"entropy{scored}: {', '.join(parts)}"
         lce.replace_site(graph, matched.site, _emit(matched, options))
         rewritten += 1
-        diagnostics.record(diagnostics.SiteDecision(graph_id, term.root.name, True, description + lce.lean_only(options), "lean"))
+        diagnostics.record(
+            diagnostics.SiteDecision(graph_id, term.root.name, True, description + lce.lean_only(options), "lean")
+        )
     if rewritten:
         graph.lint()
     return rewritten

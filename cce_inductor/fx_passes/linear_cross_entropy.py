@@ -663,7 +663,8 @@ def lean_path_reason(site: Site, options: CCEOptions) -> Optional[str]:
 def _fused_loss(options: CCEOptions) -> EmitLoss:
     def emit(graph: fx.Graph, site: Site, rows, weight, targets, bias) -> fx.Node:
         if lean_path_reason(site, options) is None:
-            need = (requires_grad(site.hidden), requires_grad(site.weight), site.bias is not None and requires_grad(site.bias))
+            need = (requires_grad(site.hidden), requires_grad(site.weight),
+                    site.bias is not None and requires_grad(site.bias))
             fused = graph.call_function(
                 torch.ops.cce_inductor.linear_cross_entropy_with_grads.default,
                 (rows, weight, targets, bias, site.softcap, site.ignore_index, site.reduction, site.label_smoothing,
@@ -689,7 +690,9 @@ def _fused_loss(options: CCEOptions) -> EmitLoss:
 
 def lean_only(options: CCEOptions) -> str:
     """The suffix of a site whose outputs are per row (token log-probs, entropy): always the lean path."""
-    return "; lean path: per-row outputs (the balanced path computes 'mean' and 'sum' losses)" if options.scratch_mb else ""
+    if not options.scratch_mb:
+        return ""
+    return "; lean path: per-row outputs (the balanced path computes 'mean' and 'sum' losses)"
 
 
 def path_decision(graph_id: int, site: Site, options: CCEOptions, description: str,

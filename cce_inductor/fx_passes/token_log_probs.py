@@ -325,7 +325,9 @@ def rewrite_token_log_probs(graph: fx.Graph, options: CCEOptions, graph_id: Opti
             squeezed = site.cross_entropy is not node
         lce.replace_site(graph, site, _token_log_probs(options, index, squeezed=squeezed))
         rewritten += 1
-        diagnostics.record(diagnostics.SiteDecision(graph_id, node.name, True, description + lce.lean_only(options), "lean"))
+        diagnostics.record(
+            diagnostics.SiteDecision(graph_id, node.name, True, description + lce.lean_only(options), "lean")
+        )
     if rewritten:
         graph.lint()
     return rewritten
