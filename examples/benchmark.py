@@ -19,6 +19,8 @@ Methods (each timed as loss only = "fwd" and loss + gradients = "fwdbwd"):
                  (fwdbwd): per row chunk cuBLAS logits into the scratch, the softmax gradient in place, cuBLAS dE
                  and dC (summed in fp32 over chunks); the backward scales by the upstream gradient. fwd: the lean op
 --direct calls cce_inductor.kernels.forward / .backward through a small autograd.Function instead of the custom op.
+--profile: after each method's fwdbwd timing, one more forward + backward under torch.profiler, printed as GPU time per
+kernel name (the largest ten, the rest as "other"; also in the JSON rows as "kernels"): the per-kernel breakdown.
 --config "k=v,..." (syntax as one sweep config, below) sets CCEOptions fields under every cce method (the
 method's own field wins) and _TUNING overrides for the whole run.
 Time: median of CUDA-event timings after warm-up (triton.testing.do_bench).  Memory: peak allocated above what
