@@ -252,6 +252,8 @@ def _scaled(grad: Tensor, grad_loss: Tensor, dtype: torch.dtype) -> Tensor:
 def _backward_with_grads(ctx, grad_loss, *_):
     """``(grad_loss * saved).to(dtype)``: the product of the fp32 gradients, rounded once to the input's dtype, so
     the gradients carry one rounding whatever the upstream gradient (Inductor fuses this into one pass)."""
+    if grad_loss is None:  # (grads are not materialised) nothing flows back into the loss
+        return (None,) * 12
     saved = ctx.saved_tensors
     grads = []
     for needed, computed, grad, dtype in zip(

@@ -453,3 +453,27 @@ def test_pass_balanced_gemma_style_softcap_and_label_smoothing(no_inductor_cache
     torch.testing.assert_close(loss, want_loss, rtol=1e-5, atol=1e-6)
     for mine, theirs in zip(grads, want):
         assert rel_l2(mine, theirs) < 1e-5
+
+
+def test_pass_loss_under_no_grad_after_a_head_with_grad_stays_lean(no_inductor_caches):
+    """The head computed with grad, its loss taken under torch.no_grad (an evaluation metric in a training step):
+    the loss needs no gradient, so no gradients are computed for it."""
+
+    class MetricHead(Head):
+        def forward(self, ids, labels):
+            h = torch.tanh(self.proj(self.embed(ids)))
+            logits = self.head(h)
+            with torch.no_grad():
+                metric = F.cross_entropy(logits.float().view(-1, self.head.out_features), labels.view(-1))
+            return h.sum() * 0.0 + metric
+
+    torch.manual_seed(0)
+    model = MetricHead()
+    ids, labels = _data()
+    want = model(ids, labels)
+    cce_inductor.reset_stats()
+    got = torch.compile(model, backend=cce_inductor.make_backend(BALANCED))(ids, labels)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    (site,) = cce_inductor.stats()["sites"]
+    assert site["rewritten"] and site["path"] == "lean", site
+    assert "lean path: no gradient is needed" in site["reason"], site

@@ -653,8 +653,8 @@ def requires_grad(node: Any) -> bool:
 def lean_path_reason(site: Site, options: CCEOptions) -> Optional[str]:
     """None where the site takes the balanced path (its gradients computed with the loss, ``options.scratch_mb``),
     else why it keeps the lean one. What requires grad is known here: Dynamo traced the graph with it, and guards
-    on it."""
-    why = _loss.lean_path_reason(options, site.reduction, requires_grad(site.head))
+    on it (the loss itself: a head computed with grad whose loss is taken under no_grad needs no gradient)."""
+    why = _loss.lean_path_reason(options, site.reduction, requires_grad(site.cross_entropy))
     if why is None and site.lse_users:
         return "the log-sum-exp is used beyond the loss (a z-loss)"
     return why
