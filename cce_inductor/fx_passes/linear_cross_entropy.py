@@ -688,11 +688,13 @@ def _fused_loss(options: CCEOptions) -> EmitLoss:
     return emit
 
 
-def lean_only(options: CCEOptions) -> str:
-    """The suffix of a site whose outputs are per row (token log-probs, entropy): always the lean path."""
-    if not options.scratch_mb:
-        return ""
-    return "; lean path: per-row outputs (the balanced path computes 'mean' and 'sum' losses)"
+PER_ROW_OUTPUTS = "per-row outputs (the balanced path computes 'mean' and 'sum' losses)"
+
+
+def lean_only(options: CCEOptions, why: str = PER_ROW_OUTPUTS) -> str:
+    """The suffix of the record of a site that always takes the lean path (per-row outputs: token log-probs,
+    entropy; the vocabulary-parallel loss): why, when a balanced path was asked for."""
+    return f"; lean path: {why}" if options.scratch_mb else ""
 
 
 def path_decision(graph_id: int, site: Site, options: CCEOptions, description: str,
@@ -702,9 +704,8 @@ def path_decision(graph_id: int, site: Site, options: CCEOptions, description: s
     if lean_reason is None:
         return diagnostics.SiteDecision(graph_id, site.cross_entropy.name, True,
                                         f"{description}; balanced path ({options.scratch_mb} MiB scratch)", "balanced")
-    if options.scratch_mb:
-        description += f"; lean path: {lean_reason}"
-    return diagnostics.SiteDecision(graph_id, site.cross_entropy.name, True, description, "lean")
+    return diagnostics.SiteDecision(graph_id, site.cross_entropy.name, True,
+                                    description + lean_only(options, lean_reason), "lean")
 
 
 def describe_site(site: Site) -> str:

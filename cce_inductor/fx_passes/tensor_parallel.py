@@ -129,7 +129,7 @@ def rewrite_tensor_parallel_sites(graph: fx.Graph, options: CCEOptions, graph_id
         rewritten += 1
         diagnostics.record(diagnostics.SiteDecision(
             graph_id, ce.name, True, f"tensor parallel (vocabulary-sharded head): {lce.describe_site(site)}"
-            + ("; lean path: the vocabulary-parallel loss has no balanced form" if options.scratch_mb else ""), "lean",
+            + lce.lean_only(options, "the vocabulary-parallel loss has no balanced form"), "lean",
         ))  # fmt: skip
     if rewritten:
         graph.lint()
