@@ -47,7 +47,7 @@ class CCEOptions:
         batches; ``"triton"`` skips rows whose target is ``ignore_index`` (prompt-masked SFT, padding), faster
         from about 25% ignored targets on. Ignored with ``exact``. Environment: ``CCE_INDUCTOR_PRODUCTS``.
     backward_row_chunk: rows per block of the CUDA backward: bounds its scratch memory (one 16-bit
-        ``row_chunk x 2048`` gradient block plus ``row_chunk x D`` fp32 rows) whatever the batch. Smaller saves
+        ``row_chunk x 4096`` gradient block plus ``row_chunk x D`` fp32 rows) whatever the batch. Smaller saves
         memory at some speed; 0 takes all rows in one block. Environment: ``CCE_INDUCTOR_BACKWARD_ROW_CHUNK``.
     scratch_mb: the balanced path's budget, in MiB, for one row chunk of logits (0, the default: the lean path
         everywhere). Where the loss is a mean or a sum, its head needs gradients and the log-sum-exp is not used

@@ -18,6 +18,9 @@ Methods (each timed as loss only = "fwd" and loss + gradients = "fwdbwd"):
     cce_balanced CCEOptions(scratch_mb=1024) (cce_balanced512: 512): the balanced path where gradients are needed
                  (fwdbwd): per row chunk cuBLAS logits into the scratch, the softmax gradient in place, cuBLAS dE
                  and dC (summed in fp32 over chunks); the backward scales by the upstream gradient. fwd: the lean op
+    pass_cce     torch.compile(torch_loss, backend=cce_inductor.make_backend(base options)): the pass rewrites the
+                 loss into the op, Inductor compiles the rest (what a user of the product runs)
+    pass_balanced  the same with scratch_mb=1024 (the balanced op; its backward's scaling fused by Inductor)
 --direct calls cce_inductor.kernels.forward / .backward through a small autograd.Function instead of the custom op.
 --profile: after each method's fwdbwd timing, one more forward + backward under torch.profiler, printed as GPU time per
 kernel name (the largest ten, the rest as "other"; also in the JSON rows as "kernels"): the per-kernel breakdown.
@@ -98,7 +101,10 @@ CCE_METHODS = {  # name: CCEOptions fields over the base options (--config)
     "cce_balanced": {"scratch_mb": 1024},
     "cce_balanced512": {"scratch_mb": 512},
 }
-METHODS = ("matmul", "eager", "compile", *CCE_METHODS)
+# torch.compile(torch_loss) with our backend: the pass rewrites the loss, Inductor compiles the rest (the op's
+# backward formula included): what a user of the product runs
+PASS_METHODS = {"pass_cce": {}, "pass_balanced": {"scratch_mb": 1024}}
+METHODS = ("matmul", "eager", "compile", *CCE_METHODS, *PASS_METHODS)
 TUNING_FILES = {"fwd": "_forward", "bwd": "_backward", "prod": "_products"}  # prefix: cce_inductor.kernels module
 SWEEP_KNOBS = ("need_e", "need_c", "fwd_only")
 REAL_DEFAULTS = dict(real_seconds=90.0, real_vocab=65536, real_dim=2048)
@@ -490,7 +496,7 @@ def sweep(args, base_options):
                 with tuning_overrides(tuning):
                     def fwd():
                         return K.forward(e, c, t, None, softcap=None, ignore_index=IGNORE)
-                    lse, _, _ = fwd()
+                    lse = fwd().lse
                     row["fwd_ms"] = f_ms = bench(fwd, args)
                     line = f"  {text:60s} fwd {f_ms:7.2f} ms ({f_ms / mm:.2f}x mm)"
                     if not knobs.get("fwd_only", False):
@@ -625,6 +631,10 @@ def run_methods(args, base_options):
     methods = {"eager": torch_loss, "compile": torch.compile(torch_loss, dynamic=False)}
     for name, fields in CCE_METHODS.items():
         methods[name] = cce_fn(dataclasses.replace(base_options, **fields), args.direct)
+    for name, fields in PASS_METHODS.items():
+        import cce_inductor
+        backend = cce_inductor.make_backend(dataclasses.replace(base_options, **fields))
+        methods[name] = torch.compile(torch_loss, backend=backend, dynamic=False)
     matmul_ms = {}  # (N, D, V) -> ms
     rows, cases = [], []
     for case in build_cases(args):

@@ -31,7 +31,12 @@ The (rows x vocabulary) plane is cut into ``row_chunk x vocab_chunk`` blocks; ro
 
 ``_recompute_grad_kernel`` program (i, j) takes compacted rows ``i*BLOCK_N ...`` of the chunk and vocabulary
 tile j of the block: ``BLOCK_N x BLOCK_V`` logits from ``_tile.logit_tile`` (loop over ``BLOCK_D`` chunks of D),
-the gradient formed in registers, stored once in the input dtype at the rows' own places in G.  A program whose
+the gradient formed in registers without its one-hot term and stored in the input dtype at the rows' own places in
+G; then (after a CTA barrier, so that they land last) the entries ``G[n, targets[n]]`` that fall in the tile are
+overwritten with the full formula evaluated at the row's target logit (``_forward.target_logits``, computed once
+per call): a per-row vector, where comparing every column with the target kept a tile-sized mask live and spilled
+registers.  A row with no gradient (g = h = k = 0) gets lse = +inf, so p = 0 and G = 0 with no per-element select
+(NaN where z is NaN / +inf, as in eager).  A program whose
 rows all lie past the device-side count of counted rows (ignored rows only) computes nothing and stores G = 0
 there (NaN where that row of E, or any of C / bias, is not finite: the pattern eager's log-softmax backward
 gives an ignored row whose log-sum-exp is NaN, through 0 * NaN).  So ignored rows cost no recompute; the cuBLAS products, whose
@@ -44,7 +49,9 @@ row chunks add to it) and rounded once.  Against the fp64 gradient rounded to bf
 error where the default leaves ~4e-3 (interpreter, small shapes).  Cost: twice the product time, one more G block.
 
 Memory above the outputs: one G block in the input dtype plus the fp32 dE rows of one row chunk: with 8192-row
-chunks (the default) and 2048 vocabulary entries, 32 MB + 72 MB at D = 2304 in bf16, whatever N is; longer
+chunks (the default) and 4096 vocabulary entries, 64 MB + 72 MB at D = 2304 in bf16, whatever N is (2048 entries
+took 32 MB less but 4 ms more on Gemma-2 / 7 ms on Llama-3 on an H100: each vocabulary chunk reads and writes the
+fp32 dE rows once, 150 MB at D = 2304); longer
 batches pay one extra bf16 rounding of dC per further row chunk.  G is rounded to the input dtype before the
 products, as eager PyTorch does for the logits' gradient.  No atomics, so the result is bitwise reproducible
 (``torch.use_deterministic_algorithms`` is satisfied).
@@ -55,25 +62,27 @@ import torch
 import triton
 import triton.language as tl
 
-from . import _launch, _products
+from . import _forward, _launch, _products
 from ._tile import logit_tile, softmax_grad
 
-# Hopper (H100 / H200); the interpreter's tiny blocks keep the CPU tests fast.  vocab_chunk: columns of one G block.
+# Hopper (H100 / H200); the interpreter's tiny blocks keep the CPU tests fast.  vocab_chunk: columns of one G block
+# (engineering log v11: 4096 against 2048 / 8192).
 _TUNING = {
-    "gpu": dict(vocab_chunk=2048, block_n=128, block_v=256, block_d=64, num_warps=8, num_stages=4),
+    "gpu": dict(vocab_chunk=4096, block_n=128, block_v=256, block_d=64, num_warps=8, num_stages=4),
     "interpret": dict(vocab_chunk=48, block_n=16, block_v=32, block_d=16, num_warps=4, num_stages=1),
 }
 
 
 @triton.jit
 def _recompute_grad_kernel(
-    E, C, Bias, Lse, GradRows, GradLse, GradEntropy, MeanLogit, Targets, RowOrder, NumCounted, RowPoison, G, GLo,
+    E, C, Bias, Lse, GradRows, GradLse, GradEntropy, MeanLogit, Targets, TargetLogit, RowOrder, NumCounted,
+    RowPoison, G, GLo,
     n_rows, width, vocab_start, V, D,
     stride_en, stride_ed, stride_cv, stride_cd, stride_g, softcap, target_weight, uniform,
     HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_LSE_GRAD: tl.constexpr, HAS_ENTROPY_GRAD: tl.constexpr,
     COMPACT_G: tl.constexpr,
     SPLIT_G: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, EVEN_D: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
+    EVEN_TILE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """``G[r, c]`` of one (row chunk, vocabulary chunk) block.  Every pointer but C / Bias starts at the chunk's
     first row; ``RowOrder`` lists the chunk's rows (local indices), counted rows first.  G's row of local row
@@ -83,13 +92,12 @@ def _recompute_grad_kernel(
     pos = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     in_chunk = pos < n_rows
     rows = tl.load(RowOrder + pos, mask=in_chunk, other=0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
+    col0 = tl.program_id(1) * BLOCK_V
+    cols = col0 + tl.arange(0, BLOCK_V)
     col_mask = cols < width
     mask = in_chunk[:, None] & col_mask[None, :]
-    if COMPACT_G:
-        g_offs = pos.to(tl.int64)[:, None] * stride_g + cols[None, :]
-    else:
-        g_offs = rows[:, None] * stride_g + cols[None, :]
+    g_rows = (pos.to(tl.int64) if COMPACT_G else rows) * stride_g
+    g_offs = g_rows[:, None] + cols[None, :]
     vocab_ids = tl.minimum(vocab_start + cols, V - 1).to(tl.int64)
     num_counted = tl.load(NumCounted)
     # G of an ignored row: 0, or NaN where eager's 0 * NaN puts it: everywhere in a row with a NaN logit (its
@@ -102,29 +110,48 @@ def _recompute_grad_kernel(
         if SPLIT_G:
             tl.store(GLo + g_offs, skipped, mask=mask)
         return
+    poison = tl.where(pos < num_counted, 0.0, poison)  # counted rows get their NaNs from their own logits
 
-    lse = tl.load(Lse + rows, mask=in_chunk, other=0.0)
     grad_row = tl.load(GradRows + rows, mask=in_chunk, other=0.0)
     grad_p = grad_row
     if HAS_LSE_GRAD:
         grad_p += tl.load(GradLse + rows, mask=in_chunk, other=0.0)
+    has_grad = (grad_p != 0.0) | (grad_row != 0.0)
     grad_entropy = grad_row  # (unused without HAS_ENTROPY_GRAD)
     mean_logit = grad_row
     if HAS_ENTROPY_GRAD:
         grad_entropy = tl.load(GradEntropy + rows, mask=in_chunk, other=0.0)
         mean_logit = tl.load(MeanLogit + rows, mask=in_chunk, other=0.0)
-    target = tl.load(Targets + rows, mask=in_chunk, other=-1)
+        has_grad = has_grad | (grad_entropy != 0.0)
+    # a row with no gradient gets p = exp(z - inf) = 0: its G is 0 (NaN where z is NaN / +inf, as in eager)
+    lse = tl.where(has_grad, tl.load(Lse + rows, mask=in_chunk, other=0.0), float("inf"))
     logits = logit_tile(
         E, C, Bias, rows, vocab_ids, D, stride_en, stride_ed, stride_cv, stride_cd, softcap,
         HAS_BIAS, HAS_SOFTCAP, UPCAST, DOT_PRECISION, EVEN_D, BLOCK_N, BLOCK_V, BLOCK_D,
     )
-    grad = softmax_grad(logits, lse, grad_p, grad_row, target, vocab_start + cols, softcap, target_weight, uniform,
-                        grad_entropy, mean_logit, HAS_SOFTCAP, HAS_ENTROPY_GRAD)
-    grad = tl.where((pos < num_counted)[:, None], grad, poison[:, None])
+    grad = softmax_grad(logits, lse[:, None], grad_p[:, None], grad_entropy[:, None], mean_logit[:, None],
+                        (grad_row * uniform)[:, None], softcap, HAS_SOFTCAP, HAS_ENTROPY_GRAD)
+    grad = grad + poison[:, None]
     grad_hi = grad.to(G.dtype.element_ty)
-    tl.store(G + g_offs, grad_hi, mask=mask)
+    if EVEN_TILE:  # (the masked store of a full tile costs registers the softcap's epilogue needs)
+        tl.store(G + g_offs, grad_hi)
+    else:
+        tl.store(G + g_offs, grad_hi, mask=mask)
     if SPLIT_G:
         tl.store(GLo + g_offs, (grad - grad_hi.to(tl.float32)).to(G.dtype.element_ty), mask=mask)
+
+    # The target entries of this tile, overwritten with their one-hot term from the row's target logit (a per-row
+    # vector: comparing every column with the target kept a tile-sized mask live and spilled registers).
+    target = tl.load(Targets + rows, mask=in_chunk, other=-1) - vocab_start
+    hit = in_chunk & (target >= col0) & (target < col0 + BLOCK_V) & (target < width)
+    target_logit = tl.load(TargetLogit + rows, mask=hit, other=0.0)
+    at_target = softmax_grad(target_logit, lse, grad_p, grad_entropy, mean_logit,
+                             grad_row * (target_weight + uniform), softcap, HAS_SOFTCAP, HAS_ENTROPY_GRAD) + poison
+    at_target_hi = at_target.to(G.dtype.element_ty)
+    tl.debug_barrier()  # the tile's stores above land first
+    tl.store(G + g_rows + target, at_target_hi, mask=hit)
+    if SPLIT_G:
+        tl.store(GLo + g_rows + target, (at_target - at_target_hi.to(tl.float32)).to(G.dtype.element_ty), mask=hit)
 
 
 def _block(buffer: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
@@ -182,6 +209,8 @@ def backward(e, c, targets, bias, lse, grad_rows, *, softcap, ignore_index, opti
         grad_entropy = grad_entropy.to(torch.float32).contiguous()
         mean_logit = mean_logit.to(torch.float32).contiguous()
     targets = targets.contiguous()
+    # every in-vocabulary target's logit (ignored rows too: with grad_lse their target entry still has a gradient)
+    target_logit = _forward.target_logits(e, c, targets, bias, softcap=softcap, ignore_index=_forward.EVERY_ROW)
     softcap_val = float(softcap) if softcap is not None else 1.0
     # 0, or NaN when any of C / bias is not finite (then every logit row holds a NaN)
     weight_poison = _launch.nonfinite_rows(c).sum() + (0.0 if bias is None else bias.float().sum() * 0.0)
@@ -212,7 +241,7 @@ def backward(e, c, targets, bias, lse, grad_rows, *, softcap, ignore_index, opti
                 (grad_rows if grad_lse is None else grad_lse)[r0:],
                 (grad_rows if grad_entropy is None else grad_entropy)[r0:],
                 (grad_rows if grad_entropy is None else mean_logit)[r0:], targets[r0:],
-                row_order, num_counted, row_poison, grad, grad_lo,
+                target_logit[r0:], row_order, num_counted, row_poison, grad, grad_lo,
                 rows, width, v0, v, d,
                 e.stride(0), e.stride(1), c.stride(0), c.stride(1), grad.stride(0), softcap_val,
                 1.0 - label_smoothing, label_smoothing / v,
@@ -220,7 +249,7 @@ def backward(e, c, targets, bias, lse, grad_rows, *, softcap, ignore_index, opti
                 HAS_ENTROPY_GRAD=grad_entropy is not None, COMPACT_G=triton_products,
                 SPLIT_G=split_g,
                 UPCAST=_launch.upcast_dots(e.dtype), DOT_PRECISION=_launch.dot_precision(e.dtype),
-                EVEN_D=(d % block_d == 0),
+                EVEN_D=(d % block_d == 0), EVEN_TILE=(rows % block_n == 0 and width % block_v == 0),
                 BLOCK_N=block_n, BLOCK_V=block_v, BLOCK_D=block_d,
                 num_warps=tune["num_warps"], num_stages=num_stages,
             )

@@ -16,18 +16,24 @@ Block / grid layout (flash-decoding style)
 ``row_order[i*BLOCK_N : (i+1)*BLOCK_N]`` and the vocabulary range of split s, which it walks in
 ``BLOCK_V`` steps.  Each step computes one ``BLOCK_N x BLOCK_V`` logit tile (loop over ``BLOCK_D``
 chunks of D, see ``_tile.logit_tile``) and folds it into a running (max, sum-of-exp) pair per row held in
-registers (with MEAN_LOGIT also the running sum of ``exp(logit - max) * logit``, rescaled with the sum of exps);
-the target logit is picked out of the tile with ``tl.where(col == target)``.  Program order
+registers (with MEAN_LOGIT also the running sum of ``exp(logit - max) * logit``, rescaled with the sum of exps).
+When ``V % BLOCK_V == 0`` (``EVEN_V``) the tiles carry no column mask.  Program order
 is row-block fastest, so the programs resident at one time share the same split of C and C is streamed
 from HBM about once while E (small) stays in L2.  Row blocks past the device-side count of counted rows
 return at once, so ignored rows cost nothing.
 
-Each program writes its partial ``(max, sumexp, target[, logit_sum][, zexp])`` for its rows into ``(splits, N)``
+The target logit is not picked out of the tiles: comparing every column of a tile with the row's target kept a
+tile-sized mask live beside the accumulator, and the kernel spilled registers (Hopper: 255 used, ~50 spilled;
+~200 and none without it).  ``_target_logit_kernel`` (grid ``cdiv(N, 16)``) computes it as one dot product
+``E[n] . C[targets[n]]`` per row (+ bias, softcap), fp32 sums of exact bf16 products: N * D reads, ~0.05 ms at
+N = 8192.  The lean backward uses the same kernel (``target_logits``) for the one-hot entries of its gradient.
+
+Each program writes its partial ``(max, sumexp[, logit_sum][, zexp])`` for its rows into ``(splits, N)``
 fp32 buffers; ``_combine_kernel`` (grid ``cdiv(N, BLOCK)``) merges the splits:
 ``lse = m + log(sum_s sumexp_s * exp(max_s - m))``, ``mean_logit = sum_s zexp_s * exp(max_s - m) / sum_s sumexp_s *
 exp(max_s - m)``.  Ignored rows get lse = target_logit = logit_sum = mean_logit = 0.
 
-Memory: the partial buffers, ``(3 to 5) * splits * N * 4`` bytes (a few MB), far below the logit matrix.
+Memory: the partial buffers, ``(2 to 4) * splits * N * 4`` bytes (a few MB), far below the logit matrix.
 """
 from __future__ import annotations
 
@@ -38,23 +44,25 @@ import triton
 import triton.language as tl
 
 from . import _launch
-from ._tile import logit_tile
+from ._tile import logit_tile, tanh
 
 # Hopper (H100 / H200); the interpreter's tiny blocks keep the CPU tests fast.
 _TUNING = {
     "gpu": dict(block_n=128, block_v=256, block_d=64, num_warps=8, num_stages=3, waves=16),
     "interpret": dict(block_n=16, block_v=64, block_d=16, num_warps=4, num_stages=1, waves=2),
 }
+# _target_logit_kernel's (rows, D step) per program
+_TARGET_BLOCKS = {"gpu": (16, 256), "interpret": (16, 32)}
 
 
 @triton.jit
 def _lse_forward_kernel(
-    E, C, Bias, Targets, RowOrder, NumValid, PartMax, PartSum, PartTarget, PartLogitSum, PartZExp,
+    E, C, Bias, RowOrder, NumValid, PartMax, PartSum, PartLogitSum, PartZExp,
     N, V, D,
     stride_en, stride_ed, stride_cv, stride_cd,
     vblocks_per_split, softcap,
     HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, LOGIT_SUM: tl.constexpr, MEAN_LOGIT: tl.constexpr,
-    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, EVEN_D: tl.constexpr,
+    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, EVEN_D: tl.constexpr, EVEN_V: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     row_block = tl.program_id(0)
@@ -66,30 +74,33 @@ def _lse_forward_kernel(
     pos = row_block * BLOCK_N + tl.arange(0, BLOCK_N)
     row_mask = pos < num_valid
     rows = tl.load(RowOrder + pos, mask=row_mask, other=0).to(tl.int64)
-    target = tl.load(Targets + rows, mask=row_mask, other=-1)
 
     run_max = tl.full((BLOCK_N,), float("-inf"), dtype=tl.float32)
     run_sum = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    target_logit = tl.zeros((BLOCK_N,), dtype=tl.float32)
     logit_sum = tl.zeros((BLOCK_N,), dtype=tl.float32)
     run_zexp = tl.zeros((BLOCK_N,), dtype=tl.float32)
 
-    num_vblocks = tl.cdiv(V, BLOCK_V)
     vb_start = split * vblocks_per_split
-    vb_end = tl.minimum(vb_start + vblocks_per_split, num_vblocks)
+    vb_end = tl.minimum(vb_start + vblocks_per_split, tl.cdiv(V, BLOCK_V))
     for vb in range(vb_start, vb_end):
         cols = vb * BLOCK_V + tl.arange(0, BLOCK_V)
-        vocab_ids = tl.minimum(cols, V - 1).to(tl.int64)
+        if EVEN_V:
+            vocab_ids = cols.to(tl.int64)
+        else:
+            vocab_ids = tl.minimum(cols, V - 1).to(tl.int64)  # clamped, never masked: see _tile
         logits = logit_tile(
             E, C, Bias, rows, vocab_ids, D, stride_en, stride_ed, stride_cv, stride_cd, softcap,
             HAS_BIAS, HAS_SOFTCAP, UPCAST, DOT_PRECISION, EVEN_D, BLOCK_N, BLOCK_V, BLOCK_D,
         )
-        in_vocab = (cols < V)[None, :]
+        if not EVEN_V:
+            in_vocab = (cols < V)[None, :]
+            if LOGIT_SUM or MEAN_LOGIT:
+                finite_logits = tl.where(in_vocab, logits, 0.0)  # padded columns: exp(-inf) * -inf is NaN
+            logits = tl.where(in_vocab, logits, float("-inf"))
+        else:
+            finite_logits = logits
         if LOGIT_SUM:
-            logit_sum += tl.sum(tl.where(in_vocab, logits, 0.0), axis=1)
-        if MEAN_LOGIT:
-            finite_logits = tl.where(in_vocab, logits, 0.0)  # padded columns: exp(-inf) * -inf would be NaN
-        logits = tl.where(in_vocab, logits, float("-inf"))
+            logit_sum += tl.sum(finite_logits, axis=1)
         new_max = tl.maximum(run_max, tl.max(logits, axis=1))
         rescale = tl.exp(run_max - new_max)
         exps = tl.exp(logits - new_max[:, None])
@@ -97,12 +108,10 @@ def _lse_forward_kernel(
         if MEAN_LOGIT:
             run_zexp = run_zexp * rescale + tl.sum(exps * finite_logits, axis=1)
         run_max = new_max
-        target_logit += tl.sum(tl.where(in_vocab & (cols[None, :] == target[:, None]), logits, 0.0), axis=1)
 
     out = split * N + rows
     tl.store(PartMax + out, run_max, mask=row_mask)
     tl.store(PartSum + out, run_sum, mask=row_mask)
-    tl.store(PartTarget + out, target_logit, mask=row_mask)
     if LOGIT_SUM:
         tl.store(PartLogitSum + out, logit_sum, mask=row_mask)
     if MEAN_LOGIT:
@@ -110,8 +119,35 @@ def _lse_forward_kernel(
 
 
 @triton.jit
+def _target_logit_kernel(
+    E, C, Bias, Targets, TargetLogit, N, V, D, stride_en, stride_ed, stride_cv, stride_cd, softcap, ignore_index,
+    HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    in_range = rows < N
+    target = tl.load(Targets + rows, mask=in_range, other=ignore_index)
+    hit = in_range & (target != ignore_index) & (target >= 0) & (target < V)
+    target = tl.where(hit, target, 0).to(tl.int64)
+    offs_d = tl.arange(0, BLOCK_D)
+    e_rows = E + rows.to(tl.int64) * stride_en
+    c_rows = C + target * stride_cv
+    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for d0 in range(0, D, BLOCK_D):
+        d = d0 + offs_d
+        mask = hit[:, None] & (d < D)[None, :]
+        e_blk = tl.load(e_rows[:, None] + (d * stride_ed)[None, :], mask=mask, other=0.0).to(tl.float32)
+        c_blk = tl.load(c_rows[:, None] + (d * stride_cd)[None, :], mask=mask, other=0.0).to(tl.float32)
+        acc += tl.sum(e_blk * c_blk, axis=1)
+    if HAS_BIAS:
+        acc += tl.load(Bias + target, mask=hit, other=0.0).to(tl.float32)
+    if HAS_SOFTCAP:
+        acc = softcap * tanh(acc / softcap)
+    tl.store(TargetLogit + rows, tl.where(hit, acc, 0.0), mask=in_range)
+
+
+@triton.jit
 def _combine_kernel(
-    PartMax, PartSum, PartTarget, PartLogitSum, PartZExp, Targets, Lse, TargetLogit, LogitSum, MeanLogit,
+    PartMax, PartSum, PartLogitSum, PartZExp, Targets, Lse, LogitSum, MeanLogit,
     N, num_splits, ignore_index,
     LOGIT_SUM: tl.constexpr, MEAN_LOGIT: tl.constexpr, BLOCK: tl.constexpr,
 ):
@@ -123,7 +159,6 @@ def _combine_kernel(
         run_max = tl.maximum(run_max, tl.load(PartMax + s * N + rows, mask=valid, other=float("-inf")))
     safe_max = tl.where(valid, run_max, 0.0)
     total = tl.zeros((BLOCK,), dtype=tl.float32)
-    target_logit = tl.zeros((BLOCK,), dtype=tl.float32)
     logit_sum = tl.zeros((BLOCK,), dtype=tl.float32)
     zexp = tl.zeros((BLOCK,), dtype=tl.float32)
     for s in range(0, num_splits):
@@ -132,12 +167,10 @@ def _combine_kernel(
         total += tl.load(PartSum + s * N + rows, mask=valid, other=0.0) * rescale
         if MEAN_LOGIT:
             zexp += tl.load(PartZExp + s * N + rows, mask=valid, other=0.0) * rescale
-        target_logit += tl.load(PartTarget + s * N + rows, mask=valid, other=0.0)
         if LOGIT_SUM:
             logit_sum += tl.load(PartLogitSum + s * N + rows, mask=valid, other=0.0)
     lse = tl.where(valid, safe_max + tl.log(tl.where(valid, total, 1.0)), 0.0)
     tl.store(Lse + rows, lse, mask=in_range)
-    tl.store(TargetLogit + rows, tl.where(valid, target_logit, 0.0), mask=in_range)
     if LOGIT_SUM:
         tl.store(LogitSum + rows, tl.where(valid, logit_sum, 0.0), mask=in_range)
     if MEAN_LOGIT:
@@ -154,7 +187,27 @@ class RowStats(NamedTuple):
 
 
 # An ignore_index no target equals: every row counts (a log-sum-exp used beyond the loss needs every row's).
-_EVERY_ROW = -(2**63)
+EVERY_ROW = -(2**63)
+
+
+def target_logits(e, c, targets, bias, *, softcap, ignore_index, out=None):
+    """Launch helper: ``logits[n, targets[n]]`` per row, fp32 ``(N,)``; 0 where the target is ``ignore_index`` or
+    outside ``[0, V)``.  One dot product of D per row (``N * D`` reads of E and of C's target rows): the forward's
+    and the recompute's tile loops then need no per-column comparison with the target, which cost the tile kernels
+    ~50 registers (spills) on Hopper."""
+    n, d = e.shape
+    if out is None:
+        out = torch.empty((n,), dtype=torch.float32, device=e.device)
+    if n == 0:
+        return out
+    block_n, block_d = _TARGET_BLOCKS["interpret" if _launch.INTERPRET else "gpu"]
+    _target_logit_kernel[(triton.cdiv(n, block_n),)](
+        e, c, bias if bias is not None else e, targets, out, n, c.shape[0], d,
+        e.stride(0), e.stride(1), c.stride(0), c.stride(1), float(softcap) if softcap is not None else 1.0,
+        ignore_index, HAS_BIAS=bias is not None, HAS_SOFTCAP=softcap is not None, BLOCK_N=block_n, BLOCK_D=block_d,
+        num_warps=4,
+    )
+    return out
 
 
 def forward(e, c, targets, bias, *, softcap, ignore_index, logit_sum=False, mean_logit=False, every_row=False):
@@ -162,7 +215,7 @@ def forward(e, c, targets, bias, *, softcap, ignore_index, logit_sum=False, mean
     docstring.  ``every_row``: the rows whose target is ``ignore_index`` are computed too (their target logit is that
     of ``ignore_index`` where it lies in ``[0, V)``, else 0)."""
     if every_row:
-        ignore_index = _EVERY_ROW
+        ignore_index = EVERY_ROW
     tune = _launch.tuning(_TUNING)
     n, d = e.shape
     v = c.shape[0]
@@ -182,24 +235,24 @@ def forward(e, c, targets, bias, *, softcap, ignore_index, logit_sum=False, mean
     vblocks_per_split = triton.cdiv(vblocks, splits)
     splits = triton.cdiv(vblocks, vblocks_per_split)
 
-    part = torch.empty((3 + logit_sum + mean_logit, splits, n), dtype=torch.float32, device=device)
-    part_logit_sum = part[3] if logit_sum else part[0]  # (unused without logit_sum)
+    part = torch.empty((2 + logit_sum + mean_logit, splits, n), dtype=torch.float32, device=device)
+    part_logit_sum = part[2] if logit_sum else part[0]  # (unused without logit_sum)
     part_zexp = part[-1] if mean_logit else part[0]  # (unused without mean_logit)
     _lse_forward_kernel[(row_blocks, splits)](
-        e, c, bias if bias is not None else e, targets, row_order, num_valid, part[0], part[1], part[2], part_logit_sum,
-        part_zexp,
+        e, c, bias if bias is not None else e, row_order, num_valid, part[0], part[1], part_logit_sum, part_zexp,
         n, v, d,
         e.stride(0), e.stride(1), c.stride(0), c.stride(1),
         vblocks_per_split, float(softcap) if softcap is not None else 1.0,
         HAS_BIAS=bias is not None, HAS_SOFTCAP=softcap is not None, LOGIT_SUM=logit_sum, MEAN_LOGIT=mean_logit,
         UPCAST=_launch.upcast_dots(e.dtype), DOT_PRECISION=_launch.dot_precision(e.dtype), EVEN_D=(d % block_d == 0),
-        BLOCK_N=block_n, BLOCK_V=block_v, BLOCK_D=block_d,
+        EVEN_V=(v % block_v == 0), BLOCK_N=block_n, BLOCK_V=block_v, BLOCK_D=block_d,
         num_warps=tune["num_warps"],
         num_stages=_launch.fit_num_stages(tune["num_stages"], block_n, block_v, block_d, e.element_size()),
     )
+    target_logits(e, c, targets, bias, softcap=softcap, ignore_index=ignore_index, out=target_logit)
     combine_block = 256
     _combine_kernel[(triton.cdiv(n, combine_block),)](
-        part[0], part[1], part[2], part_logit_sum, part_zexp, targets, lse, target_logit,
+        part[0], part[1], part_logit_sum, part_zexp, targets, lse,
         row_sums if logit_sum else lse, row_means if mean_logit else lse, n, splits, ignore_index,
         LOGIT_SUM=logit_sum, MEAN_LOGIT=mean_logit, BLOCK=combine_block, num_warps=4,
     )

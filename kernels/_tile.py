@@ -1,4 +1,4 @@
-"""Device helpers shared by the forward and backward kernels: one logit tile, and its softmax gradient.
+"""Device helpers shared by the forward and backward kernels: one logit tile, and the softmax gradient.
 
 For a block of ``BLOCK_N`` rows (row indices ``rows``, int64) and ``BLOCK_V`` vocabulary entries
 (``vocab_ids``, int64, already clamped into ``[0, V)``) the tile is
@@ -33,24 +33,24 @@ def logit_tile(
     UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, EVEN_D: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
+    # 1-D row pointers, offset per step: a 2-D pointer tile carried through the loop held ~190 registers
+    e_rows = E + rows * stride_en
+    c_rows = C + vocab_ids * stride_cv
     offs_d = tl.arange(0, BLOCK_D)
-    e_ptrs = E + rows[:, None] * stride_en + offs_d[None, :] * stride_ed
-    c_ptrs = C + vocab_ids[:, None] * stride_cv + offs_d[None, :] * stride_cd
     acc = tl.zeros((BLOCK_N, BLOCK_V), dtype=tl.float32)
     for d0 in range(0, D, BLOCK_D):
+        d = d0 + offs_d
         if EVEN_D:
-            e_blk = tl.load(e_ptrs)
-            c_blk = tl.load(c_ptrs)
+            e_blk = tl.load(e_rows[:, None] + (d * stride_ed)[None, :])
+            c_blk = tl.load(c_rows[:, None] + (d * stride_cd)[None, :])
         else:
-            d_mask = (d0 + offs_d) < D
-            e_blk = tl.load(e_ptrs, mask=d_mask[None, :], other=0.0)
-            c_blk = tl.load(c_ptrs, mask=d_mask[None, :], other=0.0)
+            d_mask = (d < D)[None, :]
+            e_blk = tl.load(e_rows[:, None] + (d * stride_ed)[None, :], mask=d_mask, other=0.0)
+            c_blk = tl.load(c_rows[:, None] + (d * stride_cd)[None, :], mask=d_mask, other=0.0)
         if UPCAST:
             e_blk = e_blk.to(tl.float32)
             c_blk = c_blk.to(tl.float32)
         acc = tl.dot(e_blk, tl.trans(c_blk), acc, input_precision=DOT_PRECISION)
-        e_ptrs += BLOCK_D * stride_ed
-        c_ptrs += BLOCK_D * stride_cd
     if HAS_BIAS:
         acc += tl.load(Bias + vocab_ids).to(tl.float32)[None, :]
     if HAS_SOFTCAP:
@@ -59,25 +59,24 @@ def logit_tile(
 
 
 @triton.jit
-def softmax_grad(logits, lse, grad_p, grad_row, target, vocab_ids, softcap, target_weight, uniform,
-                 grad_entropy, mean_logit, HAS_SOFTCAP: tl.constexpr, HAS_ENTROPY_GRAD: tl.constexpr):
-    """The gradient w.r.t. the raw logits of a ``rows x cols`` tile, from its (softcapped) ``logits`` z:
-    ``(p * (grad_p + h * (mean_logit - z)) - g * (target_weight * [col == target] + uniform)) * (1 - (z / softcap)^2)``
-    with ``p = exp(z - lse)``, ``g = grad_row``, ``h = grad_entropy`` (no last factor without softcap; no h term
-    without HAS_ENTROPY_GRAD).  Plain cross-entropy: ``grad_p = g``, ``target_weight = 1``, ``uniform = 0``; label
-    smoothing eps: ``1 - eps`` and ``eps / V``; a log-sum-exp that is also used elsewhere adds its own upstream
-    gradient to ``grad_p``; the entropy ``H = lse - sum_v p_v z_v`` has ``dH/dz_v = -p_v (z_v - sum_u p_u z_u)``.
+def softmax_grad(z, lse, grad_p, grad_entropy, mean_logit, offset, softcap,
+                 HAS_SOFTCAP: tl.constexpr, HAS_ENTROPY_GRAD: tl.constexpr):
+    """The gradient w.r.t. the raw logits at (softcapped) logits ``z``, every other argument broadcast to z's shape
+    (per-row values as ``x[:, None]`` for a tile, plain for a vector of one entry per row):
+    ``(p * (grad_p + h * (mean_logit - z)) - offset) * (1 - (z / softcap)^2)`` with ``p = exp(z - lse)`` and
+    ``h = grad_entropy`` (no last factor without softcap; no h term without HAS_ENTROPY_GRAD).  The caller picks
+    ``offset``: ``g * eps / V`` off the target, ``g * (1 - eps + eps / V)`` at it (``g``: the row's loss gradient,
+    ``eps``: label smoothing); a log-sum-exp also used elsewhere adds its own upstream gradient to ``grad_p``; the
+    entropy ``H = lse - sum_v p_v z_v`` has ``dH/dz_v = -p_v (z_v - sum_u p_u z_u)``.
 
-    Rows with no gradient get 0, not 0 * (p - onehot): an ignored row's lse is 0 and exp(logits) may overflow to
-    inf.  A NaN / inf logit still gives NaN there (``logits * 0``), as eager's log-softmax backward does."""
-    one_hot = vocab_ids[None, :] == target[:, None]
-    weight = grad_p[:, None]
-    has_grad = (grad_p != 0.0) | (grad_row != 0.0)
+    Rows with no gradient must come with ``lse = +inf`` (then p = 0 and the result 0, not 0 * (p - onehot): an
+    ignored row's exp(z) may overflow to inf); a NaN or +inf logit still gives NaN there, as eager's log-softmax
+    backward does."""
+    weight = grad_p
     if HAS_ENTROPY_GRAD:
-        weight += grad_entropy[:, None] * (mean_logit[:, None] - logits)
-        has_grad = has_grad | (grad_entropy != 0.0)
-    grad = weight * tl.exp(logits - lse[:, None]) - grad_row[:, None] * (target_weight * one_hot.to(tl.float32) + uniform)
+        weight = weight + grad_entropy * (mean_logit - z)
+    grad = weight * tl.exp(z - lse) - offset
     if HAS_SOFTCAP:
-        capped = logits / softcap
-        grad = grad * (1.0 - capped * capped)
-    return tl.where(has_grad[:, None], grad, logits * 0.0)
+        capped = z * (1.0 / softcap)
+        grad = grad - grad * capped * capped  # (this form spills fewer registers than grad * (1 - capped^2))
+    return grad
