@@ -56,7 +56,7 @@ import triton
 import triton.language as tl
 
 from . import _launch
-from ._tile import tanh
+from ._tile import softmax_grad, tanh
 
 # One program streams one row in BLOCK_V columns; 16-byte vector loads of bf16 need BLOCK_V / (32 * num_warps) >= 8.
 # (H100, Gemma-2 / Llama-3 heads: 2048 / 8 warps was the best of (1024, 4), (2048, 8), (4096, 8), (4096, 16).)
@@ -144,11 +144,8 @@ def _softmax_grad_in_place_kernel(
         cols = v0 + offs
         mask = cols < V
         z = _load_z(row_ptr, Bias, cols, mask, softcap, HAS_BIAS, HAS_SOFTCAP, "evict_first")
-        g = tl.exp(z - lse) - target_weight * (cols == target).to(tl.float32) - uniform
-        if HAS_SOFTCAP:
-            capped = z / softcap
-            g = g * (1.0 - capped * capped)
-        g = g * scale
+        offset = target_weight * (cols == target).to(tl.float32) + uniform
+        g = softmax_grad(z, lse, 1.0, 0.0, 0.0, offset, softcap, HAS_SOFTCAP, False) * scale
         if ROUND_RNE:
             g = _round_bf16_rne(g)
         tl.store(row_ptr + cols, g.to(S.dtype.element_ty), mask=mask)

@@ -47,12 +47,13 @@ from . import _launch
 from ._tile import logit_tile, tanh
 
 # Hopper (H100 / H200); the interpreter's tiny blocks keep the CPU tests fast.
+# target_rows / target_block_d: _target_logit_kernel's rows and D step per program.
 _TUNING = {
-    "gpu": dict(block_n=128, block_v=256, block_d=64, num_warps=8, num_stages=3, waves=16),
-    "interpret": dict(block_n=16, block_v=64, block_d=16, num_warps=4, num_stages=1, waves=2),
+    "gpu": dict(block_n=128, block_v=256, block_d=64, num_warps=8, num_stages=3, waves=16,
+                target_rows=16, target_block_d=256),
+    "interpret": dict(block_n=16, block_v=64, block_d=16, num_warps=4, num_stages=1, waves=2,
+                      target_rows=16, target_block_d=32),
 }
-# _target_logit_kernel's (rows, D step) per program
-_TARGET_BLOCKS = {"gpu": (16, 256), "interpret": (16, 32)}
 
 
 @triton.jit
@@ -200,7 +201,8 @@ def target_logits(e, c, targets, bias, *, softcap, ignore_index, out=None):
         out = torch.empty((n,), dtype=torch.float32, device=e.device)
     if n == 0:
         return out
-    block_n, block_d = _TARGET_BLOCKS["interpret" if _launch.INTERPRET else "gpu"]
+    tune = _launch.tuning(_TUNING)
+    block_n, block_d = tune["target_rows"], tune["target_block_d"]
     _target_logit_kernel[(triton.cdiv(n, block_n),)](
         e, c, bias if bias is not None else e, targets, out, n, c.shape[0], d,
         e.stride(0), e.stride(1), c.stride(0), c.stride(1), float(softcap) if softcap is not None else 1.0,
