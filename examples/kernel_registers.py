@@ -37,9 +37,15 @@ _BF16_POINTERS = {"E", "C", "Bias", "G", "GLo"}
 def _signature(fn, constants: dict) -> tuple[dict, dict, dict]:
     signature, attrs = {}, {}
     constants = dict(constants, **{name: 1 for name in _UNIT_STRIDES if name in fn.arg_names})
+    # with TMA, E and C are descriptors of (rows x D) and (vocabulary x D) tiles
+    descriptors = {"E": (constants["BLOCK_N"], constants["BLOCK_D"]),
+                   "C": (constants["BLOCK_V"], constants["BLOCK_D"])} if constants.get("TMA") else {}
     for index, name in enumerate(fn.arg_names):
         if name in constants:
             signature[name] = "constexpr"
+            continue
+        if name in descriptors:
+            signature[name] = "tensordesc<bf16[{}, {}]>".format(*descriptors[name])
             continue
         if name in _FLOAT_ARGS:
             signature[name] = "fp32"
@@ -86,10 +92,10 @@ def main() -> None:
     ]:
         tune = {k: getattr(args, k) if getattr(args, k) is not None else tuning[k]
                 for k in ("block_n", "block_v", "block_d", "num_warps", "num_stages")}
-        for softcap in (False, True):
-            constants = dict(extra, HAS_BIAS=False, HAS_SOFTCAP=softcap, UPCAST=False, DOT_PRECISION="tf32",
+        for tma, softcap in ((False, False), (False, True), (True, False), (True, True)):
+            constants = dict(extra, HAS_BIAS=False, HAS_SOFTCAP=softcap, TMA=tma, UPCAST=False, DOT_PRECISION="tf32",
                              EVEN_D=True, BLOCK_N=tune["block_n"], BLOCK_V=tune["block_v"], BLOCK_D=tune["block_d"])
-            label = f"{fn.__name__.strip('_')}{' softcap' if softcap else ''}"
+            label = f"{fn.__name__.strip('_')}{' tma' if tma else ''}{' softcap' if softcap else ''}"
             print(compile_report(label, fn, constants, tune["num_warps"], tune["num_stages"]))
 
 

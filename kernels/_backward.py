@@ -48,6 +48,9 @@ round(G), in a second block, and every product runs twice (G and G_lo, fp32 accu
 row chunks add to it) and rounded once.  Against the fp64 gradient rounded to bf16 this leaves 1e-4 - 6.5e-4 relative
 error where the default leaves ~4e-3 (interpreter, small shapes).  Cost: twice the product time, one more G block.
 
+With TMA (16-bit inputs, ``_forward.tma_operands``) the recompute reads its E tiles from a compacted copy of the
+chunk's rows, which lives in the chunk's rows of the dE output until dE is written there, so it costs no memory.
+
 Memory above the outputs: one G block in the input dtype plus the fp32 dE rows of one row chunk: with 8192-row
 chunks (the default) and 4096 vocabulary entries, 64 MB + 72 MB at D = 2304 in bf16, whatever N is (2048 entries
 took 32 MB less but 4 ms more on Gemma-2 / 7 ms on Llama-3 on an H100: each vocabulary chunk reads and writes the
@@ -68,8 +71,8 @@ from ._tile import logit_tile, softmax_grad
 # Hopper (H100 / H200); the interpreter's tiny blocks keep the CPU tests fast.  vocab_chunk: columns of one G block
 # (engineering log v11: 4096 against 2048 / 8192).
 _TUNING = {
-    "gpu": dict(vocab_chunk=4096, block_n=128, block_v=256, block_d=64, num_warps=8, num_stages=4),
-    "interpret": dict(vocab_chunk=48, block_n=16, block_v=32, block_d=16, num_warps=4, num_stages=1),
+    "gpu": dict(vocab_chunk=4096, block_n=128, block_v=256, block_d=64, num_warps=8, num_stages=4, tma=True),
+    "interpret": dict(vocab_chunk=48, block_n=16, block_v=32, block_d=16, num_warps=4, num_stages=1, tma=True),
 }
 
 
@@ -80,7 +83,7 @@ def _recompute_grad_kernel(
     n_rows, width, vocab_start, V, D,
     stride_en, stride_ed, stride_cv, stride_cd, stride_g, softcap, target_weight, uniform,
     HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_LSE_GRAD: tl.constexpr, HAS_ENTROPY_GRAD: tl.constexpr,
-    COMPACT_G: tl.constexpr,
+    COMPACT_G: tl.constexpr, TMA: tl.constexpr,
     SPLIT_G: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, EVEN_D: tl.constexpr,
     EVEN_TILE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
@@ -126,8 +129,9 @@ def _recompute_grad_kernel(
     # a row with no gradient gets p = exp(z - inf) = 0: its G is 0 (NaN where z is NaN / +inf, as in eager)
     lse = tl.where(has_grad, tl.load(Lse + rows, mask=in_chunk, other=0.0), float("inf"))
     logits = logit_tile(
-        E, C, Bias, rows, vocab_ids, D, stride_en, stride_ed, stride_cv, stride_cd, softcap,
-        HAS_BIAS, HAS_SOFTCAP, UPCAST, DOT_PRECISION, EVEN_D, BLOCK_N, BLOCK_V, BLOCK_D,
+        E, C, Bias, rows, vocab_ids, tl.program_id(0) * BLOCK_N, vocab_start + col0, D, stride_en, stride_ed,
+        stride_cv, stride_cd, softcap, HAS_BIAS, HAS_SOFTCAP, TMA, UPCAST, DOT_PRECISION, EVEN_D, BLOCK_N, BLOCK_V,
+        BLOCK_D,
     )
     grad = softmax_grad(logits, lse[:, None], grad_p[:, None], grad_entropy[:, None], mean_logit[:, None],
                         (grad_row * uniform)[:, None], softcap, HAS_SOFTCAP, HAS_ENTROPY_GRAD)
@@ -188,7 +192,7 @@ def backward(e, c, targets, bias, lse, grad_rows, *, softcap, ignore_index, opti
     split_g = options.exact and sixteen_bit  # fp32 inputs: G is fp32 already
     # Triton products (``_products``: skip the ignored rows) where the tensor-memory accelerator can read C
     triton_products = (options.products == "triton" and not split_g
-                       and _products.tma_ok(c) and (d * e.element_size()) % 16 == 0)
+                       and _launch.tma_ok(c) and (d * e.element_size()) % 16 == 0)
     # 16-bit products with fp32 results where cuBLAS has them; where no such product exists (the CPU interpreter)
     # 16-bit operands are upcast.
     fp32_out = sixteen_bit and _launch.fp32_out_mm_available(device)
@@ -215,6 +219,8 @@ def backward(e, c, targets, bias, lse, grad_rows, *, softcap, ignore_index, opti
     # 0, or NaN when any of C / bias is not finite (then every logit row holds a NaN)
     weight_poison = _launch.nonfinite_rows(c).sum() + (0.0 if bias is None else bias.float().sum() * 0.0)
     block_n, block_v, block_d = tune["block_n"], tune["block_v"], tune["block_d"]
+    use_tma = _forward.tma_operands(e, c, tune)
+    c_op = _launch.descriptor(c, [block_v, block_d]) if use_tma else c
     num_stages = _launch.fit_num_stages(tune["num_stages"], block_n, block_v, block_d, e.element_size())
 
     for r0 in range(0, n, row_chunk):
@@ -225,8 +231,13 @@ def backward(e, c, targets, bias, lse, grad_rows, *, softcap, ignore_index, opti
         counted_rows = counted[r0 : r0 + rows]
         row_order, num_counted = _launch.compact_counted(counted_rows)
         row_poison = _launch.nonfinite_rows(e_rows) + weight_poison
+        if (triton_products and need_c) or use_tma:
+            # (in dE's own rows while they are free: written only once this row chunk is done, so the copy costs
+            # no memory where dE is wanted)
+            e_compact = torch.index_select(e_rows, 0, row_order, out=de_out[r0 : r0 + rows]) if need_e \
+                else e_rows.index_select(0, row_order)
+        e_op = _launch.descriptor(e_compact, [block_n, block_d]) if use_tma else e_rows
         if triton_products and need_c:
-            e_compact = e_rows.index_select(0, row_order)
             # what eager's dC receives from the ignored rows: 0, or NaN if any of them is poisoned
             ignored_poison = torch.where(counted_rows, 0.0, row_poison).sum().reshape(1)
         for v0 in range(0, v, vocab_chunk):
@@ -237,7 +248,7 @@ def backward(e, c, targets, bias, lse, grad_rows, *, softcap, ignore_index, opti
             grad_lo = _block(g_lo_buf, rows, width) if split_g else grad
             grid = (triton.cdiv(rows, block_n), triton.cdiv(width, block_v))
             _recompute_grad_kernel[grid](
-                e_rows, c, bias if bias is not None else lse, lse[r0:], grad_rows[r0:],
+                e_op, c_op, bias if bias is not None else lse, lse[r0:], grad_rows[r0:],
                 (grad_rows if grad_lse is None else grad_lse)[r0:],
                 (grad_rows if grad_entropy is None else grad_entropy)[r0:],
                 (grad_rows if grad_entropy is None else mean_logit)[r0:], targets[r0:],
@@ -246,7 +257,7 @@ def backward(e, c, targets, bias, lse, grad_rows, *, softcap, ignore_index, opti
                 e.stride(0), e.stride(1), c.stride(0), c.stride(1), grad.stride(0), softcap_val,
                 1.0 - label_smoothing, label_smoothing / v,
                 HAS_BIAS=bias is not None, HAS_SOFTCAP=softcap is not None, HAS_LSE_GRAD=grad_lse is not None,
-                HAS_ENTROPY_GRAD=grad_entropy is not None, COMPACT_G=triton_products,
+                HAS_ENTROPY_GRAD=grad_entropy is not None, COMPACT_G=triton_products, TMA=use_tma,
                 SPLIT_G=split_g,
                 UPCAST=_launch.upcast_dots(e.dtype), DOT_PRECISION=_launch.dot_precision(e.dtype),
                 EVEN_D=(d % block_d == 0), EVEN_TILE=(rows % block_n == 0 and width % block_v == 0),

@@ -20,7 +20,9 @@ registers (with MEAN_LOGIT also the running sum of ``exp(logit - max) * logit``,
 When ``V % BLOCK_V == 0`` (``EVEN_V``) the tiles carry no column mask.  Program order
 is row-block fastest, so the programs resident at one time share the same split of C and C is streamed
 from HBM about once while E (small) stays in L2.  Row blocks past the device-side count of counted rows
-return at once, so ignored rows cost nothing.
+return at once, so ignored rows cost nothing.  For 16-bit inputs the operand tiles come through the tensor-memory
+accelerator (``_tile``, ``tma_operands``) from a compacted copy of E (the counted rows first, ``N x D``, built per
+call) and from C: 7-15% less forward time than per-thread ``cp.async`` loads on the H100 (engineering log v12).
 
 The target logit is not picked out of the tiles: comparing every column of a tile with the row's target kept a
 tile-sized mask live beside the accumulator, and the kernel spilled registers (Hopper: 255 used, ~50 spilled;
@@ -33,7 +35,8 @@ fp32 buffers; ``_combine_kernel`` (grid ``cdiv(N, BLOCK)``) merges the splits:
 ``lse = m + log(sum_s sumexp_s * exp(max_s - m))``, ``mean_logit = sum_s zexp_s * exp(max_s - m) / sum_s sumexp_s *
 exp(max_s - m)``.  Ignored rows get lse = target_logit = logit_sum = mean_logit = 0.
 
-Memory: the partial buffers, ``(2 to 4) * splits * N * 4`` bytes (a few MB), far below the logit matrix.
+Memory: the partial buffers, ``(2 to 4) * splits * N * 4`` bytes (a few MB), and with TMA the compacted copy of E
+(``N x D``, freed on return), far below the logit matrix.
 """
 from __future__ import annotations
 
@@ -49,9 +52,9 @@ from ._tile import logit_tile, tanh
 # Hopper (H100 / H200); the interpreter's tiny blocks keep the CPU tests fast.
 # target_rows / target_block_d: _target_logit_kernel's rows and D step per program.
 _TUNING = {
-    "gpu": dict(block_n=128, block_v=256, block_d=64, num_warps=8, num_stages=3, waves=16,
+    "gpu": dict(block_n=128, block_v=256, block_d=64, num_warps=8, num_stages=3, waves=16, tma=True,
                 target_rows=16, target_block_d=256),
-    "interpret": dict(block_n=16, block_v=64, block_d=16, num_warps=4, num_stages=1, waves=2,
+    "interpret": dict(block_n=16, block_v=64, block_d=16, num_warps=4, num_stages=1, waves=2, tma=True,
                       target_rows=16, target_block_d=32),
 }
 
@@ -63,7 +66,7 @@ def _lse_forward_kernel(
     stride_en, stride_ed, stride_cv, stride_cd,
     vblocks_per_split, softcap,
     HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, LOGIT_SUM: tl.constexpr, MEAN_LOGIT: tl.constexpr,
-    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, EVEN_D: tl.constexpr, EVEN_V: tl.constexpr,
+    TMA: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, EVEN_D: tl.constexpr, EVEN_V: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     row_block = tl.program_id(0)
@@ -90,8 +93,8 @@ def _lse_forward_kernel(
         else:
             vocab_ids = tl.minimum(cols, V - 1).to(tl.int64)  # clamped, never masked: see _tile
         logits = logit_tile(
-            E, C, Bias, rows, vocab_ids, D, stride_en, stride_ed, stride_cv, stride_cd, softcap,
-            HAS_BIAS, HAS_SOFTCAP, UPCAST, DOT_PRECISION, EVEN_D, BLOCK_N, BLOCK_V, BLOCK_D,
+            E, C, Bias, rows, vocab_ids, row_block * BLOCK_N, vb * BLOCK_V, D, stride_en, stride_ed, stride_cv,
+            stride_cd, softcap, HAS_BIAS, HAS_SOFTCAP, TMA, UPCAST, DOT_PRECISION, EVEN_D, BLOCK_N, BLOCK_V, BLOCK_D,
         )
         if not EVEN_V:
             in_vocab = (cols < V)[None, :]
@@ -178,6 +181,14 @@ def _combine_kernel(
         tl.store(MeanLogit + rows, tl.where(valid, zexp / tl.where(valid, total, 1.0), 0.0), mask=in_range)
 
 
+def tma_operands(e: torch.Tensor, c: torch.Tensor, tune: dict) -> bool:
+    """Whether a logit-tile kernel reads its operand tiles through the tensor-memory accelerator (``_tile``): where
+    the kernel file's tuning asks for it, for 16-bit inputs whose rows the copy engine can address (16-byte aligned
+    C and row pitch); fp32 inputs and odd views take the pointer loads."""
+    return (tune["tma"] and e.dtype in (torch.bfloat16, torch.float16) and e.shape[1] * e.element_size() % 16 == 0
+            and _launch.tma_ok(c))
+
+
 class RowStats(NamedTuple):
     """The forward's per-row results, fp32 ``(N,)`` each; the optional ones are None unless asked for."""
 
@@ -240,13 +251,18 @@ def forward(e, c, targets, bias, *, softcap, ignore_index, logit_sum=False, mean
     part = torch.empty((2 + logit_sum + mean_logit, splits, n), dtype=torch.float32, device=device)
     part_logit_sum = part[2] if logit_sum else part[0]  # (unused without logit_sum)
     part_zexp = part[-1] if mean_logit else part[0]  # (unused without mean_logit)
+    use_tma = tma_operands(e, c, tune)
+    e_op, c_op = e, c
+    if use_tma:  # the counted rows, compacted: a tile's rows must be contiguous for the copy engine
+        e_op = _launch.descriptor(e.index_select(0, row_order), [block_n, block_d])
+        c_op = _launch.descriptor(c, [block_v, block_d])
     _lse_forward_kernel[(row_blocks, splits)](
-        e, c, bias if bias is not None else e, row_order, num_valid, part[0], part[1], part_logit_sum, part_zexp,
+        e_op, c_op, bias if bias is not None else e, row_order, num_valid, part[0], part[1], part_logit_sum, part_zexp,
         n, v, d,
         e.stride(0), e.stride(1), c.stride(0), c.stride(1),
         vblocks_per_split, float(softcap) if softcap is not None else 1.0,
         HAS_BIAS=bias is not None, HAS_SOFTCAP=softcap is not None, LOGIT_SUM=logit_sum, MEAN_LOGIT=mean_logit,
-        UPCAST=_launch.upcast_dots(e.dtype), DOT_PRECISION=_launch.dot_precision(e.dtype), EVEN_D=(d % block_d == 0),
+        TMA=use_tma, UPCAST=_launch.upcast_dots(e.dtype), DOT_PRECISION=_launch.dot_precision(e.dtype), EVEN_D=(d % block_d == 0),
         EVEN_V=(v % block_v == 0), BLOCK_N=block_n, BLOCK_V=block_v, BLOCK_D=block_d,
         num_warps=tune["num_warps"],
         num_stages=_launch.fit_num_stages(tune["num_stages"], block_n, block_v, block_d, e.element_size()),

@@ -18,6 +18,7 @@ import functools
 import os
 
 import torch
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -89,3 +90,16 @@ def nonfinite_rows(rows: torch.Tensor) -> torch.Tensor:
     gradient is 0, or NaN everywhere when its log-sum-exp is NaN: the kernels write this there."""
     zeros = torch.zeros(rows.shape[1], dtype=rows.dtype, device=rows.device)
     return torch.mv(rows, zeros).float()
+
+
+def tma_ok(*tensors: torch.Tensor) -> bool:
+    """Whether the tensor-memory accelerator can read these 2-D tensors: 16-byte aligned base and row
+    stride, contiguous rows."""
+    return all(t.stride(1) == 1 and t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0
+               for t in tensors)
+
+
+def descriptor(tensor: torch.Tensor, block: list) -> TensorDescriptor:
+    """A host-built tensor-memory-accelerator descriptor over a 2-D tensor that passes :func:`tma_ok`, read in
+    ``block``-shaped tiles (reads past an edge give 0)."""
+    return TensorDescriptor.from_tensor(tensor, block)

@@ -34,7 +34,7 @@ operand tiles in L2 (Triton's matmul tutorial):
     _grad_c_kernel   grid cdiv(width, BLOCK_M) * cdiv(D, BLOCK_N)   M = vocabulary, N = D, K = positions < K'
                      the A tile is a G tile transposed in shared memory
 
-Descriptors need 16-byte aligned bases and row strides (:func:`tma_ok`): the caller pads G's row pitch and falls
+Descriptors need 16-byte aligned bases and row strides (:func:`_launch.tma_ok`): the caller pads G's row pitch and falls
 back to cuBLAS products for a C that is not aligned.  Ec is a compacted copy of the chunk's rows of E (one
 ``rows x D`` buffer): gathering through row_order inside the K loop instead measured 2x slower (no TMA gather
 on Hopper).
@@ -50,7 +50,6 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.tools.tensor_descriptor import TensorDescriptor
 
 from . import _launch
 
@@ -143,25 +142,18 @@ def _dot_flags(dtype: torch.dtype):
     return dict(UPCAST=_launch.upcast_dots(dtype), DOT_PRECISION=_launch.dot_precision(dtype))
 
 
-def tma_ok(*tensors: torch.Tensor) -> bool:
-    """Whether the tensor-memory accelerator can read these 2-D tensors: 16-byte aligned base and row
-    stride, contiguous rows."""
-    return all(t.stride(1) == 1 and t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0
-               for t in tensors)
-
-
 def grad_e(grad: torch.Tensor, c_chunk: torch.Tensor, de32: torch.Tensor, row_order: torch.Tensor,
            num_counted: torch.Tensor, row_poison: torch.Tensor, *, accumulate: bool) -> None:
     """Launch helper: ``de32[row_order[p]] (+)= grad[p] @ c_chunk`` for the row blocks holding counted positions;
     the other rows get ``row_poison`` on the first chunk (``accumulate=False``).  ``grad`` (rows x width) and
-    ``c_chunk`` (width x D) share the input dtype and pass :func:`tma_ok`; ``de32`` is fp32 (rows x D)."""
+    ``c_chunk`` (width x D) share the input dtype and pass :func:`_launch.tma_ok`; ``de32`` is fp32 (rows x D)."""
     rows, width = grad.shape
     d = c_chunk.shape[1]
     launch = _launch_args(grad.element_size())
     bm, bn, bk = launch["BLOCK_M"], launch["BLOCK_N"], launch["BLOCK_K"]
     grid = (triton.cdiv(rows, bm) * triton.cdiv(d, bn),)
     _grad_e_kernel[grid](
-        TensorDescriptor.from_tensor(grad, [bm, bk]), TensorDescriptor.from_tensor(c_chunk, [bk, bn]),
+        _launch.descriptor(grad, [bm, bk]), _launch.descriptor(c_chunk, [bk, bn]),
         de32, row_order, num_counted, row_poison, rows, width, d, de32.stride(0),
         ACCUMULATE=accumulate, **_dot_flags(grad.dtype), **launch,
     )
@@ -170,7 +162,7 @@ def grad_e(grad: torch.Tensor, c_chunk: torch.Tensor, de32: torch.Tensor, row_or
 def grad_c(grad: torch.Tensor, e_compact: torch.Tensor, dc_chunk: torch.Tensor, num_counted: torch.Tensor,
            ignored_poison: torch.Tensor, *, accumulate: bool) -> None:
     """Launch helper: ``dc_chunk (+)= grad[:K'].T @ e_compact[:K'] + ignored_poison``, K' from the device-side
-    count; ``e_compact = e_rows[row_order]``; ``grad`` and ``e_compact`` pass :func:`tma_ok`; ``dc_chunk``
+    count; ``e_compact = e_rows[row_order]``; ``grad`` and ``e_compact`` pass :func:`_launch.tma_ok`; ``dc_chunk``
     (width x D, contiguous rows) in the input dtype."""
     width = grad.shape[1]
     d = e_compact.shape[1]
@@ -181,7 +173,7 @@ def grad_c(grad: torch.Tensor, e_compact: torch.Tensor, dc_chunk: torch.Tensor, 
     out = dc_chunk.float() if _launch.INTERPRET and dc_chunk.dtype != torch.float32 else dc_chunk
     grid = (triton.cdiv(width, bm) * triton.cdiv(d, bn),)
     _grad_c_kernel[grid](
-        TensorDescriptor.from_tensor(grad, [bk, bm]), TensorDescriptor.from_tensor(e_compact, [bk, bn]),
+        _launch.descriptor(grad, [bk, bm]), _launch.descriptor(e_compact, [bk, bn]),
         out, num_counted, ignored_poison, width, d, out.stride(0),
         ACCUMULATE=accumulate, **_dot_flags(grad.dtype), **launch,
     )

@@ -11,6 +11,12 @@ computed as a loop over ``BLOCK_D`` chunks of the hidden dimension with an fp32 
 vocabulary ids are clamped, never masked, inside the loop: padded rows / columns read real memory and
 are masked by the caller afterwards, which keeps the inner loop free of row/column masks.  All offsets
 are int64 so ``V * D`` and ``N * D`` may exceed 2**31.
+
+With ``TMA`` the operand tiles come from the tensor-memory accelerator instead: ``E`` and ``C`` are then host-built
+descriptors (:func:`cce_inductor.kernels._launch.descriptor`) over a *compacted* E (row ``row0 + i`` of the tile is
+compacted row ``row0 + i``: Hopper has no TMA gather) and over C, and the tile is ``[row0, row0 + BLOCK_N) x
+[col0, col0 + BLOCK_V)``; reads past an edge give 0.  The copy engine computes the addresses and signals completion
+on a barrier, so the pipelined loop issues no per-thread address arithmetic and keeps fewer registers.
 """
 import triton
 import triton.language as tl
@@ -26,31 +32,40 @@ def tanh(x):
 
 @triton.jit
 def logit_tile(
-    E, C, Bias, rows, vocab_ids, D,
+    E, C, Bias, rows, vocab_ids, row0, col0, D,
     stride_en, stride_ed, stride_cv, stride_cd,
     softcap,
-    HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, TMA: tl.constexpr,
     UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, EVEN_D: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    # 1-D row pointers, offset per step: a 2-D pointer tile carried through the loop held ~190 registers
-    e_rows = E + rows * stride_en
-    c_rows = C + vocab_ids * stride_cv
-    offs_d = tl.arange(0, BLOCK_D)
     acc = tl.zeros((BLOCK_N, BLOCK_V), dtype=tl.float32)
-    for d0 in range(0, D, BLOCK_D):
-        d = d0 + offs_d
-        if EVEN_D:
-            e_blk = tl.load(e_rows[:, None] + (d * stride_ed)[None, :])
-            c_blk = tl.load(c_rows[:, None] + (d * stride_cd)[None, :])
-        else:
-            d_mask = (d < D)[None, :]
-            e_blk = tl.load(e_rows[:, None] + (d * stride_ed)[None, :], mask=d_mask, other=0.0)
-            c_blk = tl.load(c_rows[:, None] + (d * stride_cd)[None, :], mask=d_mask, other=0.0)
-        if UPCAST:
-            e_blk = e_blk.to(tl.float32)
-            c_blk = c_blk.to(tl.float32)
-        acc = tl.dot(e_blk, tl.trans(c_blk), acc, input_precision=DOT_PRECISION)
+    if TMA:
+        for d0 in range(0, D, BLOCK_D):
+            e_blk = E.load([row0, d0])
+            c_blk = C.load([col0, d0])
+            if UPCAST:
+                e_blk = e_blk.to(tl.float32)
+                c_blk = c_blk.to(tl.float32)
+            acc = tl.dot(e_blk, tl.trans(c_blk), acc, input_precision=DOT_PRECISION)
+    else:
+        # 1-D row pointers, offset per step: a 2-D pointer tile carried through the loop held ~190 registers
+        e_rows = E + rows * stride_en
+        c_rows = C + vocab_ids * stride_cv
+        offs_d = tl.arange(0, BLOCK_D)
+        for d0 in range(0, D, BLOCK_D):
+            d = d0 + offs_d
+            if EVEN_D:
+                e_blk = tl.load(e_rows[:, None] + (d * stride_ed)[None, :])
+                c_blk = tl.load(c_rows[:, None] + (d * stride_cd)[None, :])
+            else:
+                d_mask = (d < D)[None, :]
+                e_blk = tl.load(e_rows[:, None] + (d * stride_ed)[None, :], mask=d_mask, other=0.0)
+                c_blk = tl.load(c_rows[:, None] + (d * stride_cd)[None, :], mask=d_mask, other=0.0)
+            if UPCAST:
+                e_blk = e_blk.to(tl.float32)
+                c_blk = c_blk.to(tl.float32)
+            acc = tl.dot(e_blk, tl.trans(c_blk), acc, input_precision=DOT_PRECISION)
     if HAS_BIAS:
         acc += tl.load(Bias + vocab_ids).to(tl.float32)[None, :]
     if HAS_SOFTCAP:
