@@ -23,20 +23,20 @@ The (rows x vocabulary) plane is cut into ``row_chunk x vocab_chunk`` blocks; ro
     for each row chunk R (options.backward_row_chunk rows):   dE32 = zeros(|R|, D) in fp32
         compact R on the device: its counted rows first, their number in device memory
         for each vocabulary chunk W:
-            G     = _recompute_grad_kernel(E[R], C[W])   Triton, grid (|R| / BLOCK_N, |W| / BLOCK_V), input dtype
+            G     = _recompute_grad_kernel(E[R], C[W])   Triton, persistent grid (one program per SM), input dtype
             dE32 += G @ C[W]                       cuBLAS, fp32 accumulation across chunks
             dC[W] = G^T @ E[R]  (first R)          cuBLAS, written in place; later R: += (one rounding each)
             dbias32[W] += sum_rows G
         dE[R] = dE32
 
-``_recompute_grad_kernel`` program (i, j) takes compacted rows ``i*BLOCK_N ...`` of the chunk and vocabulary
-tile j of the block: ``BLOCK_N x BLOCK_V`` logits from ``_tile.logit_tile`` (loop over ``BLOCK_D`` chunks of D),
+``_recompute_grad_kernel`` deals the block's tiles to its programs; tile (i, j) takes compacted rows
+``i*BLOCK_N ...`` of the chunk and vocabulary tile j of the block: ``BLOCK_N x BLOCK_V`` logits from ``_tile.logit_tile`` (loop over ``BLOCK_D`` chunks of D),
 the gradient formed in registers without its one-hot term and stored in the input dtype at the rows' own places in
 G; then (after a CTA barrier, so that they land last) the entries ``G[n, targets[n]]`` that fall in the tile are
 overwritten with the full formula evaluated at the row's target logit (``_forward.target_logits``, computed once
 per call): a per-row vector, where comparing every column with the target kept a tile-sized mask live and spilled
 registers.  A row with no gradient (g = h = k = 0) gets lse = +inf, so p = 0 and G = 0 with no per-element select
-(NaN where z is NaN / +inf, as in eager).  A program whose
+(NaN where z is NaN / +inf, as in eager).  A tile whose
 rows all lie past the device-side count of counted rows (ignored rows only) computes nothing and stores G = 0
 there (NaN where that row of E, or any of C / bias, is not finite: the pattern eager's log-softmax backward
 gives an ignored row whose log-sum-exp is NaN, through 0 * NaN).  So ignored rows cost no recompute; the cuBLAS products, whose
@@ -91,29 +91,68 @@ def _recompute_grad_kernel(
     first row; ``RowOrder`` lists the chunk's rows (local indices), counted rows first.  G's row of local row
     ``RowOrder[p]`` is p (``COMPACT_G``, for the ``_products`` kernels) or the row itself (for cuBLAS products).
     ``SPLIT_G`` (exact mode): G holds the gradient rounded to the input dtype and ``GLo`` (same layout) the
-    rounding's remainder, so that G + GLo carries ~16 mantissa bits into the products."""
-    pos = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rounding's remainder, so that G + GLo carries ~16 mantissa bits into the products.
+
+    A persistent grid, one program per multiprocessor: the block's tiles, row blocks outer, are dealt round-robin
+    to the programs, first the tiles of row blocks that hold counted rows (their number from the device-side count),
+    then those of ignored rows only, which store G's value there without computing logits.  (One program per tile
+    took 2-3% longer on the H100: launch and tail; Triton's loop flattening, which would overlap a tile's gradient
+    with the next tile's loads, left the D loop unpipelined here, +50%: engineering log v12.)"""
+    pid = tl.program_id(0)
+    num_programs = tl.num_programs(0)
+    vblocks = tl.cdiv(width, BLOCK_V)
+    num_counted = tl.load(NumCounted)
+    counted_tiles = tl.cdiv(num_counted, BLOCK_N) * vblocks
+    for tile in range(pid, counted_tiles, num_programs):
+        _grad_tile(
+            E, C, Bias, Lse, GradRows, GradLse, GradEntropy, MeanLogit, Targets, TargetLogit, RowOrder, RowPoison,
+            G, GLo, tile // vblocks, tile % vblocks, num_counted, n_rows, width, vocab_start, V, D,
+            stride_en, stride_ed, stride_cv, stride_cd, stride_g, softcap, target_weight, uniform,
+            HAS_BIAS, HAS_SOFTCAP, HAS_LSE_GRAD, HAS_ENTROPY_GRAD, COMPACT_G, TMA, SPLIT_G, UPCAST, DOT_PRECISION,
+            EVEN_D, EVEN_TILE, BLOCK_N, BLOCK_V, BLOCK_D,
+        )
+    # G of an ignored row: 0, or NaN where eager's 0 * NaN puts it: everywhere in a row with a NaN logit (its
+    # log-sum-exp is NaN), i.e. where that row of E, or any of C / bias, is not finite.
+    first = pid + tl.maximum(tl.cdiv(counted_tiles - pid, num_programs), 0) * num_programs
+    for tile in range(first, tl.cdiv(n_rows, BLOCK_N) * vblocks, num_programs):
+        pos = (tile // vblocks) * BLOCK_N + tl.arange(0, BLOCK_N)
+        in_chunk = pos < n_rows
+        rows = tl.load(RowOrder + pos, mask=in_chunk, other=0).to(tl.int64)
+        cols = (tile % vblocks) * BLOCK_V + tl.arange(0, BLOCK_V)
+        g_offs = (pos.to(tl.int64) if COMPACT_G else rows)[:, None] * stride_g + cols[None, :]
+        mask = in_chunk[:, None] & (cols < width)[None, :]
+        poison = tl.load(RowPoison + rows, mask=in_chunk, other=0.0)
+        skipped = (poison[:, None] + tl.zeros((BLOCK_N, BLOCK_V), tl.float32)).to(G.dtype.element_ty)
+        tl.store(G + g_offs, skipped, mask=mask)
+        if SPLIT_G:
+            tl.store(GLo + g_offs, skipped, mask=mask)
+
+
+@triton.jit
+def _grad_tile(
+    E, C, Bias, Lse, GradRows, GradLse, GradEntropy, MeanLogit, Targets, TargetLogit, RowOrder, RowPoison, G, GLo,
+    row_block, vocab_block, num_counted, n_rows, width, vocab_start, V, D,
+    stride_en, stride_ed, stride_cv, stride_cd, stride_g, softcap, target_weight, uniform,
+    HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_LSE_GRAD: tl.constexpr, HAS_ENTROPY_GRAD: tl.constexpr,
+    COMPACT_G: tl.constexpr, TMA: tl.constexpr,
+    SPLIT_G: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, EVEN_D: tl.constexpr,
+    EVEN_TILE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """One ``BLOCK_N x BLOCK_V`` tile of G whose row block holds counted rows (see the kernel)."""
+    pos = row_block * BLOCK_N + tl.arange(0, BLOCK_N)
     in_chunk = pos < n_rows
     rows = tl.load(RowOrder + pos, mask=in_chunk, other=0).to(tl.int64)
-    col0 = tl.program_id(1) * BLOCK_V
+    col0 = vocab_block * BLOCK_V
     cols = col0 + tl.arange(0, BLOCK_V)
     col_mask = cols < width
     mask = in_chunk[:, None] & col_mask[None, :]
     g_rows = (pos.to(tl.int64) if COMPACT_G else rows) * stride_g
     g_offs = g_rows[:, None] + cols[None, :]
     vocab_ids = tl.minimum(vocab_start + cols, V - 1).to(tl.int64)
-    num_counted = tl.load(NumCounted)
-    # G of an ignored row: 0, or NaN where eager's 0 * NaN puts it: everywhere in a row with a NaN logit (its
-    # log-sum-exp is NaN), i.e. where that row of E, or any of C / bias, is not finite.  (A per-row vector, so
-    # nothing tile-sized stays live across the logit loop.)
-    poison = tl.load(RowPoison + rows, mask=in_chunk, other=0.0)
-    if tl.program_id(0) * BLOCK_N >= num_counted:
-        skipped = (poison[:, None] + tl.zeros((BLOCK_N, BLOCK_V), tl.float32)).to(G.dtype.element_ty)
-        tl.store(G + g_offs, skipped, mask=mask)
-        if SPLIT_G:
-            tl.store(GLo + g_offs, skipped, mask=mask)
-        return
-    poison = tl.where(pos < num_counted, 0.0, poison)  # counted rows get their NaNs from their own logits
+    # Ignored rows of this block (past the count) get 0, or NaN where eager has it (the kernel's docstring): as
+    # lse = +inf + poison, so that no tile-sized term stays live across the logit loop.  Counted rows get their
+    # NaNs from their own logits.
+    poison = tl.where(pos < num_counted, 0.0, tl.load(RowPoison + rows, mask=in_chunk, other=0.0))
 
     grad_row = tl.load(GradRows + rows, mask=in_chunk, other=0.0)
     grad_p = grad_row
@@ -127,15 +166,14 @@ def _recompute_grad_kernel(
         mean_logit = tl.load(MeanLogit + rows, mask=in_chunk, other=0.0)
         has_grad = has_grad | (grad_entropy != 0.0)
     # a row with no gradient gets p = exp(z - inf) = 0: its G is 0 (NaN where z is NaN / +inf, as in eager)
-    lse = tl.where(has_grad, tl.load(Lse + rows, mask=in_chunk, other=0.0), float("inf"))
+    lse = tl.where(has_grad, tl.load(Lse + rows, mask=in_chunk, other=0.0), float("inf")) + poison
     logits = logit_tile(
-        E, C, Bias, rows, vocab_ids, tl.program_id(0) * BLOCK_N, vocab_start + col0, D, stride_en, stride_ed,
+        E, C, Bias, rows, vocab_ids, row_block * BLOCK_N, vocab_start + col0, D, stride_en, stride_ed,
         stride_cv, stride_cd, softcap, HAS_BIAS, HAS_SOFTCAP, TMA, UPCAST, DOT_PRECISION, EVEN_D, BLOCK_N, BLOCK_V,
         BLOCK_D,
     )
     grad = softmax_grad(logits, lse[:, None], grad_p[:, None], grad_entropy[:, None], mean_logit[:, None],
                         (grad_row * uniform)[:, None], softcap, HAS_SOFTCAP, HAS_ENTROPY_GRAD)
-    grad = grad + poison[:, None]
     grad_hi = grad.to(G.dtype.element_ty)
     if EVEN_TILE:  # (the masked store of a full tile costs registers the softcap's epilogue needs)
         tl.store(G + g_offs, grad_hi)
@@ -150,7 +188,7 @@ def _recompute_grad_kernel(
     hit = in_chunk & (target >= col0) & (target < col0 + BLOCK_V) & (target < width)
     target_logit = tl.load(TargetLogit + rows, mask=hit, other=0.0)
     at_target = softmax_grad(target_logit, lse, grad_p, grad_entropy, mean_logit,
-                             grad_row * (target_weight + uniform), softcap, HAS_SOFTCAP, HAS_ENTROPY_GRAD) + poison
+                             grad_row * (target_weight + uniform), softcap, HAS_SOFTCAP, HAS_ENTROPY_GRAD)
     at_target_hi = at_target.to(G.dtype.element_ty)
     tl.debug_barrier()  # the tile's stores above land first
     tl.store(G + g_rows + target, at_target_hi, mask=hit)
@@ -220,6 +258,7 @@ def backward(e, c, targets, bias, lse, grad_rows, *, softcap, ignore_index, opti
     weight_poison = _launch.nonfinite_rows(c).sum() + (0.0 if bias is None else bias.float().sum() * 0.0)
     block_n, block_v, block_d = tune["block_n"], tune["block_v"], tune["block_d"]
     use_tma = _forward.tma_operands(e, c, tune)
+    programs = _launch.num_sms(device)  # a persistent grid: one program per multiprocessor
     c_op = _launch.descriptor(c, [block_v, block_d]) if use_tma else c
     num_stages = _launch.fit_num_stages(tune["num_stages"], block_n, block_v, block_d, e.element_size())
 
@@ -246,8 +285,8 @@ def backward(e, c, targets, bias, lse, grad_rows, *, softcap, ignore_index, opti
             c_chunk_mm = c_chunk.float() if upcast else c_chunk
             grad = _block(g_buf, rows, g_row_pitch)[:, :width] if triton_products else _block(g_buf, rows, width)
             grad_lo = _block(g_lo_buf, rows, width) if split_g else grad
-            grid = (triton.cdiv(rows, block_n), triton.cdiv(width, block_v))
-            _recompute_grad_kernel[grid](
+            tiles = triton.cdiv(rows, block_n) * triton.cdiv(width, block_v)
+            _recompute_grad_kernel[(min(tiles, programs),)](
                 e_op, c_op, bias if bias is not None else lse, lse[r0:], grad_rows[r0:],
                 (grad_rows if grad_lse is None else grad_lse)[r0:],
                 (grad_rows if grad_entropy is None else grad_entropy)[r0:],

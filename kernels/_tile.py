@@ -24,10 +24,10 @@ import triton.language as tl
 
 @triton.jit
 def tanh(x):
-    """tanh through exp (portable: the interpreter has no libdevice); exact to fp32 rounding."""
-    a = tl.abs(x)
-    t = 1.0 - 2.0 / (tl.exp(2.0 * a) + 1.0)
-    return tl.where(x < 0, -t, t)
+    """tanh through exp (portable: the interpreter has no libdevice): 1 - 2 / (e^2x + 1), which tends to -1 / +1
+    as e^2x underflows to 0 / overflows to inf, so it needs no sign select (one tile-sized mask fewer live in the
+    softcap's epilogue); absolute error ~1e-7 (cancellation near 0, as any exp form has)."""
+    return 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)
 
 
 @triton.jit
