@@ -5,7 +5,10 @@
     python examples/kernel_registers.py --num-stages 4 --block-v 128
 
 Compiles ``_lse_forward_kernel`` and ``_recompute_grad_kernel`` ahead of time for ``sm_90a`` with their GPU tuning
-(bf16 operands, D a multiple of the block, with and without softcap) and runs ``ptxas -v`` on the result.  Pointers
+(bf16 operands, D a multiple of the block, with and without softcap, with pointer loads and with tensor-memory-
+accelerator descriptors, ``tma``: what the GPU runs for 16-bit inputs) and runs ``ptxas -v`` on the result.  A
+software-pipelined tile loop shows as ``num_stages - 1`` or more operand buffers in shared memory (~48 KB each at
+the GPU tuning); 48 KB means the loop was not pipelined.  Pointers
 and the sizes / strides the launch specialises as multiples of 16 are declared so here (``tt.divisibility``), and
 unit strides as the constant 1: without those hints the compiler cannot prove 16-byte alignment, does not pipeline
 the loads, and the figures say nothing about the launched kernel.  With them they match what the device reported
