@@ -29,18 +29,18 @@ The (rows x vocabulary) plane is cut into ``row_chunk x vocab_chunk`` blocks; ro
             dbias32[W] += sum_rows G
         dE[R] = dE32
 
-``_recompute_grad_kernel`` deals the block's tiles to its programs; tile (i, j) takes compacted rows
-``i*BLOCK_N ...`` of the chunk and vocabulary tile j of the block: ``BLOCK_N x BLOCK_V`` logits from ``_tile.logit_tile`` (loop over ``BLOCK_D`` chunks of D),
-the gradient formed in registers without its one-hot term and stored in the input dtype at the rows' own places in
-G; then (after a CTA barrier, so that they land last) the entries ``G[n, targets[n]]`` that fall in the tile are
-overwritten with the full formula evaluated at the row's target logit (``_forward.target_logits``, computed once
-per call): a per-row vector, where comparing every column with the target kept a tile-sized mask live and spilled
-registers.  A row with no gradient (g = h = k = 0) gets lse = +inf, so p = 0 and G = 0 with no per-element select
-(NaN where z is NaN / +inf, as in eager).  A tile whose
-rows all lie past the device-side count of counted rows (ignored rows only) computes nothing and stores G = 0
-there (NaN where that row of E, or any of C / bias, is not finite: the pattern eager's log-softmax backward
-gives an ignored row whose log-sum-exp is NaN, through 0 * NaN).  So ignored rows cost no recompute; the cuBLAS products, whose
-sizes the host must know, still run over every row.
+``_recompute_grad_kernel`` deals the block's tiles to its programs; tile (i, j) takes compacted rows ``i*BLOCK_N
+...`` of the chunk and vocabulary tile j of the block: ``BLOCK_N x BLOCK_V`` logits from ``_tile.logit_tile`` (loop
+over ``BLOCK_D`` chunks of D), the gradient formed in registers without its one-hot term and stored in the input
+dtype at the rows' own places in G; then (after a CTA barrier, so that they land last) the entries ``G[n,
+targets[n]]`` that fall in the tile are overwritten with the full formula evaluated at the row's target logit
+(``_forward.target_logits``, computed once per call): a per-row vector, where comparing every column with the target
+kept a tile-sized mask live and spilled registers. A row with no gradient (g = h = k = 0) gets lse = +inf, so p = 0
+and G = 0 with no per-element select (NaN where z is NaN / +inf, as in eager). A tile whose rows all lie past the
+device-side count of counted rows (ignored rows only) computes nothing and stores G = 0 there (NaN where that row of
+E, or any of C / bias, is not finite: the pattern eager's log-softmax backward gives an ignored row whose
+log-sum-exp is NaN, through 0 * NaN). So ignored rows cost no recompute; the cuBLAS products, whose sizes the host
+must know, still run over every row.
 
 Exact mode (``options.exact``, 16-bit inputs): the recompute also stores the remainder of G's rounding, G_lo = G -
 round(G), in a second block, and every product runs twice (G and G_lo, fp32 accumulation), so the products see

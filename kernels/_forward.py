@@ -262,8 +262,8 @@ def forward(e, c, targets, bias, *, softcap, ignore_index, logit_sum=False, mean
         e.stride(0), e.stride(1), c.stride(0), c.stride(1),
         vblocks_per_split, float(softcap) if softcap is not None else 1.0,
         HAS_BIAS=bias is not None, HAS_SOFTCAP=softcap is not None, LOGIT_SUM=logit_sum, MEAN_LOGIT=mean_logit,
-        TMA=use_tma, UPCAST=_launch.upcast_dots(e.dtype), DOT_PRECISION=_launch.dot_precision(e.dtype), EVEN_D=(d % block_d == 0),
-        EVEN_V=(v % block_v == 0), BLOCK_N=block_n, BLOCK_V=block_v, BLOCK_D=block_d,
+        TMA=use_tma, UPCAST=_launch.upcast_dots(e.dtype), DOT_PRECISION=_launch.dot_precision(e.dtype),
+        EVEN_D=(d % block_d == 0), EVEN_V=(v % block_v == 0), BLOCK_N=block_n, BLOCK_V=block_v, BLOCK_D=block_d,
         num_warps=tune["num_warps"],
         num_stages=_launch.fit_num_stages(tune["num_stages"], block_n, block_v, block_d, e.element_size()),
     )
