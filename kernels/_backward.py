@@ -115,17 +115,29 @@ def _recompute_grad_kernel(
     # log-sum-exp is NaN), i.e. where that row of E, or any of C / bias, is not finite.
     first = pid + tl.maximum(tl.cdiv(counted_tiles - pid, num_programs), 0) * num_programs
     for tile in range(first, tl.cdiv(n_rows, BLOCK_N) * vblocks, num_programs):
-        pos = (tile // vblocks) * BLOCK_N + tl.arange(0, BLOCK_N)
-        in_chunk = pos < n_rows
-        rows = tl.load(RowOrder + pos, mask=in_chunk, other=0).to(tl.int64)
-        cols = (tile % vblocks) * BLOCK_V + tl.arange(0, BLOCK_V)
-        g_offs = (pos.to(tl.int64) if COMPACT_G else rows)[:, None] * stride_g + cols[None, :]
-        mask = in_chunk[:, None] & (cols < width)[None, :]
+        pos, in_chunk, rows, cols, g_rows, mask = _tile_rows(
+            RowOrder, tile // vblocks, tile % vblocks, n_rows, width, stride_g, COMPACT_G, BLOCK_N, BLOCK_V)
+        g_offs = g_rows[:, None] + cols[None, :]
         poison = tl.load(RowPoison + rows, mask=in_chunk, other=0.0)
         skipped = (poison[:, None] + tl.zeros((BLOCK_N, BLOCK_V), tl.float32)).to(G.dtype.element_ty)
         tl.store(G + g_offs, skipped, mask=mask)
         if SPLIT_G:
             tl.store(GLo + g_offs, skipped, mask=mask)
+
+
+@triton.jit
+def _tile_rows(RowOrder, row_block, vocab_block, n_rows, width, stride_g, COMPACT_G: tl.constexpr,
+               BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr):
+    """Where tile (row_block, vocab_block) of a G block lies: its compacted positions, whether they are in the
+    chunk, the rows they hold, its columns, G's row offsets (per position with ``COMPACT_G``, else per row) and the
+    tile's store mask."""
+    pos = row_block * BLOCK_N + tl.arange(0, BLOCK_N)
+    in_chunk = pos < n_rows
+    rows = tl.load(RowOrder + pos, mask=in_chunk, other=0).to(tl.int64)
+    cols = vocab_block * BLOCK_V + tl.arange(0, BLOCK_V)
+    g_rows = (pos.to(tl.int64) if COMPACT_G else rows) * stride_g
+    mask = in_chunk[:, None] & (cols < width)[None, :]
+    return pos, in_chunk, rows, cols, g_rows, mask
 
 
 @triton.jit
@@ -139,14 +151,9 @@ def _grad_tile(
     EVEN_TILE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """One ``BLOCK_N x BLOCK_V`` tile of G whose row block holds counted rows (see the kernel)."""
-    pos = row_block * BLOCK_N + tl.arange(0, BLOCK_N)
-    in_chunk = pos < n_rows
-    rows = tl.load(RowOrder + pos, mask=in_chunk, other=0).to(tl.int64)
+    pos, in_chunk, rows, cols, g_rows, mask = _tile_rows(
+        RowOrder, row_block, vocab_block, n_rows, width, stride_g, COMPACT_G, BLOCK_N, BLOCK_V)
     col0 = vocab_block * BLOCK_V
-    cols = col0 + tl.arange(0, BLOCK_V)
-    col_mask = cols < width
-    mask = in_chunk[:, None] & col_mask[None, :]
-    g_rows = (pos.to(tl.int64) if COMPACT_G else rows) * stride_g
     g_offs = g_rows[:, None] + cols[None, :]
     vocab_ids = tl.minimum(vocab_start + cols, V - 1).to(tl.int64)
     # Ignored rows of this block (past the count) get 0, or NaN where eager has it (the kernel's docstring): as

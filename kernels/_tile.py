@@ -31,6 +31,15 @@ def tanh(x):
 
 
 @triton.jit
+def _dot_step(acc, e_blk, c_blk, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """``acc + e_blk @ c_blk^T`` in fp32 (operands upcast first under the interpreter: see ``_launch``)."""
+    if UPCAST:
+        e_blk = e_blk.to(tl.float32)
+        c_blk = c_blk.to(tl.float32)
+    return tl.dot(e_blk, tl.trans(c_blk), acc, input_precision=DOT_PRECISION)
+
+
+@triton.jit
 def logit_tile(
     E, C, Bias, rows, vocab_ids, row0, col0, D,
     stride_en, stride_ed, stride_cv, stride_cd,
@@ -42,12 +51,7 @@ def logit_tile(
     acc = tl.zeros((BLOCK_N, BLOCK_V), dtype=tl.float32)
     if TMA:
         for d0 in range(0, D, BLOCK_D):
-            e_blk = E.load([row0, d0])
-            c_blk = C.load([col0, d0])
-            if UPCAST:
-                e_blk = e_blk.to(tl.float32)
-                c_blk = c_blk.to(tl.float32)
-            acc = tl.dot(e_blk, tl.trans(c_blk), acc, input_precision=DOT_PRECISION)
+            acc = _dot_step(acc, E.load([row0, d0]), C.load([col0, d0]), UPCAST, DOT_PRECISION)
     else:
         # 1-D row pointers, offset per step: a 2-D pointer tile carried through the loop held ~190 registers
         e_rows = E + rows * stride_en
@@ -62,10 +66,7 @@ def logit_tile(
                 d_mask = (d < D)[None, :]
                 e_blk = tl.load(e_rows[:, None] + (d * stride_ed)[None, :], mask=d_mask, other=0.0)
                 c_blk = tl.load(c_rows[:, None] + (d * stride_cd)[None, :], mask=d_mask, other=0.0)
-            if UPCAST:
-                e_blk = e_blk.to(tl.float32)
-                c_blk = c_blk.to(tl.float32)
-            acc = tl.dot(e_blk, tl.trans(c_blk), acc, input_precision=DOT_PRECISION)
+            acc = _dot_step(acc, e_blk, c_blk, UPCAST, DOT_PRECISION)
     if HAS_BIAS:
         acc += tl.load(Bias + vocab_ids).to(tl.float32)[None, :]
     if HAS_SOFTCAP:
