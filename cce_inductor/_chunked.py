@@ -59,7 +59,8 @@ def forward(
     vocab_chunk: int = VOCAB_CHUNK,
 ) -> tuple[Tensor, Tensor, Optional[Tensor], Optional[Tensor]]:
     """Returns ``(lse, target_logit, logit_sum | None, mean_logit | None)``, each ``(N,)`` in the accumulation
-    dtype; ignored rows hold finite junk. ``logit_sum``: also the sum of each row's logits (the label-smoothing
+    dtype, for every row (ignored ones too); the target logit is 0 where the target is ``ignore_index`` or outside
+    ``[0, V)``. ``logit_sum``: also the sum of each row's logits (the label-smoothing
     term); ``mean_logit``: also each row's softmax-weighted mean logit (the entropy is ``lse - mean_logit``)."""
     n_rows, vocab = e.shape[0], c.shape[0]
     acc = accumulation_dtype(e.dtype)
@@ -89,12 +90,15 @@ def forward(
         if row_means is not None:
             row_means[r0 : r0 + row_chunk] = running_weighted / running_sum
 
+        # 0 where the target is ignore_index or outside [0, V) (a vocabulary shard's "another shard's target")
         rows_targets = targets[r0 : r0 + row_chunk]
-        safe_targets = torch.where(rows_targets == ignore_index, 0, rows_targets)
+        hit = (rows_targets != ignore_index) & (rows_targets >= 0) & (rows_targets < vocab)
+        safe_targets = torch.where(hit, rows_targets, 0)
         raw = (e_rows * c[safe_targets].to(acc)).sum(dim=1)
         if bias_acc is not None:
             raw = raw + bias_acc[safe_targets]
-        target_logit[r0 : r0 + row_chunk] = raw if softcap is None else torch.tanh(raw / softcap) * softcap
+        raw = raw if softcap is None else torch.tanh(raw / softcap) * softcap
+        target_logit[r0 : r0 + row_chunk] = torch.where(hit, raw, 0.0)
     return lse, target_logit, row_sums, row_means
 
 

@@ -48,7 +48,7 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch import Tensor
 
-from . import _chunked, _loss, diagnostics
+from . import _checks, _chunked, _dispatch, _loss, diagnostics
 from .options import CCEOptions
 
 __all__ = ["vocab_parallel_linear_cross_entropy", "dtensor_linear_cross_entropy", "vocab_shard_range"]
@@ -80,15 +80,9 @@ def _wait(t: Tensor) -> Tensor:
 # into the graph, the Triton launches are not traced), no communication inside.
 #
 # ``shard_targets`` encodes each row for this shard: the local column index of its target (>= 0), or
-# _LOCAL_ELSEWHERE (the row counts, its target is in another shard), or _LOCAL_IGNORED (ignore_index). The
-# kernels take these codes as they are (a target outside [0, V_local) counts, with no one-hot term); the
-# chunked path, which reads c[target], gets _LOCAL_IGNORED for every row without a local target.
+# _LOCAL_ELSEWHERE (the row counts, its target is in another shard), or _LOCAL_IGNORED (ignore_index): both
+# implementations (``_dispatch``) take a target outside [0, V_local) as "counts, with no one-hot term here".
 # --------------------------------------------------------------------------------------------------------------
-
-
-def _local_codes(shard_targets: Tensor) -> Tensor:
-    """Targets with _LOCAL_IGNORED wherever no column of this shard is the target (no one-hot term here)."""
-    return torch.where(shard_targets >= 0, shard_targets, _LOCAL_IGNORED)
 
 
 @torch.library.custom_op("cce_inductor::vocab_shard_forward", mutates_args=())
@@ -100,20 +94,15 @@ def vocab_shard_forward(
     n_rows, v_local = e.shape[0], c.shape[0]
     in_shard = shard_targets >= 0
     if v_local == 0:  # an empty shard (V < world): contributes exp(-inf) = 0
-        lse = torch.full((n_rows,), float("-inf"), dtype=_loss.lse_dtype(e.device, e.dtype), device=e.device)
+        lse = torch.full((n_rows,), float("-inf"), dtype=_dispatch.lse_dtype(e.device, e.dtype), device=e.device)
         return lse, torch.zeros_like(lse)
-    if _loss.uses_kernels(e.device, e.dtype) and n_rows > 0:
-        lse, target_logit, *_ = _loss.triton_kernels().forward(e, c, shard_targets, bias, softcap=softcap,
-                                                           ignore_index=_LOCAL_IGNORED)  # fmt: skip
-    else:
-        lse, target_logit, *_ = _chunked.forward(e, c, _local_codes(shard_targets), bias, softcap=softcap,
-                                             ignore_index=_LOCAL_IGNORED)  # fmt: skip
+    lse, target_logit, *_ = _dispatch.forward(e, c, shard_targets, bias, softcap=softcap, ignore_index=_LOCAL_IGNORED)
     return lse, torch.where(in_shard, target_logit, 0.0)
 
 
 @vocab_shard_forward.register_fake
 def _(e, c, shard_targets, bias, softcap):
-    lse = e.new_empty((e.shape[0],), dtype=_loss.lse_dtype(e.device, e.dtype))
+    lse = e.new_empty((e.shape[0],), dtype=_dispatch.lse_dtype(e.device, e.dtype))
     return lse, torch.empty_like(lse)
 
 
@@ -127,16 +116,11 @@ def vocab_shard_backward(
     if c.shape[0] == 0:
         grad_e, grad_c = torch.zeros_like(e), torch.zeros_like(c)
         grad_bias = None if bias is None else torch.zeros_like(bias)
-    elif _loss.uses_kernels(e.device, e.dtype) and e.shape[0] > 0:
-        grad_e, grad_c, grad_bias = _loss.triton_kernels().backward(
-            e, c, shard_targets, bias, lse.float(), grad_rows.float(), softcap=softcap, ignore_index=_LOCAL_IGNORED,
-            options=CCEOptions.decode(options), need_e=need_e, need_c=need_c, need_bias=need_bias,
-        )  # fmt: skip
     else:
-        grad_e, grad_c, grad_bias = _chunked.backward(
-            e, c, _local_codes(shard_targets), bias, lse, grad_rows,
-            softcap=softcap, need_e=need_e, need_c=need_c, need_bias=need_bias,
-        )  # fmt: skip
+        grad_e, grad_c, grad_bias = _dispatch.backward(
+            e, c, shard_targets, bias, lse, grad_rows, softcap=softcap, ignore_index=_LOCAL_IGNORED,
+            options=CCEOptions.decode(options), need_e=need_e, need_c=need_c, need_bias=need_bias,
+        )
     return _loss.empty_unless(need_e, grad_e, e), _loss.empty_unless(need_c, grad_c, e), \
         _loss.empty_unless(need_bias, grad_bias, e)  # fmt: skip
 
@@ -150,7 +134,7 @@ class _VocabParallelLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, e, c, targets, bias, vocab_start, vocab_size, group, softcap, ignore_index, reduction, options):
         valid = targets != ignore_index
-        _loss.check_target_range(targets, vocab_size, ignore_index)
+        _checks.check_target_range(targets, vocab_size, ignore_index)
         local = targets - vocab_start
         in_shard = valid & (local >= 0) & (local < c.shape[0])
         shard_targets = torch.where(valid, torch.where(in_shard, local, _LOCAL_ELSEWHERE), _LOCAL_IGNORED)
@@ -223,19 +207,19 @@ def vocab_parallel_linear_cross_entropy(
     Returns the loss (float32; float64 for float64 inputs), identical on every rank; ``e.grad`` is the full
     gradient (already summed over the group), ``c_shard.grad`` / ``bias_shard.grad`` this rank's slices.
     """
-    _loss.check_public_args(e, c_shard, targets, softcap=softcap, reduction=reduction)
+    _checks.check_public_args(e, c_shard, targets, softcap=softcap, reduction=reduction)
     if not (0 <= vocab_start and vocab_start + c_shard.shape[0] <= vocab_size):
         raise ValueError(f"shard [{vocab_start}, {vocab_start + c_shard.shape[0]}) is not inside [0, {vocab_size})")
 
     device_type = e.device.type
-    e, c_shard, bias_shard = _loss.autocast_inputs(e, c_shard, bias_shard)
+    e, c_shard, bias_shard = _checks.autocast_inputs(e, c_shard, bias_shard)
 
     if group is None:
         group = dist.group.WORLD
     e2d = e.reshape(-1, e.shape[-1])
     flat_targets = targets.reshape(-1).long()
     if not torch.compiler.is_compiling():  # its torch._check messages are closures: a graph break under Dynamo
-        _loss.check_inputs(e2d, c_shard, flat_targets, bias_shard)
+        _checks.check_inputs(e2d, c_shard, flat_targets, bias_shard)
     with torch.autocast(device_type, enabled=False):
         loss = _VocabParallelLinearCrossEntropy.apply(
             e2d, c_shard, flat_targets, bias_shard, int(vocab_start), int(vocab_size), group,

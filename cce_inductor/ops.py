@@ -23,7 +23,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from . import _chunked, _loss, diagnostics
+from . import _checks, _chunked, _dispatch, _loss, diagnostics, paths
 from .options import CCEOptions
 
 __all__ = ["linear_cross_entropy"]
@@ -54,19 +54,13 @@ def linear_cross_entropy_op(
     # Autocast already did its work on the inputs (the public wrapper casts them as F.linear would); inside,
     # the chunked path's matmuls must run in the accumulation dtype, not be downcast again.
     with torch.autocast(e.device.type, enabled=False):
-        _loss.check_inputs(e, c, targets, bias)
-        _loss.check_target_range(targets, c.shape[0], ignore_index)
+        _checks.check_inputs(e, c, targets, bias)
+        _checks.check_target_range(targets, c.shape[0], ignore_index)
         acc = _chunked.accumulation_dtype(e.dtype)
-        smoothing = label_smoothing != 0.0
-        if _loss.uses_kernels(e.device, e.dtype) and e.shape[0] > 0:
-            lse, target_logit, logit_sum, mean_logit = _loss.triton_kernels().forward(
-                e, c, targets, bias, softcap=softcap, ignore_index=ignore_index, logit_sum=smoothing,
-                mean_logit=entropy, every_row=full_lse or entropy,
-            )
-        else:
-            lse, target_logit, logit_sum, mean_logit = _chunked.forward(
-                e, c, targets, bias, softcap=softcap, ignore_index=ignore_index, logit_sum=smoothing, mean_logit=entropy
-            )
+        lse, target_logit, logit_sum, mean_logit = _dispatch.forward(
+            e, c, targets, bias, softcap=softcap, ignore_index=ignore_index, logit_sum=label_smoothing != 0.0,
+            mean_logit=entropy, every_row=full_lse or entropy,
+        )
         valid = targets != ignore_index
         row_loss = _loss.row_losses(lse, target_logit, logit_sum, valid, label_smoothing, c.shape[0], acc)
         row_entropy = lse - mean_logit if entropy else lse.new_empty(0)
@@ -75,10 +69,10 @@ def linear_cross_entropy_op(
 
 @linear_cross_entropy_op.register_fake
 def _(e, c, targets, bias, softcap, ignore_index, reduction, label_smoothing, options, full_lse, entropy):
-    _loss.check_inputs(e, c, targets, bias)
+    _checks.check_inputs(e, c, targets, bias)
     n_rows = e.shape[0]
     loss = e.new_empty((n_rows,) if reduction == "none" else (), dtype=_chunked.accumulation_dtype(e.dtype))
-    row_dtype = _loss.lse_dtype(e.device, e.dtype)
+    row_dtype = _dispatch.lse_dtype(e.device, e.dtype)
     return loss, e.new_empty((n_rows,), dtype=row_dtype), e.new_empty((n_rows if entropy else 0,), dtype=row_dtype)
 
 
@@ -110,17 +104,11 @@ def linear_cross_entropy_backward_op(
         mean_logit = None if grad_entropy is None else lse - entropy
         valid = targets != ignore_index
         grad_rows = _loss.grad_rows(grad_loss, valid, reduction, _chunked.accumulation_dtype(e.dtype))
-        if _loss.uses_kernels(e.device, e.dtype) and e.shape[0] > 0:
-            grad_e, grad_c, grad_bias = _loss.triton_kernels().backward(
-                e, c, targets, bias, lse, grad_rows.float(), softcap=softcap, ignore_index=ignore_index,
-                label_smoothing=label_smoothing, grad_lse=grad_lse, grad_entropy=grad_entropy, mean_logit=mean_logit,
-                options=CCEOptions.decode(options), need_e=need_e, need_c=need_c, need_bias=need_bias,
-            )  # fmt: skip
-        else:
-            grad_e, grad_c, grad_bias = _chunked.backward(
-                e, c, targets, bias, lse, grad_rows, softcap=softcap, need_e=need_e, need_c=need_c, need_bias=need_bias,
-                label_smoothing=label_smoothing, grad_lse=grad_lse, grad_entropy=grad_entropy, mean_logit=mean_logit,
-            )
+        grad_e, grad_c, grad_bias = _dispatch.backward(
+            e, c, targets, bias, lse, grad_rows, softcap=softcap, ignore_index=ignore_index,
+            options=CCEOptions.decode(options), need_e=need_e, need_c=need_c, need_bias=need_bias,
+            label_smoothing=label_smoothing, grad_lse=grad_lse, grad_entropy=grad_entropy, mean_logit=mean_logit,
+        )
     return _loss.empty_unless(need_e, grad_e, e), _loss.empty_unless(need_c, grad_c, e), \
         _loss.empty_unless(need_bias, grad_bias, e)  # fmt: skip
 
@@ -196,28 +184,13 @@ def linear_cross_entropy_with_grads_op(
         raise ValueError(f"linear_cross_entropy_with_grads computes reductions 'mean' and 'sum', got {reduction!r}")
     need_bias = need_bias and bias is not None
     with torch.autocast(e.device.type, enabled=False):
-        _loss.check_inputs(e, c, targets, bias)
-        _loss.check_target_range(targets, c.shape[0], ignore_index)
-        if _loss.uses_kernels(e.device, e.dtype):
-            loss, grad_e, grad_c, grad_bias = _loss.triton_kernels().loss_and_grads(
-                e, c, targets, bias, softcap=softcap, ignore_index=ignore_index, reduction=reduction,
-                label_smoothing=label_smoothing, scratch_bytes=CCEOptions.decode(options).scratch_mb * 2**20,
-                need_e=need_e, need_c=need_c, need_bias=need_bias,
-            )
-        else:
-            acc = _chunked.accumulation_dtype(e.dtype)
-            smoothing = label_smoothing != 0.0
-            lse, target_logit, logit_sum, _ = _chunked.forward(
-                e, c, targets, bias, softcap=softcap, ignore_index=ignore_index, logit_sum=smoothing
-            )
-            valid = targets != ignore_index
-            row_loss = _loss.row_losses(lse, target_logit, logit_sum, valid, label_smoothing, c.shape[0], acc)
-            loss = _loss.reduce_rows(row_loss, valid, reduction)
-            grad_rows = _loss.grad_rows(torch.ones((), dtype=acc, device=e.device), valid, reduction, acc)
-            grad_e, grad_c, grad_bias = _chunked.backward(
-                e, c, targets, bias, lse, grad_rows, softcap=softcap, need_e=need_e, need_c=need_c,
-                need_bias=need_bias, label_smoothing=label_smoothing, in_accumulation_dtype=True,
-            )
+        _checks.check_inputs(e, c, targets, bias)
+        _checks.check_target_range(targets, c.shape[0], ignore_index)
+        loss, grad_e, grad_c, grad_bias = _dispatch.loss_and_grads(
+            e, c, targets, bias, softcap=softcap, ignore_index=ignore_index, reduction=reduction,
+            label_smoothing=label_smoothing, scratch_bytes=CCEOptions.decode(options).scratch_mb * 2**20,
+            need_e=need_e, need_c=need_c, need_bias=need_bias,
+        )
     acc = _chunked.accumulation_dtype(e.dtype)
     return loss, *(grad.to(acc) if needed else e.new_empty(0, dtype=acc)
                    for needed, grad in ((need_e, grad_e), (need_c, grad_c), (need_bias, grad_bias)))  # fmt: skip
@@ -225,7 +198,7 @@ def linear_cross_entropy_with_grads_op(
 
 @linear_cross_entropy_with_grads_op.register_fake
 def _(e, c, targets, bias, softcap, ignore_index, reduction, label_smoothing, options, need_e, need_c, need_bias):
-    _loss.check_inputs(e, c, targets, bias)
+    _checks.check_inputs(e, c, targets, bias)
     acc = _chunked.accumulation_dtype(e.dtype)
     return (e.new_empty((), dtype=acc),) + tuple(
         grad.to(acc) for grad in _loss.grad_outputs_fake(e, c, bias, need_e, need_c, need_bias)
@@ -303,15 +276,15 @@ def linear_cross_entropy(
     Returns the loss in float32 (float64 for float64 inputs). Under autocast ``e``, ``c`` and ``bias`` are cast
     to the autocast dtype, as ``F.linear`` would be.
     """
-    _loss.check_public_args(e, c, targets, softcap=softcap, reduction=reduction)
+    _checks.check_public_args(e, c, targets, softcap=softcap, reduction=reduction)
     if not 0.0 <= label_smoothing <= 1.0:
         raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing}")
     if options is not None and not isinstance(options, CCEOptions):
         raise TypeError(f"options must be a cce_inductor.CCEOptions, got {type(options).__name__}")
-    e, c, bias = _loss.autocast_inputs(e, c, bias)
+    e, c, bias = _checks.autocast_inputs(e, c, bias)
     options = options or CCEOptions()
     need = (e.requires_grad, c.requires_grad, bias is not None and bias.requires_grad)
-    if _loss.lean_path_reason(options, reduction, torch.is_grad_enabled() and any(need)) is None:
+    if paths.lean_path_reason(options, reduction, torch.is_grad_enabled() and any(need)) is None:
         loss, _, _, _ = linear_cross_entropy_with_grads_op(
             e.reshape(-1, e.shape[-1]), c, targets.reshape(-1).long(), bias,
             None if softcap is None else float(softcap), int(ignore_index), reduction, float(label_smoothing),

@@ -569,9 +569,9 @@ def header(args):
              python=sys.version.split()[0], device=args.device, time=time.strftime("%Y-%m-%d %H:%M:%S"),
              settings={k: v for k, v in vars(args).items()})
     if args.device == "cuda":
-        from cce_inductor import _loss
+        from cce_inductor import _dispatch
         h["gpu"] = torch.cuda.get_device_name()
-        kernels = _loss.triton_kernels()
+        kernels = _dispatch.triton_kernels()
         h["op_path"] = "triton kernels" if kernels is not None else "!! chunked PyTorch (Triton unavailable)"
         try:
             import triton

@@ -126,10 +126,10 @@ def assert_rewritten(count=1):
 def test_triton_kernels_are_used_on_cuda():
     """Every other test here means little if CUDA silently took the chunked PyTorch path (cce_inductor.kernels
     imports only from an installed package: ``pip install -e .``)."""
-    from cce_inductor import _loss
+    from cce_inductor import _dispatch
 
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
-        assert _loss.uses_kernels(torch.device(DEVICE), dtype), (
+        assert _dispatch.uses_kernels(torch.device(DEVICE), dtype), (
             f"CUDA {dtype} does not take the Triton kernels: cce_inductor.kernels did not import "
             "(is the package installed, and is triton importable?)"
         )

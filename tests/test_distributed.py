@@ -485,9 +485,9 @@ def _vp_case(rank, world, *, impl, dtype, n, dim, vocab, reduction, softcap, bia
 
 def _use_kernels_on_cpu() -> None:
     """The Triton kernels (in the interpreter) for CPU tensors of the kernels' dtypes, in this worker only."""
-    from cce_inductor import _loss
+    from cce_inductor import _dispatch
 
-    _loss.uses_kernels = lambda device, dtype: dtype in (torch.float16, torch.bfloat16, torch.float32)
+    _dispatch.uses_kernels = lambda device, dtype: dtype in (torch.float16, torch.bfloat16, torch.float32)
 
 
 def _vp_worker(rank, world, impl):
@@ -593,10 +593,10 @@ def test_vocab_parallel_chunked(task_results):
 
 
 def _kernels_runnable() -> bool:
-    from cce_inductor import _loss
+    from cce_inductor import _dispatch
 
     try:
-        return _loss.triton_kernels() is not None and os.environ.get("TRITON_INTERPRET") == "1"
+        return _dispatch.triton_kernels() is not None and os.environ.get("TRITON_INTERPRET") == "1"
     except Exception:  # noqa: BLE001 - a broken kernels module is test_kernels.py's business
         return False
 

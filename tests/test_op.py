@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import cce_inductor
-from cce_inductor import CCEOptions, _chunked, _loss, ops
+from cce_inductor import CCEOptions, _checks, _chunked, ops
 
 from _compare import rel_l2 as rel_err
 
@@ -608,7 +608,7 @@ def test_shape_mismatch_is_value_error(case, match):
 def test_device_mismatch_is_value_error():
     e, c, t, _ = _small()
     with pytest.raises(ValueError, match="targets is on meta"):
-        _loss.check_inputs(e, c, t.to("meta"), None)
+        _checks.check_inputs(e, c, t.to("meta"), None)
 
 
 # ----------------------------------------------------------------------------------------------------------------

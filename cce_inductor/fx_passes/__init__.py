@@ -1,7 +1,14 @@
-"""Every graph pass of cce_inductor, one module per concern (as ``torch/_inductor/fx_passes``):
+"""Every graph pass of cce_inductor (as ``torch/_inductor/fx_passes``): the machinery apart, one module per form.
 
-* ``linear_cross_entropy.py``: ``linear -> [softcap] -> cross_entropy`` on plain tensors -> the fused op; its
-  ``match_site`` / ``replace_site`` are shared by the other passes;
+The machinery every pass shares, as Inductor keeps ``pattern_matcher.py`` apart from its patterns:
+
+* ``spellings.py``: how each operation can be spelled in a Dynamo graph (the matchers' vocabulary, as data);
+* ``head_chain.py``: the walk from what a loss reads back to the linear head (row views, upcasts, scale, softcap);
+* ``sites.py``: a matched site, its replacement by a fused call, and the record ``stats()`` keeps of it.
+
+The matched forms, each module's docstring showing the graph it matches:
+
+* ``linear_cross_entropy.py``: ``linear -> [softcap] -> cross_entropy`` on plain tensors -> the fused op;
 * ``tensor_parallel.py``: the same site on a vocabulary-sharded DTensor head -> the vocabulary-parallel loss;
 * ``entropy.py``: the entropy of the head's softmax (RL's entropy bonus), alone or with the token log-probs of the
   same logits -> one call of the op;

@@ -44,16 +44,16 @@ import torch.nn.functional as F
 
 from .. import diagnostics
 from ..options import CCEOptions
-from . import linear_cross_entropy as lce
+from . import head_chain, sites
+from . import spellings as sp
 from . import token_log_probs as tlp
 
-SOFTMAX = lce.functions(F.softmax, torch.softmax) | lce.methods("softmax")
-EXP = lce.functions(torch.exp) | lce.methods("exp")
-NEG = lce.functions(operator.neg, torch.neg) | lce.methods("neg")
-SUB = lce.functions(operator.sub, torch.sub) | lce.methods("sub")
-SUM = lce.functions(torch.sum) | lce.methods("sum")
-SPLIT_ROWS = lce.functions(torch.split, torch.chunk) | lce.methods("split", "chunk")
-CAT = lce.functions(torch.cat, torch.concat, torch.concatenate)
+SOFTMAX = sp.functions(F.softmax, torch.softmax) | sp.methods("softmax")
+EXP = sp.functions(torch.exp) | sp.methods("exp")
+NEG = sp.functions(operator.neg, torch.neg) | sp.methods("neg")
+SUM = sp.functions(torch.sum) | sp.methods("sum")
+SPLIT_ROWS = sp.functions(torch.split, torch.chunk) | sp.methods("split", "chunk")
+CAT = sp.functions(torch.cat, torch.concat, torch.concatenate)
 
 
 @dataclasses.dataclass
@@ -65,23 +65,23 @@ class EntropyTerm:
 
 def _row_sum_input(node: fx.Node) -> Optional[fx.Node]:
     """``x`` of ``sum(x, -1)`` (``dim=`` or ``axis=``, or ``[-1]``; no keepdim, no dtype), else None."""
-    if not lce.matches(node, SUM):
+    if not sp.matches(node, SUM):
         return None
-    x = lce.call_arg(node, 0, "input")
-    return x if lce.reduces_last_dim(node, x) else None
+    x = sp.call_arg(node, 0, "input")
+    return x if sp.reduces_last_dim(node, x) else None
 
 
 def _factor(node) -> tuple[str, Optional[fx.Node], list[fx.Node]]:
     """What one factor of the product is: ``("p", logits, nodes)`` for softmax(logits) or exp(log_softmax(logits)),
     ``("logp", logits, nodes)`` for log_softmax(logits), ``("z", node, [])`` for anything else."""
-    if lce.matches(node, SOFTMAX) and tlp.is_row_softmax(node):
-        return "p", lce.call_arg(node, 0, "input"), [node]
-    if lce.matches(node, tlp.LOG_SOFTMAX) and tlp.is_row_softmax(node):
-        return "logp", lce.call_arg(node, 0, "input"), [node]
-    if lce.matches(node, EXP) and len(node.args) == 1 and not node.kwargs:
+    if sp.matches(node, SOFTMAX) and tlp.is_row_softmax(node):
+        return "p", sp.call_arg(node, 0, "input"), [node]
+    if sp.matches(node, tlp.LOG_SOFTMAX) and tlp.is_row_softmax(node):
+        return "logp", sp.call_arg(node, 0, "input"), [node]
+    if sp.matches(node, EXP) and len(node.args) == 1 and not node.kwargs:
         inner = node.args[0]
-        if lce.matches(inner, tlp.LOG_SOFTMAX) and tlp.is_row_softmax(inner):
-            return "p", lce.call_arg(inner, 0, "input"), [node, inner]
+        if sp.matches(inner, tlp.LOG_SOFTMAX) and tlp.is_row_softmax(inner):
+            return "p", sp.call_arg(inner, 0, "input"), [node, inner]
     return "z", node, []
 
 
@@ -92,16 +92,16 @@ def _only_user(node: fx.Node) -> Optional[fx.Node]:
 def _negated(node: Optional[fx.Node]) -> Optional[fx.Node]:
     """``node``'s negation node (its only user), if it has one."""
     user = None if node is None else _only_user(node)
-    return user if user is not None and lce.matches(user, NEG) and user.args[0] is node else None
+    return user if user is not None and sp.matches(user, NEG) and user.args[0] is node else None
 
 
 def entropy_term(row_sum: fx.Node) -> Optional[EntropyTerm]:
     """The entropy term built around ``row_sum`` (a ``sum(..., -1)``), or None if it is not one of the forms."""
     product = _row_sum_input(row_sum)
-    negated_product = lce.matches(product, NEG)
+    negated_product = sp.matches(product, NEG)
     if negated_product:
         product = product.args[0]
-    if not lce.matches(product, lce.MUL) or len(product.args) != 2 or product.kwargs:
+    if not sp.matches(product, sp.MUL) or len(product.args) != 2 or product.kwargs:
         return None
     (kind_a, logits_a, nodes_a), (kind_b, logits_b, nodes_b) = map(_factor, product.args)
     inner = nodes_a + nodes_b + [product] + ([row_sum.args[0]] if negated_product else []) + [row_sum]
@@ -118,10 +118,10 @@ def entropy_term(row_sum: fx.Node) -> Optional[EntropyTerm]:
         if (logits_b if kind_a == "p" else logits_a) is not logits:
             return None
         difference = _only_user(row_sum)
-        if difference is None or not lce.matches(difference, SUB) or len(difference.args) != 2:
+        if difference is None or not sp.matches(difference, sp.SUB) or len(difference.args) != 2:
             return None
         lse, subtracted = difference.args
-        if subtracted is not row_sum or not isinstance(lse, fx.Node) or not lce.is_row_logsumexp(lse, logits):
+        if subtracted is not row_sum or not isinstance(lse, fx.Node) or not sp.is_row_logsumexp(lse, logits):
             return None
         return EntropyTerm(difference, logits, inner + [lse, difference])
     return None
@@ -130,30 +130,30 @@ def entropy_term(row_sum: fx.Node) -> Optional[EntropyTerm]:
 def split_entropy_term(cat: fx.Node, terms: dict[fx.Node, EntropyTerm]) -> Optional[EntropyTerm]:
     """``cat([H(chunk_0), H(chunk_1), ...], dim=0)`` over every chunk, in order, of ``logits.split(n, dim=0)`` (or
     ``chunk``): the entropy of ``logits``, one term. ``terms``: the single terms by root."""
-    parts = lce.call_arg(cat, 0, "tensors")
-    dim = lce.call_arg(cat, 1, "dim", 0)
-    if not lce.matches(cat, CAT) or not isinstance(parts, (list, tuple)) or dim not in (0, -1):
+    parts = sp.call_arg(cat, 0, "tensors")
+    dim = sp.call_arg(cat, 1, "dim", 0)
+    if not sp.matches(cat, CAT) or not isinstance(parts, (list, tuple)) or dim not in (0, -1):
         return None
     if not parts or not all(isinstance(part, fx.Node) and part in terms for part in parts):
         return None
     chunks = [terms[part].logits for part in parts]
-    split = chunks[0].args[0] if lce.matches(chunks[0], lce.GETITEM) else None
-    if not lce.matches(split, SPLIT_ROWS) or lce.call_arg(split, 2, "dim", 0) not in (0, -2):
+    split = chunks[0].args[0] if sp.matches(chunks[0], sp.GETITEM) else None
+    if not sp.matches(split, SPLIT_ROWS) or sp.call_arg(split, 2, "dim", 0) not in (0, -2):
         return None
-    pieces = lce.example_value(split)
+    pieces = sp.example_value(split)
     if not isinstance(pieces, (list, tuple)) or len(pieces) != len(chunks):
         return None
-    if any(not lce.matches(chunk, lce.GETITEM) or chunk.args != (split, k) for k, chunk in enumerate(chunks)):
+    if any(not sp.matches(chunk, sp.GETITEM) or chunk.args != (split, k) for k, chunk in enumerate(chunks)):
         return None
     logits = split.args[0]
-    meta = lce.example_value(logits)
+    meta = sp.example_value(logits)
     if not isinstance(meta, torch.Tensor) or meta.dim() != 2:
         return None
     nodes = [split] + chunks + [node for part in parts for node in terms[part].nodes] + [cat]
     return EntropyTerm(cat, logits, nodes)
 
 
-_ROW_ORDER_KEEPING = lce.RESHAPE | lce.FLATTEN | lce.IDENTITY_VIEW
+_ROW_ORDER_KEEPING = sp.RESHAPE | sp.FLATTEN | sp.IDENTITY_VIEW
 
 
 def _token_gathers(chain: list[fx.Node]) -> list[fx.Node]:
@@ -161,16 +161,16 @@ def _token_gathers(chain: list[fx.Node]) -> list[fx.Node]:
     only row views that keep the rows' order and upcasts lead to it (the same rows, in the same order)."""
     gathers = []
     for i in range(len(chain) - 1, -1, -1):
-        gathers += [gather for log_probs in chain[i].users if lce.matches(log_probs, tlp.LOG_SOFTMAX)
-                    for gather in log_probs.users if lce.matches(gather, tlp.GATHER)]  # fmt: skip
-        if i and not (lce.matches(chain[i], _ROW_ORDER_KEEPING) or lce.upcast_target(chain[i]) is not None):
+        gathers += [gather for log_probs in chain[i].users if sp.matches(log_probs, tlp.LOG_SOFTMAX)
+                    for gather in log_probs.users if sp.matches(gather, tlp.GATHER)]  # fmt: skip
+        if i and not (sp.matches(chain[i], _ROW_ORDER_KEEPING) or head_chain.upcast_target(chain[i]) is not None):
             break
     return gathers
 
 
 @dataclasses.dataclass
 class EntropySite:
-    site: lce.Site  # ``cross_entropy``: the first of the replaced nodes; ``targets``: the gather's ids or None
+    site: sites.Site  # ``cross_entropy``: the first of the replaced nodes; ``targets``: the gather's ids or None
     entropy: fx.Node
     log_probs: Optional[fx.Node]  # the token log-probs node replaced too (the gather or its squeeze)
     squeezed_ids: bool
@@ -178,10 +178,10 @@ class EntropySite:
 
 def _match(term: EntropyTerm, terms_on_logits: int) -> EntropySite:
     if terms_on_logits > 1:
-        raise lce.NoMatch("two entropies of the same logits")
-    gathers = _token_gathers(lce.walk_logits(term.logits, term.root).chain)
+        raise head_chain.NoMatch("two entropies of the same logits")
+    gathers = _token_gathers(head_chain.walk_logits(term.logits, term.root).chain)
     if len(gathers) > 1:
-        raise lce.NoMatch("log-probs of several id tensors gathered from the same logits")
+        raise head_chain.NoMatch("log-probs of several id tensors gathered from the same logits")
     inner, log_probs_node, index, squeezed = list(term.nodes), None, None, False
     if gathers:
         log_softmax, _, index, squeeze = tlp.gathered_log_probs(gathers[0])
@@ -199,12 +199,12 @@ def _checked(matched: EntropySite, options: CCEOptions) -> EntropySite:
 
 
 def _cast(graph: fx.Graph, value: fx.Node, like: fx.Node) -> fx.Node:
-    dtype = lce.example_value(like).dtype
+    dtype = sp.example_value(like).dtype
     return value if dtype == torch.float32 else graph.call_method("to", (value, dtype))
 
 
 def _emit(matched: EntropySite, options: CCEOptions):
-    def emit(graph: fx.Graph, site: lce.Site, rows, weight, targets, bias) -> fx.Node:
+    def emit(graph: fx.Graph, site: sites.Site, rows, weight, targets, bias) -> fx.Node:
         leading = graph.call_function(operator.getitem, (graph.call_method("size", (rows,)), slice(None, -1)))
         if targets is None:  # entropy alone: no token is scored (row 0's loss is computed and unused)
             ids = graph.call_method("new_zeros", (rows, leading), {"dtype": torch.int64})
@@ -238,19 +238,19 @@ def rewrite_entropy(graph: fx.Graph, options: CCEOptions, graph_id: Optional[int
         per_logits[term.logits] = per_logits.get(term.logits, 0) + 1
     rewritten = 0
     for term in terms:
-        matched = lce.decide(graph_id, term.root,
+        matched = sites.decide(graph_id, term.root,
                              lambda term=term: _checked(_match(term, per_logits[term.logits]), options),
                              prefix="entropy: ")  # fmt: skip
         if matched is None:
             continue
         loss_settings = ("reduction=", "ignore_index=")  # fixed here: "none", and no id ignored
-        parts = [part for part in lce.describe_site(matched.site).split(", ") if not part.startswith(loss_settings)]
+        parts = [part for part in sites.describe_site(matched.site).split(", ") if not part.startswith(loss_settings)]
         scored = f" and token log-probs of {matched.site.targets.name}" if matched.log_probs is not None else ""
         description = f"entropy{scored}: {', '.join(parts)}"
-        lce.replace_site(graph, matched.site, _emit(matched, options))
+        sites.replace_site(graph, matched.site, _emit(matched, options))
         rewritten += 1
         diagnostics.record(
-            diagnostics.SiteDecision(graph_id, term.root.name, True, description + lce.lean_only(options), "lean")
+            diagnostics.SiteDecision(graph_id, term.root.name, True, description + sites.lean_only(options), "lean")
         )
     if rewritten:
         graph.lint()

@@ -32,6 +32,8 @@ import torch.fx as fx
 
 from .. import diagnostics
 from ..options import CCEOptions
+from . import head_chain, sites
+from . import spellings as sp
 from . import linear_cross_entropy as lce
 
 
@@ -48,18 +50,18 @@ def _is_noop_redistribute(node: fx.Node) -> bool:
 
     if not _is_redistribute(node) or not node.args:
         return False
-    src, out = lce.example_value(node.args[0]), lce.example_value(node)
+    src, out = sp.example_value(node.args[0]), sp.example_value(node)
     return (
         isinstance(src, DTensor) and isinstance(out, DTensor) and src.device_mesh == out.device_mesh
         and tuple(src.placements) == tuple(out.placements) and src.dtype == out.dtype and src.shape == out.shape
     )  # fmt: skip
 
 
-def _tensor_parallel_reason(site: lce.Site) -> Optional[str]:
+def _tensor_parallel_reason(site: sites.Site) -> Optional[str]:
     """Why ``site`` (matched on DTensor example values) is not a vocabulary-parallel head, or None if it is."""
     from torch.distributed.tensor import DTensor, Shard  # noqa: PLC0415
 
-    weight, logits = lce.example_value(site.weight), lce.example_value(site.head)
+    weight, logits = sp.example_value(site.weight), sp.example_value(site.head)
     if not isinstance(weight, DTensor) or not isinstance(logits, DTensor):
         return "mixed DTensor and plain tensors between head and loss"
     if weight.device_mesh.ndim != 1 or tuple(weight.placements) != (Shard(0),):
@@ -68,13 +70,13 @@ def _tensor_parallel_reason(site: lce.Site) -> Optional[str]:
     if not (placement.is_shard() and placement.dim in (-1, logits.dim() - 1)):
         return f"logits placements {logits.placements} (need the vocabulary dimension sharded)"
     for name, node in (("hidden states", site.hidden), ("targets", site.targets)):
-        meta = lce.example_value(node)
+        meta = sp.example_value(node)
         if isinstance(meta, DTensor) and not all(p.is_replicate() for p in meta.placements):
             return f"{name} are {meta.placements}, not replicated"
     if site.weight_is_transposed:
         return "a (D, V) head weight under tensor parallelism"
     if site.bias is not None:
-        bias = lce.example_value(site.bias)
+        bias = sp.example_value(site.bias)
         if not isinstance(bias, DTensor) or tuple(bias.placements) != (Shard(0),):
             return "head bias is not Shard(0)"
     if site.escaping:
@@ -86,14 +88,14 @@ def _tensor_parallel_reason(site: lce.Site) -> Optional[str]:
     return None
 
 
-def _checked(site: lce.Site) -> lce.Site:
+def _checked(site: sites.Site) -> sites.Site:
     reason = _tensor_parallel_reason(site)
     if reason is not None:
-        raise lce.NoMatch(f"tensor parallel: {reason}")
+        raise head_chain.NoMatch(f"tensor parallel: {reason}")
     return site
 
 
-def _dtensor_loss(graph: fx.Graph, site: lce.Site, rows, weight, targets, bias, *, options: CCEOptions) -> fx.Node:
+def _dtensor_loss(graph: fx.Graph, site: sites.Site, rows, weight, targets, bias, *, options: CCEOptions) -> fx.Node:
     from ..distributed import dtensor_linear_cross_entropy  # noqa: PLC0415 - imports torch.distributed
 
     return graph.call_function(
@@ -107,11 +109,11 @@ def _dtensor_loss(graph: fx.Graph, site: lce.Site, rows, weight, targets, bias, 
 def rewrite_tensor_parallel_sites(graph: fx.Graph, options: CCEOptions, graph_id: Optional[int] = None) -> int:
     """Rewrite every DTensor site ``linear(h, W: Shard(0)) -> [no-op redistribute] -> views -> [softcap] ->
     cross_entropy`` in ``graph``; returns the count. Every DTensor site gets a decision in ``stats()``."""
-    sites = [
+    losses = [
         node for node in graph.nodes
-        if lce.matches(node, lce.CROSS_ENTROPY) and lce.is_dtensor(lce.example_value(lce.cross_entropy_input(node)))
+        if sp.matches(node, sp.CROSS_ENTROPY) and sp.is_dtensor(sp.example_value(lce.cross_entropy_input(node)))
     ]  # fmt: skip
-    if not sites:
+    if not losses:
         return 0
     if graph_id is None:
         graph_id = diagnostics.new_graph()
@@ -121,15 +123,15 @@ def rewrite_tensor_parallel_sites(graph: fx.Graph, options: CCEOptions, graph_id
             graph.erase_node(node)
     emit = functools.partial(_dtensor_loss, options=options)
     rewritten = 0
-    for ce in sites:
-        site = lce.decide(graph_id, ce, lambda ce=ce: _checked(lce.match_site(ce)))
+    for ce in losses:
+        site = sites.decide(graph_id, ce, lambda ce=ce: _checked(lce.match_site(ce)))
         if site is None:
             continue
-        lce.replace_site(graph, site, emit)
+        sites.replace_site(graph, site, emit)
         rewritten += 1
         diagnostics.record(diagnostics.SiteDecision(
-            graph_id, ce.name, True, f"tensor parallel (vocabulary-sharded head): {lce.describe_site(site)}"
-            + lce.lean_only(options, "the vocabulary-parallel loss has no balanced form"), "lean",
+            graph_id, ce.name, True, f"tensor parallel (vocabulary-sharded head): {sites.describe_site(site)}"
+            + sites.lean_only(options, "the vocabulary-parallel loss has no balanced form"), "lean",
         ))  # fmt: skip
     if rewritten:
         graph.lint()

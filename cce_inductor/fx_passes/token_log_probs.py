@@ -43,46 +43,46 @@ import torch.nn.functional as F
 
 from .. import diagnostics
 from ..options import CCEOptions
-from . import linear_cross_entropy as lce
+from . import head_chain, sites
+from . import spellings as sp
 
-LOG_SOFTMAX = lce.functions(F.log_softmax, torch.log_softmax) | lce.methods("log_softmax")
-GATHER = lce.functions(torch.gather) | lce.methods("gather")
-SQUEEZE = lce.functions(torch.squeeze) | lce.methods("squeeze")
-UNSQUEEZE = lce.functions(torch.unsqueeze) | lce.methods("unsqueeze")
-STACK = lce.functions(torch.stack)
-SUB = lce.functions(operator.sub, torch.sub) | lce.methods("sub")
+LOG_SOFTMAX = sp.functions(F.log_softmax, torch.log_softmax) | sp.methods("log_softmax")
+GATHER = sp.functions(torch.gather) | sp.methods("gather")
+SQUEEZE = sp.functions(torch.squeeze) | sp.methods("squeeze")
+UNSQUEEZE = sp.functions(torch.unsqueeze) | sp.methods("unsqueeze")
+STACK = sp.functions(torch.stack)
 
 NO_TARGET = -(2**63)
 
 
 def _last_dim(node: fx.Node, index: int, name: str, ndim: int) -> bool:
-    dim = lce.call_arg(node, index, name)
+    dim = sp.call_arg(node, index, name)
     return isinstance(dim, int) and dim in (-1, ndim - 1)
 
 
 def gathered_log_probs(gather: fx.Node) -> tuple[fx.Node, fx.Node, fx.Node, Optional[fx.Node]]:
     """``(log_softmax node, logits, ids, squeeze | None)`` of ``gather(log_softmax(logits, -1), -1, ids)``
     [``.squeeze(-1)``], or NoMatch. Shared with ``entropy.py`` (log-probs and entropy of the same logits)."""
-    log_probs, index = lce.call_arg(gather, 0, "input"), lce.call_arg(gather, 2, "index")
-    if not lce.matches(log_probs, LOG_SOFTMAX):
-        raise lce.NoMatch("the gathered tensor is not a log_softmax")
-    logits = lce.call_arg(log_probs, 0, "input")
-    logits_meta, index_meta = lce.example_value(logits), lce.example_value(index)
+    log_probs, index = sp.call_arg(gather, 0, "input"), sp.call_arg(gather, 2, "index")
+    if not sp.matches(log_probs, LOG_SOFTMAX):
+        raise head_chain.NoMatch("the gathered tensor is not a log_softmax")
+    logits = sp.call_arg(log_probs, 0, "input")
+    logits_meta, index_meta = sp.example_value(logits), sp.example_value(index)
     if not isinstance(logits_meta, torch.Tensor) or not isinstance(index_meta, torch.Tensor):
-        raise lce.NoMatch("log_softmax input or gather index is not a tensor")
+        raise head_chain.NoMatch("log_softmax input or gather index is not a tensor")
     ndim = logits_meta.dim()
     if ndim < 2 or not _last_dim(log_probs, 1, "dim", ndim) or not _last_dim(gather, 1, "dim", ndim):
-        raise lce.NoMatch("log_softmax and gather are not both over the last (vocabulary) dimension")
+        raise head_chain.NoMatch("log_softmax and gather are not both over the last (vocabulary) dimension")
     if _has_dtype_arg(log_probs):
-        raise lce.NoMatch("log_softmax has a dtype argument")
+        raise head_chain.NoMatch("log_softmax has a dtype argument")
     if gather.kwargs.get("sparse_grad", False) or (len(gather.args) > 3 and gather.args[3]):
-        raise lce.NoMatch("gather with sparse_grad")
+        raise head_chain.NoMatch("gather with sparse_grad")
     if index_meta.dtype != torch.int64 or index_meta.dim() != ndim or index_meta.shape[-1] != 1:
-        raise lce.NoMatch(f"gather index of shape {tuple(index_meta.shape)} / {index_meta.dtype}: one int64 id per row")
+        raise head_chain.NoMatch(f"gather index of shape {tuple(index_meta.shape)} / {index_meta.dtype}: one int64 id per row")
     if tuple(index_meta.shape[:-1]) != tuple(logits_meta.shape[:-1]):
-        raise lce.NoMatch("gather index does not cover every row of the logits")
+        raise head_chain.NoMatch("gather index does not cover every row of the logits")
     squeeze = next(iter(gather.users)) if len(gather.users) == 1 else None
-    if squeeze is not None and not (lce.matches(squeeze, SQUEEZE) and _last_dim(squeeze, 1, "dim", ndim)):
+    if squeeze is not None and not (sp.matches(squeeze, SQUEEZE) and _last_dim(squeeze, 1, "dim", ndim)):
         squeeze = None
     return log_probs, logits, index, squeeze
 
@@ -93,23 +93,23 @@ def _has_dtype_arg(node: fx.Node) -> bool:
 
 def is_row_softmax(node: fx.Node) -> bool:
     """``node`` (a softmax or log_softmax call) is over the last dimension, with no dtype argument."""
-    meta = lce.example_value(node)
+    meta = sp.example_value(node)
     return isinstance(meta, torch.Tensor) and _last_dim(node, 1, "dim", meta.dim()) and not _has_dtype_arg(node)
 
 
-def _match(gather: fx.Node) -> tuple[lce.Site, fx.Node]:
+def _match(gather: fx.Node) -> tuple[sites.Site, fx.Node]:
     """The site of one ``gather(log_softmax(logits), -1, ids)``, and the node its value replaces."""
     log_probs, logits, index, squeeze = gathered_log_probs(gather)
     last = squeeze if squeeze is not None else gather
 
-    walked = lce.walk_logits(logits, last)
+    walked = head_chain.walk_logits(logits, last)
     chain = walked.chain + [log_probs, gather] + ([squeeze] if squeeze is not None else [])
-    escaping = lce.private_chain(chain[:-1], last)
+    escaping = head_chain.private_chain(chain[:-1], last)
     if any(node in (log_probs, gather, squeeze) for node in escaping):
-        raise lce.NoMatch("the log-softmax is returned from the graph")
+        raise head_chain.NoMatch("the log-softmax is returned from the graph")
     fields = walked.fields()
     fields["chain"] = chain[:-1]
-    site = lce.Site(cross_entropy=last, targets=index, ignore_index=NO_TARGET, reduction="none", label_smoothing=0.0,
+    site = sites.Site(cross_entropy=last, targets=index, ignore_index=NO_TARGET, reduction="none", label_smoothing=0.0,
                     escaping=escaping, lse_users=[], **fields)  # fmt: skip
     return site, index
 
@@ -121,54 +121,54 @@ def _match(gather: fx.Node) -> tuple[lce.Site, fx.Node]:
 
 def _is_last_dim_gather(node: Any) -> bool:
     """``node`` is a gather over the last dimension, without sparse gradients."""
-    if not lce.matches(node, GATHER):
+    if not sp.matches(node, GATHER):
         return False
-    meta = lce.example_value(lce.call_arg(node, 0, "input"))
+    meta = sp.example_value(sp.call_arg(node, 0, "input"))
     sparse = node.kwargs.get("sparse_grad", False) or (len(node.args) > 3 and node.args[3])
     return isinstance(meta, torch.Tensor) and _last_dim(node, 1, "dim", meta.dim()) and not sparse
 
 
 def _squeezed_last(node: Any) -> Optional[fx.Node]:
     """``x`` of ``x.squeeze(-1)``, else None."""
-    if not lce.matches(node, SQUEEZE):
+    if not sp.matches(node, SQUEEZE):
         return None
-    meta = lce.example_value(node.args[0])
+    meta = sp.example_value(node.args[0])
     return node.args[0] if isinstance(meta, torch.Tensor) and _last_dim(node, 1, "dim", meta.dim()) else None
 
 
 def _stacked_rows(stack: Any, per_row) -> Optional[tuple[fx.Node, list]]:
     """``(source, [per_row(item) ...])`` if ``stack`` is ``torch.stack([f(source[0]), ..., f(source[n - 1])])`` over
     every row of ``source`` (dim 0; ``per_row(item)`` returns ``(row node, payload)`` or None), else None."""
-    if not lce.matches(stack, STACK) or lce.call_arg(stack, 1, "dim", 0) != 0:
+    if not sp.matches(stack, STACK) or sp.call_arg(stack, 1, "dim", 0) != 0:
         return None
-    items = lce.call_arg(stack, 0, "tensors")
+    items = sp.call_arg(stack, 0, "tensors")
     if not isinstance(items, (list, tuple)) or not items:
         return None
     found = [per_row(item) if isinstance(item, fx.Node) else None for item in items]
     if any(f is None for f in found):
         return None
     rows = [row for row, _ in found]
-    source = rows[0].args[0] if lce.matches(rows[0], lce.GETITEM) else None
-    meta = lce.example_value(source)
+    source = rows[0].args[0] if sp.matches(rows[0], sp.GETITEM) else None
+    meta = sp.example_value(source)
     if not isinstance(meta, torch.Tensor) or meta.dim() < 2 or meta.shape[0] != len(rows):
         return None
-    if any(not lce.matches(row, lce.GETITEM) or row.args != (source, i) for i, row in enumerate(rows)):
+    if any(not sp.matches(row, sp.GETITEM) or row.args != (source, i) for i, row in enumerate(rows)):
         return None
     return source, [payload for _, payload in found]
 
 
 def _row_logsumexp(item: fx.Node) -> Optional[tuple[fx.Node, list]]:
-    row = lce.call_arg(item, 0, "input")
-    if not isinstance(row, fx.Node) or not lce.is_row_logsumexp(item, row):
+    row = sp.call_arg(item, 0, "input")
+    if not isinstance(row, fx.Node) or not sp.is_row_logsumexp(item, row):
         return None
     return row, [row, item]
 
 
 def _logsumexp_of(node: Any) -> Optional[tuple[fx.Node, list]]:
     """``(logits, nodes)`` if ``node`` is ``logsumexp(logits, -1)`` or its loop over the rows of dim 0."""
-    if lce.matches(node, lce.LOGSUMEXP):
-        logits = lce.call_arg(node, 0, "input")
-        return (logits, [node]) if isinstance(logits, fx.Node) and lce.is_row_logsumexp(node, logits) else None
+    if sp.matches(node, sp.LOGSUMEXP):
+        logits = sp.call_arg(node, 0, "input")
+        return (logits, [node]) if isinstance(logits, fx.Node) and sp.is_row_logsumexp(node, logits) else None
     stacked = _stacked_rows(node, _row_logsumexp)
     if stacked is None:
         return None
@@ -189,13 +189,13 @@ class Spelling:
 
 def gather_minus_logsumexp(sub: fx.Node) -> Optional[Spelling]:
     """``gather(logits, -1, index).squeeze(-1) - logsumexp(logits, -1)`` (or the logsumexp's row loop)."""
-    if not lce.matches(sub, SUB) or len(sub.args) != 2 or sub.kwargs:
+    if not sp.matches(sub, sp.SUB) or len(sub.args) != 2 or sub.kwargs:
         return None
     gather = _squeezed_last(sub.args[0])
     lse = _logsumexp_of(sub.args[1])
     if not _is_last_dim_gather(gather) or lse is None:
         return None
-    logits, index = lce.call_arg(gather, 0, "input"), lce.call_arg(gather, 2, "index")
+    logits, index = sp.call_arg(gather, 0, "input"), sp.call_arg(gather, 2, "index")
     if logits is not lse[0] or not isinstance(index, fx.Node):
         return None
     return Spelling(sub, logits, index, True, [gather, sub.args[0]] + lse[1] + [sub])
@@ -206,10 +206,10 @@ def _row_log_prob(item: fx.Node) -> Optional[tuple[fx.Node, tuple]]:
     gather = _squeezed_last(item)
     if not _is_last_dim_gather(gather):
         return None
-    log_probs, index = lce.call_arg(gather, 0, "input"), lce.call_arg(gather, 2, "index")
-    if not lce.matches(log_probs, LOG_SOFTMAX) or not lce.matches(index, UNSQUEEZE) or not is_row_softmax(log_probs):
+    log_probs, index = sp.call_arg(gather, 0, "input"), sp.call_arg(gather, 2, "index")
+    if not sp.matches(log_probs, LOG_SOFTMAX) or not sp.matches(index, UNSQUEEZE) or not is_row_softmax(log_probs):
         return None
-    row = lce.call_arg(log_probs, 0, "input")
+    row = sp.call_arg(log_probs, 0, "input")
     return row, (index.args[0], [row, log_probs, index, gather, item])
 
 
@@ -220,28 +220,28 @@ def stacked_row_log_probs(stack: fx.Node) -> Optional[Spelling]:
         return None
     logits, parts = stacked
     ids_rows = [ids_row for ids_row, _ in parts]
-    ids = ids_rows[0].args[0] if lce.matches(ids_rows[0], lce.GETITEM) else None
-    if any(not lce.matches(r, lce.GETITEM) or r.args != (ids, i) for i, r in enumerate(ids_rows)):
+    ids = ids_rows[0].args[0] if sp.matches(ids_rows[0], sp.GETITEM) else None
+    if any(not sp.matches(r, sp.GETITEM) or r.args != (ids, i) for i, r in enumerate(ids_rows)):
         return None
-    meta, logits_meta = lce.example_value(ids), lce.example_value(logits)
+    meta, logits_meta = sp.example_value(ids), sp.example_value(logits)
     if not isinstance(meta, torch.Tensor) or tuple(meta.shape) != tuple(logits_meta.shape[:-1]):
         return None
     return Spelling(stack, logits, ids, False, ids_rows + [n for _, nodes in parts for n in nodes] + [stack])
 
 
-def _match_spelling(spelling: Spelling) -> tuple[lce.Site, fx.Node]:
-    index_meta = lce.example_value(spelling.index)
+def _match_spelling(spelling: Spelling) -> tuple[sites.Site, fx.Node]:
+    index_meta = sp.example_value(spelling.index)
     if not isinstance(index_meta, torch.Tensor) or index_meta.dtype != torch.int64:
-        raise lce.NoMatch(f"the token ids {spelling.index.name} are not int64")
-    logits_meta = lce.example_value(spelling.logits)
+        raise head_chain.NoMatch(f"the token ids {spelling.index.name} are not int64")
+    logits_meta = sp.example_value(spelling.logits)
     rows_shape = tuple(index_meta.shape[:-1]) if spelling.squeezed else tuple(index_meta.shape)
     if spelling.squeezed and index_meta.shape[-1] != 1 or rows_shape != tuple(logits_meta.shape[:-1]):
-        raise lce.NoMatch(f"the ids {spelling.index.name} are not one per row of the logits")
+        raise head_chain.NoMatch(f"the ids {spelling.index.name} are not one per row of the logits")
     return scored_rows_site(spelling.logits, spelling.nodes, [spelling.root], spelling.index), spelling.index
 
 
 def scored_rows_site(logits: fx.Node, inner: list[fx.Node], replaced: list[fx.Node],
-                     ids: Optional[fx.Node]) -> lce.Site:
+                     ids: Optional[fx.Node]) -> sites.Site:
     """The site of a computation over every row of ``logits`` (token log-probs, entropy): ``inner`` its own nodes,
     of which ``replaced`` take the op's values; the others must be private to it. The op goes where the first of
     ``replaced`` stood (its ids must be computed by then); ``ids``: the scored tokens, or None (entropy alone).
@@ -251,31 +251,31 @@ def scored_rows_site(logits: fx.Node, inner: list[fx.Node], replaced: list[fx.No
     for node in inner:
         others = [user for user in node.users if user not in inner]
         if node not in replaced and others:
-            raise lce.NoMatch(f"{node.name} is also used by {', '.join(u.name for u in others)}")
+            raise head_chain.NoMatch(f"{node.name} is also used by {', '.join(u.name for u in others)}")
     if ids is not None and position.get(ids, -1) > position[first]:
-        raise lce.NoMatch(f"the token ids ({ids.name}) are computed after {first.name}")
-    walked = lce.walk_logits(logits, last)
-    escaping = lce.private_chain(walked.chain, first, allowed=inner)
+        raise head_chain.NoMatch(f"the token ids ({ids.name}) are computed after {first.name}")
+    walked = head_chain.walk_logits(logits, last)
+    escaping = head_chain.private_chain(walked.chain, first, allowed=inner)
     fields = walked.fields()
     fields["chain"] = sorted(set(walked.chain) | (set(inner) - {first}), key=position.get)
-    return lce.Site(cross_entropy=first, targets=ids, ignore_index=NO_TARGET, reduction="none", label_smoothing=0.0,
+    return sites.Site(cross_entropy=first, targets=ids, ignore_index=NO_TARGET, reduction="none", label_smoothing=0.0,
                     escaping=escaping, lse_users=[], **fields)  # fmt: skip
 
 
-def check_rl_site(site: lce.Site, options: CCEOptions, what: str = "token log-probs") -> None:
+def check_rl_site(site: sites.Site, options: CCEOptions, what: str = "token log-probs") -> None:
     """What every RL-form site must also pass: returned logits only with ``drop_logits``, no DTensor operands."""
-    lce.check_escaping(site, options)
+    sites.check_escaping(site, options)
     operands = [site.hidden, site.weight] + ([site.targets] if site.targets is not None else [])
-    if any(lce.is_dtensor(lce.example_value(n)) for n in operands):
-        raise lce.NoMatch(f"{what} on DTensors is not rewritten")
+    if any(sp.is_dtensor(sp.example_value(n)) for n in operands):
+        raise head_chain.NoMatch(f"{what} on DTensors is not rewritten")
 
 
-def _checked(site: lce.Site, index: fx.Node, options: CCEOptions) -> tuple[lce.Site, fx.Node]:
+def _checked(site: sites.Site, index: fx.Node, options: CCEOptions) -> tuple[sites.Site, fx.Node]:
     check_rl_site(site, options)
     return site, index
 
 
-def fused_token_call(graph: fx.Graph, site: lce.Site, rows, weight, ids, bias, options: CCEOptions,
+def fused_token_call(graph: fx.Graph, site: sites.Site, rows, weight, ids, bias, options: CCEOptions,
                      entropy: bool) -> fx.Node:
     """The op over every row of ``rows`` (..., D) with ``ids`` (one per row, none ignored): outputs
     ``(-log-prob of each id, lse, entropy | empty)``, flat."""
@@ -292,7 +292,7 @@ def log_probs_of(graph: fx.Graph, fused: fx.Node, ids: fx.Node) -> fx.Node:
 
 
 def _token_log_probs(options: CCEOptions, index: fx.Node, squeezed: bool):
-    def emit(graph: fx.Graph, site: lce.Site, rows, weight, targets, bias) -> fx.Node:
+    def emit(graph: fx.Graph, site: sites.Site, rows, weight, targets, bias) -> fx.Node:
         ids = graph.call_method("squeeze", (index, -1)) if squeezed else index
         return log_probs_of(graph, fused_token_call(graph, site, rows, weight, ids, bias, options, False), ids)
 
@@ -304,8 +304,8 @@ def rewrite_token_log_probs(graph: fx.Graph, options: CCEOptions, graph_id: Opti
     spellings = [found for node in graph.nodes
                  if (found := stacked_row_log_probs(node) or gather_minus_logsumexp(node)) is not None]  # fmt: skip
     members = {node for spelling in spellings for node in spelling.nodes}
-    gathers = [n for n in graph.nodes if n not in members and lce.matches(n, GATHER)
-               and lce.matches(lce.call_arg(n, 0, "input"), LOG_SOFTMAX)]  # fmt: skip
+    gathers = [n for n in graph.nodes if n not in members and sp.matches(n, GATHER)
+               and sp.matches(sp.call_arg(n, 0, "input"), LOG_SOFTMAX)]  # fmt: skip
     if not gathers and not spellings:
         return 0
     if graph_id is None:
@@ -314,19 +314,19 @@ def rewrite_token_log_probs(graph: fx.Graph, options: CCEOptions, graph_id: Opti
     candidates += [(g, lambda g=g: _match(g), None) for g in gathers]
     rewritten = 0
     for node, match, squeezed in candidates:
-        matched = lce.decide(graph_id, node, lambda match=match: _checked(*match(), options), prefix="token log-probs: ")
+        matched = sites.decide(graph_id, node, lambda match=match: _checked(*match(), options), prefix="token log-probs: ")
         if matched is None:
             continue
         site, index = matched
         loss_settings = ("reduction=", "ignore_index=")  # fixed here: "none", and no id ignored
-        parts = [part for part in lce.describe_site(site).split(", ") if not part.startswith(loss_settings)]
+        parts = [part for part in sites.describe_site(site).split(", ") if not part.startswith(loss_settings)]
         description = f"token log-probs of {index.name}: {', '.join(parts)}"
         if squeezed is None:  # the log_softmax-gather spelling: squeezed where a squeeze follows
             squeezed = site.cross_entropy is not node
-        lce.replace_site(graph, site, _token_log_probs(options, index, squeezed=squeezed))
+        sites.replace_site(graph, site, _token_log_probs(options, index, squeezed=squeezed))
         rewritten += 1
         diagnostics.record(
-            diagnostics.SiteDecision(graph_id, node.name, True, description + lce.lean_only(options), "lean")
+            diagnostics.SiteDecision(graph_id, node.name, True, description + sites.lean_only(options), "lean")
         )
     if rewritten:
         graph.lint()

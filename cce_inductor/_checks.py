@@ -1,0 +1,86 @@
+"""Argument checks of the public entry points and of the ops (real and fake implementations), and autocast.
+
+Bad input gets eager PyTorch's error or a clearer one: the same exception types, raised before any work.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+REDUCTIONS = ("none", "mean", "sum")
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def check_targets_dtype(targets: Tensor) -> None:
+    if targets.dtype.is_floating_point or targets.dtype.is_complex or targets.dtype == torch.bool:
+        raise TypeError(
+            f"targets must hold class indices (an integer dtype), got {targets.dtype}; "
+            "probability targets are not supported"
+        )
+
+
+def check_inputs(e: Tensor, c: Tensor, targets: Tensor, bias: Optional[Tensor]) -> None:
+    """Shape, dtype and device checks shared by the real and the fake implementations."""
+    if e.dim() != 2 or c.dim() != 2:
+        raise ValueError(f"expected e of shape (N, D) and c of shape (V, D), got {tuple(e.shape)} and {tuple(c.shape)}")
+    torch._check_value(
+        e.shape[1] == c.shape[1],
+        lambda: f"hidden size mismatch: e is {tuple(e.shape)} but c is {tuple(c.shape)} (c must be (V, D))",
+    )
+    if targets.dim() != 1:
+        raise ValueError(f"expected targets of shape (N,), got {tuple(targets.shape)}")
+    torch._check_value(
+        targets.shape[0] == e.shape[0],
+        lambda: f"targets has {targets.shape[0]} entries but e has {e.shape[0]} rows",
+    )
+    check_targets_dtype(targets)
+    if e.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"unsupported dtype {e.dtype}; expected one of {SUPPORTED_DTYPES}")
+    tensors = [("c", c)] + ([] if bias is None else [("bias", bias)])
+    for name, tensor in tensors:
+        if tensor.dtype != e.dtype:
+            raise TypeError(f"{name} has dtype {tensor.dtype} but e has {e.dtype}; they must match")
+    for name, tensor in tensors + [("targets", targets)]:
+        if tensor.device != e.device:
+            raise ValueError(f"{name} is on {tensor.device} but e is on {e.device}")
+    if bias is not None:
+        if bias.dim() != 1:
+            raise ValueError(f"expected bias of shape (V,), got {tuple(bias.shape)}")
+        torch._check_value(bias.shape[0] == c.shape[0], lambda: f"bias has {bias.shape[0]} entries, c has {c.shape[0]} rows")
+
+
+def check_target_range(targets: Tensor, vocab: int, ignore_index: int) -> None:
+    """Out-of-range targets are an error as in eager PyTorch: an IndexError on CPU, a device-side assert on CUDA
+    and under torch.compile (a Python branch on a tensor would be a host sync / a graph break there)."""
+    out_of_range = (targets != ignore_index) & ((targets < 0) | (targets >= vocab))
+    if targets.device.type == "cuda" or torch.compiler.is_compiling():
+        torch._assert_async(~out_of_range.any(), "cce_inductor: target out of bounds (not ignore_index and not in [0, V))")
+    elif out_of_range.any():
+        bad = int(targets[out_of_range][0])
+        raise IndexError(f"Target {bad} is out of bounds.")
+
+
+def check_public_args(e: Tensor, c: Tensor, targets: Tensor, *, softcap: Optional[float], reduction: str) -> None:
+    """Argument checks of the public entry points (the op and the vocabulary-parallel loss)."""
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"reduction must be one of {sorted(REDUCTIONS)}, got {reduction!r}")
+    if softcap is not None and not softcap > 0:
+        raise ValueError(f"softcap must be positive, got {softcap}")
+    if e.dim() < 1 or c.dim() != 2:
+        raise ValueError(f"expected e of shape (..., D) and c of shape (V, D), got {tuple(e.shape)} and {tuple(c.shape)}")
+    check_targets_dtype(targets)
+    if tuple(targets.shape) != tuple(e.shape[:-1]):
+        raise ValueError(f"targets must have shape {tuple(e.shape[:-1])} (e's leading dims), got {tuple(targets.shape)}")
+
+
+def autocast_inputs(e: Tensor, c: Tensor, bias: Optional[Tensor]):
+    """Under autocast, ``e``, ``c`` and ``bias`` in the autocast dtype, as ``F.linear`` would see them."""
+    device_type = e.device.type
+    if torch.is_autocast_enabled(device_type) and e.dtype.is_floating_point:
+        autocast_dtype = torch.get_autocast_dtype(device_type)
+        e, c = e.to(autocast_dtype), c.to(autocast_dtype)
+        bias = None if bias is None else bias.to(autocast_dtype)
+    return e, c, bias

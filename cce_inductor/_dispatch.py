@@ -1,0 +1,98 @@
+"""Kernels or the chunked PyTorch path: the one place that decides which implementation computes a head.
+
+CUDA tensors of a kernel dtype run the Triton kernels (``cce_inductor.kernels``) where Triton is installed;
+everything else (CPU, fp64, CUDA without Triton) runs the chunked path (``cce_inductor._chunked``). Both take the
+same arguments and give the same results; callers (the fused ops, the vocabulary-parallel loss) never choose.
+
+Target codes, for both: ``ignore_index`` rows do not count; a target outside ``[0, V)`` counts, with no one-hot
+term (a vocabulary shard sees the targets that other shards hold that way).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from . import _chunked, _loss
+
+_KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+@functools.lru_cache(maxsize=None)
+def triton_kernels():
+    """``cce_inductor.kernels``, or None where Triton (or the module) is unavailable."""
+    try:
+        from . import kernels  # noqa: PLC0415 - imports triton, optional on CPU-only installs
+    except ImportError:
+        return None
+    return kernels
+
+
+def uses_kernels(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether tensors on ``device`` of ``dtype`` take the Triton path (the fake impls must agree)."""
+    return device.type == "cuda" and dtype in _KERNEL_DTYPES and triton_kernels() is not None
+
+
+def lse_dtype(device: torch.device, dtype: torch.dtype) -> torch.dtype:
+    """The dtype of the per-row results (log-sum-exp, entropy): fp32 from the kernels, else the accumulation dtype."""
+    return torch.float32 if uses_kernels(device, dtype) else _chunked.accumulation_dtype(dtype)
+
+
+def forward(e: Tensor, c: Tensor, targets: Tensor, bias: Optional[Tensor], *, softcap: Optional[float],
+            ignore_index: int, logit_sum: bool = False, mean_logit: bool = False, every_row: bool = False):
+    """``(lse, target_logit, logit_sum | None, mean_logit | None)`` per row. ``every_row``: ignored rows are computed
+    too (the chunked path always computes them; the kernels skip them otherwise, leaving 0)."""
+    if uses_kernels(e.device, e.dtype) and e.shape[0] > 0:
+        return tuple(triton_kernels().forward(e, c, targets, bias, softcap=softcap, ignore_index=ignore_index,
+                                              logit_sum=logit_sum, mean_logit=mean_logit, every_row=every_row))
+    return _chunked.forward(e, c, targets, bias, softcap=softcap, ignore_index=ignore_index, logit_sum=logit_sum,
+                            mean_logit=mean_logit)
+
+
+def backward(e: Tensor, c: Tensor, targets: Tensor, bias: Optional[Tensor], lse: Tensor, grad_rows: Tensor, *,
+             softcap: Optional[float], ignore_index: int, options, need_e: bool, need_c: bool, need_bias: bool,
+             label_smoothing: float = 0.0, grad_lse: Optional[Tensor] = None, grad_entropy: Optional[Tensor] = None,
+             mean_logit: Optional[Tensor] = None):
+    """``(dE | None, dC | None, dbias | None)`` in the inputs' dtypes; ``grad_rows`` is 0 at ignored rows;
+    ``options`` a :class:`cce_inductor.CCEOptions` (the kernels read ``exact``, ``products``,
+    ``backward_row_chunk``)."""
+    if uses_kernels(e.device, e.dtype) and e.shape[0] > 0:
+        return triton_kernels().backward(
+            e, c, targets, bias, lse.float(), grad_rows.float(), softcap=softcap, ignore_index=ignore_index,
+            options=options, need_e=need_e, need_c=need_c, need_bias=need_bias, label_smoothing=label_smoothing,
+            grad_lse=grad_lse, grad_entropy=grad_entropy, mean_logit=mean_logit,
+        )
+    return _chunked.backward(
+        e, c, targets, bias, lse, grad_rows, softcap=softcap, need_e=need_e, need_c=need_c, need_bias=need_bias,
+        label_smoothing=label_smoothing, grad_lse=grad_lse, grad_entropy=grad_entropy, mean_logit=mean_logit,
+    )
+
+
+def loss_and_grads(e: Tensor, c: Tensor, targets: Tensor, bias: Optional[Tensor], *, softcap: Optional[float],
+                   ignore_index: int, reduction: str, label_smoothing: float, scratch_bytes: int, need_e: bool,
+                   need_c: bool, need_bias: bool):
+    """The balanced path: ``(loss, dE | None, dC | None, dbias | None)`` of a "mean" / "sum" loss, the gradients
+    those of the loss itself (upstream gradient 1) in the accumulation dtype. The kernels go through row chunks of
+    logits in a scratch of ``scratch_bytes``; the chunked path runs its forward and backward back to back."""
+    if uses_kernels(e.device, e.dtype):
+        return tuple(triton_kernels().loss_and_grads(
+            e, c, targets, bias, softcap=softcap, ignore_index=ignore_index, reduction=reduction,
+            label_smoothing=label_smoothing, scratch_bytes=scratch_bytes, need_e=need_e, need_c=need_c,
+            need_bias=need_bias,
+        ))
+    acc = _chunked.accumulation_dtype(e.dtype)
+    lse, target_logit, logit_sum, _ = _chunked.forward(
+        e, c, targets, bias, softcap=softcap, ignore_index=ignore_index, logit_sum=label_smoothing != 0.0
+    )
+    valid = targets != ignore_index
+    row_loss = _loss.row_losses(lse, target_logit, logit_sum, valid, label_smoothing, c.shape[0], acc)
+    loss = _loss.reduce_rows(row_loss, valid, reduction)
+    grad_rows = _loss.grad_rows(torch.ones((), dtype=acc, device=e.device), valid, reduction, acc)
+    grads = _chunked.backward(
+        e, c, targets, bias, lse, grad_rows, softcap=softcap, need_e=need_e, need_c=need_c, need_bias=need_bias,
+        label_smoothing=label_smoothing, in_accumulation_dtype=True,
+    )
+    return (loss, *grads)

@@ -1,0 +1,352 @@
+"""From what a loss reads back to the linear head: the chain every pass must understand before it rewrites.
+
+Real code puts row views, upcasts, a constant scale and a softcap between the head and the loss. Walking back
+from the node a loss reads (:func:`walk_logits`)::
+
+    hidden (..., D)   weight (V, D) | weight_t (D, V)   [bias (V,)]
+          \\                 |                           /
+           linear(hidden, weight, bias) | hidden @ weight.T | matmul(hidden, weight_t)      <- the head
+                  |
+                  |   row views:  view / reshape / flatten over leading dims, contiguous, getitem slices of leading
+                  |               dims (the label shift ``logits[..., :-1, :]``)
+                  |   upcasts:    .float(), .to(torch.float32)
+                  |   scale:      logits * k, logits / k        (constant k; before any softcap)
+                  |   softcap:    tanh(logits / cap) * cap       (or tanh(logits * (1 / cap)) * cap)
+                  v
+            what the loss reads
+
+gives a :class:`Logits`: the head's operands, the row views in forward order (to be replayed on the hidden
+states), the scale, the softcap and the chain's nodes. Anything else in the chain (a vocabulary slice, a downcast,
+a non-tanh softcap, an in-place update of an operand, a switch back to grad mode) raises :class:`NoMatch` with
+the reason ``stats()`` shows. :func:`private_chain` then checks that nothing else reads the chain.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Optional
+
+import torch
+import torch.fx as fx
+
+from .._checks import SUPPORTED_DTYPES
+from .spellings import (
+    DIV, FLATTEN, GETITEM, GRAD_MODE, IDENTITY_VIEW, INPLACE_FUNCTIONS, LINEAR, MATMUL, MUL, RESHAPE, TANH, TO_DTYPE,
+    DTYPE_METHODS, TRANSPOSE_2D, TRANSPOSE_ATTR_OPS, TRANSPOSE_ATTRS, VIEW_LIKE, call_arg, const_float, example_value,
+    matches, normalize_dim, short, spelling,
+)
+
+SUPPORTED_DEVICES = ("cpu", "cuda")
+
+
+class NoMatch(Exception):
+    """The site is left alone; the message says why (it reaches stats() and the log)."""
+
+
+@dataclasses.dataclass
+class RowStep:
+    """One row view on the logits, to be replayed on the hidden states."""
+
+    kind: str  # "reshape" | "flatten" | "getitem"
+    args: tuple
+
+
+@dataclasses.dataclass
+class Logits:
+    """The head and everything between it and the node a loss reads (row views, upcasts, scale, softcap)."""
+
+    head: fx.Node
+    hidden: fx.Node
+    weight: fx.Node
+    weight_is_transposed: bool  # the graph holds weight as (D, V): pass weight.t() to the op
+    bias: Optional[fx.Node]
+    compute_dtype: torch.dtype
+    row_steps: list[RowStep]  # in forward order
+    softcap: Optional[float]
+    scale: float  # constant factor on the logits before the softcap, folded into the hidden states and bias
+    chain: list[fx.Node]  # head ... the node the loss reads, forward order
+
+    def fields(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+
+def _is_true_division(node: Any) -> bool:
+    return matches(node, DIV) and len(node.args) == 2 and node.kwargs.get("rounding_mode") is None
+
+
+def _match_softcap(node: fx.Node) -> Optional[tuple[float, fx.Node, list[fx.Node]]]:
+    """``tanh(x / cap) * cap`` or ``tanh(x * (1/cap)) * cap`` ending at ``node``: (cap, x, inner nodes)."""
+    if not matches(node, MUL):
+        return None
+    lhs, rhs = node.args[0], node.args[1] if len(node.args) > 1 else node.kwargs.get("other")
+    tanh_node, cap = (lhs, const_float(rhs)) if matches(lhs, TANH) else (rhs, const_float(lhs))
+    if cap is None or not matches(tanh_node, TANH) or cap <= 0:
+        return None
+    scaled = tanh_node.args[0]
+    if _is_true_division(scaled) and const_float(scaled.args[1]) is not None:
+        x, inner_cap = scaled.args[0], const_float(scaled.args[1])
+    elif matches(scaled, MUL):
+        a, b = scaled.args[0], scaled.args[1]
+        x, inv = (a, const_float(b)) if const_float(b) is not None else (b, const_float(a))
+        if inv is None or inv == 0:
+            return None
+        inner_cap = 1.0 / inv
+    else:
+        return None
+    if not isinstance(x, fx.Node) or not math.isclose(inner_cap, cap, rel_tol=1e-6):
+        return None
+    return cap, x, [scaled, tanh_node]
+
+
+def _match_scale(node: fx.Node) -> Optional[tuple[float, fx.Node]]:
+    """``x * k``, ``k * x`` or ``x / k`` for a constant ``k`` (Cohere's logit_scale, Granite's logits_scaling)."""
+    if matches(node, MUL) and len(node.args) == 2 and not node.kwargs:
+        a, b = node.args
+        if isinstance(a, fx.Node) and const_float(b) is not None:
+            return const_float(b), a
+        if isinstance(b, fx.Node) and const_float(a) is not None:
+            return const_float(a), b
+    if _is_true_division(node) and isinstance(node.args[0], fx.Node):
+        divisor = const_float(node.args[1])
+        if divisor:
+            return 1.0 / divisor, node.args[0]
+    return None
+
+
+def _reshape_shape(node: fx.Node) -> list:
+    """The target shape of ``x.view(*shape)``, ``x.reshape(shape)`` or ``torch.reshape(x, shape)``."""
+    if node.op == "call_function":
+        args = node.args[1:] or (node.kwargs.get("shape"),)
+    else:
+        args = node.args[1:] or (node.kwargs.get("shape", node.kwargs.get("size")),)
+    if len(args) == 1 and isinstance(args[0], (tuple, list, torch.Size)):
+        return list(args[0])
+    return list(args)
+
+
+def _row_step(node: fx.Node, vocab) -> RowStep:
+    """Classify a view on the logits; raise NoMatch if it touches the vocabulary dimension."""
+    src, out = example_value(node.args[0]), example_value(node)
+    if not isinstance(out, torch.Tensor) or out.dim() < 1 or out.shape[-1] != vocab:
+        raise NoMatch(f"{short(node)} changes the vocabulary dimension")
+    if matches(node, RESHAPE):
+        shape = _reshape_shape(node)
+        if not shape or example_value(shape[-1]) not in (vocab, -1):
+            raise NoMatch(f"{node.name} reshapes across the vocabulary dimension")
+        if example_value(shape[-1]) == -1 and any(example_value(s) == -1 for s in shape[:-1]):
+            raise NoMatch(f"{node.name} has two inferred dimensions")
+        return RowStep("reshape", tuple(shape[:-1]))
+    if matches(node, FLATTEN):
+        start = normalize_dim(call_arg(node, 1, "start_dim", 0), src.dim())
+        end = normalize_dim(call_arg(node, 2, "end_dim", -1), src.dim())
+        if end >= src.dim() - 1:
+            raise NoMatch(f"{node.name} flattens the vocabulary dimension into the rows")
+        return RowStep("flatten", (start, end))
+    if matches(node, GETITEM):
+        index = node.args[1] if isinstance(node.args[1], tuple) else (node.args[1],)
+        if any(i is None or isinstance(i, fx.Node) and isinstance(example_value(i), torch.Tensor) for i in index):
+            raise NoMatch(f"{node.name} uses advanced indexing or None on the logits")
+        if Ellipsis in index:
+            last = index[-1]
+            if index[-1] is not Ellipsis and last != slice(None):
+                raise NoMatch(f"{node.name} slices the vocabulary dimension")
+        elif len(index) >= src.dim() and index[src.dim() - 1] != slice(None):
+            raise NoMatch(f"{node.name} slices the vocabulary dimension")
+        return RowStep("getitem", (node.args[1],))
+    raise AssertionError(node)
+
+
+def upcast_target(node: fx.Node) -> Optional[torch.dtype]:
+    """The dtype a cast node converts to, or None if the node is not a pure dtype cast."""
+    if node.op == "call_method" and node.target in DTYPE_METHODS and len(node.args) == 1 and not node.kwargs:
+        return DTYPE_METHODS[node.target]
+    if matches(node, TO_DTYPE):
+        dtypes = [a for a in list(node.args[1:]) + list(node.kwargs.values()) if isinstance(a, torch.dtype)]
+        others = [a for a in node.args[1:] if not isinstance(a, torch.dtype)]
+        others += [k for k in node.kwargs if k not in ("dtype", "copy", "non_blocking")]
+        if len(dtypes) == 1 and not others:
+            return dtypes[0]
+    return None
+
+
+def _match_head(node: fx.Node) -> tuple[fx.Node, fx.Node, bool, Optional[fx.Node]]:
+    """(hidden, weight, weight_is_transposed, bias) of the linear layer producing ``node``."""
+    if matches(node, LINEAR):
+        bias = call_arg(node, 2, "bias")
+        if bias is not None and not isinstance(bias, fx.Node):
+            raise NoMatch(f"{node.name} has a non-tensor bias")
+        return call_arg(node, 0, "input"), call_arg(node, 1, "weight"), False, bias
+    if matches(node, MATMUL):
+        hidden = node.args[0]
+        rhs = call_arg(node, 1, "other")
+        rhs_meta = example_value(rhs)
+        if not isinstance(rhs_meta, torch.Tensor) or rhs_meta.dim() != 2:
+            raise NoMatch(f"{node.name} multiplies by a {getattr(rhs_meta, 'dim', lambda: '?')()}-D tensor, not a weight matrix")
+        weight = transposed_source(rhs)
+        if weight is not None:
+            return hidden, weight, False, None
+        return hidden, rhs, True, None
+    raise NoMatch(
+        f"the input of cross_entropy comes from {short(node)}, "
+        "not from a linear layer in the same graph (a graph break between the head and the loss?)"
+    )
+
+
+def transposed_source(node: fx.Node) -> Optional[fx.Node]:
+    """``w`` if ``node`` is ``w.T`` / ``w.t()`` / ``w.transpose(0, 1)`` / ``w.permute(1, 0)`` of a 2-D ``w``."""
+    if not isinstance(node, fx.Node):
+        return None
+    if node.op == "call_function" and node.target is getattr and node.args[1] in TRANSPOSE_ATTRS:
+        return node.args[0]
+    if matches(node, TRANSPOSE_ATTR_OPS):
+        return node.args[0]
+    if matches(node, TRANSPOSE_2D):
+        src, dims = node.args[0], node.args[1:]
+        if len(dims) == 1 and isinstance(dims[0], (tuple, list)):
+            dims = tuple(dims[0])
+        dims = tuple(normalize_dim(d, 2) for d in dims if isinstance(d, int))
+        kind = spelling(node)[1]
+        if kind in ("t", torch.t):
+            return src
+        if kind in ("transpose", torch.transpose) and sorted(dims) == [0, 1]:
+            return src
+        if kind in ("permute", torch.permute) and dims == (1, 0):  # permute(0, 1) is the identity
+            return src
+    return None
+
+
+def mutated_tensor(node: fx.Node) -> Optional[fx.Node]:
+    """The tensor an in-place node writes to, or None if the node does not mutate."""
+    if node.op == "call_method" and node.target.endswith("_") and not node.target.startswith("_"):
+        return node.args[0] if node.args else None
+    if node.op == "call_function":
+        if spelling(node) in INPLACE_FUNCTIONS:
+            return node.args[0]
+        name = getattr(node.target, "__name__", "")
+        if name.endswith("_") and not name.startswith("_") and node.args:
+            return node.args[0]
+        schema = getattr(node.target, "_schema", None)
+        if schema is not None and any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments):
+            return node.args[0] if node.args else None
+    return None
+
+
+def storage_roots(node: Any) -> set:
+    """``node`` and everything it may be a view of."""
+    roots, stack = set(), [node]
+    while stack:
+        current = stack.pop()
+        if not isinstance(current, fx.Node) or current in roots:
+            continue
+        roots.add(current)
+        if matches(current, VIEW_LIKE) or (current.op == "call_function" and current.target is getattr):
+            stack.append(current.args[0])
+    return roots
+
+
+def _check_nothing_in_between(head: fx.Node, loss: fx.Node, protected: list) -> None:
+    """The fused op runs where the loss ran: nothing between the head and it may change what it reads.
+
+    Refuses a switch back to grad mode (a head computed under no_grad must stay non-differentiable) and an in-place
+    update of the hidden states, the weight or the bias (or of anything they are views of).
+    """
+    protected_roots = set().union(*(storage_roots(p) for p in protected))
+    grad_enabled_at_loss = None  # unchanged since the head
+    node = head.next
+    while node is not loss and node.op != "output":
+        if matches(node, GRAD_MODE):
+            grad_enabled_at_loss = node.args[0] if node.args else node.kwargs.get("mode")
+        mutated = mutated_tensor(node)
+        if mutated is not None and storage_roots(mutated) & protected_roots:
+            raise NoMatch(f"{short(node)} updates an operand of the head in place before the loss")
+        node = node.next
+    # A loss under no_grad is non-differentiable either way; the reverse would make a no_grad head trainable.
+    if grad_enabled_at_loss is not None and grad_enabled_at_loss is not False:
+        raise NoMatch("the head runs under torch.no_grad but the loss does not")
+
+
+def walk_logits(logits: fx.Node, consumer: fx.Node) -> Logits:
+    """Walk back from ``logits`` (what ``consumer``, a loss, reads) to the linear head, or raise NoMatch."""
+    logits_meta = example_value(logits)
+    vocab = logits_meta.shape[-1]
+    chain: list[fx.Node] = []  # logits ... head, backwards
+    row_steps: list[RowStep] = []
+    softcap: Optional[float] = None
+    scale = 1.0
+    scaled_after_softcap = False  # a factor met before the softcap on the way back is applied after it
+    node = logits
+    while True:
+        if not isinstance(node, fx.Node):
+            raise NoMatch(f"the input of {short(consumer)} is not computed in the graph")
+        chain.append(node)
+        softcap_match = _match_softcap(node)
+        if softcap_match is not None:
+            if softcap is not None:
+                raise NoMatch("logits are soft-capped twice")
+            if scaled_after_softcap:
+                raise NoMatch("logits are scaled after the softcap")
+            softcap, node, inner = softcap_match
+            chain.extend(inner[::-1])
+            continue
+        if matches(node, RESHAPE) or matches(node, FLATTEN) or matches(node, GETITEM):
+            row_steps.append(_row_step(node, vocab))
+            node = node.args[0]
+            continue
+        if matches(node, IDENTITY_VIEW):
+            node = node.args[0]
+            continue
+        scale_match = _match_scale(node)
+        if scale_match is not None:
+            factor, node = scale_match
+            scale *= factor
+            scaled_after_softcap = scaled_after_softcap or softcap is None
+            continue
+        cast_to = upcast_target(node)
+        if cast_to is not None:
+            src_dtype = example_value(node.args[0]).dtype
+            if cast_to not in SUPPORTED_DTYPES or torch.promote_types(src_dtype, cast_to) != cast_to:
+                raise NoMatch(f"{node.name} casts the logits down from {src_dtype} to {cast_to}")
+            node = node.args[0]
+            continue
+        break
+
+    head = chain[-1]
+    hidden, weight, weight_is_transposed, bias = _match_head(head)
+    head_meta, hidden_meta, weight_meta = example_value(head), example_value(hidden), example_value(weight)
+    if not all(isinstance(m, torch.Tensor) for m in (head_meta, hidden_meta, weight_meta)):
+        raise NoMatch(f"{head.name}: operands are not tensors")
+    if hidden_meta.dim() < 1 or head_meta.shape[-1] != vocab:
+        raise NoMatch(f"{head.name} does not produce the vocabulary dimension of {short(consumer)}")
+    compute_dtype = head_meta.dtype
+    if compute_dtype not in SUPPORTED_DTYPES:
+        raise NoMatch(f"logits dtype {compute_dtype} is not supported")
+    device = head_meta.device
+    if device.type not in SUPPORTED_DEVICES:
+        raise NoMatch(f"device {device} is not supported")
+    if bias is not None:
+        bias_meta = example_value(bias)
+        if not isinstance(bias_meta, torch.Tensor) or tuple(bias_meta.shape) != (vocab,):
+            raise NoMatch(f"the bias has shape {tuple(getattr(bias_meta, 'shape', ()))}, not (V,)")
+    if scale != 1.0 and compute_dtype == torch.float16:
+        # Folding the factor into fp16 hidden states could overflow where the fp32 logits would not.
+        raise NoMatch("a constant logit scale on fp16 logits cannot be folded safely")
+    _check_nothing_in_between(head, consumer, protected=[hidden, weight] + ([bias] if bias is not None else []))
+    chain.reverse()
+    return Logits(head=head, hidden=hidden, weight=weight, weight_is_transposed=weight_is_transposed, bias=bias,
+                  compute_dtype=compute_dtype, row_steps=row_steps[::-1], softcap=softcap, scale=scale, chain=chain)
+
+
+def private_chain(chain: list[fx.Node], consumer: fx.Node, allowed: list[fx.Node] = ()) -> list[fx.Node]:
+    """The chain must be private to its loss (besides ``allowed`` users), except for being returned from the graph
+    (Hugging Face models return their logits): returns those escaping nodes, or raises NoMatch."""
+    escaping = []
+    for i, node in enumerate(chain):
+        next_node = chain[i + 1] if i + 1 < len(chain) else consumer
+        others = [user for user in node.users if user is not next_node and user not in allowed]
+        if any(user.op != "output" for user in others):
+            names = ", ".join(short(user) for user in others if user.op != "output")
+            raise NoMatch(f"the logits ({node.name}) are also used by {names}, not only by the loss")
+        if others:
+            escaping.append(node)
+    return escaping

@@ -1,0 +1,228 @@
+"""A matched loss site, and how any pass replaces it: what every rewrite shares.
+
+A :class:`Site` is a :class:`~cce_inductor.fx_passes.head_chain.Logits` chain plus the loss that reads it (a
+``cross_entropy``, or the last node of an RL form). :func:`replace_site` puts the fused call in the loss's place::
+
+    rows   = <the chain's row views replayed on hidden * scale, with D in place of V>      (M, D)
+    weight = weight (in the logits' dtype; .t() of a (D, V) weight),  bias = bias * scale
+    loss   = emit_loss(graph, site, rows, weight, targets, bias)        (the pass's own call of the op)
+    <every use of the loss>  ->  loss.to(<the dtype the loss had>)
+    <logits returned from the graph>  ->  dropped_logits(...)   (drop_logits; see cce_inductor/_dropped_logits.py)
+
+and erases the chain. :func:`decide` runs a matcher and records a refused site's reason for ``stats()``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import operator
+from typing import Any, Callable, Optional, Union
+
+import torch
+import torch.fx as fx
+
+from .. import _dropped_logits, diagnostics, paths
+from ..options import CCEOptions
+from .head_chain import NoMatch, RowStep, transposed_source
+from .spellings import MATMUL, example_value, matches, requires_grad
+
+
+@dataclasses.dataclass
+class Site:
+    cross_entropy: fx.Node  # the loss node the fused call replaces (for RL forms: the first node of the form)
+    head: fx.Node
+    hidden: fx.Node
+    weight: fx.Node
+    weight_is_transposed: bool
+    bias: Optional[fx.Node]
+    compute_dtype: torch.dtype
+    row_steps: list[RowStep]
+    softcap: Optional[float]
+    scale: float
+    targets: fx.Node
+    ignore_index: int
+    reduction: str
+    label_smoothing: float
+    chain: list[fx.Node]  # head ... the loss's input, forward order
+    escaping: list[fx.Node]  # chain nodes that are also graph outputs
+    lse_users: list[fx.Node]  # logsumexp(loss input, -1) nodes: fed by the op's lse
+
+
+# What a rewrite puts in place of the loss: given the hidden-state rows (M, D), the (V, D) weight, the targets and
+# the bias (None or (V,)), all in the logits' dtype, emit the loss nodes and return the last one.
+EmitLoss = Callable[[fx.Graph, Site, fx.Node, fx.Node, fx.Node, Optional[fx.Node]], fx.Node]
+
+
+def replace_site(graph: fx.Graph, site: Site, emit_loss: EmitLoss) -> None:
+    """Replace the matched site by ``emit_loss``'s nodes (module docstring)."""
+    with graph.inserting_before(site.cross_entropy):
+        rows, weight, bias = rows_of(graph, site), *head_operands(graph, site)
+        loss = emit_loss(graph, site, rows, weight, site.targets, bias)
+    retire(graph, site, loss)
+
+
+def cast(graph: fx.Graph, node: fx.Node, dtype: torch.dtype) -> fx.Node:
+    if example_value(node).dtype == dtype:
+        return node
+    return graph.call_method("to", (node, dtype))
+
+
+def _hidden_size(graph: fx.Graph, hidden: fx.Node) -> Union[int, fx.Node]:
+    size = example_value(hidden).shape[-1]
+    if isinstance(size, int):
+        return size
+    return graph.call_method("size", (hidden, -1))
+
+
+def rows_of(graph: fx.Graph, site: Site) -> fx.Node:
+    """The hidden states as the loss's rows: the chain's row views replayed on them, the scale folded in."""
+    rows = cast(graph, site.hidden, site.compute_dtype)
+    if site.scale != 1.0:
+        rows = graph.call_function(operator.mul, (rows, site.scale))
+    hidden_size = _hidden_size(graph, site.hidden)
+    for step in site.row_steps:
+        if step.kind == "reshape":
+            rows = graph.call_method("reshape", (rows, *step.args, hidden_size))
+        elif step.kind == "flatten":
+            rows = graph.call_method("flatten", (rows, *step.args))
+        else:
+            rows = graph.call_function(operator.getitem, (rows, *step.args))
+    return rows
+
+
+def head_operands(graph: fx.Graph, site: Site) -> tuple[fx.Node, Optional[fx.Node]]:
+    """``(weight (V, D), bias)`` in the logits' dtype, the scale folded into the bias."""
+    weight = cast(graph, site.weight, site.compute_dtype)
+    if site.weight_is_transposed:
+        weight = graph.call_method("t", (weight,))
+    bias = None if site.bias is None else cast(graph, site.bias, site.compute_dtype)
+    if bias is not None and site.scale != 1.0:
+        bias = graph.call_function(operator.mul, (bias, site.scale))
+    return weight, bias
+
+
+def retire(graph: fx.Graph, site: Site, loss: fx.Node) -> None:
+    """``loss`` (fp32, or fp64 for fp64 logits) takes the place of the site's loss node; the escaping logits become
+    ``dropped_logits`` placeholders (drop_logits); the chain goes."""
+    ce = site.cross_entropy
+    out_dtype = example_value(ce).dtype
+    if out_dtype != torch.float32:
+        with graph.inserting_after(loss):
+            loss = graph.call_method("to", (loss, out_dtype))
+    ce.replace_all_uses_with(loss)
+    graph.erase_node(ce)
+
+    if site.escaping:
+        # drop_logits: the returned logits become a placeholder of their shape that raises on use
+        # (cce_inductor/_dropped_logits.py); check_escaping made sure each shape can be rebuilt.
+        output = next(n for n in graph.nodes if n.op == "output")
+        for node in site.escaping:
+            recipe = _dropped_logits.shape_recipe(node, _dropped_logits.shape_sources(site))
+            with graph.inserting_before(output):
+                placeholder = _dropped_logits.emit(graph, node, site, recipe)
+            output.replace_input_with(node, placeholder)
+
+    for node in reversed(site.chain):
+        if not node.users:
+            transposed_weight = site.head.args[1] if node is site.head and matches(site.head, MATMUL) else None
+            graph.erase_node(node)
+            if isinstance(transposed_weight, fx.Node) and not transposed_weight.users:
+                if transposed_source(transposed_weight) is not None:
+                    graph.erase_node(transposed_weight)
+
+
+def decide(graph_id: int, node: fx.Node, match: Callable[[], Any], prefix: str = "") -> Any:
+    """``match()`` for the site at ``node``, or None with the reason recorded for ``stats()``: a NoMatch's message,
+    or for any other error "not understood" (a graph shape the matcher does not know must never break compilation).
+    Shared by every pass."""
+    try:
+        return match()
+    except NoMatch as why:
+        reason = str(why)
+    except Exception as exc:  # noqa: BLE001
+        reason = f"not understood ({type(exc).__name__}: {exc})"
+    diagnostics.record(diagnostics.SiteDecision(graph_id, node.name, False, prefix + reason))
+    return None
+
+
+def check_escaping(site: Site, options: CCEOptions) -> None:
+    """Logits returned from the graph may only be replaced by a placeholder (same shape and dtype, raising on any
+    use; see ``cce_inductor/_dropped_logits.py``) when the user opted in, and only when their shape can be rebuilt
+    from nodes that stay in the graph."""
+    if not site.escaping:
+        return
+    if not options.drop_logits:
+        names = ", ".join(n.name for n in site.escaping)
+        raise NoMatch(
+            f"logits escape the compiled region ({names} is a graph output, as in Hugging Face models); "
+            "set CCE_INDUCTOR_DROP_LOGITS=1 or cce_inductor.make_backend(drop_logits=True) "
+            "to return, in their place, a placeholder that raises on use"
+        )
+    if _compiling_with_cuda_graphs():
+        # Inductor's CUDA graphs hand their outputs back as plain tensors over the recorded memory: the placeholder
+        # would come back as an ordinary (NaN-filled) tensor that no longer raises on use.
+        raise NoMatch(
+            "logits escape the compiled region and this graph is compiled with CUDA graphs (mode='reduce-overhead'), "
+            "which return plain tensors: a dropped-logits placeholder could not raise on use there"
+        )
+    for node in site.escaping:
+        recipe = _dropped_logits.shape_recipe(node, _dropped_logits.shape_sources(site))
+        if isinstance(recipe, str):
+            raise NoMatch(f"the returned logits cannot be replaced by a placeholder: {recipe}")
+
+
+def _compiling_with_cuda_graphs() -> bool:
+    """Whether the graph being compiled will run as Inductor CUDA graphs (``mode="reduce-overhead"`` sets this
+    config for the duration of the compile, the pre-grad pass included)."""
+    import torch._inductor.config as inductor_config  # noqa: PLC0415 - only needed while compiling
+
+    return bool(inductor_config.triton.cudagraphs)
+
+
+def describe_site(site: Site) -> str:
+    parts = [f"{site.head.name}: {'matmul' if matches(site.head, MATMUL) else 'linear'}"]
+    if site.bias is not None:
+        parts.append("bias")
+    if site.scale != 1.0:
+        parts.append(f"scale={site.scale:g}")
+    if site.softcap is not None:
+        parts.append(f"softcap={site.softcap:g}")
+    parts.append(f"reduction={site.reduction}")
+    parts.append(f"ignore_index={site.ignore_index}")
+    if site.label_smoothing:
+        parts.append(f"label_smoothing={site.label_smoothing:g}")
+    if site.lse_users:
+        parts.append("log-sum-exp reused")
+    if site.escaping:
+        parts.append("logits dropped from the outputs")
+    return ", ".join(parts)
+
+
+def lean_path_reason(site: Site, options: CCEOptions) -> Optional[str]:
+    """None where the site takes the balanced path (its gradients computed with the loss, ``options.scratch_mb``),
+    else why it keeps the lean one. What requires grad is known here: Dynamo traced the graph with it, and guards
+    on it (the loss itself: a head computed with grad whose loss is taken under no_grad needs no gradient)."""
+    why = paths.lean_path_reason(options, site.reduction, requires_grad(site.cross_entropy))
+    if why is None and site.lse_users:
+        return "the log-sum-exp is used beyond the loss (a z-loss)"
+    return why
+
+
+PER_ROW_OUTPUTS = "per-row outputs (the balanced path computes 'mean' and 'sum' losses)"
+
+
+def lean_only(options: CCEOptions, why: str = PER_ROW_OUTPUTS) -> str:
+    """The suffix of the record of a site that always takes the lean path (per-row outputs: token log-probs,
+    entropy; the vocabulary-parallel loss): why, when a balanced path was asked for."""
+    return f"; lean path: {why}" if options.scratch_mb else ""
+
+
+def path_decision(graph_id: int, site: Site, options: CCEOptions, description: str,
+                  lean_reason: Optional[str]) -> diagnostics.SiteDecision:
+    """The rewritten site's record for ``stats()``: which path it got, and (when the balanced path was asked for)
+    why not."""
+    if lean_reason is None:
+        return diagnostics.SiteDecision(graph_id, site.cross_entropy.name, True,
+                                        f"{description}; balanced path ({options.scratch_mb} MiB scratch)", "balanced")
+    return diagnostics.SiteDecision(graph_id, site.cross_entropy.name, True,
+                                    description + lean_only(options, lean_reason), "lean")
