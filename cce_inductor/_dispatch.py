@@ -16,7 +16,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from . import _chunked, _loss
+from . import _chunked, _loss, paths
 
 _KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -39,6 +39,26 @@ def uses_kernels(device: torch.device, dtype: torch.dtype) -> bool:
 def lse_dtype(device: torch.device, dtype: torch.dtype) -> torch.dtype:
     """The dtype of the per-row results (log-sum-exp, entropy): fp32 from the kernels, else the accumulation dtype."""
     return torch.float32 if uses_kernels(device, dtype) else _chunked.accumulation_dtype(dtype)
+
+
+# Where a symbolic size has no hint (unbacked), the choice assumes a typical training batch.
+_UNKNOWN_ROWS = 8192
+
+
+def head_facts(rows, hidden, vocab, dtype: torch.dtype, device: torch.device, reduction: str, *, needs_grad: bool,
+               **more) -> paths.HeadFacts:
+    """What :func:`cce_inductor.paths.choose` reads of a head; ``more``: its other fields. Sizes may be symbolic (a
+    site compiled with a dynamic batch): their hint, the size the site was compiled for, stands in."""
+    def size(value) -> int:
+        if isinstance(value, int):
+            return value
+        hint = getattr(getattr(value, "node", None), "hint", None)  # a SymInt
+        return int(hint) if hint is not None else _UNKNOWN_ROWS
+
+    return paths.HeadFacts(
+        rows=size(rows), hidden=size(hidden), vocab=size(vocab), element_size=dtype.itemsize,
+        kernels=uses_kernels(device, dtype), reduction=reduction, needs_grad=needs_grad, **more,
+    )
 
 
 def forward(e: Tensor, c: Tensor, targets: Tensor, bias: Optional[Tensor], *, softcap: Optional[float],
@@ -80,8 +100,8 @@ def loss_and_grads(e: Tensor, c: Tensor, targets: Tensor, bias: Optional[Tensor]
     if uses_kernels(e.device, e.dtype):
         return tuple(triton_kernels().loss_and_grads(
             e, c, targets, bias, softcap=softcap, ignore_index=ignore_index, reduction=reduction,
-            label_smoothing=label_smoothing, scratch_bytes=scratch_bytes, need_e=need_e, need_c=need_c,
-            need_bias=need_bias,
+            label_smoothing=label_smoothing, need_e=need_e, need_c=need_c, need_bias=need_bias,
+            chunk_rows=paths.chunk_rows(scratch_bytes, c.shape[0], e.element_size(), e.shape[0]),
         ))
     acc = _chunked.accumulation_dtype(e.dtype)
     lse, target_logit, logit_sum, _ = _chunked.forward(

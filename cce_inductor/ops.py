@@ -18,6 +18,7 @@ Public entry point: :func:`linear_cross_entropy` (shape handling, autocast, argu
 
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
@@ -186,10 +187,12 @@ def linear_cross_entropy_with_grads_op(
     with torch.autocast(e.device.type, enabled=False):
         _checks.check_inputs(e, c, targets, bias)
         _checks.check_target_range(targets, c.shape[0], ignore_index)
+        # the scratch for the rows this call really has (the site may have been compiled for another batch size)
+        facts = _dispatch.head_facts(*e.shape, c.shape[0], e.dtype, e.device, reduction, needs_grad=True)
+        scratch = paths.scratch_for(facts, CCEOptions.decode(options).scratch_mb)
         loss, grad_e, grad_c, grad_bias = _dispatch.loss_and_grads(
             e, c, targets, bias, softcap=softcap, ignore_index=ignore_index, reduction=reduction,
-            label_smoothing=label_smoothing, scratch_bytes=CCEOptions.decode(options).scratch_mb * 2**20,
-            need_e=need_e, need_c=need_c, need_bias=need_bias,
+            label_smoothing=label_smoothing, scratch_bytes=scratch, need_e=need_e, need_c=need_c, need_bias=need_bias,
         )
     acc = _chunked.accumulation_dtype(e.dtype)
     return loss, *(grad.to(acc) if needed else e.new_empty(0, dtype=acc)
@@ -268,10 +271,11 @@ def linear_cross_entropy(
         reduction: ``"mean"`` (over non-ignored targets; NaN if there are none), ``"sum"`` or ``"none"``
             (shape ``targets.shape``, 0 at ignored positions).
         label_smoothing: as in ``F.cross_entropy``, in ``[0, 1]``.
-        options: :class:`cce_inductor.CCEOptions` (``exact``, ``products``, ``backward_row_chunk``,
+        options: :class:`cce_inductor.CCEOptions` (``exact``, ``products``, ``backward_row_chunk``, ``path``,
             ``scratch_mb``); default ``CCEOptions()``, not the environment: a direct call does what its arguments
-            say. With ``scratch_mb > 0``, a "mean" / "sum" loss of inputs that require grad (grad mode on) takes the
-            balanced path: its gradients are computed with the loss.
+            say. The path is chosen as the pass chooses it (``cce_inductor.paths.choose``) for these operands: a
+            "mean" / "sum" loss of inputs that require grad (grad mode on) takes the balanced path (its gradients
+            computed with the loss) where that fits the memory budget, else the lean one.
 
     Returns the loss in float32 (float64 for float64 inputs). Under autocast ``e``, ``c`` and ``bias`` are cast
     to the autocast dtype, as ``F.linear`` would be.
@@ -284,7 +288,9 @@ def linear_cross_entropy(
     e, c, bias = _checks.autocast_inputs(e, c, bias)
     options = options or CCEOptions()
     need = (e.requires_grad, c.requires_grad, bias is not None and bias.requires_grad)
-    if paths.lean_path_reason(options, reduction, torch.is_grad_enabled() and any(need)) is None:
+    facts = _dispatch.head_facts(math.prod(e.shape[:-1]), e.shape[-1], c.shape[0], e.dtype, e.device, reduction,
+                       needs_grad=torch.is_grad_enabled() and any(need))
+    if paths.choose(facts, options.path, options.scratch_mb, options.backward_row_chunk).path == "balanced":
         loss, _, _, _ = linear_cross_entropy_with_grads_op(
             e.reshape(-1, e.shape[-1]), c, targets.reshape(-1).long(), bias,
             None if softcap is None else float(softcap), int(ignore_index), reduction, float(label_smoothing),

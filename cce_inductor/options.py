@@ -30,6 +30,7 @@ _RETIRED_ENV = {
 }
 
 Products = Literal["cublas", "triton"]
+PathName = Literal["auto", "lean", "balanced"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,23 +47,28 @@ class CCEOptions:
     products: who computes the CUDA backward's dE / dC products. ``"cublas"`` (default) is fastest on full
         batches; ``"triton"`` skips rows whose target is ``ignore_index`` (prompt-masked SFT, padding), faster
         from about 25% ignored targets on. Ignored with ``exact``. Environment: ``CCE_INDUCTOR_PRODUCTS``.
-    backward_row_chunk: rows per block of the CUDA backward: bounds its scratch memory (one 16-bit
-        ``row_chunk x 4096`` gradient block plus ``row_chunk x D`` fp32 rows) whatever the batch. Smaller saves
-        memory at some speed; 0 takes all rows in one block. Environment: ``CCE_INDUCTOR_BACKWARD_ROW_CHUNK``.
-    scratch_mb: the balanced path's budget, in MiB, for one row chunk of logits (0, the default: the lean path
-        everywhere). Where the loss is a mean or a sum, its head needs gradients and the log-sum-exp is not used
-        elsewhere, the gradients are computed with the loss, chunk by chunk through this scratch, and the backward
-        only scales them: three matmuls instead of the lean path's four, for the scratch plus the gradients in fp32
-        until the backward. No gradient is filtered; its errors are torch.compile's (it rounds the logits to the input
-        dtype, as torch.compile does, where the lean path keeps them in fp32). It does not skip ignored targets
-        (README, "The balanced path"). ``stats()`` says which path each site got and why.
-        Environment: ``CCE_INDUCTOR_SCRATCH_MB``.
+    backward_row_chunk: rows per block of the CUDA lean backward: bounds its gradient block (one 16-bit
+        ``row_chunk x 4096`` block) whatever the batch; dE is summed in fp32 (``N x D x 4`` bytes) and, past one
+        row chunk, each vocabulary chunk of dC too, so every gradient is rounded once. 0 takes all rows in one
+        block. Environment: ``CCE_INDUCTOR_BACKWARD_ROW_CHUNK``.
+    path: which path a rewritten loss takes. ``"auto"`` (default): per site, the fastest path whose estimated peak
+        fits the budget (half of torch.compile's peak for the same head, or 1.15x the gradients' own bytes where that
+        is more): the balanced path (the gradients computed with the loss: three matmuls, as torch.compile does)
+        where it fits, else the lean path (four matmuls; the least memory). ``"lean"`` / ``"balanced"`` force one;
+        a forced path that the automatic choice would not take says so in ``stats()``. The balanced path computes
+        mean and sum losses whose head needs gradients; per-row outputs, a reused log-sum-exp and the
+        vocabulary-parallel loss are always lean. ``cce_inductor/paths.py`` holds the rule and its memory model.
+        Environment: ``CCE_INDUCTOR_PATH``.
+    scratch_mb: the balanced path's scratch for one row chunk of logits, in MiB; 0 (default) sizes it from the
+        budget at run time. A value > 0 with ``path="auto"`` asks for the balanced path (its meaning before the
+        automatic choice existed). Environment: ``CCE_INDUCTOR_SCRATCH_MB``.
     """
 
     drop_logits: bool = False
     exact: bool = False
     products: Products = "cublas"
     backward_row_chunk: int = 8192
+    path: PathName = "auto"
     scratch_mb: int = 0
 
     def __post_init__(self) -> None:
@@ -75,10 +81,12 @@ class CCEOptions:
             raise TypeError(f"backward_row_chunk must be an int, got {self.backward_row_chunk!r}")
         if self.backward_row_chunk < 0:
             raise ValueError(f"backward_row_chunk must be >= 0 (0: all rows), got {self.backward_row_chunk}")
+        if self.path not in ("auto", "lean", "balanced"):
+            raise ValueError(f"path must be 'auto', 'lean' or 'balanced', got {self.path!r}")
         if isinstance(self.scratch_mb, bool) or not isinstance(self.scratch_mb, int):
             raise TypeError(f"scratch_mb must be an int, got {self.scratch_mb!r}")
         if self.scratch_mb < 0:
-            raise ValueError(f"scratch_mb must be >= 0 (0: the lean path), got {self.scratch_mb}")
+            raise ValueError(f"scratch_mb must be >= 0 (0: sized automatically), got {self.scratch_mb}")
 
     @classmethod
     def from_env(cls, **overrides: Any) -> "CCEOptions":
@@ -111,7 +119,7 @@ class CCEOptions:
 
 _FIELDS = {field.name: field for field in dataclasses.fields(CCEOptions)}
 # drop_logits changes the graph around the op, not what the op computes.
-_OP_FIELDS = ("exact", "products", "backward_row_chunk", "scratch_mb")
+_OP_FIELDS = ("exact", "products", "backward_row_chunk", "path", "scratch_mb")
 
 
 def _env_name(field: str) -> str:

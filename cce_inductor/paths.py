@@ -1,17 +1,204 @@
-"""Which path a rewritten site takes: lean (the default) or balanced (``CCEOptions.scratch_mb``)."""
+"""Which path a fused loss takes, and how much scratch the balanced one gets: one pure function of what is known
+when the site is compiled (or, for a direct call, when it runs).
+
+The two paths (``docs/design.md``; kernels in ``kernels/``):
+
+* **lean** (``ops.linear_cross_entropy``): the forward keeps one log-sum-exp per row; the backward recomputes the
+  logits block by block. Four matmuls of ``N x V x D``; memory above the gradients: one 16-bit G block and the fp32
+  dE rows of one row chunk.
+* **balanced** (``ops.linear_cross_entropy_with_grads``): the gradients are computed with the loss, row chunk by row
+  chunk, through a scratch of logits, and the backward only scales them. Three matmuls, as torch.compile does; memory:
+  the scratch, dC summed in fp32 (``4 V D`` bytes) beside its 16-bit rounding in the backward, and dE in fp32.
+
+The memory model (bytes above the inputs, gradients included; ``b`` the inputs' element size) was checked against
+the measured peaks of ``benchmarks/`` (H100, bf16, N 8192: Gemma-2 5162 / 1300 / 3412 MB for torch.compile / lean /
+balanced, model 5161 / 1297 / 3483; Llama-3 3070 / 1259 / 3134, model 3070 / 1258 / 3198):
+
+    torch.compile  N V b + V D b + N D b                 (the logits, saved for its backward, and the gradients)
+    lean           (N + V) D b + R * 4096 * b + N D 4 (+ 4096 D 4 where N > R; R = min(N, backward_row_chunk))
+    balanced       max(V D 4 + N D 4 + S,  V D (4 + b) + N D (4 + b))     (S = the scratch)
+
+The default (``path="auto"``) takes the fastest path whose peak fits the budget ``max(0.5 x torch.compile's,
+1.15 x the gradients' own (N + V) D b)``: balanced where it fits (three matmuls), else lean (four matmuls, always
+within the budget's second term up to its fixed scratch). So the default never trades memory for speed past half
+of torch.compile's peak; where balanced does not fit (large V x D against N x V, e.g. N 8192 on Gemma-2's head:
+6 V D > N V / 2) the lean path's time is the price, and ``stats()`` says so. ``path="lean"`` / ``"balanced"``
+force a path; a forced balanced path fatter than torch.compile says so too.
+"""
 
 from __future__ import annotations
 
-from typing import Optional
+import dataclasses
+from typing import Literal, Optional
+
+Path = Literal["lean", "balanced"]
+
+# The lean backward's G block width (kernels/_backward.py's vocab_chunk).
+_LEAN_VOCAB_CHUNK = 4096
+# The balanced path's scratch: at least this many rows per chunk (smaller chunks make the dC products memory bound:
+# each chunk reads and writes the fp32 dC sums, 8 V D bytes), at most this many bytes.
+_MIN_CHUNK_ROWS = 1024
+_MAX_SCRATCH_BYTES = 1 << 30
+# The budget: the default takes the balanced path only where its peak is at most this share of torch.compile's, or
+# (where the gradients alone are more than that) within this factor of the gradients' own bytes.
+_COMPILE_SHARE = 0.5
+_GRADIENT_FACTOR = 1.15
+# Below this many rows a chunk loop is not worth it (and the scratch would be tiny): lean.
+_MIN_BALANCED_ROWS = 256
 
 
-def lean_path_reason(options, reduction: str, needs_grad: bool) -> Optional[str]:
-    """None where a loss takes the balanced path (``options.scratch_mb > 0``, reduction "mean" or "sum", a gradient
-    needed), else why it takes the lean path (``stats()`` shows it)."""
-    if options.scratch_mb == 0:
-        return "scratch_mb=0"
-    if reduction not in ("mean", "sum"):
-        return f"reduction={reduction!r} (the balanced path computes 'mean' and 'sum')"
-    if not needs_grad:
+@dataclasses.dataclass(frozen=True)
+class HeadFacts:
+    """What the choice reads: the head's shape, the loss and where it runs."""
+
+    rows: int  # N (a size hint where the batch is symbolic)
+    hidden: int  # D
+    vocab: int  # V
+    element_size: int  # bytes per element of the inputs (2 for bf16 / fp16)
+    kernels: bool  # the CUDA Triton kernels run it (else the chunked PyTorch path)
+    reduction: str  # "mean" | "sum" | "none"
+    needs_grad: bool  # the loss needs gradients of the head's inputs
+    lse_reused: bool = False  # the log-sum-exp is used beyond the loss (a z-loss)
+    per_row_outputs: bool = False  # token log-probs, entropy, chunked heads fused with reduction "none"
+
+
+@dataclasses.dataclass(frozen=True)
+class PathChoice:
+    path: Path
+    reason: str  # one sentence for stats(): why this path
+    scratch_bytes: int = 0  # the balanced path's scratch (0 for lean)
+
+
+def compile_peak(f: HeadFacts) -> int:
+    """torch.compile's peak for ``cross_entropy(linear(e, c).float(), t)`` (forward + backward), bytes."""
+    b = f.element_size
+    return f.rows * f.vocab * b + (f.vocab + f.rows) * f.hidden * b
+
+
+def gradient_bytes(f: HeadFacts) -> int:
+    """The lower bound: the gradients themselves, ``(N + V) D`` elements."""
+    return (f.rows + f.vocab) * f.hidden * f.element_size
+
+
+def lean_peak(f: HeadFacts, backward_row_chunk: int = 8192) -> int:
+    """The gradients, one G block (``R x 4096``, R the row chunk), dE in fp32 and, past one row chunk, one vocabulary
+    chunk of dC in fp32 (``kernels/_backward.py``)."""
+    rows = min(f.rows, backward_row_chunk or f.rows)
+    width = min(f.vocab, _LEAN_VOCAB_CHUNK)
+    dc_sums = width * f.hidden * 4 if f.rows > rows else 0
+    return gradient_bytes(f) + rows * width * f.element_size + f.rows * f.hidden * 4 + dc_sums
+
+
+def balanced_peak(f: HeadFacts, scratch_bytes: int) -> int:
+    b, vd, nd = f.element_size, f.vocab * f.hidden, f.rows * f.hidden
+    return max(4 * vd + 4 * nd + scratch_bytes, (4 + b) * vd + (4 + b) * nd)
+
+
+def budget(f: HeadFacts) -> int:
+    return max(int(_COMPILE_SHARE * compile_peak(f)), int(_GRADIENT_FACTOR * gradient_bytes(f)))
+
+
+def scratch_row_pitch(vocab: int) -> int:
+    """Elements per scratch row, as the balanced kernels lay it out (``kernels/_balanced.py``, ``ROW_ALIGN``): V
+    rounded up to a multiple of 64, so that the products over the scratch see aligned leading dimensions whatever V
+    is (cuBLAS is ~6x slower on a 16-bit matrix whose rows are not a multiple of 8 elements: H100, V 65535 against
+    65536)."""
+    return -(-vocab // 64) * 64
+
+
+def chunk_rows(scratch_bytes: int, vocab: int, element_size: int, rows: int) -> int:
+    """Rows per balanced chunk: the most whose padded rows fit in ``scratch_bytes``; a multiple of 128 once >= 128
+    (whole matmul tiles); at least 1, at most ``max(rows, 1)``."""
+    fit = max(1, scratch_bytes // (scratch_row_pitch(vocab) * element_size))
+    if fit >= 128:
+        fit -= fit % 128
+    return max(1, min(fit, rows))
+
+
+def balanced_scratch(f: HeadFacts, limit: Optional[int] = None) -> int:
+    """The balanced path's scratch for these facts: as large as the budget (or ``limit``) leaves beside its fixed
+    memory, at most 1 GiB and all rows; 0 where not even ``_MIN_CHUNK_ROWS`` rows (or all rows, if fewer) fit."""
+    b, vd, nd = f.element_size, f.vocab * f.hidden, f.rows * f.hidden
+    room = (budget(f) if limit is None else limit) - 4 * vd - 4 * nd
+    row_bytes = scratch_row_pitch(f.vocab) * b
+    want = min(_MAX_SCRATCH_BYTES, max(f.rows, 1) * row_bytes)
+    if room < min(_MIN_CHUNK_ROWS, max(f.rows, 1)) * row_bytes:
+        return 0
+    return min(want, room)
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.0f} MiB"
+
+
+def lean_only_reason(f: HeadFacts) -> Optional[str]:
+    """Why the balanced path cannot compute this loss at all (None where it can)."""
+    if f.per_row_outputs or f.reduction not in ("mean", "sum"):
+        return f"reduction={f.reduction!r} or per-row outputs (the balanced path computes 'mean' and 'sum' losses)"
+    if not f.needs_grad:
         return "no gradient is needed (no input of the head requires grad, or grad mode is off)"
+    if f.lse_reused:
+        return "the log-sum-exp is used beyond the loss (a z-loss)"
     return None
+
+
+def choose(f: HeadFacts, path: str = "auto", scratch_mb: int = 0, backward_row_chunk: int = 8192) -> PathChoice:
+    """The path for a site (module docstring). ``path``: ``"auto"``, or a forced ``"lean"`` / ``"balanced"``;
+    ``scratch_mb``: the balanced path's scratch (0: sized here); a ``scratch_mb`` with ``path="auto"`` asks for the
+    balanced path, as it did before the automatic choice existed."""
+    if path == "lean":
+        return PathChoice("lean", "lean path (forced: path='lean')" + _lean_cost_note(f, backward_row_chunk))
+    why_not = lean_only_reason(f)
+    if why_not is not None:
+        note = "" if path == "auto" and not scratch_mb else " (a balanced path was asked for)"
+        return PathChoice("lean", f"lean path: {why_not}{note}")
+    if path == "balanced" or scratch_mb:
+        scratch = scratch_for(f, scratch_mb)
+        why = "forced: path='balanced'" if path == "balanced" else f"asked for by scratch_mb={scratch_mb}"
+        return PathChoice("balanced", f"balanced path ({why}; {_mib(scratch)} scratch)" + _fat_note(f, scratch),
+                          scratch)
+    if not f.kernels:
+        return PathChoice("lean", "lean path: the chunked PyTorch path (not CUDA kernels) does the same work either "
+                                  "way, and the balanced one would hold the gradients in fp32")
+    if f.rows < _MIN_BALANCED_ROWS:
+        return PathChoice("lean", f"lean path: {f.rows} rows are too few for the balanced path's chunks")
+    scratch = balanced_scratch(f)
+    limit = budget(f)
+    if scratch:
+        return PathChoice("balanced", f"balanced path: three matmuls, est. peak {_mib(balanced_peak(f, scratch))} "
+                                      f"within the budget {_mib(limit)} (half of torch.compile's est. "
+                                      f"{_mib(compile_peak(f))}; {_mib(scratch)} scratch)", scratch)
+    need = balanced_peak(f, min(f.rows, _MIN_CHUNK_ROWS) * scratch_row_pitch(f.vocab) * f.element_size)
+    return PathChoice("lean", f"lean path: the balanced path's est. peak {_mib(need)} (dC summed in fp32, "
+                              f"{_mib(4 * f.vocab * f.hidden)}) exceeds the budget {_mib(limit)} (half of "
+                              f"torch.compile's est. {_mib(compile_peak(f))}); four matmuls where torch.compile does "
+                              "three (~1.3-1.5x its time on the head)")
+
+
+def scratch_for(f: HeadFacts, scratch_mb: int = 0) -> int:
+    """The balanced path's scratch once it is taken: ``scratch_mb`` MiB where given, else what the budget leaves
+    (:func:`balanced_scratch`), and where it leaves none (a forced path, or a batch larger than the one the site was
+    compiled for) up to 1 GiB: the balanced path was chosen for speed. The op calls this at run time, with the real
+    N."""
+    if scratch_mb:
+        return scratch_mb * 2**20
+    # past the budget (forced), the scratch that makes the balanced path fast: fewer chunks, fewer fp32 dC passes
+    return balanced_scratch(f) or min(_MAX_SCRATCH_BYTES, max(f.rows, 1) * scratch_row_pitch(f.vocab) * f.element_size)
+
+
+def _fat_note(f: HeadFacts, scratch: int) -> str:
+    peak, compile_bytes = balanced_peak(f, scratch), compile_peak(f)
+    if f.kernels and peak > compile_bytes:
+        return (f"; est. peak {_mib(peak)} is above torch.compile's {_mib(compile_bytes)} (dC summed in fp32: "
+                "path='auto' would take the lean path here)")
+    return ""
+
+
+def _lean_cost_note(f: HeadFacts, backward_row_chunk: int) -> str:
+    if not f.kernels or lean_only_reason(f) is not None:
+        return ""
+    scratch = balanced_scratch(f)
+    if scratch:
+        return (f"; path='auto' would take the balanced path (three matmuls instead of four, est. peak "
+                f"{_mib(balanced_peak(f, scratch))} against {_mib(lean_peak(f, backward_row_chunk))})")
+    return ""

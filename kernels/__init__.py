@@ -8,10 +8,10 @@ Interface used by the custom op and the vocabulary-parallel loss:
 * ``backward(e, c, targets, bias, lse, grad_rows, *, softcap, ignore_index, options, need_e, need_c, need_bias,
   label_smoothing=0.0, grad_lse=None, grad_entropy=None, mean_logit=None) -> (dE | None, dC | None, dbias | None)``;
   ``options`` is a :class:`cce_inductor.CCEOptions`
-* ``loss_and_grads(e, c, targets, bias, *, softcap, ignore_index, reduction, label_smoothing=0.0, scratch_bytes,
+* ``loss_and_grads(e, c, targets, bias, *, softcap, ignore_index, reduction, label_smoothing=0.0, chunk_rows,
   need_e=True, need_c=True, need_bias=True) -> LossAndGrads(loss, dE | None, dC | None, dbias | None)``: the balanced
-  path (mean / sum losses whose head needs gradients): the gradients computed with the loss, in row chunks through a
-  bounded scratch of logits
+  path (mean / sum losses whose head needs gradients): the gradients computed with the loss, ``chunk_rows`` rows at a
+  time through one scratch of logits (its rows padded to aligned leading dimensions)
 
 with ``logits[n, v] = softcap * tanh((e[n] . c[v] + bias[v]) / softcap)`` (no tanh without softcap).  In ``forward`` /
 ``backward`` rows whose target is ``ignore_index`` cost nothing; a target outside ``[0, V)`` counts with no one-hot term.

@@ -18,16 +18,22 @@ g_n = grad_rows[n] (0 at ignored rows), s = the softcap's chain factor:
 
 Chunking / layout
 -----------------
-The (rows x vocabulary) plane is cut into ``row_chunk x vocab_chunk`` blocks; rows are the outer loop:
+The (rows x vocabulary) plane is cut into ``row_chunk x vocab_chunk`` blocks; the vocabulary is the outer loop, so
+that each gradient is rounded to the output dtype once, whatever N:
 
-    for each row chunk R (options.backward_row_chunk rows):   dE32 = zeros(|R|, D) in fp32
-        compact R on the device: its counted rows first, their number in device memory
-        for each vocabulary chunk W:
-            G     = _recompute_grad_kernel(E[R], C[W])   Triton, persistent grid (one program per SM), input dtype
-            dE32 += G @ C[W]                       cuBLAS, fp32 accumulation across chunks
-            dC[W] = G^T @ E[R]  (first R)          cuBLAS, written in place; later R: += (one rounding each)
+    dE32 = fp32 (N, D);  compact each row chunk R on the device once: its counted rows first, their number in
+    device memory
+    for each vocabulary chunk W:
+        for each row chunk R (options.backward_row_chunk rows):
+            G      = _recompute_grad_kernel(E[R], C[W])   Triton, persistent grid (one program per SM), input dtype
+            dE32[R] += G @ C[W]                         cuBLAS, fp32 accumulation across vocabulary chunks
+            dC[W] (+)= G^T @ E[R]                       cuBLAS: written once (one row chunk), or summed in an fp32
+                                                        vocab_chunk x D buffer over the row chunks, then rounded
             dbias32[W] += sum_rows G
-        dE[R] = dE32
+    dE = dE32
+
+Every cuBLAS product over a vocabulary dimension (the last chunk's width may be odd) is split at a multiple of 64
+(``_launch.product_into``) and G's rows keep an aligned pitch.
 
 ``_recompute_grad_kernel`` deals the block's tiles to its programs; tile (i, j) takes compacted rows ``i*BLOCK_N
 ...`` of the chunk and vocabulary tile j of the block: ``BLOCK_N x BLOCK_V`` logits from ``_tile.logit_tile`` (loop
@@ -48,18 +54,22 @@ round(G), in a second block, and every product runs twice (G and G_lo, fp32 accu
 row chunks add to it) and rounded once.  Against the fp64 gradient rounded to bf16 this leaves 1e-4 - 6.5e-4 relative
 error where the default leaves ~4e-3 (interpreter, small shapes).  Cost: twice the product time, one more G block.
 
-With TMA (16-bit inputs, ``_forward.tma_operands``) the recompute reads its E tiles from a compacted copy of the
-chunk's rows, which lives in the chunk's rows of the dE output until dE is written there, so it costs no memory.
+With TMA (16-bit inputs, ``_forward.tma_operands``) the recompute reads its E tiles from a compacted copy of each
+chunk's rows, which lives in those rows of the dE output until dE is written there at the end, so it costs no
+memory.
 
-Memory above the outputs: one G block in the input dtype plus the fp32 dE rows of one row chunk: with 8192-row
-chunks (the default) and 4096 vocabulary entries, 64 MB + 72 MB at D = 2304 in bf16, whatever N is (2048 entries
-took 32 MB less but 4 ms more on Gemma-2 / 7 ms on Llama-3 on an H100: each vocabulary chunk reads and writes the
-fp32 dE rows once, 150 MB at D = 2304); longer
-batches pay one extra bf16 rounding of dC per further row chunk.  G is rounded to the input dtype before the
+Memory above the outputs: one G block in the input dtype (``row_chunk x vocab_chunk``), dE in fp32 (``N x D x 4``)
+and, where N exceeds one row chunk, one vocabulary chunk of dC in fp32 (``vocab_chunk x D x 4``): at N = 8192 and
+D = 2304 in bf16, 64 MB + 72 MB (a vocabulary chunk of 2048 entries took 32 MB less but 4 ms more on Gemma-2 / 7 ms
+on Llama-3 on an H100: each vocabulary chunk reads and writes the fp32 dE rows once, 150 MB at D = 2304).  (Before
+2026-11-25 the row chunks were the outer loop and dC took one more bf16 rounding per further row chunk: at N 32768
+on an H100 its error was 3.0e-3 against torch.compile's 1.7e-3.)  G is rounded to the input dtype before the
 products, as eager PyTorch does for the logits' gradient.  No atomics, so the result is bitwise reproducible
 (``torch.use_deterministic_algorithms`` is satisfied).
 """
 from __future__ import annotations
+
+from typing import NamedTuple, Optional
 
 import torch
 import triton
@@ -203,6 +213,37 @@ def _grad_tile(
         tl.store(GLo + g_rows + target, (at_target - at_target_hi.to(tl.float32)).to(G.dtype.element_ty), mask=hit)
 
 
+class _RowChunk(NamedTuple):
+    """One row chunk of the backward: its rows, their compaction (counted rows first, their number on the device),
+    each row's poison (0, or NaN where eager's gradient of an ignored row is NaN), and where the recompute reads E."""
+
+    r0: int
+    rows: int
+    e_rows: torch.Tensor
+    row_order: torch.Tensor
+    num_counted: torch.Tensor
+    row_poison: torch.Tensor
+    e_compact: Optional[torch.Tensor]
+    e_op: object  # E's rows as the recompute reads them: the rows themselves, or a descriptor over e_compact
+    ignored_poison: Optional[torch.Tensor]  # what eager's dC receives from the ignored rows (Triton products)
+
+    @classmethod
+    def of(cls, e, counted, r0, rows, weight_poison, de_out, block_n, block_d, *, compact, tma, poison_sum):
+        e_rows = e[r0 : r0 + rows]
+        counted_rows = counted[r0 : r0 + rows]
+        row_order, num_counted = _launch.compact_counted(counted_rows)
+        row_poison = _launch.nonfinite_rows(e_rows) + weight_poison
+        e_compact = None
+        if compact:
+            # in dE's own rows while they are free (dE is written from its fp32 sums at the very end), so the copy
+            # costs no memory where dE is wanted
+            e_compact = torch.index_select(e_rows, 0, row_order, out=de_out[r0 : r0 + rows]) \
+                if de_out is not None else e_rows.index_select(0, row_order)
+        e_op = _launch.descriptor(e_compact, [block_n, block_d]) if tma else e_rows
+        ignored_poison = torch.where(counted_rows, 0.0, row_poison).sum().reshape(1) if poison_sum else None
+        return cls(r0, rows, e_rows, row_order, num_counted, row_poison, e_compact, e_op, ignored_poison)
+
+
 def _block(buffer: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
     """A contiguous ``rows x cols`` view at the start of a flat scratch buffer (last chunks are narrower)."""
     return buffer[: rows * cols].view(rows, cols)
@@ -243,14 +284,17 @@ def backward(e, c, targets, bias, lse, grad_rows, *, softcap, ignore_index, opti
     fp32_out = sixteen_bit and _launch.fp32_out_mm_available(device)
     upcast = sixteen_bit and not fp32_out and not triton_products  # (the interpreter's Triton products upcast inside)
     out_dtype = {"out_dtype": torch.float32} if fp32_out else {}  # the products' fp32 results, 16-bit operands
-    # G's row pitch: its width, padded for the Triton products to 16-byte aligned rows
-    g_row_pitch = -(-vocab_chunk * e.element_size() // 16) * 16 // e.element_size() if triton_products else None
-    g_buf = torch.empty(row_chunk * (g_row_pitch or vocab_chunk), dtype=e.dtype, device=device)
+    # G's row pitch: the chunk width padded to 16-byte aligned rows (the Triton products' descriptors and cuBLAS both
+    # want aligned leading dimensions; the last, narrower chunk keeps the pitch)
+    g_row_pitch = -(-vocab_chunk * e.element_size() // 16) * 16 // e.element_size()
+    g_buf = torch.empty(row_chunk * g_row_pitch, dtype=e.dtype, device=device)
     g_lo_buf = torch.empty_like(g_buf) if split_g else None
-    de32 = torch.empty((row_chunk, d), dtype=torch.float32, device=device) if need_e else None
-    if split_g and need_c:
-        # dC's fp32 sums: one vocabulary chunk's, or all of dC's when several row chunks add to it
-        dc32 = torch.empty((v if n > row_chunk else vocab_chunk, d), dtype=torch.float32, device=device)
+    several_row_chunks = n > row_chunk
+    # dE in fp32 until every vocabulary chunk has added to it; dC of one vocabulary chunk in fp32 where several row
+    # chunks (or exact mode's two halves) add to it: each gradient is rounded once, whatever N
+    de32 = torch.empty((n, d), dtype=torch.float32, device=device) if need_e else None
+    dc32 = torch.empty((vocab_chunk, d), dtype=torch.float32, device=device) \
+        if need_c and (split_g or several_row_chunks) else None
     lse = lse.contiguous()
     grad_rows = grad_rows.to(torch.float32).contiguous()
     grad_lse = None if grad_lse is None else grad_lse.to(torch.float32).contiguous()
@@ -268,37 +312,28 @@ def backward(e, c, targets, bias, lse, grad_rows, *, softcap, ignore_index, opti
     programs = _launch.num_sms(device)  # a persistent grid: one program per multiprocessor
     c_op = _launch.descriptor(c, [block_v, block_d]) if use_tma else c
     num_stages = _launch.fit_num_stages(tune["num_stages"], block_n, block_v, block_d, e.element_size())
+    chunks = [_RowChunk.of(e, counted, r0, min(row_chunk, n - r0), weight_poison, de_out, block_n, block_d,
+                           compact=(triton_products and need_c) or use_tma, tma=use_tma,
+                           poison_sum=triton_products and need_c)
+              for r0 in range(0, n, row_chunk)]
 
-    for r0 in range(0, n, row_chunk):
-        rows = min(row_chunk, n - r0)
-        e_rows = e[r0 : r0 + rows]
-        e_rows_mm = e_rows.float() if upcast else e_rows
-        de_rows = de32[:rows] if need_e else None
-        counted_rows = counted[r0 : r0 + rows]
-        row_order, num_counted = _launch.compact_counted(counted_rows)
-        row_poison = _launch.nonfinite_rows(e_rows) + weight_poison
-        if (triton_products and need_c) or use_tma:
-            # (in dE's own rows while they are free: written only once this row chunk is done, so the copy costs
-            # no memory where dE is wanted)
-            e_compact = torch.index_select(e_rows, 0, row_order, out=de_out[r0 : r0 + rows]) if need_e \
-                else e_rows.index_select(0, row_order)
-        e_op = _launch.descriptor(e_compact, [block_n, block_d]) if use_tma else e_rows
-        if triton_products and need_c:
-            # what eager's dC receives from the ignored rows: 0, or NaN if any of them is poisoned
-            ignored_poison = torch.where(counted_rows, 0.0, row_poison).sum().reshape(1)
-        for v0 in range(0, v, vocab_chunk):
-            width = min(vocab_chunk, v - v0)
-            c_chunk = c[v0 : v0 + width]
-            c_chunk_mm = c_chunk.float() if upcast else c_chunk
-            grad = _block(g_buf, rows, g_row_pitch)[:, :width] if triton_products else _block(g_buf, rows, width)
-            grad_lo = _block(g_lo_buf, rows, width) if split_g else grad
+    for v0 in range(0, v, vocab_chunk):
+        width = min(vocab_chunk, v - v0)
+        c_chunk = c[v0 : v0 + width]
+        c_chunk_mm = c_chunk.float() if upcast else c_chunk
+        # where this vocabulary chunk's dC is summed: straight into dC (one row chunk, one product), else in fp32
+        dc_sum = dc32[:width] if dc32 is not None else (dc_out[v0 : v0 + width] if need_c else None)
+        for k, chunk in enumerate(chunks):
+            r0, rows = chunk.r0, chunk.rows
+            grad = _block(g_buf, rows, g_row_pitch)[:, :width]
+            grad_lo = _block(g_lo_buf, rows, g_row_pitch)[:, :width] if split_g else grad
             tiles = triton.cdiv(rows, block_n) * triton.cdiv(width, block_v)
             _recompute_grad_kernel[(min(tiles, programs),)](
-                e_op, c_op, bias if bias is not None else lse, lse[r0:], grad_rows[r0:],
+                chunk.e_op, c_op, bias if bias is not None else lse, lse[r0:], grad_rows[r0:],
                 (grad_rows if grad_lse is None else grad_lse)[r0:],
                 (grad_rows if grad_entropy is None else grad_entropy)[r0:],
                 (grad_rows if grad_entropy is None else mean_logit)[r0:], targets[r0:],
-                target_logit[r0:], row_order, num_counted, row_poison, grad, grad_lo,
+                target_logit[r0:], chunk.row_order, chunk.num_counted, chunk.row_poison, grad, grad_lo,
                 rows, width, v0, v, d,
                 e.stride(0), e.stride(1), c.stride(0), c.stride(1), grad.stride(0), softcap_val,
                 1.0 - label_smoothing, label_smoothing / v,
@@ -314,34 +349,33 @@ def backward(e, c, targets, bias, lse, grad_rows, *, softcap, ignore_index, opti
                 dbias32[v0 : v0 + width] += grad.sum(dim=0, dtype=torch.float32)
                 if split_g:
                     dbias32[v0 : v0 + width] += grad_lo.sum(dim=0, dtype=torch.float32)
+            de_rows = de32[r0 : r0 + rows] if need_e else None
             if triton_products:
                 if need_e:
-                    _products.grad_e(grad, c_chunk, de_rows, row_order, num_counted, row_poison, accumulate=v0 > 0)
+                    _products.grad_e(grad, c_chunk, de_rows, chunk.row_order, chunk.num_counted, chunk.row_poison,
+                                     accumulate=v0 > 0)
                 if need_c:
-                    _products.grad_c(grad, e_compact, dc_out[v0 : v0 + width], num_counted, ignored_poison,
-                                     accumulate=r0 > 0)
+                    _products.grad_c(grad, chunk.e_compact, dc_sum, chunk.num_counted, chunk.ignored_poison,
+                                     accumulate=k > 0)
                 continue
             grad_mm = grad.float() if upcast else grad
-            grad_lo_mm = (grad_lo.float() if upcast else grad_lo) if split_g else None
-            if need_e:
-                _launch.product_into(de_rows, grad_mm, c_chunk_mm, accumulate=v0 > 0, **out_dtype)
-                if split_g:
-                    _launch.product_into(de_rows, grad_lo_mm, c_chunk_mm, accumulate=True, **out_dtype)
-            if need_c and split_g:
-                dc_sum = dc32[v0 : v0 + width] if n > row_chunk else dc32[:width]
-                _launch.product_into(dc_sum, grad_mm.T, e_rows_mm, accumulate=r0 > 0, **out_dtype)
-                _launch.product_into(dc_sum, grad_lo_mm.T, e_rows_mm, accumulate=True, **out_dtype)
-                if n <= row_chunk:
-                    dc_out[v0 : v0 + width] = dc_sum
-            elif need_c:
-                dc_chunk = dc_out[v0 : v0 + width]
-                if upcast:
-                    update = grad_mm.T @ e_rows_mm
-                    dc_chunk.copy_(update if r0 == 0 else dc_chunk.float() + update)
-                else:
-                    _launch.product_into(dc_chunk, grad.T, e_rows, accumulate=r0 > 0)
-        if need_e:
-            de_out[r0 : r0 + rows] = de_rows
-    if split_g and need_c and n > row_chunk:
-        dc_out.copy_(dc32)
+            e_rows_mm = chunk.e_rows.float() if upcast else chunk.e_rows
+            halves = (grad_mm, (grad_lo.float() if upcast else grad_lo)) if split_g else (grad_mm,)
+            for h, half in enumerate(halves):
+                if need_e:
+                    _launch.product_into(de_rows, half, c_chunk_mm, accumulate=v0 > 0 or h > 0, vocab_dim="k",
+                                         **out_dtype)
+                if need_c:
+                    # 16-bit operands, fp32 sums (dc32) or a 16-bit dC written once; upcast operands (the CPU
+                    # interpreter) give fp32, rounded by the copy below
+                    fp32_sum = {} if upcast or dc_sum.dtype != torch.float32 else out_dtype
+                    if upcast and dc_sum.dtype != torch.float32:
+                        dc_sum.copy_(half.T @ e_rows_mm)
+                    else:
+                        _launch.product_into(dc_sum, half.T, e_rows_mm, accumulate=k > 0 or h > 0, vocab_dim="m",
+                                             **fp32_sum)
+        if need_c and dc32 is not None:
+            dc_out[v0 : v0 + width] = dc_sum
+    if need_e:
+        de_out.copy_(de32)
     return de_out, dc_out, (dbias32.to(bias.dtype) if need_bias else None)

@@ -1,7 +1,7 @@
 """Balanced path: the loss and its gradients in one pass over row chunks, through a bounded scratch of logits.
 
-Used when the loss is a mean or a sum and the head needs gradients (``CCEOptions.scratch_mb > 0``; the pass and
-``linear_cross_entropy`` decide): then ``d loss / d (E, C, bias) = grad_loss * (dE, dC, dbias)`` with
+Used when the loss is a mean or a sum and the head needs gradients, where ``cce_inductor.paths`` picks it (the
+pass and ``linear_cross_entropy`` ask it): then ``d loss / d (E, C, bias) = grad_loss * (dE, dC, dbias)`` with
 ``(dE, dC, dbias)`` the gradients of the loss itself, known at forward time.  Computing them there takes three
 matmuls (logits, dE, dC) where the lean path takes four (forward log-sum-exp, recompute, dE, dC); the backward
 only scales by ``grad_loss`` (plain aten, outside this module).
@@ -20,8 +20,11 @@ Per row n (x = E[n] . C[v] rounded to the input dtype, as torch.compile's matmul
 
 Chunk / grid layout
 -------------------
-R rows per chunk: the most whose R x V logits in the input dtype fit in the scratch budget (a multiple of 128 once
->= 128, at most N).  One flat scratch of R * V elements serves every chunk:
+R rows per chunk (``cce_inductor.paths.chunk_rows``: the most whose padded logits fit in the scratch the budget
+leaves, a multiple of 128 once >= 128, at most N).  One flat scratch of R rows serves every chunk, each row
+padded to a multiple of 64 elements (``ROW_ALIGN``), and every product over V is split at a multiple of 64
+(``_launch.product_into``): cuBLAS runs a 16-bit product ~5x slower when a dimension is not a multiple of 8
+elements, so GPT-2's 50257 and every other V run as fast as their aligned neighbours:
 
     for each row chunk [r0, r0 + R):
         S       = E[rows] @ C^T                          cuBLAS, into the scratch (input dtype)
@@ -161,19 +164,15 @@ class LossAndGrads(NamedTuple):
     grad_bias: Optional[torch.Tensor]
 
 
-def chunk_rows(scratch_bytes: int, v: int, element_size: int, n: int) -> int:
-    """Rows per chunk: the most whose ``rows x v`` logits fit in ``scratch_bytes``; a multiple of 128 once >= 128
-    (whole matmul tiles); at least 1, at most ``max(n, 1)``."""
-    rows = max(1, scratch_bytes // (v * element_size))
-    if rows >= 128:
-        rows -= rows % 128
-    return max(1, min(rows, n))
+# Scratch rows are padded to a multiple of this many elements (module docstring; ``cce_inductor.paths`` sizes the
+# scratch with the same padding).
+ROW_ALIGN = 64
 
 
-def loss_and_grads(e, c, targets, bias, *, softcap, ignore_index, reduction, label_smoothing=0.0, scratch_bytes,
+def loss_and_grads(e, c, targets, bias, *, softcap, ignore_index, reduction, label_smoothing=0.0, chunk_rows,
                    need_e=True, need_c=True, need_bias=True) -> LossAndGrads:
     """Launch helper: :class:`LossAndGrads` of ``cross_entropy(softcap(e @ c.T + bias), targets)`` for reduction
-    "mean" or "sum", in row chunks whose logits fit in ``scratch_bytes`` (module docstring)."""
+    "mean" or "sum", ``chunk_rows`` rows at a time through one scratch of logits (module docstring)."""
     if reduction not in ("mean", "sum"):
         raise ValueError(f"the balanced path computes reductions 'mean' and 'sum', got {reduction!r}")
     tune = _launch.tuning(_TUNING)
@@ -194,7 +193,7 @@ def loss_and_grads(e, c, targets, bias, *, softcap, ignore_index, reduction, lab
     grad_c = torch.empty((v, d), dtype=torch.float32, device=device) if need_c else None
     grad_bias = torch.zeros((v,), dtype=torch.float32, device=device) if need_bias else None
     row_loss = torch.empty((n,), dtype=torch.float32, device=device)  # the kernel writes every row
-    rows_per_chunk = chunk_rows(scratch_bytes, v, e.element_size(), n)
+    rows_per_chunk = max(1, min(chunk_rows, n))
     if n == 0 and need_c:
         grad_c.zero_()
     if n > 0:
@@ -204,12 +203,14 @@ def loss_and_grads(e, c, targets, bias, *, softcap, ignore_index, reduction, lab
         out_dtype = {"out_dtype": torch.float32} if dtype != torch.float32 and not upcast else {}
         weight_poison = _launch.nonfinite_rows(c).sum() + (0.0 if bias is None else bias.float().sum() * 0.0)
         c_mm = c.float() if upcast else c
-        scratch = torch.empty(rows_per_chunk * v, dtype=dtype, device=device)
+        pitch = triton.cdiv(v, ROW_ALIGN) * ROW_ALIGN  # whatever V is, no product sees an odd leading dimension
+        scratch = torch.empty(rows_per_chunk * pitch, dtype=dtype, device=device)
         for r0 in range(0, n, rows_per_chunk):
             rows = min(rows_per_chunk, n - r0)
             e_rows = e[r0 : r0 + rows]
-            logits = scratch[: rows * v].view(rows, v)
-            torch.mm(e_rows, c.T, out=logits)  # rounded to the input dtype, as torch.compile's matmul rounds them
+            logits = scratch[: rows * pitch].view(rows, pitch)[:, :v]
+            # rounded to the input dtype, as torch.compile's matmul rounds them
+            _launch.product_into(logits, e_rows, c.T, accumulate=False, vocab_dim="n")
             _softmax_grad_in_place_kernel[(rows,)](
                 logits, bias if bias is not None else row_scale, targets[r0:],
                 _launch.nonfinite_rows(e_rows) + weight_poison, row_scale, row_loss[r0:],
@@ -221,10 +222,11 @@ def loss_and_grads(e, c, targets, bias, *, softcap, ignore_index, reduction, lab
             )
             grad = logits.float() if upcast else logits  # the scratch now holds G
             if need_e:  # one product over all of V per row
-                torch.mm(grad, c_mm, out=grad_e[r0 : r0 + rows], **out_dtype)
+                _launch.product_into(grad_e[r0 : r0 + rows], grad, c_mm, accumulate=False, vocab_dim="k",
+                                     **out_dtype)
             if need_c:  # summed over the chunks in fp32
                 _launch.product_into(grad_c, grad.T, e_rows.float() if upcast else e_rows, accumulate=r0 > 0,
-                                     **out_dtype)
+                                     vocab_dim="m", **out_dtype)
             if need_bias:
                 grad_bias += grad.sum(dim=0, dtype=torch.float32)
             del grad

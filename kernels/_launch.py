@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import os
+from typing import Optional
 
 import torch
 from triton.tools.tensor_descriptor import TensorDescriptor
@@ -75,13 +76,36 @@ def fp32_out_mm_available(device: torch.device) -> bool:
     return device.type == "cuda" and torch._C._dispatch_has_kernel_for_dispatch_key("aten::addmm.dtype", "CUDA")
 
 
-def product_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, accumulate: bool, **out_dtype) -> None:
+# cuBLAS runs a 16-bit product several times slower when one of its dimensions is not a multiple of 8 elements,
+# whatever the leading dimensions (H100, bf16, N 8192, D 2048, V 65535 against the same products split at 65472:
+# logits E @ C^T 19.6 / 3.2 ms, dE = G @ C (inner dimension V) 15.5 / 3.1 ms, dC = G^T @ E (V rows) 4.8 / 3.6 ms;
+# V 65536 unsplit 2.9 / 2.9 / 3.2 ms). Products over a vocabulary dimension are therefore split at a multiple of
+# VOCAB_ALIGN: the aligned part at full speed and the tail (fewer than 64 entries) as a second, small product.
+VOCAB_ALIGN = 64
+
+
+def product_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, accumulate: bool,
+                 vocab_dim: Optional[str] = None, **out_dtype) -> None:
     """``out (+)= a @ b``.  The first product of a sum writes with ``mm``: never ``addmm(beta=0)`` over
-    uninitialised memory (an addmm may form beta * input, and 0 * NaN = NaN)."""
-    if accumulate:
-        torch.addmm(out, a, b, out=out, **out_dtype)
+    uninitialised memory (an addmm may form beta * input, and 0 * NaN = NaN).  ``vocab_dim``: which dimension of the
+    product runs over the vocabulary, ``"m"`` (rows of ``a`` and ``out``), ``"n"`` (columns of ``b`` and ``out``) or
+    ``"k"`` (the inner one): split at a multiple of ``VOCAB_ALIGN`` where it is not one (above)."""
+    size = {"m": a.shape[0], "n": b.shape[1], "k": a.shape[1], None: 0}[vocab_dim]
+    split = size - size % VOCAB_ALIGN
+    if split == 0 or split == size:
+        if accumulate:
+            torch.addmm(out, a, b, out=out, **out_dtype)
+        else:
+            torch.mm(a, b, out=out, **out_dtype)
+    elif vocab_dim == "m":
+        product_into(out[:split], a[:split], b, accumulate=accumulate, **out_dtype)
+        product_into(out[split:], a[split:], b, accumulate=accumulate, **out_dtype)
+    elif vocab_dim == "n":
+        product_into(out[:, :split], a, b[:, :split], accumulate=accumulate, **out_dtype)
+        product_into(out[:, split:], a, b[:, split:], accumulate=accumulate, **out_dtype)
     else:
-        torch.mm(a, b, out=out, **out_dtype)
+        product_into(out, a[:, :split], b[:split], accumulate=accumulate, **out_dtype)
+        product_into(out, a[:, split:], b[split:], accumulate=True, **out_dtype)
 
 
 def nonfinite_rows(rows: torch.Tensor) -> torch.Tensor:

@@ -50,7 +50,7 @@ from .. import _checks, diagnostics
 from ..options import CCEOptions
 from .head_chain import NoMatch, mutated_tensor, private_chain, storage_roots, walk_logits
 from .sites import (
-    EmitLoss, Site, check_escaping, decide, describe_site, head_operands, lean_path_reason, path_decision, replace_site,
+    EmitLoss, Site, check_escaping, choose_path, decide, describe_site, head_operands, path_decision, replace_site,
     retire, rows_of,
 )
 from .spellings import (
@@ -111,7 +111,7 @@ def match_site(ce: fx.Node) -> Site:
 
 def _fused_loss(options: CCEOptions) -> EmitLoss:
     def emit(graph: fx.Graph, site: Site, rows, weight, targets, bias) -> fx.Node:
-        if lean_path_reason(site, options) is None:
+        if choose_path(site, options).path == "balanced":
             need = (requires_grad(site.hidden), requires_grad(site.weight),
                     site.bias is not None and requires_grad(site.bias))
             fused = graph.call_function(
@@ -167,9 +167,9 @@ def rewrite_linear_cross_entropy(graph: fx.Graph, options: CCEOptions, graph_id:
             matched.append(site)
     for group in _chunk_groups(matched):
         merged = f"; one call with {len(group) - 1} other chunk(s) of this head" if len(group) > 1 else ""
-        chunked = "chunks of one head are fused with reduction='none'" if len(group) > 1 else None
-        decisions = [path_decision(graph_id, site, options, describe_site(site) + merged,
-                                   chunked or lean_path_reason(site, options)) for site in group]
+        # chunks of one head are fused with reduction="none": per-row outputs, the lean path
+        decisions = [path_decision(graph_id, site, describe_site(site) + merged,
+                                   choose_path(site, options, per_row_outputs=len(group) > 1)) for site in group]
         if len(group) > 1:
             _replace_chunks(graph, group, options)
         else:

@@ -21,7 +21,7 @@ from typing import Any, Callable, Optional, Union
 import torch
 import torch.fx as fx
 
-from .. import _dropped_logits, diagnostics, paths
+from .. import _dispatch, _dropped_logits, diagnostics, paths
 from ..options import CCEOptions
 from .head_chain import NoMatch, RowStep, transposed_source
 from .spellings import MATMUL, example_value, matches, requires_grad
@@ -198,14 +198,16 @@ def describe_site(site: Site) -> str:
     return ", ".join(parts)
 
 
-def lean_path_reason(site: Site, options: CCEOptions) -> Optional[str]:
-    """None where the site takes the balanced path (its gradients computed with the loss, ``options.scratch_mb``),
-    else why it keeps the lean one. What requires grad is known here: Dynamo traced the graph with it, and guards
-    on it (the loss itself: a head computed with grad whose loss is taken under no_grad needs no gradient)."""
-    why = paths.lean_path_reason(options, site.reduction, requires_grad(site.cross_entropy))
-    if why is None and site.lse_users:
-        return "the log-sum-exp is used beyond the loss (a z-loss)"
-    return why
+def choose_path(site: Site, options: CCEOptions, *, per_row_outputs: bool = False) -> paths.PathChoice:
+    """The path of this site (:func:`cce_inductor.paths.choose`) from the shapes Dynamo traced (a dynamic batch: the
+    size it was traced with). What requires grad is known here: Dynamo traced the graph with it, and guards on it (the
+    loss itself: a head computed with grad whose loss is taken under no_grad needs no gradient)."""
+    logits, hidden = example_value(site.chain[-1]), example_value(site.hidden)
+    facts = _dispatch.head_facts(
+        logits.shape[0], hidden.shape[-1], logits.shape[-1], site.compute_dtype, hidden.device, site.reduction,
+        needs_grad=requires_grad(site.cross_entropy), lse_reused=bool(site.lse_users), per_row_outputs=per_row_outputs,
+    )
+    return paths.choose(facts, options.path, options.scratch_mb, options.backward_row_chunk)
 
 
 PER_ROW_OUTPUTS = "per-row outputs (the balanced path computes 'mean' and 'sum' losses)"
@@ -213,16 +215,12 @@ PER_ROW_OUTPUTS = "per-row outputs (the balanced path computes 'mean' and 'sum' 
 
 def lean_only(options: CCEOptions, why: str = PER_ROW_OUTPUTS) -> str:
     """The suffix of the record of a site that always takes the lean path (per-row outputs: token log-probs,
-    entropy; the vocabulary-parallel loss): why, when a balanced path was asked for."""
-    return f"; lean path: {why}" if options.scratch_mb else ""
+    entropy; the vocabulary-parallel loss): why, where a balanced path was asked for."""
+    asked = options.path == "balanced" or options.scratch_mb
+    return f"; lean path: {why}" + (" (a balanced path was asked for)" if asked else "")
 
 
-def path_decision(graph_id: int, site: Site, options: CCEOptions, description: str,
-                  lean_reason: Optional[str]) -> diagnostics.SiteDecision:
-    """The rewritten site's record for ``stats()``: which path it got, and (when the balanced path was asked for)
-    why not."""
-    if lean_reason is None:
-        return diagnostics.SiteDecision(graph_id, site.cross_entropy.name, True,
-                                        f"{description}; balanced path ({options.scratch_mb} MiB scratch)", "balanced")
-    return diagnostics.SiteDecision(graph_id, site.cross_entropy.name, True,
-                                    description + lean_only(options, lean_reason), "lean")
+def path_decision(graph_id: int, site: Site, description: str, choice: paths.PathChoice) -> diagnostics.SiteDecision:
+    """The rewritten site's record for ``stats()``: what was matched, which path it got and why."""
+    return diagnostics.SiteDecision(graph_id, site.cross_entropy.name, True, f"{description}; {choice.reason}",
+                                    choice.path)
