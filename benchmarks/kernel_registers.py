@@ -1,8 +1,8 @@
 """Registers, spills and shared memory of the lean Triton kernels on Hopper, compiled here (no GPU needed).
 
     pip install triton==3.6.0          # the device's Triton; ptxas ships with the wheel
-    python examples/kernel_registers.py
-    python examples/kernel_registers.py --num-stages 4 --block-v 128
+    python benchmarks/kernel_registers.py
+    python benchmarks/kernel_registers.py --num-stages 4 --block-v 128
 
 Compiles ``_lse_forward_kernel`` and ``_recompute_grad_kernel`` ahead of time for ``sm_90a`` with their GPU tuning
 (bf16 operands, D a multiple of the block, with and without softcap, with pointer loads and with tensor-memory-

@@ -1,10 +1,10 @@
 """Distributed benchmark (2 GPUs, NCCL): the cce_inductor pass under FSDP2, and the vocabulary-parallel loss under TP=2.
 
-Dry-run on CPU (gloo, tiny sizes) only; no GPU figure exists yet.
+GPU figures (two H200): docs/performance.md; ``--device cpu`` is a dry run with tiny sizes (gloo).
 
     NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 torchrun --standalone --nproc-per-node 2 \\
-        examples/distributed_bench.py --out results/distributed_bench.json --budget-s 240
-    torchrun --standalone --nproc-per-node 2 examples/distributed_bench.py --device cpu --out /tmp/d.json   # tiny
+        benchmarks/distributed_bench.py --out benchmarks/results/$(date +%F)_2xh200_distributed.json --budget-s 240
+    torchrun --standalone --nproc-per-node 2 benchmarks/distributed_bench.py --device cpu --out /tmp/d.json   # tiny
 
 Part ``fsdp``: a Llama-3-like model (RMSNorm, RoPE, GQA attention, SwiGLU, untied 128256-entry head, by
 default 2 layers of Llama-3 8B: D 4096, 32 heads / 8 KV heads, FFN 14336; 2 x 4096 tokens per rank) with

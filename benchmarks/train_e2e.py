@@ -3,10 +3,10 @@
 The models are Hugging Face models built from config (real vocabulary and hidden sizes, a few layers, bf16),
 trained unmodified on synthetic tokens with learnable structure, same seed and data for both runs. Reports
 per-step peak memory, median step time, the largest batch that fits, and both loss curves (JSON; plot with
-``examples/plot_curves.py``).
+``python benchmarks/plot.py curves FILE``).
 
-    python examples/train_e2e.py --model gemma2 --steps 200 --seq 4096 --batch 2 --out results/
-    python examples/train_e2e.py --model gemma2 --modes compile,cce,cce_balanced     # the balanced path too
+    python benchmarks/train_e2e.py --model gemma2 --steps 200 --seq 4096 --batch 2 --out /tmp/e2e/
+    python benchmarks/train_e2e.py --model gemma2 --modes compile,cce,cce_balanced     # the balanced path too
 """
 
 from __future__ import annotations

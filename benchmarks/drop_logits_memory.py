@@ -1,6 +1,6 @@
 """What ``drop_logits`` saves on a Hugging Face causal-LM training step (CPU, no GPU needed).
 
-    python examples/drop_logits_memory.py [--vocab 32000] [--batch 2] [--seq 512]
+    python benchmarks/drop_logits_memory.py [--vocab 32000] [--batch 2] [--seq 512]
 
 For a tiny Llama (1 layer, hidden 64: the head and the loss dominate) it runs one training step (forward with labels,
 ``loss.backward()``) eagerly, under plain Inductor, under ``make_backend()`` (the site is left alone: the logits are

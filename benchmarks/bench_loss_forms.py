@@ -1,8 +1,8 @@
 """The loss forms of issue 16 on a GPU: step time, peak memory and accuracy of eager, plain torch.compile and
 torch.compile with the cce_inductor pass, for each form the pass rewrites beyond the plain cross-entropy.
 
-    python examples/bench_loss_forms.py --out results/loss_forms_h100.json
-    python examples/bench_loss_forms.py --tiny --out /tmp/lf.json          # CPU smoke run (~1.5 min on 2 cores)
+    python benchmarks/bench_loss_forms.py --out benchmarks/results/$(date +%F)_h100_loss-forms.json
+    python benchmarks/bench_loss_forms.py --tiny --out /tmp/lf.json          # CPU smoke run (~1.5 min on 2 cores)
 
 Cases (bf16 hidden states and head weight, both requiring grad; every time is forward + backward of the loss):
     grpo     GRPO policy loss (TRL's vectorised selective_log_softmax): logits = hidden @ W.T, / 0.7, per-token
@@ -565,7 +565,7 @@ def print_table(rows, checks):
 
 
 def header(args):
-    h = dict(script="examples/bench_loss_forms.py", torch=torch.__version__, cce_inductor=cce_inductor.__version__,
+    h = dict(script="benchmarks/bench_loss_forms.py", torch=torch.__version__, cce_inductor=cce_inductor.__version__,
              python=sys.version.split()[0], device=args.device, time=time.strftime("%Y-%m-%d %H:%M:%S"),
              settings={k: v for k, v in vars(args).items()})
     if args.device == "cuda":

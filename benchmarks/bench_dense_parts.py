@@ -1,7 +1,7 @@
 """Time the dE / dC products of the backward for one (row chunk x vocabulary chunk) block alone (CUDA only).
 
-    python examples/bench_dense_parts.py --shapes gemma2,llama3
-    python examples/bench_dense_parts.py --shapes gemma2 --counted 1.0,0.5 --prod "128,128,64,8,4;128,256,64,8,3"
+    python benchmarks/bench_dense_parts.py --shapes gemma2,llama3
+    python benchmarks/bench_dense_parts.py --shapes gemma2 --counted 1.0,0.5 --prod "128,128,64,8,4;128,256,64,8,3"
 
 Per shape, for one block of ``--rows`` rows x ``--width`` vocabulary entries (default: the backward's own,
 ``kernels/_backward.py`` ``_TUNING["gpu"]["vocab_chunk"]``): the cuBLAS products of the default backward

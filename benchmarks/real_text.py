@@ -21,9 +21,9 @@ tail mass (probability in entries < eps) is what skipping drops, and the relativ
 consequence. The error-bounded variant asks instead how many tiles could be skipped if each row may lose at
 most ``b`` probability mass.
 
-    python examples/real_text.py --tiny                        # CPU smoke run, < 1 minute
-    python examples/real_text.py --self-check                  # statistics vs brute force
-    python examples/real_text.py --save /tmp/head.pt           # GPU: V 65536, D 2048, 8192 tokens, 90 s
+    python benchmarks/real_text.py --tiny                        # CPU smoke run, < 1 minute
+    python benchmarks/real_text.py --self-check                  # statistics vs brute force
+    python benchmarks/real_text.py --save /tmp/head.pt           # GPU: V 65536, D 2048, 8192 tokens, 90 s
 
 Logs go to stderr; stdout gets one JSON line (metadata + statistics).
 """

@@ -1,11 +1,11 @@
 """Benchmark of the CCE kernels against eager PyTorch and torch.compile (one process; CUDA, or CPU with --tiny).
 
-    python examples/benchmark.py --shapes gemma2 --regimes flat,lm,mixed,lm_ign50
-    python examples/benchmark.py --shapes gemma2,llama3,qwen25,phi35 --regimes flat,lm,mixed,lm_ign50,real \
+    python benchmarks/benchmark.py --shapes gemma2 --regimes flat,lm,mixed,lm_ign50
+    python benchmarks/benchmark.py --shapes gemma2,llama3,qwen25,phi35 --regimes flat,lm,mixed,lm_ign50,real \
         --methods matmul,eager,compile,cce,cce_rowskip,cce_exact --check --real-cache /tmp/realtext_head.pt
-    python examples/benchmark.py --sweep "products=cublas;products=triton;exact=1;bwd.vocab_chunk=4096" \
+    python benchmarks/benchmark.py --sweep "products=cublas;products=triton;exact=1;bwd.vocab_chunk=4096" \
         --shapes gemma2 --regimes lm,lm_ign50 --check
-    python examples/benchmark.py --tiny --methods eager,cce,cce_exact --regimes lm,real --check --real-seconds 5
+    python benchmarks/benchmark.py --tiny --methods eager,cce,cce_exact --regimes lm,real --check --real-seconds 5
 
 Methods (each timed as loss only = "fwd" and loss + gradients = "fwdbwd"):
     matmul       one bf16 N x D @ D x V product (the floor; fwd only, once per shape)
@@ -36,7 +36,7 @@ Data regimes (synthetic ones: c Gaussian with unit-norm rows, e built from chose
     lm        48 plausible tokens per row with logits 14 - log(rank) (p ~ 1/rank), drawn from a Zipf
               popularity over a randomly permuted vocabulary; target sampled from them
     mixed     85% confident rows (4 plausible tokens, top p ~0.9), 15% broad rows (128 plausible tokens)
-    real      the output head of a small language model trained on real text (examples/real_text.py: byte-level
+    real      the output head of a small language model trained on real text (benchmarks/real_text.py: byte-level
               BPE on this Python installation's sources and docs, a decoder trained for --real-seconds): e (the
               states entering the head on held-out text), c (the head weight), the next tokens as targets.
               Ignores --shapes: its shape is the trained head's, named "realtext (D, V)"; trained once per
@@ -83,7 +83,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import real_text  # noqa: E402  (examples/real_text.py: the `real` regime's head, the softmax statistics)
+import real_text  # noqa: E402  (benchmarks/real_text.py: the `real` regime's head, the softmax statistics)
 
 SHAPES = {  # name: (D, V)
     "gemma2": (2304, 256000),
@@ -557,7 +557,7 @@ def parse_args(argv=None):
                     help="per method with gradients: one fwd+bwd under torch.profiler, the per-kernel time breakdown")
     ap.add_argument("--json", default="", help="write the rows, cases and settings here")
     ap.add_argument("--tiny", action="store_true", help="CPU smoke run: tiny shapes, chunked path (< 1 minute)")
-    real = ap.add_argument_group("real text", "the `real` regime's head (examples/real_text.py)")
+    real = ap.add_argument_group("real text", "the `real` regime's head (benchmarks/real_text.py)")
     real.add_argument("--real-seconds", type=float, default=None, help="training budget in seconds (default 90)")
     real.add_argument("--real-vocab", type=int, default=None, help="BPE vocabulary size V (default 65536)")
     real.add_argument("--real-dim", type=int, default=None, help="model width D (default 2048)")
