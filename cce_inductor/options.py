@@ -25,7 +25,8 @@ _FALSY = ("0", "false", "no", "off")
 
 # Options of earlier versions that no longer exist; setting one says so instead of being silently ignored.
 _RETIRED_ENV = {
-    "CCE_INDUCTOR_FILTER_EPS": "gradient filtering was retired (README, 'Gradient filtering'); gradients are exact",
+    "CCE_INDUCTOR_FILTER_EPS": "gradient filtering was retired (docs/design.md, 'Gradient filtering: retired'); "
+                               "gradients are exact",
     "CCE_INDUCTOR_VOCAB_SORT": "vocabulary sorting was retired with gradient filtering",
 }
 
@@ -39,8 +40,8 @@ class CCEOptions:
 
     drop_logits: when the logits also leave the compiled region (Hugging Face models return them), return in their
         place a placeholder of their shape and dtype that raises on any use (``DroppedLogits``), so the site can
-        still be rewritten. Off by default: it changes what the compiled function returns (README, "Dropping logits
-        by default?"). Environment: ``CCE_INDUCTOR_DROP_LOGITS=1``.
+        still be rewritten. Off by default: it changes what the compiled function returns (docs/design.md,
+        "Dropping logits by default?"). Environment: ``CCE_INDUCTOR_DROP_LOGITS=1``.
     exact: the CUDA backward carries the softmax gradient into its products as two 16-bit halves and sums dC in
         fp32: gradients at the rounding floor of the output dtype, for ~1.6x the backward's time.
         Environment: ``CCE_INDUCTOR_EXACT=1``.
