@@ -25,7 +25,7 @@ import cce_inductor  # noqa: E402
 import cce_inductor.kernels as K  # noqa: E402
 from cce_inductor import CCEOptions  # noqa: E402
 from cce_inductor.kernels import _balanced  # noqa: E402
-from _compare import rel_l2  # noqa: E402
+from tests.support.compare import rel_l2  # noqa: E402
 
 IGNORE = -100
 HAS_CUDA = torch.cuda.is_available()

@@ -42,7 +42,7 @@ import torch.nn.functional as F
 
 import cce_inductor
 
-from _compare import assert_same_run, assert_same_values, run
+from tests.support.compare import assert_same_run, assert_same_values, run
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 

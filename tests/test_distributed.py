@@ -44,7 +44,7 @@ import torch.nn.functional as F
 
 import cce_inductor
 from cce_inductor import CCEOptions
-from _compare import rel_l2
+from tests.support.compare import rel_l2
 from cce_inductor.distributed import (
     dtensor_linear_cross_entropy,
     vocab_parallel_linear_cross_entropy,

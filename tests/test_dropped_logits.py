@@ -21,15 +21,9 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 import cce_inductor
 from cce_inductor import DroppedLogits
 
-from _graph_utils import PassCapture
-from test_entry_points import (  # helpers only (importing test_* names would collect them twice)
-    MODEL_SRC,
-    TinyGPT,
-    last_json,
-    make_batch,
-    run_python,
-    subprocess_env,
-)
+from tests.support.graphs import PassCapture
+from tests.support.models import MODEL_SRC, TinyGPT, make_batch
+from tests.support.processes import last_json, run_python, subprocess_env
 
 # What every error must say: the option, and how to turn it off.
 MUST_NAME = ("drop_logits", "CCE_INDUCTOR_DROP_LOGITS", "unset CCE_INDUCTOR_DROP_LOGITS", "drop_logits=False")
@@ -357,7 +351,7 @@ def test_warm_cache_still_returns_placeholder(tmp_path, entry, dynamic):
 @pytest.mark.slow
 @pytest.mark.parametrize("family", ["llama", "gemma2"])
 def test_hf_causal_lm_logits_raise(no_inductor_caches, clean_env, family):
-    from test_models import VOCAB, _batch, _model
+    from tests.test_models import VOCAB, _batch, _model
 
     model = _model(family)
     input_ids, labels = _batch()

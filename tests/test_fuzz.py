@@ -37,7 +37,7 @@ from hypothesis.errors import InvalidArgument
 from hypothesis import strategies as st
 
 import cce_inductor
-from _graph_utils import PassCapture
+from tests.support.graphs import PassCapture
 
 # Every property test uses a fixed seed (derandomize=True) and no deadline (compilation times vary).
 SLOW_OK = [HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much]

@@ -42,7 +42,7 @@ import math  # noqa: E402
 from typing import NamedTuple, Optional  # noqa: E402
 
 import pytest  # noqa: E402
-from _compare import rel_l2  # noqa: E402
+from tests.support.compare import rel_l2  # noqa: E402
 
 import cce_inductor.kernels as K  # noqa: E402
 from cce_inductor import CCEOptions  # noqa: E402

@@ -14,8 +14,8 @@ import torch.nn.functional as F
 import cce_inductor
 from cce_inductor.options import CCEOptions
 
-from _compare import inductor_caches_off
-from _graph_utils import PassCapture
+from tests.support.compare import inductor_caches_off
+from tests.support.graphs import PassCapture
 
 transformers = pytest.importorskip("transformers")
 

@@ -24,7 +24,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import cce_inductor
 from cce_inductor import CCEOptions, _checks, _chunked, ops
 
-from _compare import rel_l2 as rel_err
+from tests.support.compare import rel_l2 as rel_err
 
 lce = cce_inductor.linear_cross_entropy
 OPTIONS = CCEOptions().encode()  # the op's options argument, as the pass and the public wrapper pass it

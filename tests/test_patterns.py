@@ -15,8 +15,8 @@ from expecttest import TestCase
 import cce_inductor
 from cce_inductor.options import CCEOptions
 
-from _compare import inductor_caches_off
-from _graph_utils import PassCapture
+from tests.support.compare import inductor_caches_off
+from tests.support.graphs import PassCapture
 
 V, D = 37, 16  # vocabulary and hidden size: deliberately not multiples of anything
 B, T = 2, 5

@@ -35,8 +35,8 @@ import cce_inductor
 from cce_inductor.graph_pass import CCEGraphPass
 from cce_inductor.options import CCEOptions
 
-from _compare import assert_same_run, assert_same_values, run
-from _graph_utils import PassCapture
+from tests.support.compare import assert_same_run, assert_same_values, run
+from tests.support.graphs import PassCapture
 
 lce = cce_inductor.linear_cross_entropy
 
