@@ -1,10 +1,10 @@
 """Worker processes for the distributed tests (2 CPU processes, gloo over 127.0.0.1).
 
 One pair of worker processes (``torch.multiprocessing``, spawn) runs the tasks of all selected tests of a test file
-in turn (the module fixture :func:`task_results`); the assertions run inside the workers, and each test reports its
-task's outcome (:func:`check_task`: the workers' tracebacks on failure). A test file using them lists its tasks in a
-module-level ``_TASKS``: ``name -> (worker function, extra args)``, checked by ``test_<name>``; the workers stop at
-the first failure, so cheap tasks go first. The run is bounded (``_SPAWN_TIMEOUT_S``) and every collective has a
+in turn (:func:`run_selected_tasks`, called by the file's module fixture ``task_results``); the assertions run inside
+the workers, and each test reports its task's outcome (:func:`check_task`: the workers' tracebacks on failure). A
+test file lists its tasks in ``_TASKS``: ``name -> (worker function, extra args)``, checked by ``test_<name>``; the
+workers stop at the first failure, so cheap tasks go first. The run is bounded (``_SPAWN_TIMEOUT_S``) and every collective has a
 timeout (``_PG_TIMEOUT``).
 
 Inductor's FX-graph and AOTAutograd caches are off in the workers so that the pass really runs (a cache hit skips
@@ -104,12 +104,11 @@ def _note_workers(result_dir: str, text: str) -> None:
         out.write(text)
 
 
-@pytest.fixture(scope="module")
-def task_results(request, tmp_path_factory):
-    """Runs the tasks (``_TASKS``) of the selected tests of the requesting test file once; returns
-    ``name -> outcome of rank 0 / 1``."""
+def run_selected_tasks(request, tmp_path_factory, all_tasks: dict) -> dict:
+    """For a test file's module fixture ``task_results``: runs the tasks of ``all_tasks`` (its ``_TASKS``) whose
+    tests are selected, once; returns ``name -> outcome of rank 0 / 1``."""
     selected = {item.originalname or item.name for item in request.session.items if item.module is request.module}
-    tasks = [(name, fn, args) for name, (fn, args) in request.module._TASKS.items() if f"test_{name}" in selected]
+    tasks = [(name, fn, args) for name, (fn, args) in all_tasks.items() if f"test_{name}" in selected]
     result_dir = str(tmp_path_factory.mktemp("dist_results"))
     _run_tasks(tasks, result_dir)
     workers_path = os.path.join(result_dir, "_workers")
