@@ -1,7 +1,7 @@
-"""Real model code, unmodified: Hugging Face causal LMs built from tiny configs, and hand-written trainers.
-
-Each case checks that the loss site is rewritten (or, where expected, left alone with the right reason) and that
-the loss and every parameter gradient equal eager PyTorch.
+"""Hand-written training steps as real code writes them (nanoGPT, torchtitan, torchtune, a large-class classifier,
+TRL-style GRPO with and without an entropy bonus, torchtune's chunked output head), compiled: each case checks that
+the loss site is rewritten (or, where expected, left alone with the right reason) and that the loss and every
+parameter gradient equal eager PyTorch.
 """
 
 from __future__ import annotations
@@ -13,161 +13,10 @@ import torch.nn.functional as F
 
 import cce_inductor
 from cce_inductor.options import CCEOptions
-
-from _compare import inductor_caches_off
-from _graph_utils import PassCapture
-
-transformers = pytest.importorskip("transformers")
+from tests.support.compare import inductor_caches_off
+from tests.support.graphs import PassCapture
 
 VOCAB = 96
-TINY = dict(
-    vocab_size=VOCAB,
-    hidden_size=32,
-    intermediate_size=48,
-    num_hidden_layers=1,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=64,
-    head_dim=8,
-    pad_token_id=0,
-    bos_token_id=1,
-    eos_token_id=2,
-)
-
-# family -> extra config; each one exercises a different head (softcap, scaling, tied weights, ...)
-FAMILIES = {
-    "llama": {},
-    "mistral": {},
-    "qwen2": {},
-    "phi3": {},
-    "gemma2": {"final_logit_softcapping": 30.0, "attn_logit_softcapping": 50.0},
-    "gpt2": None,  # its own config class below
-    "qwen3": {},
-    "gemma3_text": {"final_logit_softcapping": 30.0},
-    "granite": {"logits_scaling": 4.0},
-    "cohere": {"logit_scale": 0.125},
-    "olmo2": {},
-}
-
-
-def _config(family: str):
-    if family == "gpt2":
-        return transformers.GPT2Config(
-            vocab_size=VOCAB, n_embd=32, n_layer=1, n_head=4, n_positions=64, bos_token_id=0, eos_token_id=0
-        )
-    return transformers.AutoConfig.for_model(family, **TINY, **FAMILIES[family])
-
-
-def _model(family: str, seed: int = 0):
-    torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(_config(family))
-    return model.eval()  # no dropout: eager and compiled must see the same function
-
-
-def _batch(batch=2, seq=12, pad=3, seed=1):
-    generator = torch.Generator().manual_seed(seed)
-    input_ids = torch.randint(0, VOCAB, (batch, seq), generator=generator)
-    labels = input_ids.clone()
-    labels[:, :pad] = -100  # e.g. a prompt that is not trained on
-    return input_ids, labels
-
-
-def _grads(model):
-    return {name: p.grad.detach().clone() for name, p in model.named_parameters() if p.grad is not None}
-
-
-def _assert_same_training_step(model, compiled, inputs, atol=2e-5, rtol=1e-4):
-    model.zero_grad(set_to_none=True)
-    expected = model(**inputs)
-    expected.loss.backward()
-    expected_grads = _grads(model)
-    model.zero_grad(set_to_none=True)
-    actual = compiled(**inputs)
-    actual.loss.backward()
-    actual_grads = _grads(model)
-    torch.testing.assert_close(actual.loss, expected.loss, atol=atol, rtol=rtol)
-    assert actual_grads.keys() == expected_grads.keys()
-    for name in expected_grads:
-        torch.testing.assert_close(actual_grads[name], expected_grads[name], atol=atol, rtol=rtol, msg=name)
-    return actual
-
-
-@pytest.mark.parametrize("family", sorted(FAMILIES))
-def test_hf_family_rewritten_with_drop_logits(family):
-    model = _model(family)
-    input_ids, labels = _batch()
-    capture = PassCapture(CCEOptions(drop_logits=True))
-    compiled = torch.compile(model, backend=capture)
-    out = _assert_same_training_step(model, compiled, dict(input_ids=input_ids, labels=labels))
-    assert sum(capture.rewrites) == 1, cce_inductor.stats()["reasons"]
-    # the logits' placeholder: their shape and dtype, raising on use (tests/test_dropped_logits.py)
-    assert isinstance(out.logits, cce_inductor.DroppedLogits)
-    assert out.logits.shape == (2, 12, VOCAB) and out.logits.dtype == torch.float32
-    with pytest.raises(RuntimeError, match="CCE_INDUCTOR_DROP_LOGITS"):
-        out.logits.softmax(-1)
-
-
-@pytest.mark.parametrize("family", ["llama", "gemma2", "gpt2"])
-def test_hf_without_opt_in_says_logits_escape(family):
-    model = _model(family)
-    input_ids, labels = _batch()
-    capture = PassCapture()
-    compiled = torch.compile(model, backend=capture)
-    out = _assert_same_training_step(model, compiled, dict(input_ids=input_ids, labels=labels))
-    assert sum(capture.rewrites) == 0
-    assert out.logits.shape == (2, 12, VOCAB)
-    (reason,) = cce_inductor.stats()["reasons"]
-    assert "logits escape" in reason and "CCE_INDUCTOR_DROP_LOGITS=1" in reason
-
-
-@pytest.mark.parametrize("family", ["llama", "gemma2"])
-def test_hf_num_items_in_batch_and_logits_to_keep(family):
-    model = _model(family)
-    input_ids, labels = _batch()
-    num_items = (labels[:, 1:] != -100).sum() + 5  # gradient accumulation: a count over several micro-batches
-    capture = PassCapture(CCEOptions(drop_logits=True))
-    compiled = torch.compile(model, backend=capture)
-    inputs = dict(input_ids=input_ids, labels=labels, num_items_in_batch=num_items, logits_to_keep=0)
-    _assert_same_training_step(model, compiled, inputs)
-    assert sum(capture.rewrites) == 1
-    (site,) = cce_inductor.stats()["sites"]
-    assert "reduction=sum" in site["reason"]
-
-
-def test_hf_frozen_lm_head_lora_style():
-    model = _model("llama")
-    model.lm_head.weight.requires_grad_(False)
-    input_ids, labels = _batch()
-    capture = PassCapture(CCEOptions(drop_logits=True))
-    compiled = torch.compile(model, backend=capture)
-    _assert_same_training_step(model, compiled, dict(input_ids=input_ids, labels=labels))
-    assert sum(capture.rewrites) == 1
-    assert model.lm_head.weight.grad is None
-
-
-def test_hf_gpt2_tied_embeddings_get_both_gradients():
-    model = _model("gpt2")
-    assert model.lm_head.weight is model.transformer.wte.weight
-    input_ids, labels = _batch()
-    capture = PassCapture(CCEOptions(drop_logits=True))
-    _assert_same_training_step(model, torch.compile(model, backend=capture), dict(input_ids=input_ids, labels=labels))
-    assert sum(capture.rewrites) == 1
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("family", ["llama", "gemma2"])
-def test_hf_through_inductor(family):
-    model = _model(family)
-    input_ids, labels = _batch()
-    compiled = torch.compile(model, backend=cce_inductor.make_backend(drop_logits=True))
-    with inductor_caches_off():
-        _assert_same_training_step(model, compiled, dict(input_ids=input_ids, labels=labels), atol=1e-4, rtol=1e-3)
-    assert cce_inductor.stats()["rewritten"] == 1
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Hand-written trainers
-# ---------------------------------------------------------------------------------------------------------------
 
 
 class NanoGPT(nn.Module):

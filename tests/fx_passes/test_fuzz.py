@@ -1,4 +1,4 @@
-"""Property tests: the pass never changes what the model computes.
+"""Property tests: the pass (``cce_inductor/fx_passes``) never changes what the model computes.
 
 Hypothesis draws model snippets across the space the matcher claims to handle (heads, biases, dtypes, views in
 odd orders, upcasts, softcap spellings, label shifts, reductions, ignore_index values, shares of ignored
@@ -13,7 +13,7 @@ output, a vocabulary slice, downcasts, ...) must be left alone: 0 rewrites, the 
 A few examples go through the real backend (``cce_inductor.backend``: AOTAutograd + Inductor).
 
 Every example prints its source on failure (``note``), so a failure is a self-contained reproducer.
-``CCE_FUZZ_SCALE=10 pytest tests/test_fuzz.py`` runs ten times as many examples.
+``CCE_FUZZ_SCALE=10 python -m pytest tests/fx_passes/test_fuzz.py`` runs ten times as many examples.
 
 A bug found here (the package rewrites although that changes the result or breaks the model) gets a regression test
 of its own beside the fuzzing.
@@ -37,7 +37,7 @@ from hypothesis.errors import InvalidArgument
 from hypothesis import strategies as st
 
 import cce_inductor
-from _graph_utils import PassCapture
+from tests.support.graphs import PassCapture
 
 # Every property test uses a fixed seed (derandomize=True) and no deadline (compilation times vary).
 SLOW_OK = [HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much]

@@ -1,5 +1,5 @@
-"""Helpers shared by the tests: run a loss with a random upstream gradient, compare two runs, measure a relative
-error, compile with Inductor's caches off.
+"""Run a loss with a random upstream gradient, compare two runs, measure a relative error, compile with Inductor's
+caches off.
 
 A comparison wants the same shape (and dtype), NaN and +-Inf at the same places, and the finite values close:
 elementwise (``rtol`` / ``atol``), or for gradients in relative L2 when ``grad_l2`` is given.
