@@ -29,6 +29,8 @@ def _alternatives(field: dataclasses.Field) -> list:
         return ["triton"]
     if field.name == "backward_row_chunk":
         return [0, 2048]
+    if field.name == "path":
+        return ["lean", "balanced"]
     if field.name == "scratch_mb":
         return [256, 1024]
     raise AssertionError(f"new CCEOptions field {field.name!r} ({field.type}): add its values to this test")
@@ -66,6 +68,7 @@ ENV_OPTIONS = {
     "CCE_INDUCTOR_EXACT": "1",
     "CCE_INDUCTOR_PRODUCTS": "triton",
     "CCE_INDUCTOR_BACKWARD_ROW_CHUNK": "2048",
+    "CCE_INDUCTOR_PATH": "balanced",
     "CCE_INDUCTOR_SCRATCH_MB": "1024",
 }
 

@@ -54,6 +54,25 @@ def test_need_flags_and_no_bias(device, opts):
         check_grad(got, want, opts.exact)
 
 
+@pytest.mark.parametrize("opts", list(OPTION_SETS.values()), ids=list(OPTION_SETS))
+@pytest.mark.parametrize("v", [200, 257])
+@pytest.mark.parametrize("device", DEVICES)
+def test_unaligned_vocabulary_chunks(device, v, opts, monkeypatch):
+    """A vocabulary chunk whose width is not a multiple of 64 (V 200 and 257 in chunks of 128: a last chunk of 72
+    or 1 entries): its products are split at a multiple of 64 (``_launch.product_into``) and G keeps its aligned
+    pitch; the gradients meet the fp64 reference's tolerance, over one row chunk and over several."""
+    device_ok(device)
+    monkeypatch.setitem(_backward._TUNING[TUNING_KEY], "vocab_chunk", 128)
+    e, c, targets, b = make_kernel_inputs(40, v, 16, torch.bfloat16, device, bias=True, ignore_frac=0.2)
+    g = mean_grad_rows(targets)
+    _, _, *want = reference(e, c, targets, b, g, 5.0)
+    for row_chunk in (0, 16):
+        chunked = CCEOptions(exact=opts.exact, products=opts.products, backward_row_chunk=row_chunk)
+        _, _, got = run_kernels(e, c, targets, b, g, softcap=5.0, opts=chunked)
+        for mine, ref in zip(got, want):
+            check_grad(mine, ref, opts.exact)
+
+
 @pytest.mark.parametrize("products", ["cublas", "triton"])
 @pytest.mark.parametrize("device", DEVICES)
 def test_backward_is_reproducible_and_chunking_invariant(device, products, monkeypatch):

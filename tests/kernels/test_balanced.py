@@ -15,7 +15,6 @@ import torch.nn.functional as F
 import cce_inductor
 import cce_inductor.kernels as K
 from cce_inductor import CCEOptions
-from cce_inductor.kernels import _balanced
 from tests.support.compare import rel_l2
 from tests.support.inputs import BALANCED, IGNORE, make_balanced_inputs
 from tests.support.kernels import DEVICES, HAS_CUDA, device_ok
@@ -55,7 +54,7 @@ def test_kernels_match_fp64(device, reduction, case):
     v, d = 70, 16
     e, c, t, b = make_balanced_inputs(n, v, d, dtype, device, bias=bias, ignore=ignore)
     got = K.loss_and_grads(e, c, t, b, softcap=softcap, ignore_index=IGNORE, reduction=reduction,
-                           label_smoothing=smoothing, scratch_bytes=rows * v * e.element_size())
+                           label_smoothing=smoothing, chunk_rows=rows)
     loss, grads = reference(e, c, t, b, softcap=softcap, reduction=reduction, label_smoothing=smoothing)
     if ignore == "all":
         assert (torch.isnan(got.loss) if reduction == "mean" else got.loss == 0), got.loss
@@ -91,32 +90,48 @@ def test_chunks_change_only_rounding_and_dc_is_summed_in_fp32(device):
         tol = 1e-5 if dtype == torch.float32 or device == "cpu" else 2.0**-8
         e, c, t, b = make_balanced_inputs(64, 70, 16, dtype, device, bias=True)
         one = K.loss_and_grads(e, c, t, b, softcap=None, ignore_index=IGNORE, reduction="sum",
-                               scratch_bytes=64 * 70 * e.element_size())
+                               chunk_rows=64)
         four = K.loss_and_grads(e, c, t, b, softcap=None, ignore_index=IGNORE, reduction="sum",
-                                scratch_bytes=16 * 70 * e.element_size())
+                                chunk_rows=16)
         for name in ("grad_e", "grad_c", "grad_bias"):
             assert rel_l2(getattr(four, name), getattr(one, name)) <= tol, name
         assert abs(four.loss.item() - one.loss.item()) <= 1e-5 * abs(one.loss.item())
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("v", [67, 129, 257, 1001])
+def test_unaligned_vocabularies(device, v):
+    """Vocabularies that are not a multiple of 8 (prime, V = 1 mod 8, 1001): the scratch rows are padded to a
+    multiple of 64 and every product over V is split at one (``_launch.product_into``); the result is eager's in
+    fp64 to the tolerance of ``test_kernels_match_fp64``, for one chunk and several."""
+    device_ok(device)
+    e, c, t, b = make_balanced_inputs(40, v, 16, torch.float32, device, bias=True)
+    loss, grads = reference(e, c, t, b, softcap=4.0)
+    for rows in (40, 16):
+        got = K.loss_and_grads(e, c, t, b, softcap=4.0, ignore_index=IGNORE, reduction="mean", chunk_rows=rows)
+        assert abs(got.loss.item() - loss.item()) <= 1e-5 * abs(loss.item())
+        for mine, want in zip(got[1:], grads):
+            assert rel_l2(mine, want) <= 1e-5
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_need_flags_and_empty_batch(device):
     device_ok(device)
     e, c, t, b = make_balanced_inputs(20, 70, 16, torch.float32, device, bias=True)
-    full = K.loss_and_grads(e, c, t, b, softcap=None, ignore_index=IGNORE, reduction="mean", scratch_bytes=4096)
-    only_c = K.loss_and_grads(e, c, t, b, softcap=None, ignore_index=IGNORE, reduction="mean", scratch_bytes=4096,
+    full = K.loss_and_grads(e, c, t, b, softcap=None, ignore_index=IGNORE, reduction="mean", chunk_rows=14)
+    only_c = K.loss_and_grads(e, c, t, b, softcap=None, ignore_index=IGNORE, reduction="mean", chunk_rows=14,
                               need_e=False, need_bias=False)
     assert only_c.grad_e is None and only_c.grad_bias is None
     torch.testing.assert_close(only_c.grad_c, full.grad_c, rtol=0, atol=0)
     torch.testing.assert_close(only_c.loss, full.loss, rtol=0, atol=0)
     empty = K.loss_and_grads(e[:0], c, t[:0], b, softcap=None, ignore_index=IGNORE, reduction="sum",
-                             scratch_bytes=4096)
+                             chunk_rows=14)
     assert empty.loss.item() == 0 and empty.grad_e.shape == (0, 16)
     assert not empty.grad_c.any() and not empty.grad_bias.any()
     assert torch.isnan(K.loss_and_grads(e[:0], c, t[:0], b, softcap=None, ignore_index=IGNORE, reduction="mean",
-                                        scratch_bytes=4096).loss)
+                                        chunk_rows=14).loss)
     with pytest.raises(ValueError, match="'mean' and 'sum'"):
-        K.loss_and_grads(e, c, t, b, softcap=None, ignore_index=IGNORE, reduction="none", scratch_bytes=4096)
+        K.loss_and_grads(e, c, t, b, softcap=None, ignore_index=IGNORE, reduction="none", chunk_rows=14)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -128,20 +143,12 @@ def test_poisoned_ignored_row_gets_eagers_nan_pattern(device):
     e, c, t, _ = make_balanced_inputs(12, 70, 16, torch.float32, device, ignore="none")
     t[3] = IGNORE
     e[3, 5] = float("nan")
-    got = K.loss_and_grads(e, c, t, None, softcap=None, ignore_index=IGNORE, reduction="mean", scratch_bytes=4 * 70 * 4)
+    got = K.loss_and_grads(e, c, t, None, softcap=None, ignore_index=IGNORE, reduction="mean", chunk_rows=4)
     _, (ge, gc, _) = reference(e, c, t, None)
     assert torch.equal(torch.isnan(got.grad_e), torch.isnan(ge))
     assert torch.equal(torch.isnan(got.grad_c), torch.isnan(gc))
     assert torch.isnan(got.grad_e[3]).all() and torch.isfinite(got.grad_e[4]).all()
     assert torch.isfinite(got.loss)
-
-
-def test_chunk_rows():
-    assert _balanced.chunk_rows(1 << 20, 1000, 2, 8192) == 512 - 512 % 128 == 512
-    assert _balanced.chunk_rows(300 * 1000 * 2, 1000, 2, 8192) == 256  # rounded down to whole 128-row tiles
-    assert _balanced.chunk_rows(100 * 1000 * 2, 1000, 2, 8192) == 100
-    assert _balanced.chunk_rows(10, 1000, 2, 8192) == 1
-    assert _balanced.chunk_rows(1 << 30, 1000, 2, 37) == 37
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -162,7 +169,7 @@ def test_gpu_real_shape_error_at_most_torch_compiles(softcap):
     t = torch.randint(0, v, (n,), device="cuda")
     t[::5] = IGNORE
     got = K.loss_and_grads(e, c, t, None, softcap=softcap, ignore_index=IGNORE, reduction="mean",
-                           scratch_bytes=n // 4 * v * 2)
+                           chunk_rows=n // 4)
     loss, want = reference(e, c, t, None, softcap=softcap, dtype=torch.float32)
     _, eager = reference(e, c, t, None, softcap=softcap, dtype=torch.bfloat16, logits_dtype=torch.bfloat16)
     assert abs(got.loss.item() - loss.item()) <= 1e-3 * loss.item()
