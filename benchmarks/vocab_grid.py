@@ -158,9 +158,20 @@ def find_peers(device):
     peers, notes = {}, []
     try:
         from trl.kernels.chunked_logprob import ChunkedLogProbFunction
-        from trl.trainer import utils as trl_utils  # the function's backward imports from it
 
-        chunk = getattr(trl_utils, "_CHUNKED_LOGPROB_CHUNK_SIZE", 32768)
+        try:
+            from trl.trainer import utils as trl_utils  # the function's backward imports from it
+            chunk = getattr(trl_utils, "_CHUNKED_LOGPROB_CHUNK_SIZE", 32768)
+        except Exception as exc:  # noqa: BLE001 - trl.trainer needs `datasets` & co., absent on the device: its backward only
+            # needs maybe_gather_lm_head_ctx, which TRL makes a null context outside DeepSpeed ZeRO-3
+            import contextlib
+            import types
+            stub = types.ModuleType("trl.trainer.utils")
+            stub.maybe_gather_lm_head_ctx = lambda *params: contextlib.nullcontext()
+            sys.modules["trl.trainer.utils"] = stub
+            chunk = 32768  # trl/trainer/utils.py's _CHUNKED_LOGPROB_CHUNK_SIZE in TRL 1.16.0
+            notes.append(f"trl: trl.trainer not importable ({C.err_text(exc)}); maybe_gather_lm_head_ctx stubbed "
+                         "as the null context TRL uses outside ZeRO-3")
 
         def trl_loss(e, c, t):
             valid = t != IGNORE
