@@ -170,10 +170,13 @@ def choose(f: HeadFacts, path: str = "auto", scratch_mb: int = 0, backward_row_c
                                       f"within the budget {_mib(limit)} (half of torch.compile's est. "
                                       f"{_mib(compile_peak(f))}; {_mib(scratch)} scratch)", scratch)
     need = balanced_peak(f, min(f.rows, _MIN_CHUNK_ROWS) * scratch_row_pitch(f.vocab) * f.element_size)
+    lean = lean_peak(f, backward_row_chunk)
+    over = "" if lean <= limit else (f"; the lean path's est. peak {_mib(lean)} is over the budget too (its G block "
+                                     "and dE summed in fp32 against a small V x D), the least of the two")
     return PathChoice("lean", f"lean path: the balanced path's est. peak {_mib(need)} (dC summed in fp32, "
                               f"{_mib(4 * f.vocab * f.hidden)}) exceeds the budget {_mib(limit)} (half of "
                               f"torch.compile's est. {_mib(compile_peak(f))}); four matmuls where torch.compile does "
-                              "three (~1.3-1.5x its time on the head)")
+                              f"three (~1.3-1.5x its time on the head){over}")
 
 
 def scratch_for(f: HeadFacts, scratch_mb: int = 0) -> int:

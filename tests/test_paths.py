@@ -68,6 +68,15 @@ def test_default_pick_table(head, n):
         assert choice.scratch_bytes == 0
         assert paths.balanced_peak(facts, min(n, 1024) * paths.scratch_row_pitch(facts.vocab) * 2) > budget
         assert "exceeds the budget" in choice.reason and "four matmuls" in choice.reason
+        # where even the lean path is over the budget (a small V x D against its G block and fp32 dE), it says so
+        assert ("over the budget too" in choice.reason) == (paths.lean_peak(facts) > budget)
+
+
+def test_lean_over_budget_is_said():
+    """Llama-2's head at N 8192: the lean path's own estimate (G block and fp32 dE) is over half of torch.compile's
+    peak (measured 506 MB against 814, H100): stats() says so."""
+    choice = paths.choose(_facts("llama2", 8192))
+    assert choice.path == "lean" and "over the budget too" in choice.reason, choice.reason
 
 
 def test_memory_model_matches_the_measured_peaks():
