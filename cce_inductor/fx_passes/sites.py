@@ -51,6 +51,10 @@ class Site:
     escaping: list[fx.Node]  # nodes whose values are graph outputs: chain nodes, or casts / row views of them
     lse_users: list[fx.Node]  # logsumexp(loss input, -1) nodes: fed by the op's lse
     escaping_as: str = ""  # what the escaping logits become: "lazy" or "drop" (set by check_escaping)
+    class_weight: Optional[fx.Node] = None  # cross_entropy's weight= (V,)
+    argmax_users: list[fx.Node] = dataclasses.field(default_factory=list)  # argmax(chain node, -1): fed by the op
+    argmax_round: str = ""  # the dtype eager's logits have where the argmax reads them ("" without argmax users)
+    insert_before: Optional[fx.Node] = None  # where the fused call goes, if not at the loss (an argmax before it)
 
 
 # What a rewrite puts in place of the loss: given the hidden-state rows (M, D), the (V, D) weight, the targets and
@@ -60,7 +64,7 @@ EmitLoss = Callable[[fx.Graph, Site, fx.Node, fx.Node, fx.Node, Optional[fx.Node
 
 def replace_site(graph: fx.Graph, site: Site, emit_loss: EmitLoss) -> None:
     """Replace the matched site by ``emit_loss``'s nodes (module docstring)."""
-    with graph.inserting_before(site.cross_entropy):
+    with graph.inserting_before(site.insert_before or site.cross_entropy):
         rows, weight, bias = rows_of(graph, site), *head_operands(graph, site)
         loss = emit_loss(graph, site, rows, weight, site.targets, bias)
     retire(graph, site, loss)
@@ -212,6 +216,10 @@ def describe_site(site: Site) -> str:
         parts.append(f"label_smoothing={site.label_smoothing:g}")
     if site.lse_users:
         parts.append("log-sum-exp reused")
+    if site.class_weight is not None:
+        parts.append("class weights")
+    if site.argmax_users:
+        parts.append(f"argmax fused ({', '.join(n.name for n in site.argmax_users)})")
     if site.escaping:
         parts.append("returned logits computed on first use" if site.escaping_as == "lazy"
                      else "logits dropped from the outputs")
