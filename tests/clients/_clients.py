@@ -75,14 +75,16 @@ def training_logs(history: list[dict]) -> list[dict]:
     return [{k: v for k, v in entry.items() if not any(t in k for t in timing)} for entry in history]
 
 
-def assert_same_logs(got: list[dict], want: list[dict], *, rel: float, abs_: float = 1e-6) -> None:
-    """Every logged entry has the same keys and, per key, values within ``rel`` / ``abs_``."""
+def assert_same_logs(got: list[dict], want: list[dict], *, rel: float, abs_: float = 1e-6,
+                     per_key: dict | None = None) -> None:
+    """Every logged entry has the same keys and, per key, values within ``rel`` (``per_key[key]`` where given) /
+    ``abs_``."""
     assert len(got) == len(want), (got, want)
     for step, (g, w) in enumerate(zip(got, want)):
         assert g.keys() == w.keys(), (step, g, w)
         for key in w:
             a, b = g[key], w[key]
             if isinstance(b, float) and not (math.isnan(a) and math.isnan(b)):
-                assert math.isclose(a, b, rel_tol=rel, abs_tol=abs_), f"entry {step}, {key}: {a} != {b}\n{got}\n{want}"
+                assert math.isclose(a, b, rel_tol=(per_key or {}).get(key, rel), abs_tol=abs_), f"entry {step}, {key}: {a} != {b}\n{got}\n{want}"
             else:
                 assert a == b, (step, key, a, b)

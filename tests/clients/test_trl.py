@@ -24,9 +24,9 @@ from trl.kernels import ChunkedLogProbFunction as TRLFunction  # noqa: E402
 from _clients import assert_same_logs, sequences, tiny_model, tokenizer, training_logs  # noqa: E402
 
 
-def _sft(tmp_path, name: str) -> list[dict]:
+def _sft(tmp_path, name: str, steps: int = 3) -> list[dict]:
     args = trl.SFTConfig(
-        output_dir=str(tmp_path / name), per_device_train_batch_size=4, max_steps=3, logging_steps=1,
+        output_dir=str(tmp_path / name), per_device_train_batch_size=4, max_steps=steps, logging_steps=1,
         learning_rate=1e-2, torch_compile=True, use_cpu=True, report_to=[], save_strategy="no", disable_tqdm=True,
         seed=0,
     )  # fmt: skip
@@ -53,16 +53,21 @@ def test_sft_trainer_unharmed_by_the_pass(tmp_path, request):
 @pytest.mark.slow
 def test_sft_trainer_through_the_adapter(tmp_path, request):
     request.getfixturevalue("stock")
-    want = _sft(tmp_path, "trl-head")
+    want = _sft(tmp_path, "trl-head", steps=1)
     cce_inductor.reset_stats()
     cce_trl.install()
     try:
         torch._dynamo.reset()
-        got = _sft(tmp_path, "cce-head")
+        got = _sft(tmp_path, "cce-head", steps=1)
     finally:
         cce_trl.uninstall()
-    assert cce_inductor.stats()["executions"]["linear_cross_entropy"] >= 3  # the op computed every step
-    assert_same_logs(got, want, rel=1e-4, abs_=1e-6)
+    assert cce_inductor.stats()["executions"]["linear_cross_entropy"] >= 1  # the op computed the step
+    # One step: later steps compare two optimizer trajectories, which Adam separates from gradients that differ at
+    # the 1e-4 level. This tiny model's gradient norm moves that much with the order of the head's sums alone: TRL's
+    # own head gave 4.14124 eager and 4.14160 compiled (8.6e-5 apart), the op 4.14056 eager (1.7e-4 from TRL's
+    # eager). Loss, entropy and token accuracy agree at fp32's level. (The op against TRL's function, values and
+    # gradients at fp32's level: test_adapter_equals_trl_head.)
+    assert_same_logs(got, want, rel=1e-5, abs_=1e-6, per_key={"grad_norm": 1e-3})
 
 
 OUTPUTS = ("log_probs", "entropy", "is_top1")
