@@ -169,6 +169,20 @@ def test_lazy_logits_values_and_laziness(dynamic, softcap):
         logits.sum().backward()
 
 
+def test_lazy_logits_into_another_compiled_function():
+    """Returned logits handed to another compiled function: Dynamo cannot trace the lazy tensor (an error, never
+    the placeholder's NaN as values); ``materialize()`` first gives that function the real logits."""
+    model = _Head()
+    x, y = torch.randint(0, 50, (2, 7)), torch.randint(0, 50, (2, 7))
+    _, want = model(x, y)
+    metric = torch.compile(lambda t: t.float().amax(-1) * 3)
+    with inductor_caches_off():
+        _, logits = torch.compile(model, backend=cce_inductor.backend)(x, y)
+        with pytest.raises(Exception):
+            metric(logits)
+        torch.testing.assert_close(metric(logits.materialize()), want.amax(-1) * 3)
+
+
 def test_lazy_logits_refuse_a_modified_head_and_can_be_turned_off():
     model = _Head()
     x, y = torch.randint(0, 50, (2, 7)), torch.randint(0, 50, (2, 7))
