@@ -204,3 +204,20 @@ def test_lazy_logits_option_in_the_cache_key():
     on, off = cce_inductor.CCEGraphPass(cce_inductor.CCEOptions()), cce_inductor.CCEGraphPass(
         cce_inductor.CCEOptions(lazy_logits=False))
     assert on.uuid() != off.uuid()
+
+
+def test_lazy_logits_not_under_cuda_graphs():
+    """Inductor's CUDA graphs hand outputs back as plain tensors: a site with returned logits is left alone there
+    (the pass reads the config that ``mode="reduce-overhead"`` sets; checked here on the CPU with the config set)."""
+    import torch._inductor.config as inductor_config
+
+    model = _Head()
+    x, y = torch.randint(0, 50, (2, 7)), torch.randint(0, 50, (2, 7))
+    want_loss, want_logits = model(x, y)
+    with inductor_caches_off(), inductor_config.patch({"triton.cudagraphs": True}):
+        loss, logits = torch.compile(model, backend=cce_inductor.backend)(x, y)
+    (reason,) = cce_inductor.stats()["reasons"]
+    assert "CUDA graphs" in reason and "lazy logits" in reason, reason
+    assert type(logits) is torch.Tensor
+    torch.testing.assert_close(logits, want_logits)
+    torch.testing.assert_close(loss, want_loss)
