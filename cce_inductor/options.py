@@ -25,7 +25,8 @@ _FALSY = ("0", "false", "no", "off")
 
 # Options of earlier versions that no longer exist; setting one says so instead of being silently ignored.
 _RETIRED_ENV = {
-    "CCE_INDUCTOR_FILTER_EPS": "gradient filtering was retired (README, 'Gradient filtering'); gradients are exact",
+    "CCE_INDUCTOR_FILTER_EPS": "gradient filtering was retired (docs/design.md, 'Gradient filtering: retired'); "
+                               "gradients are exact",
     "CCE_INDUCTOR_VOCAB_SORT": "vocabulary sorting was retired with gradient filtering",
 }
 
@@ -44,7 +45,8 @@ class CCEOptions:
         ``drop_logits`` wins over it. Not under CUDA graphs (``mode="reduce-overhead"`` returns plain tensors): such
         sites are left alone there. Environment: ``CCE_INDUCTOR_LAZY_LOGITS=0`` turns it off.
     drop_logits: when the logits also leave the compiled region, return in their place a placeholder of their shape
-        and dtype that raises on any use (``DroppedLogits``): for code that must never compute them. Off by default.
+        and dtype that raises on any use (``DroppedLogits``): for code that must never compute them. Off by default
+        (docs/design.md, "Dropping logits by default?"; docs/clients.md, "The one switch: lazy logits").
         Environment: ``CCE_INDUCTOR_DROP_LOGITS=1``.
     exact: the CUDA backward carries the softmax gradient into its products as two 16-bit halves and sums dC in
         fp32: gradients at the rounding floor of the output dtype, for ~1.6x the backward's time.

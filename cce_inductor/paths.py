@@ -119,11 +119,12 @@ def balanced_scratch(f: HeadFacts, limit: Optional[int] = None) -> int:
     """The balanced path's scratch for these facts: as large as the budget (or ``limit``) leaves beside its fixed
     memory, at most 1 GiB and all rows; 0 where not even ``_MIN_CHUNK_ROWS`` rows (or all rows, if fewer) fit."""
     b, vd, nd = f.element_size, f.vocab * f.hidden, f.rows * f.hidden
-    room = (budget(f) if limit is None else limit) - 4 * vd - 4 * nd
+    limit = budget(f) if limit is None else limit
+    room = limit - 4 * vd - 4 * nd
     row_bytes = scratch_row_pitch(f.vocab) * b
     want = min(_MAX_SCRATCH_BYTES, max(f.rows, 1) * row_bytes)
-    if room < min(_MIN_CHUNK_ROWS, max(f.rows, 1)) * row_bytes:
-        return 0
+    if room < min(_MIN_CHUNK_ROWS, max(f.rows, 1)) * row_bytes or balanced_peak(f, 0) > limit:
+        return 0  # (the second: the backward's fp32 gradients beside their rounding alone exceed the limit)
     return min(want, room)
 
 

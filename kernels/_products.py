@@ -39,11 +39,11 @@ back to cuBLAS products for a C that is not aligned.  Ec is a compacted copy of 
 ``rows x D`` buffer): gathering through row_order inside the K loop instead measured 2x slower (no TMA gather
 on Hopper).
 
-Measured (H200, bf16, 8192 x 2048 blocks; ``examples/bench_dense_parts.py``): dE 0.163-0.165 ms vs cuBLAS addmm
+Measured (H200, bf16, 8192 x 2048 blocks; ``benchmarks/bench_dense_parts.py``): dE 0.163-0.165 ms vs cuBLAS addmm
 0.136, dC 0.142-0.146 vs cuBLAS mm 0.100 at D = 2304; at D = 4096 dE 0.29-0.30 vs 0.22, dC 0.20 vs 0.18.  With
 half the rows ignored the Triton products take about 55 % of that, cuBLAS the same.  Whole op: 50 % ignored
 rows cost 0.49-0.54x of 0 % (cuBLAS products: 0.67-0.72x), 0 % ignored costs 5-16 % more; break-even at roughly
-20-25 % ignored rows, hence not the default (``examples/benchmark_notes.md``, v7).
+20-25 % ignored rows, hence not the default (``docs/engineering-log.md``, v7).
 """
 from __future__ import annotations
 

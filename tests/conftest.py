@@ -1,3 +1,7 @@
+"""Settings and fixtures for every test file: the Triton interpreter without a GPU, a fresh Dynamo and ``stats()``
+for each test, Inductor's caches off on request, a clean ``CCE_INDUCTOR*`` environment, Inductor's pre-grad hook
+restored, and the markers (``gpu``, ``slow``)."""
+
 import os
 
 import torch
@@ -8,9 +12,10 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
+import torch._inductor.config as inductor_config  # noqa: E402
 
 import cce_inductor  # noqa: E402
-from _compare import inductor_caches_off  # noqa: E402
+from tests.support.compare import inductor_caches_off  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -23,9 +28,25 @@ def _fresh_dynamo_and_stats():
 
 @pytest.fixture
 def no_inductor_caches():
-    """Compile from scratch in this process (see ``_compare.inductor_caches_off``)."""
+    """Compile from scratch in this process (see ``tests.support.compare.inductor_caches_off``)."""
     with inductor_caches_off():
         yield
+
+
+@pytest.fixture
+def clean_env(monkeypatch):
+    """No ``CCE_INDUCTOR*`` variable set for this test."""
+    for name in list(os.environ):
+        if name.startswith("CCE_INDUCTOR"):
+            monkeypatch.delenv(name)
+
+
+@pytest.fixture
+def restore_hook():
+    """Whatever a test does to pre_grad_custom_pass, put the original back."""
+    saved = inductor_config.pre_grad_custom_pass
+    yield
+    inductor_config.pre_grad_custom_pass = saved
 
 
 def pytest_configure(config):

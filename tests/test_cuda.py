@@ -41,8 +41,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import cce_inductor
-
-from _compare import assert_same_run, assert_same_values, run
+from tests.support.compare import assert_same_run, assert_same_values, run
+from tests.support.inputs import make_cuda_inputs
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -65,25 +65,6 @@ def _no_inductor_caches():
 # ----------------------------------------------------------------------------------------------------------------
 # helpers
 # ----------------------------------------------------------------------------------------------------------------
-
-
-def make_inputs(lead=(96,), d=64, v=1000, *, dtype=torch.float32, seed=0, bias=False, ignore_every=7,
-                ignore_index=-100, weight_grad=True):  # fmt: skip
-    """hidden (*lead, d), weight (v, d), labels (*lead) with every ``ignore_every``-th ignored, [bias (v,)]."""
-    gen = torch.Generator().manual_seed(seed)
-    hidden = torch.randn(*lead, d, generator=gen) * 2.0
-    weight = torch.randn(v, d, generator=gen) / d**0.5
-    labels = torch.randint(0, v, lead, generator=gen)
-    if ignore_every and labels.numel():
-        labels.view(-1)[::ignore_every] = ignore_index
-    out = [
-        hidden.to(DEVICE, dtype).requires_grad_(),
-        weight.to(DEVICE, dtype).requires_grad_(weight_grad),
-        labels.to(DEVICE),
-    ]
-    if bias:
-        out.append((torch.randn(v, generator=gen) * 0.5).to(DEVICE, dtype).requires_grad_())
-    return out
 
 
 def make_fn(softcap=None, ignore_index=-100, reduction="mean", upcast=False):
@@ -139,7 +120,7 @@ def test_triton_kernels_are_used_on_cuda():
 @pytest.mark.parametrize("softcap", [None, 15.0])
 def test_direct_op_matches_eager_odd_shapes(dtype, softcap):
     """Shapes that are multiples of no tile size (tails in rows, hidden and vocabulary), bias, ignored rows."""
-    args = make_inputs((3, 101), d=72, v=3001, dtype=dtype, bias=True)
+    args = make_cuda_inputs((3, 101), d=72, v=3001, dtype=dtype, bias=True)
     want = run(make_fn(softcap=softcap), args)
     got = run(lambda h, w, y, b: direct(softcap=softcap)(h, w, y, b).to(want[0].dtype), args)
     assert_same_run(got, want, **TOL[dtype])
@@ -241,7 +222,7 @@ def test_in_range_targets_pass_in_the_same_harness(mode):
 # ----------------------------------------------------------------------------------------------------------------
 
 
-class TinyLM(nn.Module):
+class TinyShiftLM(nn.Module):
     """A body layer, the head, the Hugging Face label shift and an upcast before the loss."""
 
     def __init__(self, dim=64, vocab=1000, head_bias=False):
@@ -333,7 +314,7 @@ def test_enable_reduce_overhead_uses_cuda_graphs():
 
     torch.manual_seed(0)
     dim, vocab, shape = 64, 1000, (4, 33)
-    model = TinyLM(dim, vocab).to(DEVICE)
+    model = TinyShiftLM(dim, vocab).to(DEVICE)
     counters.clear()
     cce_inductor.enable()
     try:
@@ -358,7 +339,7 @@ def test_balanced_path_under_cuda_graphs(dtype):
 
     torch.manual_seed(0)
     dim, vocab, shape = 64, 1000, (4, 33)
-    model = TinyLM(dim, vocab).to(DEVICE, dtype)
+    model = TinyShiftLM(dim, vocab).to(DEVICE, dtype)
     counters.clear()
     cce_inductor.enable(scratch_mb=1)
     try:
@@ -449,7 +430,7 @@ def test_autocast_bf16_fp32_weights(inside):
                 return inner(*args)
     else:
         fn = inner
-    args = make_inputs((2, 48), d=64, v=1000, dtype=torch.float32, bias=True)
+    args = make_cuda_inputs((2, 48), d=64, v=1000, dtype=torch.float32, bias=True)
     with torch.autocast(DEVICE, dtype=torch.bfloat16, enabled=not inside):
         want = run(fn, args)
         got = run(compile_cce(fn), args)
@@ -477,7 +458,7 @@ def test_dynamic_shapes_one_compile():
 
     compiled = torch.compile(fn, backend=counting_backend, fullgraph=True, dynamic=True)
     for seq in (17, 40, 129):  # none equal to another size (duck sizing) or to 0 / 1 (specialised)
-        args = make_inputs((3, seq), d=56, v=999, dtype=torch.float32, seed=seq)
+        args = make_cuda_inputs((3, seq), d=56, v=999, dtype=torch.float32, seed=seq)
         want = run(fn, args)
         got = run(compiled, args)
         assert_same_run(got, want, **FP32)
@@ -495,7 +476,7 @@ def test_dynamic_shapes_one_compile():
 def test_nan_in_hidden_propagates_like_eager(path, reduction):
     """A NaN in one (non-ignored) row of the hidden states: the mean is NaN, per-row losses are NaN in that row
     only, and the gradients have eager's NaN pattern (dE: that row; dC: everything)."""
-    hidden, weight, labels = make_inputs((64,), d=64, v=1000, dtype=torch.float32)
+    hidden, weight, labels = make_cuda_inputs((64,), d=64, v=1000, dtype=torch.float32)
     assert labels[3] != -100
     with torch.no_grad():
         hidden[3, 5] = float("nan")
@@ -513,7 +494,7 @@ def test_nan_in_hidden_propagates_like_eager(path, reduction):
 
 
 def _nan_in_an_ignored_row():
-    hidden, weight, labels = make_inputs((64,), d=64, v=1000, dtype=torch.float32)
+    hidden, weight, labels = make_cuda_inputs((64,), d=64, v=1000, dtype=torch.float32)
     assert labels[0] == -100
     with torch.no_grad():
         hidden[0, 1] = float("nan")
@@ -551,7 +532,7 @@ EMPTY_EXPECTED = {"mean": "nan", "sum": 0.0, "none": (0,)}
     ids=["direct-fp32", "direct-bf16", "compiled-fp32"],
 )
 def test_empty_batch_like_eager(path, dtype, reduction):
-    args = make_inputs((0,), d=64, v=1000, dtype=dtype, bias=True)
+    args = make_cuda_inputs((0,), d=64, v=1000, dtype=dtype, bias=True)
     want = run(make_fn(reduction=reduction), args)
     expected = EMPTY_EXPECTED[reduction]
     if expected == "nan":
@@ -593,7 +574,7 @@ EDGE_CASES = {
 )
 def test_edge_cases_like_eager(case, path, dtype):
     input_kwargs, fn_kwargs = EDGE_CASES[case]
-    args = make_inputs((5, 37), d=80, v=2050, dtype=dtype, **input_kwargs)
+    args = make_cuda_inputs((5, 37), d=80, v=2050, dtype=dtype, **input_kwargs)
     want = run(make_fn(**fn_kwargs), args)
     if path == "direct":
         got = run(lambda *a: direct(**fn_kwargs)(*a).to(want[0].dtype), args)

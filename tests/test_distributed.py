@@ -2,10 +2,9 @@
 vocabulary-parallel loss of ``cce_inductor.distributed``.
 
 One pair of worker processes (``torch.multiprocessing``, spawn; gloo over 127.0.0.1) runs the tasks of all
-selected tests in turn (a module fixture); the assertions run inside the workers, and each test reports its
-task's outcome (the workers' tracebacks on failure). The run is bounded (``_SPAWN_TIMEOUT_S``) and every
-collective has a timeout (``_PG_TIMEOUT``). About 2 min on 2 CPU cores with a cold Inductor kernel cache,
-1 min warm.
+selected tests in turn (``tests/support/distributed.py``); the assertions run inside the workers, and each test
+reports its task's outcome (the workers' tracebacks on failure). About 2 min on 2 CPU cores with a cold Inductor
+kernel cache, 1 min warm.
 
 * DDP (``optimize_ddp``'s graph splitting forced with tiny buckets) and FSDP2 (``fully_shard`` on the block
   and the root) under ``torch.compile(backend=cce_inductor.backend)``: the head's linear + cross-entropy is
@@ -20,8 +19,8 @@ collective has a timeout (``_PG_TIMEOUT``). About 2 min on 2 CPU cores with a co
   (default, exact mode, Triton products); compiled with ``fullgraph=True``; the per-shard custom ops pass
   ``opcheck``.
 * DTensor: equal to ``ColwiseParallel`` + ``loss_parallel`` on materialised logits (also the DTensor form
-  ``dtensor_linear_cross_entropy``); the compiled ``ColwiseParallel`` head + ``loss_parallel`` graph is
-  rewritten into ``dtensor_linear_cross_entropy`` by the backend (``fx_passes/tensor_parallel.py``).
+  ``dtensor_linear_cross_entropy``, and a compiled ``ColwiseParallel`` head rewritten by the pass). The pass on
+  DTensor graphs (``fx_passes/tensor_parallel.py``): ``tests/fx_passes/test_tensor_parallel.py``.
 
 Inductor's FX-graph and AOTAutograd caches are off in the workers so that the pass really runs (a cache hit
 skips it and leaves ``stats()`` empty).
@@ -29,27 +28,24 @@ skips it and leaves ``stats()`` empty).
 
 from __future__ import annotations
 
-import datetime
 import math
 import os
-import socket
-import time
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn as nn
 import torch.nn.functional as F
 
 import cce_inductor
 from cce_inductor import CCEOptions
-from _compare import rel_l2
 from cce_inductor.distributed import (
     dtensor_linear_cross_entropy,
     vocab_parallel_linear_cross_entropy,
     vocab_shard_range,
 )
+from tests.support.compare import rel_l2
+from tests.support.distributed import check_task, run_selected_tasks
 
 pytestmark = [
     pytest.mark.slow,
@@ -57,116 +53,6 @@ pytestmark = [
         not dist.is_available() or not dist.is_gloo_available(), reason="needs torch.distributed with gloo"
     ),
 ]
-
-WORLD = 2
-_SPAWN_TIMEOUT_S = 400  # all tasks together (cold kernel cache: ~2 min on 2 cores)
-_PG_TIMEOUT = datetime.timedelta(seconds=90)
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Process plumbing: one pair of worker processes runs every selected task (process start-up and `import torch`
-# cost ~15 s per spawn on 2 cores); each test then checks its own task's outcome.
-# ----------------------------------------------------------------------------------------------------------------
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _entry(rank: int, world: int, port: int, tasks, result_dir: str) -> None:
-    """Worker: join the gloo group on 127.0.0.1, run each ``(name, fn, args)`` task, record ok / traceback."""
-    import traceback
-
-    import torch._functorch.config as functorch_config
-    import torch._inductor.config as inductor_config
-
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    torch.set_num_threads(1)
-    # The pass must run on every rank: a hit in the FX-graph or AOTAutograd cache skips it (and stats() stays
-    # empty). The compiled-kernel cache stays on: identical kernels of the DDP and FSDP models compile once.
-    inductor_config.fx_graph_cache = False
-    functorch_config.enable_autograd_cache = False
-    inductor_config.compile_threads = 1
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=_PG_TIMEOUT
-    )
-    try:
-        for name, fn, args in tasks:
-            torch._dynamo.reset()
-            cce_inductor.reset_stats()
-            started = time.monotonic()
-            try:
-                fn(rank, world, *args)
-                dist.barrier()
-                outcome = "ok"
-            except BaseException:  # noqa: BLE001 - reported to the parent test, then stop (ranks may be out of step)
-                outcome = traceback.format_exc()
-            with open(os.path.join(result_dir, f"{name}.rank{rank}"), "w") as out:
-                out.write(f"{time.monotonic() - started:.1f}\n{outcome}")
-            if outcome != "ok":
-                os._exit(1)
-    finally:
-        dist.destroy_process_group()
-
-
-def _run_tasks(tasks, result_dir: str) -> None:
-    """Run the tasks on WORLD spawned processes, bounded in time; outcomes are left in ``result_dir``."""
-    context = mp.start_processes(
-        _entry, args=(WORLD, _free_port(), tasks, result_dir), nprocs=WORLD, join=False, start_method="spawn"
-    )
-    deadline = time.monotonic() + _SPAWN_TIMEOUT_S
-    try:
-        while not context.join(timeout=2):
-            if time.monotonic() > deadline:
-                _note_workers(result_dir, f"the workers were still running after {_SPAWN_TIMEOUT_S} s")
-                break
-    except Exception as exc:  # noqa: BLE001 - a worker exited non-zero: its task's outcome file says why, if any
-        # a worker that died before writing an outcome (import, gloo rendezvous) is only visible here
-        _note_workers(result_dir, f"{type(exc).__name__}: {exc}")
-    finally:
-        for process in context.processes:
-            if process.is_alive():
-                process.kill()
-                process.join(5)
-
-
-def _note_workers(result_dir: str, text: str) -> None:
-    with open(os.path.join(result_dir, "_workers"), "w") as out:
-        out.write(text)
-
-
-@pytest.fixture(scope="module")
-def task_results(request, tmp_path_factory):
-    """Runs the tasks of the selected tests of this module once; returns ``name -> outcome of rank 0 / 1``."""
-    selected = {item.originalname or item.name for item in request.session.items if item.module is request.module}
-    tasks = [(name, fn, args) for name, (fn, args) in _TASKS.items() if f"test_{name}" in selected]
-    result_dir = str(tmp_path_factory.mktemp("dist_results"))
-    _run_tasks(tasks, result_dir)
-    workers_path = os.path.join(result_dir, "_workers")
-    workers = ""
-    if os.path.exists(workers_path):
-        with open(workers_path) as f:
-            workers = f.read()
-    results = {}
-    for name, _, _ in tasks:
-        results[name] = []
-        for rank in range(WORLD):
-            path = os.path.join(result_dir, f"{name}.rank{rank}")
-            if os.path.exists(path):
-                with open(path) as f:
-                    results[name].append(f.read().split("\n", 1)[1])
-            else:
-                results[name].append(f"not run (an earlier task failed or the workers timed out)\n{workers}")
-    return results
-
-
-def _check(task_results, name: str) -> None:
-    outcomes = task_results[name]
-    failures = [f"rank {rank}:\n{outcome}" for rank, outcome in enumerate(outcomes) if outcome != "ok"]
-    if failures:
-        pytest.fail("\n".join(failures), pytrace=False)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -399,43 +285,43 @@ def _fsdp_layer_loop_worker(rank, world, inline_head: bool):
 def test_fsdp2_layer_loop_inline_head_runs_eagerly(task_results):
     """Known limitation (Dynamo, not the pass): with FSDP2 units called in a loop, a head + loss written inline
     in the root ``forward`` is never compiled, so never rewritten (the standard Llama layout)."""
-    _check(task_results, "fsdp2_layer_loop_inline_head_runs_eagerly")
+    check_task(task_results, "fsdp2_layer_loop_inline_head_runs_eagerly")
 
 
 def test_fsdp2_layer_loop_head_and_loss_module_rewritten(task_results):
     """The workaround: head + loss in a module of their own (its forward is a frame Dynamo compiles)."""
-    _check(task_results, "fsdp2_layer_loop_head_and_loss_module_rewritten")
+    check_task(task_results, "fsdp2_layer_loop_head_and_loss_module_rewritten")
 
 
 def test_ddp_compiled(task_results):
     """DDP + optimize_ddp graph splitting + cce backend: rewritten on each rank; loss/grads = single process."""
-    _check(task_results, "ddp_compiled")
+    check_task(task_results, "ddp_compiled")
 
 
 def test_fsdp2_compiled(task_results):
     """FSDP2 (block and root units) + cce backend: rewritten on each rank; full loss/params/grads match."""
-    _check(task_results, "fsdp2_compiled")
+    check_task(task_results, "fsdp2_compiled")
 
 
 def test_ddp_compiled_balanced(task_results):
     """The same DDP run on the balanced path (scratch_mb): the gradients computed with the loss reach DDP's hooks."""
-    _check(task_results, "ddp_compiled_balanced")
+    check_task(task_results, "ddp_compiled_balanced")
 
 
 def test_fsdp2_compiled_balanced(task_results):
     """The same FSDP2 run on the balanced path: the unsharded head's gradients are reduce-scattered as usual."""
-    _check(task_results, "fsdp2_compiled_balanced")
+    check_task(task_results, "fsdp2_compiled_balanced")
 
 
 def test_fsdp2_lm_head_unit_hides_the_loss(task_results):
     """Known limitation: ``fully_shard(model.lm_head)`` puts dynamo-disabled hooks (graph breaks) around the head
     (``fully_shard([model.ln_f, model.lm_head])``, torchtitan's grouping, does the same)."""
-    _check(task_results, "fsdp2_lm_head_unit_hides_the_loss")
+    check_task(task_results, "fsdp2_lm_head_unit_hides_the_loss")
 
 
 def test_fsdp2_head_and_loss_unit_is_rewritten(task_results):
     """The workaround: make the FSDP unit a module that computes head *and* loss; both stay in one graph."""
-    _check(task_results, "fsdp2_head_and_loss_unit_is_rewritten")
+    check_task(task_results, "fsdp2_head_and_loss_unit_is_rewritten")
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -564,7 +450,7 @@ def _vp_compiled_worker(rank, world):
 
 
 def test_vocab_parallel_compiled_fullgraph(task_results):
-    _check(task_results, "vocab_parallel_compiled_fullgraph")
+    check_task(task_results, "vocab_parallel_compiled_fullgraph")
 
 
 def test_vocab_shard_ops_opcheck():
@@ -589,7 +475,7 @@ def test_vocab_shard_ops_opcheck():
 
 
 def test_vocab_parallel_chunked(task_results):
-    _check(task_results, "vocab_parallel_chunked")
+    check_task(task_results, "vocab_parallel_chunked")
 
 
 def _kernels_runnable() -> bool:
@@ -597,13 +483,13 @@ def _kernels_runnable() -> bool:
 
     try:
         return _dispatch.triton_kernels() is not None and os.environ.get("TRITON_INTERPRET") == "1"
-    except Exception:  # noqa: BLE001 - a broken kernels module is test_kernels.py's business
+    except Exception:  # noqa: BLE001 - a broken kernels module is tests/kernels' business
         return False
 
 
 @pytest.mark.skipif(not _kernels_runnable(), reason="needs Triton and TRITON_INTERPRET=1 (kernels on CPU tensors)")
 def test_vocab_parallel_kernels_interpreter(task_results):
-    _check(task_results, "vocab_parallel_kernels_interpreter")
+    check_task(task_results, "vocab_parallel_kernels_interpreter")
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -670,91 +556,7 @@ def _dtensor_worker(rank, world):
 
 
 def test_vocab_parallel_matches_dtensor_loss_parallel(task_results):
-    _check(task_results, "vocab_parallel_matches_dtensor_loss_parallel")
-
-
-def _tp_graph_pass_worker(rank, world):
-    """The cce backend on a ColwiseParallel head (bias, softcap, label shift, upcast) under loss_parallel,
-    fullgraph: rewritten into dtensor_linear_cross_entropy, equal to eager loss_parallel."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor.parallel import ColwiseParallel, loss_parallel, parallelize_module
-
-    n, dim, vocab = 12, 16, 51  # uneven split: 26 / 25
-    mesh = init_device_mesh("cpu", (world,))
-    gen = torch.Generator().manual_seed(1)
-    hidden = torch.randn(2, n, dim, generator=gen)
-    labels = torch.randint(0, vocab, (2, n), generator=gen)
-    labels[:, ::3] = -100
-
-    results = []
-    for compiled in (False, True):
-        torch.manual_seed(0)
-        head = nn.Linear(dim, vocab, bias=True)
-        parallelize_module(head, mesh, ColwiseParallel(use_local_output=False))
-
-        def step(h, y):
-            logits = torch.tanh(head(h) / 7.0) * 7.0
-            return F.cross_entropy(logits[:, :-1].reshape(-1, vocab).float(), y[:, 1:].reshape(-1))
-
-        if compiled:
-            step = torch.compile(step, backend=cce_inductor.backend, fullgraph=True)
-        h = hidden.clone().requires_grad_()
-        with loss_parallel():
-            loss = step(h, labels)
-            loss.backward()
-        results.append((loss.to_local().detach(), h.grad, head.weight.grad.full_tensor(), head.bias.grad.full_tensor()))
-    stats = cce_inductor.stats()
-    assert stats["rewritten"] == 1 and "tensor parallel" in stats["sites"][0]["reason"], stats
-    for got, want in zip(results[1], results[0]):
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
-
-    # Through torch 2.11 Dynamo records ColwiseParallel's output redistribute as a call of a generated function
-    # named prim_redistribute (torch 2.13: a call_method); the pass must see through both (H200 run, torch 2.11).
-    from cce_inductor.fx_passes.tensor_parallel import _is_noop_redistribute
-
-    def prim_redistribute(x):
-        return x
-
-    graph = torch.fx.Graph()
-    source = graph.placeholder("logits")
-    as_captured = graph.call_function(prim_redistribute, (source,))
-    other = graph.call_function(torch.neg, (source,))
-    for node in (source, as_captured, other):
-        node.meta["example_value"] = head.weight.detach()
-    assert _is_noop_redistribute(as_captured) and not _is_noop_redistribute(other)
-
-
-def test_tensor_parallel_graph_pass(task_results):
-    _check(task_results, "tensor_parallel_graph_pass")
-
-
-def _dtensor_routing_worker(rank, world):
-    """F.linear on DTensors (weight Shard(0)) + loss_parallel, compiled with the cce backend alone."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
-    from torch.distributed.tensor.parallel import loss_parallel
-
-    n, dim, vocab = 16, 8, 30
-    mesh = init_device_mesh("cpu", (world,))
-    gen = torch.Generator().manual_seed(3)
-    weight = distribute_tensor(torch.randn(vocab, dim, generator=gen), mesh, [Shard(0)])
-    hidden = DTensor.from_local(torch.randn(n, dim, generator=gen), mesh, [Replicate()])
-    targets = torch.randint(0, vocab, (n,), generator=gen)
-
-    def step(h, w, y):
-        return F.cross_entropy(F.linear(h, w).view(-1, vocab), y)
-
-    with loss_parallel():
-        want = step(hidden, weight, targets)
-        got = torch.compile(step, backend=cce_inductor.backend)(hidden, weight, targets)
-    torch.testing.assert_close(got.to_local(), want.to_local(), rtol=1e-5, atol=1e-6)
-
-
-def test_main_pass_routes_dtensor_sites(task_results):
-    """A site whose head operands are DTensors must not become ``cce_inductor::linear_cross_entropy`` with
-    DTensor arguments (the op has no sharding rule: "got mixed torch.Tensor and DTensor"); the main pass
-    routes it to dtensor_linear_cross_entropy."""
-    _check(task_results, "main_pass_routes_dtensor_sites")
+    check_task(task_results, "vocab_parallel_matches_dtensor_loss_parallel")
 
 
 # name -> (worker function, extra args); test_<name> checks the outcome. Cheap tasks first; the workers stop
@@ -772,6 +574,10 @@ _TASKS = {
     "fsdp2_compiled": (_fsdp_worker, ("root",)),
     "ddp_compiled_balanced": (_ddp_worker, (True,)),
     "fsdp2_compiled_balanced": (_fsdp_worker, ("root", True)),
-    "tensor_parallel_graph_pass": (_tp_graph_pass_worker, ()),
-    "main_pass_routes_dtensor_sites": (_dtensor_routing_worker, ()),
 }
+
+
+@pytest.fixture(scope="module")
+def task_results(request, tmp_path_factory):
+    """The outcome of every selected test's task, run once by the worker pair: ``name -> outcome of rank 0 / 1``."""
+    return run_selected_tasks(request, tmp_path_factory, _TASKS)

@@ -20,16 +20,9 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 import cce_inductor
 from cce_inductor import DroppedLogits
-
-from _graph_utils import PassCapture
-from test_entry_points import (  # helpers only (importing test_* names would collect them twice)
-    MODEL_SRC,
-    TinyGPT,
-    last_json,
-    make_batch,
-    run_python,
-    subprocess_env,
-)
+from tests.support.graphs import PassCapture
+from tests.support.models import MODEL_SRC, TinyGPT, make_batch
+from tests.support.processes import last_json, run_python, subprocess_env
 
 # What every error must say: the option, and how to turn it off.
 MUST_NAME = ("drop_logits", "CCE_INDUCTOR_DROP_LOGITS", "unset CCE_INDUCTOR_DROP_LOGITS", "drop_logits=False")
@@ -44,22 +37,6 @@ def assert_raises_on_use(logits, use=lambda x: x.sum()):
         use(logits)
     for needle in MUST_NAME:
         assert needle in str(info.value), (needle, str(info.value))
-
-
-@pytest.fixture
-def restore_hook():
-    saved = inductor_config.pre_grad_custom_pass
-    yield
-    inductor_config.pre_grad_custom_pass = saved
-
-
-@pytest.fixture
-def clean_env(monkeypatch):
-    import os
-
-    for name in list(os.environ):
-        if name.startswith("CCE_INDUCTOR"):
-            monkeypatch.delenv(name)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -290,6 +267,7 @@ def test_without_opt_in_reason_names_placeholder(clean_env):
 # Warm cache: a fresh process loads the compiled graph (the pass does not run) and still gets the placeholder
 # ----------------------------------------------------------------------------------------------------------------
 
+
 WARM_SCRIPT = MODEL_SRC + '''
 import json
 import sys
@@ -357,10 +335,10 @@ def test_warm_cache_still_returns_placeholder(tmp_path, entry, dynamic):
 @pytest.mark.slow
 @pytest.mark.parametrize("family", ["llama", "gemma2"])
 def test_hf_causal_lm_logits_raise(no_inductor_caches, clean_env, family):
-    from test_models import VOCAB, _batch, _model
+    from tests.support.hf import VOCAB, hf_batch, hf_model
 
-    model = _model(family)
-    input_ids, labels = _batch()
+    model = hf_model(family)
+    input_ids, labels = hf_batch()
     compiled = torch.compile(model, backend=cce_inductor.make_backend(drop_logits=True))
     expected = model(input_ids=input_ids, labels=labels)
     expected.loss.backward()

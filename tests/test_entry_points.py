@@ -1,6 +1,8 @@
-"""The ways in: ``backend=cce_inductor.backend``, ``make_backend``, ``enable``/``disable`` (plain ``torch.compile``),
-``CCE_INDUCTOR=1`` (the ``torch.backends`` entry point), ``backend="cce"`` (the ``torch_dynamo_backends`` entry
-point), and Inductor's FX graph / AOTAutograd caches across processes.
+"""The ways in: ``backend=cce_inductor.backend``, ``make_backend`` (its options reach the pass), ``enable``/``disable``
+(plain ``torch.compile``, also with ``mode="max-autotune-no-cudagraphs"``), chaining a user's pre-grad pass
+(``cce_inductor/graph_pass.py``), ``CCE_INDUCTOR=1`` (the ``torch.backends`` entry point,
+``cce_inductor_autoload.py``), ``backend="cce"`` (the ``torch_dynamo_backends`` entry point), and Inductor's FX graph /
+AOTAutograd caches across processes.
 
 In-process tests turn Inductor's FX graph and AOTAutograd caches off: a cache hit skips the pass, so a graph
 compiled by an earlier run would not be counted in ``stats()``. Subprocess tests (marked ``slow``) share one
@@ -10,7 +12,6 @@ the cache test turns the FX graph and AOTAutograd caches on, and nothing else wr
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -19,72 +20,15 @@ import textwrap
 import pytest
 import torch
 import torch._inductor.config as inductor_config
-import torch.nn as nn
 import torch.nn.functional as F
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
 import cce_inductor
 from cce_inductor.graph_pass import CCEGraphPass
 from cce_inductor.options import CCEOptions
-
-# ----------------------------------------------------------------------------------------------------------------
-# The model: source text, so that the subprocess scripts define exactly the same one.
-# ----------------------------------------------------------------------------------------------------------------
-
-MODEL_SRC = textwrap.dedent(
-    '''
-    import torch
-    import torch.nn as nn
-    import torch.nn.functional as F
-
-
-    class TinyGPT(nn.Module):
-        """Embedding, one MLP block, lm_head without bias; the loss as in nanoGPT."""
-
-        def __init__(self, vocab=97, dim=32, return_logits=False):
-            super().__init__()
-            self.wte = nn.Embedding(vocab, dim)
-            self.fc = nn.Linear(dim, 4 * dim)
-            self.proj = nn.Linear(4 * dim, dim)
-            self.lm_head = nn.Linear(dim, vocab, bias=False)
-            self.return_logits = return_logits
-
-        def forward(self, idx, targets):
-            x = self.wte(idx)
-            x = x + self.proj(F.gelu(self.fc(x)))
-            logits = self.lm_head(x)
-            loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1)
-            return (loss, logits) if self.return_logits else loss
-
-
-    def make_batch(vocab=97, batch=2, seq=16, seed=0):
-        gen = torch.Generator().manual_seed(seed)
-        idx = torch.randint(0, vocab, (batch, seq), generator=gen)
-        targets = torch.randint(0, vocab, (batch, seq), generator=gen)
-        targets[0, :3] = -1  # some ignored positions
-        return idx, targets
-    '''
-)
-
-_namespace: dict = {}
-exec(compile(MODEL_SRC, "<tiny_gpt>", "exec"), _namespace)
-TinyGPT = _namespace["TinyGPT"]
-make_batch = _namespace["make_batch"]
-
-
-@pytest.fixture
-def clean_env(monkeypatch):
-    for name in list(os.environ):
-        if name.startswith("CCE_INDUCTOR"):
-            monkeypatch.delenv(name)
-
-
-@pytest.fixture
-def restore_hook():
-    """Whatever a test does to pre_grad_custom_pass, put the original back."""
-    saved = inductor_config.pre_grad_custom_pass
-    yield
-    inductor_config.pre_grad_custom_pass = saved
+from tests.support.head import inputs, make_fn
+from tests.support.models import MODEL_SRC, TinyGPT, make_batch
+from tests.support.processes import last_json, run_python, subprocess_env
 
 
 def loss_and_grads(model, fn, *inputs):
@@ -179,6 +123,31 @@ def test_make_backend_reads_env_for_unset_options(monkeypatch, clean_env):
     backend = cce_inductor.make_backend(exact=False)
     assert backend.options.drop_logits is True
     assert backend.options.exact is False  # keyword wins over env
+
+
+@pytest.mark.slow
+def test_backend_options_reach_the_pass(no_inductor_caches):
+    """make_backend(...) compiles with a pass carrying exactly its options (what Inductor's cache key sees)."""
+    from torch._inductor.custom_graph_pass import CustomGraphPass
+
+    seen = []
+
+    class Spy(CustomGraphPass):  # chained before ours by the backend: sees the pass installed for this compile
+        def __call__(self, graph):
+            seen.append(inductor_config.pre_grad_custom_pass)
+
+        def uuid(self):
+            return "spy"
+
+    options = CCEOptions(drop_logits=True, exact=True, products="triton", backward_row_chunk=1024)
+    fn = make_fn()
+    with inductor_config.patch(pre_grad_custom_pass=Spy()):
+        torch.compile(fn, backend=cce_inductor.make_backend(options), fullgraph=True)(*inputs(4))
+    assert len(seen) == 1 and isinstance(seen[0], CCEGraphPass)
+    assert seen[0].options == options
+    assert seen[0].uuid() == CCEGraphPass(options, chained=seen[0].chained).uuid() != CCEGraphPass(
+        CCEOptions(), chained=seen[0].chained
+    ).uuid()
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -283,12 +252,6 @@ def test_backend_chains_enabled_users_pass_once(no_inductor_caches, clean_env, r
         cce_inductor.disable()
 
 
-def test_uuid_options_from_env(monkeypatch, clean_env):
-    base = CCEGraphPass(CCEOptions.from_env()).uuid()
-    monkeypatch.setenv("CCE_INDUCTOR_EXACT", "1")
-    assert CCEGraphPass(CCEOptions.from_env()).uuid() != base
-
-
 def test_uuid_follows_chained_pass():
     plain = CCEGraphPass(CCEOptions()).uuid()
     v1 = CCEGraphPass(CCEOptions(), chained=CountingPass("user-v1")).uuid()
@@ -309,6 +272,49 @@ def test_uuid_none_when_chained_pass_has_none(kind):
     assert CCEGraphPass(CCEOptions(), chained=chained).uuid() is None
 
 
+_MAX_AUTOTUNE_SCRIPT = textwrap.dedent(
+    """
+    import torch, torch.nn.functional as F
+    import cce_inductor
+    torch._inductor.config.force_disable_caches = True
+    cce_inductor.enable()
+    torch.manual_seed(0)
+    V, D = 13, 7
+    head = torch.nn.Linear(D, V)
+    def fn(hidden, labels):
+        logits = torch.tanh(head(hidden) / 9.0) * 9.0
+        return F.cross_entropy(logits[..., :-1, :].reshape(-1, V), labels[..., 1:].reshape(-1))
+    hidden = torch.randn(2, 6, D, requires_grad=True)
+    labels = torch.randint(0, V, (2, 6))
+    compiled = torch.compile(fn, mode="max-autotune-no-cudagraphs", fullgraph=True)
+    results = []
+    for f in (fn, compiled):
+        loss = f(hidden, labels)
+        grads = torch.autograd.grad(loss, [hidden, head.weight, head.bias])
+        results.append((loss, grads))
+    torch.testing.assert_close(results[1][0], results[0][0])
+    for g, w in zip(results[1][1], results[0][1]):
+        torch.testing.assert_close(g, w)
+    print("REWRITTEN", cce_inductor.stats()["rewritten"])
+    """
+)
+
+
+@pytest.mark.slow
+def test_enable_with_max_autotune_no_cudagraphs():
+    """``cce_inductor.enable()`` + ``torch.compile(mode="max-autotune-no-cudagraphs")`` (a subprocess: ``enable``
+    is process-global). Skipped when it takes longer than 60 s on this machine."""
+    env = dict(os.environ, CCE_INDUCTOR="0")
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-c", _MAX_AUTOTUNE_SCRIPT], capture_output=True, text=True, timeout=60, env=env
+        )
+    except subprocess.TimeoutExpired:
+        pytest.skip("max-autotune-no-cudagraphs compile took longer than 60 s")
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "REWRITTEN 1" in proc.stdout, proc.stdout + proc.stderr[-2000:]
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # Subprocesses
 # ----------------------------------------------------------------------------------------------------------------
@@ -318,34 +324,6 @@ def test_uuid_none_when_chained_pass_has_none(kind):
 def kernel_cache_dir(tmp_path_factory):
     """One Inductor cache dir for every subprocess: compiled C++ kernels are shared; see the module docstring."""
     return tmp_path_factory.mktemp("inductor_cache")
-
-
-def subprocess_env(cache_dir, caches=False, **extra):
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("CCE_INDUCTOR", "TORCHINDUCTOR", "TORCH_COMPILE"))}
-    env.pop("PYTHONPATH", None)
-    env.update(
-        TORCHINDUCTOR_CACHE_DIR=str(cache_dir),
-        TORCHINDUCTOR_FX_GRAPH_CACHE="1" if caches else "0",
-        TORCHINDUCTOR_AUTOGRAD_CACHE="1" if caches else "0",
-        TORCHINDUCTOR_COMPILE_THREADS="1",  # no worker pool to start on a 2-core machine
-        PYTHONWARNINGS="default::RuntimeWarning",
-    )
-    env.update({k: str(v) for k, v in extra.items()})
-    return env
-
-
-def run_python(args, env, cwd, timeout=240):
-    proc = subprocess.run(
-        [sys.executable, *args], env=env, cwd=cwd, capture_output=True, text=True, timeout=timeout
-    )
-    assert proc.returncode == 0, f"exit {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr[-6000:]}"
-    return proc
-
-
-def last_json(stdout: str) -> dict:
-    lines = [line for line in stdout.splitlines() if line.startswith("{")]
-    assert lines, stdout
-    return json.loads(lines[-1])
 
 
 # (d) An unmodified nanoGPT-style training script: no cce_inductor until it reads the stats at the end.
@@ -587,7 +565,7 @@ def test_caches_hit_across_processes_and_miss_on_option_change(tmp_path, kernel_
     assert second["executions"] == 2, second  # ... which stats() still sees: the compiled run and the profiled one
     assert "the fused op ran 2 times" in second["summary"], second["summary"]
 
-    # every option the op reads (drop_logits changes the graph: see test_robustness's uuid tests)
+    # every option the op reads (drop_logits changes the graph: see the uuid tests in tests/test_options.py)
     for variable, value in [("CCE_INDUCTOR_EXACT", "1"), ("CCE_INDUCTOR_PRODUCTS", "triton"),
                             ("CCE_INDUCTOR_BACKWARD_ROW_CHUNK", "2048"), ("CCE_INDUCTOR_SCRATCH_MB", "64")]:
         changed = run(**{variable: value})

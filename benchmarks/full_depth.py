@@ -1,0 +1,391 @@
+"""Whole training steps of full-depth Hugging Face models: plain torch.compile vs cce_inductor's backend.
+
+The models are built from config in code (the published hyper-parameters, no weights, nothing downloaded), fp32
+master parameters, the forward under torch.autocast(bfloat16), AdamW (fused on CUDA), sequences of 2048 random
+tokens, labels = input_ids (the model shifts them), ``model(input_ids=x, labels=x).loss.backward()``.
+
+Reproduce: one worker process per (model, method), run in turn by the driver; every row is appended to --out as it
+finishes. Each command below is meant for one 10-minute device call (--budget-s 500: no worker, and no batch, is
+started that would end past it); re-run the SAME command with --resume until its output has no "not done" line
+(the batches --out holds are skipped; a setting that hit OOM is finished):
+
+    python benchmarks/full_depth.py --models gpt2-medium --ckpt off --resume       # then --ckpt on, and so on for
+    python benchmarks/full_depth.py --models gemma2-2b --ckpt on --resume          # qwen25-0.5b, llama32-1b
+    python benchmarks/full_depth.py --models llama32-1b --methods lean,balanced --resume   # the paths forced
+    python benchmarks/full_depth.py --models gemma2-2b --batch-shapes static --batches 1,2 --resume
+    python benchmarks/full_depth.py --report                  # the table of everything in --out, nothing run
+    python benchmarks/full_depth.py --tiny                    # CPU run of the harness (~15-20 min on 2 busy cores;
+                                                              # --tiny --models gemma2-2b --ckpt off: ~2 min)
+
+Defaults: --methods compile,default (also lean, balanced: METHODS of _common.py, each with drop_logits=True)
+--ckpt off,on --max-batch 256 --steps 5 --seq 2048 --batch-shapes dynamic; --out $OUT/full_depth.jsonl ($OUT
+unset: ./full_depth.jsonl); --budget-s 500 (no worker, and no batch, is started that would end past it).
+
+Methods: compile = torch.compile(model); default = torch.compile(model, backend=cce_inductor.make_backend(
+drop_logits=True)) (HF models return their logits: the pass needs that opt-in); lean / balanced add METHODS'
+keywords. A cce method whose loss site stats() does not report rewritten is an error ("NOT REWRITTEN").
+Per model x method x activation checkpointing (off; on = model.activation_checkpointing_enable(), called
+gradient_checkpointing_enable before transformers 5.2x; non-reentrant),
+the batch grows 1, 2, 4, ... sequences until torch.OutOfMemoryError (caught; memory freed) or --max-batch.
+--batch-shapes dynamic: one torch.compile(model) per checkpointing setting, called at every batch (batch 1 compiles,
+batch 2 is Dynamo's automatic-dynamic recompile, later batches reuse it), as a trainer whose batch changes.
+--batch-shapes static: torch._dynamo.reset() and torch.compile(model, dynamic=False) at every batch: a trainer
+with that fixed batch; every first step is a cold compile (slower to run: split with --batches).
+Inductor's on-disk caches are off (force_disable_caches), so a first step always includes its compile.
+
+Columns (JSON lines; the first line of each run is a header: device, versions, date, command line):
+    model, method, ckpt (off / on), batch, seq, tokens (batch * seq)
+    first_step_s  the first step at this batch, wall clock, synchronised (its compile or recompile included)
+    step_ms       median over --steps further steps (forward, backward, optimizer step, zero_grad), synchronised
+    tokens_s      tokens / step_ms;  peak_gb  torch.cuda.max_memory_allocated() over those steps (parameters,
+                  gradients, optimizer state, activations: everything), after reset_peak_memory_stats()
+    pick, pick_reason  the path stats() reports for the loss site (cce methods);  loss  the last step's loss
+    oom / error   the batch did not fit (the growth stops there) / what else failed
+Final table, per model and method: the largest batch (of the powers of two tried) that fit without / with
+checkpointing ("≥B (cap)": --max-batch fit; "≥B (not done)": not grown to OOM yet; "OOM" / "error": not even the
+first); step ms at each batch that both this method and compile fit (same checkpointing), with its ratio to
+compile's step ms at that batch; the best tokens/s over every setting that fit, with its ratio to compile's
+best; the first step at the smallest batch without checkpointing, with its ratio to compile's.
+
+--tiny: CPU, tiny configs (2 layers, hidden 64, vocab 1001), seq 64, batches 1-2, one timed step.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _common as C  # noqa: E402
+
+# The published configs (config.json of each model on the Hugging Face Hub; transformers' config classes).
+MODELS = {
+    # openai-community/gpt2-medium: n_embd 1024, n_layer 24, n_head 16, vocab 50257, tied head. Its n_positions is
+    # 1024; 2048 here so that sequences of 2048 fit (one more row block of the position table, nothing else).
+    "gpt2-medium": ("gpt2", dict(n_embd=1024, n_layer=24, n_head=16, vocab_size=50257, n_positions=2048), "sdpa"),
+    # Qwen/Qwen2.5-0.5B config.json
+    "qwen25-0.5b": ("qwen2", dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                                  num_attention_heads=14, num_key_value_heads=2, vocab_size=151936,
+                                  max_position_embeddings=32768, rope_theta=1000000.0, rms_norm_eps=1e-6,
+                                  use_sliding_window=False, tie_word_embeddings=True), "sdpa"),
+    # meta-llama/Llama-3.2-1B config.json
+    "llama32-1b": ("llama", dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                                 num_attention_heads=32, num_key_value_heads=8, head_dim=64, vocab_size=128256,
+                                 max_position_embeddings=131072, rope_theta=500000.0, rms_norm_eps=1e-5,
+                                 rope_scaling=dict(rope_type="llama3", factor=32.0, low_freq_factor=1.0,
+                                                   high_freq_factor=4.0, original_max_position_embeddings=8192),
+                                 tie_word_embeddings=True), "sdpa"),
+    # google/gemma-2-2b config.json (also transformers' Gemma2Config defaults). Attention softcapping runs only in
+    # transformers' eager attention, as Gemma-2 trainers are told to use.
+    "gemma2-2b": ("gemma2", dict(hidden_size=2304, intermediate_size=9216, num_hidden_layers=26,
+                                 num_attention_heads=8, num_key_value_heads=4, head_dim=256, vocab_size=256000,
+                                 max_position_embeddings=8192, final_logit_softcapping=30.0,
+                                 attn_logit_softcapping=50.0, query_pre_attn_scalar=256, sliding_window=4096,
+                                 hidden_activation="gelu_pytorch_tanh", rms_norm_eps=1e-6,
+                                 tie_word_embeddings=True), "eager"),
+}
+TINY = dict(gpt2=dict(n_embd=64, n_layer=2, n_head=4, vocab_size=1001, n_positions=64),
+            other=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                       num_key_value_heads=2, head_dim=16, vocab_size=1001, max_position_embeddings=64))
+
+
+def build_model(name, args):
+    import transformers
+
+    family, kw, attn = MODELS[name]
+    kw = dict(kw)
+    if args.tiny:
+        kw.update(TINY["gpt2" if family == "gpt2" else "other"], bos_token_id=None, eos_token_id=None)
+        if "query_pre_attn_scalar" in kw:
+            kw["query_pre_attn_scalar"] = 16
+        if "rope_scaling" in kw:
+            kw["rope_scaling"] = dict(kw["rope_scaling"], original_max_position_embeddings=32)
+    config = transformers.AutoConfig.for_model(family, **kw)
+    config.use_cache = False
+    torch.manual_seed(args.seed)
+    with torch.device(args.device):
+        model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=args.attn or attn)
+    return model.train()
+
+
+def compile_model(model, method, backends, static):
+    dynamic = False if static else None
+    if method == "compile":
+        return torch.compile(model, dynamic=dynamic)
+    import cce_inductor
+
+    return torch.compile(model, dynamic=dynamic, backend=cce_inductor.make_backend(drop_logits=True,
+                                                                                   **backends[method]))
+
+
+# ------------------------------------------------------------------------------------------------------------
+# worker: one (model, method)
+# ------------------------------------------------------------------------------------------------------------
+def unit_key(r):
+    return (r["model"], r["method"], r["ckpt"], r["batch"])
+
+
+def worker(args):
+    import cce_inductor
+
+    C.setup_compile()
+    backends = C.resolve_methods([m for m in args.methods if m in C.METHODS], quiet=True)
+    dev, cuda, is_cce = args.device, args.device == "cuda", args.method in backends
+    done = {}
+    if args.resume:
+        for r in C.read_rows(args.out):
+            if r.get("kind") == "row" and r.get("model") == args.model and r.get("method") == args.method:
+                done[unit_key(r)] = r
+    slowest, bad = 0.0, 0
+    for ckpt in args.ckpt:
+        stopped = [r for k, r in done.items() if k[2] == ckpt and (r.get("oom") or r.get("error"))]
+        todo = [b for b in args.batches if (args.model, args.method, ckpt, b) not in done]
+        if stopped or not todo:
+            continue
+        try:
+            model = build_model(args.model, args)
+        except Exception as exc:  # noqa: BLE001
+            row = dict(kind="row", model=args.model, method=args.method, ckpt=ckpt, batch=args.batches[0],
+                       seq=args.seq, error=f"building the model: {C.err_text(exc)}")
+            C.append_row(args.out, row)
+            print_row(row)
+            C.free(dev)
+            continue
+        if ckpt == "on":  # transformers >= 5.x names it activation_checkpointing_enable (the old name warns)
+            if hasattr(model, "activation_checkpointing_enable"):
+                model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+            else:
+                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=cuda)
+        vocab = model.config.vocab_size
+        gen = torch.Generator(device=dev).manual_seed(args.seed)
+        torch._dynamo.reset()
+        compiled = None if args.static else compile_model(model, args.method, backends, False)
+        pick = None
+        for b in todo:
+            if C.past_deadline(args.deadline, 1.5 * slowest):
+                print(f"# {args.model} {args.method}: deadline: stopping before ckpt={ckpt} batch={b}", flush=True)
+                return 0
+            row = dict(kind="row", model=args.model, method=args.method, ckpt=ckpt, batch=b, seq=args.seq,
+                       tokens=b * args.seq)
+            began = time.time()
+            if args.static:
+                torch._dynamo.reset()
+                compiled = compile_model(model, args.method, backends, True)
+            tokens = torch.randint(0, vocab, (b, args.seq), device=dev, generator=gen)
+
+            def step():
+                with torch.autocast(dev, dtype=torch.bfloat16):
+                    loss = compiled(input_ids=tokens, labels=tokens).loss
+                loss.backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+                return loss.detach()
+            failed, fatal = False, False
+            try:
+                cce_inductor.reset_stats()
+                t0 = time.perf_counter()
+                step()
+                C.sync(dev)
+                row["first_step_s"] = time.perf_counter() - t0
+                st = cce_inductor.stats()
+                if is_cce and (st["sites"] or pick is None):
+                    pick = C.site_pick(st)  # a (re)compile happened: its site must be rewritten
+                elif not is_cce and st["rewritten"]:
+                    raise RuntimeError(f"the pass rewrote plain compile's loss: {st['summary']}")
+                if pick:
+                    row["pick"], row["pick_reason"] = pick
+                if cuda:
+                    torch.cuda.reset_peak_memory_stats()
+                times = []
+                for _ in range(args.steps):
+                    t0 = time.perf_counter()
+                    loss = step()
+                    C.sync(dev)
+                    times.append((time.perf_counter() - t0) * 1e3)
+                row["step_ms"] = statistics.median(times)
+                row["tokens_s"] = b * args.seq / (row["step_ms"] / 1e3)
+                row["peak_gb"] = torch.cuda.max_memory_allocated() / 2**30 if cuda else None
+                row["loss"] = float(loss)
+            except Exception as exc:  # noqa: BLE001 - recorded; OOM ends this setting's growth
+                failed, fatal = True, C.fatal_cuda(exc)  # not the exception: its frames hold the batch's tensors
+                row["oom" if C.is_oom(exc) else "error"] = C.err_text(exc)
+                bad += "NOT REWRITTEN" in str(exc)
+            loss = tokens = None
+            opt.zero_grad(set_to_none=True)
+            C.free(dev)
+            row["wall_s"] = round(time.time() - began, 1)
+            slowest = max(slowest, time.time() - began)
+            C.append_row(args.out, row)
+            print_row(row)
+            if failed:
+                if fatal:
+                    print("# the CUDA context is broken: this worker stops", flush=True)
+                    return 3
+                break
+        model = opt = compiled = None
+        torch._dynamo.reset()
+        C.free(dev)
+    return 1 if bad else 0
+
+
+def print_row(r):
+    f = C.fmt
+    line = (f"  {r['model']} {r['method']:8s} ckpt={r['ckpt']:3s} batch={r['batch']:<4d} first step "
+            f"{f(r.get('first_step_s'), '.1f'):>6s} s  step {f(r.get('step_ms'), '.1f'):>8s} ms "
+            f"{f(r.get('tokens_s'), '.0f'):>8s} tok/s  peak {f(r.get('peak_gb'), '.2f'):>6s} GB  {r.get('pick', '')}")
+    if r.get("oom") or r.get("error"):
+        line += f"  {'OOM' if r.get('oom') else 'FAILED ' + r['error']}"
+    print(line, flush=True)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# driver
+# ------------------------------------------------------------------------------------------------------------
+def summary(rows, args):
+    """The final table: one row per model and method."""
+    f = C.fmt
+    fits = {unit_key(r): r for r in rows if r.get("step_ms")}
+    ended = {(r["model"], r["method"], r["ckpt"]): "OOM" if r.get("oom") else "error"
+             for r in rows if r.get("oom") or r.get("error")}
+    body = []
+    for model in args.models:
+        for method in args.methods:
+            mine = [r for k, r in fits.items() if k[:2] == (model, method)]
+            if not mine and not any(r["model"] == model and r["method"] == method for r in rows):
+                continue
+            cells = [model, method]
+            for ckpt in ("off", "on"):
+                sizes = [r["batch"] for r in mine if r["ckpt"] == ckpt]
+                top = max(sizes) if sizes else 0
+                if (model, method, ckpt) in ended:  # the next batch did not fit (or failed: see the rows)
+                    cells.append(f"{top}" if top else ended[(model, method, ckpt)])
+                elif top:
+                    cells.append(f"≥{top}" + (" (cap)" if top >= max(args.batches) else " (not done)"))
+                else:
+                    cells.append("")
+            for ckpt in ("off", "on"):
+                parts = []
+                for r in sorted((r for r in mine if r["ckpt"] == ckpt), key=lambda r: r["batch"]):
+                    base = fits.get((model, "compile", ckpt, r["batch"]))
+                    if base:
+                        ratio = "" if method == "compile" else f" ({r['step_ms'] / base['step_ms']:.2f}x)"
+                        parts.append(f"b{r['batch']} {r['step_ms']:.0f}{ratio}")
+                cells.append(", ".join(parts))
+            best = max((r["tokens_s"] for r in mine), default=None)
+            base_best = max((r["tokens_s"] for k, r in fits.items() if k[:2] == (model, "compile")), default=None)
+            cells.append(f(best, ".0f") + (f" ({best / base_best:.2f}x)" if best and base_best and method != "compile"
+                                          else ""))
+            first = sorted((r for r in mine if r["ckpt"] == "off"), key=lambda r: r["batch"])
+            cell = ""
+            if first:
+                r = first[0]
+                base = fits.get((model, "compile", "off", r["batch"]))
+                cell = f"b{r['batch']} {r['first_step_s']:.1f} s"
+                if base and method != "compile":
+                    cell += f" ({r['first_step_s'] / base['first_step_s']:.2f}x)"
+            cells.append(cell)
+            cells.append(next((r["pick"] for r in mine if r.get("pick")), ""))
+            body.append(cells)
+    return C.md_table(["model", "method", "max batch", "max batch (ckpt)", "step ms at common batches (x compile)",
+                       "same, ckpt", "best tok/s (x compile's best)", "first step (x compile)", "pick"], body)
+
+
+def driver(args, argv):
+    import cce_inductor  # noqa: F401 (fails early when the package is missing)
+
+    backends = C.resolve_methods([m for m in args.methods if m in C.METHODS])
+    if not args.report:
+        C.append_row(args.out, C.header(args.device, dict(
+            script="full_depth", models=args.models, methods=args.methods, backends=backends, ckpt=args.ckpt,
+            batches=args.batches, seq=args.seq, steps=args.steps, static=args.static,
+            configs={m: MODELS[m][1] for m in args.models}, tiny=args.tiny)))
+    print(f"# results: {args.out}", flush=True)
+    child_argv = C.strip_flags(argv, {"--models", "--methods", "--out", "--budget-s"}) + [
+        "--out", args.out, "--methods", ",".join(args.methods)]
+    units = [["--model", m, "--method", meth] for m in args.models for meth in args.methods]
+
+    def crash_row(unit, rc):
+        return dict(kind="row", model=unit[1], method=unit[3], ckpt="*", batch=0, error=f"worker exited with {rc}")
+    left = [] if args.report else \
+        C.run_workers(units, child_argv, os.path.abspath(__file__), args.budget_s, args.out, crash_row)
+    rows = [r for r in C.latest(C.read_rows(args.out), unit_key)
+            if r.get("model") in args.models and r.get("method") in args.methods
+            and r.get("seq") in (args.seq, None)]
+    ended = {(r["model"], r["method"], r["ckpt"]) for r in rows if r.get("oom") or r.get("error")}
+    have = {unit_key(r) for r in rows}
+    todo = [(m, meth, ck) for m in args.models for meth in args.methods for ck in args.ckpt
+            if (m, meth, ck) not in ended and any((m, meth, ck, b) not in have for b in args.batches)]
+    bad = [r for r in rows if "NOT REWRITTEN" in str(r.get("error", ""))]
+    print()
+    if todo:
+        print(f"# not done: {len(todo)} setting(s), e.g. {todo[:3]}"
+              f"{f' (workers not started: {len(left)})' if left else ''}; re-run the same command with --resume")
+    for r in bad:
+        print(f"# !!! {r['model']} {r['method']} ckpt={r['ckpt']} batch={r['batch']}: {r['error']}")
+    print(summary(rows, args), flush=True)
+    return 1 if bad else 0
+
+
+def parse_args(argv):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", default=",".join(MODELS), help=f"comma list of {', '.join(MODELS)}")
+    ap.add_argument("--methods", default="compile,default", help="comma list of compile, default, lean, balanced")
+    ap.add_argument("--ckpt", default="off,on", help="activation checkpointing settings: off, on or both")
+    ap.add_argument("--batches", default=None, help="batch sizes to try, in order (default 1,2,4,... --max-batch)")
+    ap.add_argument("--max-batch", type=int, default=256)
+    ap.add_argument("--seq", type=int, default=None, help="tokens per sequence (default 2048)")
+    ap.add_argument("--steps", type=int, default=None, help="timed steps per batch (default 5)")
+    ap.add_argument("--batch-shapes", choices=("dynamic", "static"), default="dynamic")
+    ap.add_argument("--attn", default=None, help="attn_implementation for every model (default: per model)")
+    ap.add_argument("--out", default=None, help="JSON lines, appended (default $OUT/full_depth.jsonl)")
+    ap.add_argument("--resume", action="store_true", help="skip the batches --out already holds")
+    ap.add_argument("--report", action="store_true", help="print the table of --out's rows; run nothing")
+    ap.add_argument("--budget-s", type=float, default=None, help="seconds for the whole command (default 500)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--tiny", action="store_true", help="CPU smoke run of the harness")
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--model", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--method", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--deadline", type=float, default=0.0, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    args.device = "cpu" if args.tiny else "cuda"
+    args.models = args.models.split(",")
+    args.methods = args.methods.split(",")
+    args.ckpt = args.ckpt.split(",")
+    for m in args.models:
+        if m not in MODELS:
+            ap.error(f"unknown model {m!r}; models: {', '.join(MODELS)}")
+    for m in args.methods:
+        if m != "compile" and m not in C.METHODS:
+            ap.error(f"unknown method {m!r}; methods: compile, {', '.join(C.METHODS)}")
+    if not set(args.ckpt) <= {"off", "on"}:
+        ap.error("--ckpt: off, on")
+    if args.batches:
+        args.batches = [int(b) for b in args.batches.split(",")]
+    else:
+        top = 2 if args.tiny else args.max_batch
+        args.batches = [2**i for i in range(top.bit_length()) if 2**i <= top]
+    args.seq = args.seq or (64 if args.tiny else 2048)
+    args.steps = args.steps or (1 if args.tiny else 5)
+    args.static = args.batch_shapes == "static"
+    args.out = args.out or C.default_out("full_depth_tiny" if args.tiny else "full_depth")
+    if args.budget_s is None:
+        args.budget_s = 0 if args.tiny else 500
+    if args.device == "cuda" and not torch.cuda.is_available() and not args.report:
+        ap.error("no CUDA device: use --tiny for a CPU run of the harness")
+    return args
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
+    return worker(args) if args.worker else driver(args, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,148 @@
+"""Plots of the benchmark results in ``benchmarks/results/`` (one PNG per input file).
+
+    python benchmarks/plot.py ratios benchmarks/results/2026-11-24_h100_heads_v12.json --out /tmp/plots
+    python benchmarks/plot.py ratios benchmarks/results/2026-11-24_h*_heads_v12.json --mode fwd
+    python benchmarks/plot.py curves benchmarks/results/2026-11-24_h200_e2e-gemma2_v12.json --out /tmp/plots
+
+``ratios``: a JSON written by ``benchmarks/benchmark.py --json``: per head (shape and data regime) one bar per
+method, its time as a multiple of torch.compile's in the same process (the rows' ``vs_compile``), for one mode
+(``fwdbwd`` by default). The methods ``compile`` (1.0 by definition) and ``matmul`` (forward only) are left out
+unless named in ``--methods``. Also prints the plotted numbers as a markdown table.
+
+``curves``: a JSON written by ``benchmarks/train_e2e.py``: the training loss of every mode (torch.compile,
+the lean and the balanced path) per step, with its running mean over ``--window`` steps.
+
+The title of each plot names the device, torch and Triton versions the file records.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from collections import OrderedDict
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+# benchmark.py's method names; the others are plotted under their own name
+LABELS = {
+    "cce": "linear_cross_entropy, lean",
+    "pass_cce": "torch.compile + the pass, lean",
+    "cce_balanced": "linear_cross_entropy, balanced",
+    "pass_balanced": "torch.compile + the pass, balanced",
+}
+# train_e2e.py's modes
+CURVE_LABELS = {"compile": "torch.compile", "cce": "cce_inductor", "cce_balanced": "cce_inductor, balanced"}
+
+
+def _target(path: str, out: str, suffix: str) -> str:
+    os.makedirs(out, exist_ok=True)
+    return os.path.join(out, os.path.basename(path).rsplit(".", 1)[0] + suffix + ".png")
+
+
+def _title(run: dict) -> str:
+    parts = [run.get("device", "?"), f"torch {run.get('torch', '?')}"]
+    if run.get("triton"):
+        parts.append(f"Triton {run['triton']}")
+    return ", ".join(parts)
+
+
+def ratios(path: str, mode: str, methods: list[str] | None, out: str) -> str:
+    """Bar chart of time / torch.compile's per head and method; returns the PNG's path."""
+    with open(path) as handle:
+        run = json.load(handle)
+    rows = [r for r in run.get("rows", []) if r.get("mode") == mode and r.get("vs_compile") is not None]
+    if not rows:
+        raise SystemExit(f"{path}: no rows of mode {mode!r} with a ratio to torch.compile "
+                         "(is it a benchmarks/benchmark.py --json file?)")  # fmt: skip
+    skip = {"compile", "matmul"}
+    keep = [m for m in OrderedDict.fromkeys(r["method"] for r in rows) if (m in methods if methods else m not in skip)]
+    heads = list(OrderedDict.fromkeys((r["shape"], r["regime"]) for r in rows))
+    value = {(r["shape"], r["regime"], r["method"]): r["vs_compile"] for r in rows}
+
+    print(f"{path}: {mode}, time / torch.compile ({_title(run)})")
+    print("| head, data | " + " | ".join(keep) + " |")
+    print("| --- |" + " --- |" * len(keep))
+    for shape, regime in heads:
+        cells = [f"{value[(shape, regime, m)]:.2f}x" if (shape, regime, m) in value else "" for m in keep]
+        print(f"| {shape}, {regime} | " + " | ".join(cells) + " |")
+
+    figure, axis = plt.subplots(figsize=(max(6.0, 1.2 * len(heads) * max(1, len(keep)) / 2), 4))
+    width = 0.8 / max(1, len(keep))
+    for i, method in enumerate(keep):
+        xs = [h + (i - (len(keep) - 1) / 2) * width for h in range(len(heads))]
+        ys = [value.get((shape, regime, method), float("nan")) for shape, regime in heads]
+        axis.bar(xs, ys, width, label=LABELS.get(method, method))
+    axis.axhline(1.0, color="black", linewidth=0.8, linestyle="--")
+    axis.set_xticks(range(len(heads)))
+    axis.set_xticklabels([f"{shape}\n{regime}" for shape, regime in heads], fontsize=8)
+    axis.set_ylabel(f"{mode} time / torch.compile's")
+    n = run.get("settings", {}).get("n")
+    axis.set_title(f"{_title(run)}" + (f", N {n}" if n else ""), fontsize=9)
+    axis.legend(fontsize=8)
+    figure.tight_layout()
+    target = _target(path, out, f"_{mode}")
+    figure.savefig(target, dpi=120)
+    plt.close(figure)
+    return target
+
+
+def _running_mean(values, window):
+    return [sum(values[i : i + window]) / window for i in range(len(values) - window + 1)]
+
+
+def curves(path: str, window: int, out: str) -> str:
+    """Loss curves of a ``train_e2e.py`` JSON; returns the PNG's path."""
+    with open(path) as handle:
+        run = json.load(handle)
+    figure, axis = plt.subplots(figsize=(7, 4))
+    for result in run["results"]:
+        label = CURVE_LABELS.get(result["mode"], result["mode"])
+        axis.plot(result["losses"], alpha=0.25, linewidth=0.8)
+        axis.plot(
+            range(window - 1, len(result["losses"])),
+            _running_mean(result["losses"], window),
+            label=f"{label} ({window}-step mean)",
+            color=axis.lines[-1].get_color(),
+        )
+    first = run["results"][0]
+    axis.set_title(
+        f"{first['model']}: batch {first['batch']} x {first['seq']} tokens, {first['layers']} layers, bf16, "
+        f"{_title(run)}",
+        fontsize=9,
+    )
+    axis.set_xlabel("step")
+    axis.set_ylabel("training loss")
+    axis.legend()
+    figure.tight_layout()
+    target = _target(path, out, "")
+    figure.savefig(target, dpi=120)
+    plt.close(figure)
+    return target
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="kind", required=True)
+    p_ratios = sub.add_parser("ratios", help="time / torch.compile per head, from a benchmark.py JSON")
+    p_ratios.add_argument("files", nargs="+")
+    p_ratios.add_argument("--mode", default="fwdbwd", choices=("fwd", "fwdbwd"))
+    p_ratios.add_argument("--methods", default="", help="comma-separated methods (default: all but compile, matmul)")
+    p_ratios.add_argument("--out", default=".")
+    p_curves = sub.add_parser("curves", help="loss curves, from a train_e2e.py JSON")
+    p_curves.add_argument("files", nargs="+")
+    p_curves.add_argument("--window", type=int, default=20)
+    p_curves.add_argument("--out", default=".")
+    args = parser.parse_args()
+    for path in args.files:
+        if args.kind == "ratios":
+            print(ratios(path, args.mode, [m for m in args.methods.split(",") if m], args.out))
+        else:
+            print(curves(path, args.window, args.out))
+
+
+if __name__ == "__main__":
+    main()

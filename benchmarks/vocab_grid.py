@@ -1,0 +1,475 @@
+"""The vocabulary grid: the loss as users write it, ``F.cross_entropy(F.linear(e, c).float(), t)`` (e: N x D, c: V x D,
+bf16, mean, ignore_index -100), compiled by plain torch.compile and by cce_inductor's backend, over real heads.
+
+Reproduce: the grid is 14 heads x 3 N x 2 ignore x 2 shapes, each case 5 to 8 compiled methods. Each command below
+is meant for one 10-minute device call (--budget-s 500: the driver starts no worker, and a worker no case or method,
+past it); every row is appended to --out as it finishes. Re-run the SAME command with --resume until its output
+has no "not done" line (finished cases are skipped, an unfinished one is redone whole):
+
+    python benchmarks/vocab_grid.py --heads H --shapes static --resume     # for each head H, then
+    python benchmarks/vocab_grid.py --heads H --shapes dynamic --resume
+        H: gpt2 gpt2-medium llama2 phi35 v65535 v65536 v100352 llama3 qwen25-0.5b qwen25-7b gemma2 gemma3
+           deepseek-v3 mistral-nemo (small heads can share a command: --heads gpt2,gpt2-medium,llama2)
+    python benchmarks/vocab_grid.py --report                   # the table of everything in --out, nothing run
+    python benchmarks/vocab_grid.py --heads gemma2 --n 8192 --ignore 0 --shapes static --profile   # kernel times
+    python benchmarks/vocab_grid.py --tiny                     # CPU run of the harness (2-4 minutes on 2 cores)
+
+Defaults: --n 4096,8192,32768 --ignore 0,50 --shapes static,dynamic --methods matmul,compile,default,lean,
+balanced,peers; --out $OUT/vocab_grid.jsonl ($OUT unset: ./vocab_grid.jsonl); --budget-s 500 (the driver starts no
+worker, and a worker no case, that would end past it). One process per head: the driver runs
+``vocab_grid.py --worker --head X`` in turn; a head that crashes is recorded as an error row and the next goes on.
+
+Methods (each its own freshly created Python function, so no two share Dynamo's cache on one code object;
+torch._dynamo.reset() before each method of each case):
+    matmul    one bf16 N x D @ D x V product (forward only): the floor
+    compile   torch.compile(loss), Inductor's default backend: the bar
+    default / lean / balanced   torch.compile(loss, backend=cce_inductor.make_backend(**METHODS[name])) with
+              METHODS = {"default": {}, "lean": {"path": "lean"}, "balanced": {"path": "balanced"}}; without a
+              CCEOptions.path field, lean / balanced are {"scratch_mb": 0} / {"scratch_mb": 1024} (printed at start)
+    peers     when importable (otherwise noted in the output and skipped), called eagerly, static cases only:
+              trl       trl.kernels.chunked_logprob.ChunkedLogProbFunction as TRL's SFT calls it (valid rows only,
+                        outputs log_probs, entropy, is_top1, TRL's chunk size); loss = mean over valid rows of -logprob
+              liger     liger_kernel.transformers.functional.liger_fused_linear_cross_entropy (CUDA only)
+              apple_cce cut_cross_entropy.linear_cross_entropy with its defaults (CUDA only)
+Shapes: static = torch.compile(dynamic=False), called at N only. dynamic = torch.compile() (dynamic=None), called
+first with N-64 rows (forward + backward), then with N (Dynamo's automatic dynamic-shape recompile), timed at N.
+
+Data ("lm" regime): c Gaussian with unit-norm rows; each row of e a sum of 48 plausible tokens' vectors with
+weights 14 - log(rank) drawn from a Zipf popularity; its target sampled from them; --ignore P sets P% of the
+targets (random rows) to -100. Seeded (--seed).
+
+Columns (JSON lines in --out; the first line of each run is a header: device, torch / triton versions, date,
+command line, the methods' keywords, the peers found):
+    head, d, v, n, ignore_pct, shapes, method
+    pick          the path stats() reports for the timed graph's site (cce methods; pick_reason: why). A cce method
+                  whose site was not rewritten is an error ("NOT REWRITTEN: ...") and makes the command exit 1.
+    fwd_ms        forward only, under no_grad (matmul, compile, default)
+    fwdbwd_ms     loss + loss.backward() (grads of e and c): median of CUDA-event timings after warm-up
+                  (triton.testing.do_bench, return_mode="median", grads set to None between reps)
+    peak_mb       torch.cuda.max_memory_allocated() during one fwd+bwd above what was allocated before it
+                  (inputs excluded, gradients included)
+    x_compile_ms, x_compile_mb   fwdbwd_ms and peak_mb over compile's, same process, case and shapes
+    err_de, err_dc  relative L2 (Frobenius) errors of dE, dC against gradients from fp32 logits (computed from the
+                  bf16 inputs, chunked over rows); compile's is the bar
+    lower_bound_mb  (N*D + V*D) * 2 / 2**20: the inputs' size, what a gradient-returning method must at least write
+    error         what failed (OutOfMemoryError, NOT REWRITTEN, ...)
+The markdown table printed last has one row per case x method (latest result per key in --out).
+
+--tiny: CPU, heads tiny2003 / tiny2048 (D 64), N 256, two reps, perf_counter timing, no memory figures.
+--profile: for the default method, one fwd+bwd under torch.profiler: device time per kernel (top 10 + other).
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _common as C  # noqa: E402
+
+HEADS = {  # name: (D, V)
+    "gpt2": (768, 50257), "gpt2-medium": (1024, 50257), "llama2": (4096, 32000), "phi35": (3072, 32064),
+    "v65535": (2048, 65535), "v65536": (2048, 65536), "v100352": (2048, 100352), "llama3": (4096, 128256),
+    "qwen25-0.5b": (896, 151936), "qwen25-7b": (3584, 152064), "gemma2": (2304, 256000),
+    "gemma3": (2560, 262208), "deepseek-v3": (7168, 129280), "mistral-nemo": (5120, 131072),
+}
+TINY_HEADS = {"tiny2003": (64, 2003), "tiny2048": (64, 2048)}
+IGNORE = -100
+BASE = ("matmul", "compile")
+FWD_TOO = ("matmul", "compile", "default")  # methods also timed forward-only
+
+
+# ------------------------------------------------------------------------------------------------------------
+# data and reference
+# ------------------------------------------------------------------------------------------------------------
+def make_data(n, d, v, ignore_pct, device, seed):
+    """The "lm" regime: ``(e bf16, c bf16, targets)``."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    c32 = F.normalize(torch.randn(v, d, device=device, generator=g), dim=1)
+    popularity = torch.empty(v, device=device)
+    rank = torch.arange(v, device=device, dtype=torch.float32)
+    popularity[torch.randperm(v, device=device, generator=g)] = (rank + 10.0) ** -1.1
+    k = 48
+    alpha = (14.0 - torch.log(torch.arange(1, k + 1, device=device, dtype=torch.float32))).expand(n, k).contiguous()
+    toks = torch.cat([torch.multinomial(popularity.expand(min(1024, n - s), v), k, replacement=False, generator=g)
+                      for s in range(0, n, 1024)])
+    e32 = torch.zeros(n, d, device=device)
+    for j in range(k):
+        e32 += alpha[:, j:j + 1] * c32[toks[:, j]]
+    pick = torch.multinomial(torch.softmax(alpha, -1), 1, generator=g)[:, 0]
+    t = toks.gather(1, pick[:, None])[:, 0]
+    drop = torch.randperm(n, device=device, generator=g)[: round(n * ignore_pct / 100)]
+    t[drop] = IGNORE
+    return e32.bfloat16().contiguous(), c32.bfloat16().contiguous(), t
+
+
+def fp32_reference_grads(e, c, t, chunk=1024):
+    """Mean-loss gradients from fp32 logits (no TF32), chunked over rows; returned on the CPU."""
+    prev = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        c32 = c.float()
+        count = (t != IGNORE).sum().clamp(min=1).float()
+        de = torch.empty(e.shape, dtype=torch.float32, device=e.device)
+        dc = torch.zeros(c.shape, dtype=torch.float32, device=e.device)
+        for s in range(0, e.shape[0], chunk):
+            e32, tt = e[s:s + chunk].float(), t[s:s + chunk]
+            grad = torch.softmax(e32 @ c32.T, -1)
+            vv = tt != IGNORE
+            grad[vv.nonzero()[:, 0], tt[vv]] -= 1.0
+            grad *= (vv.float() / count)[:, None]
+            de[s:s + chunk] = grad @ c32
+            dc += grad.T @ e32
+            del grad
+        return de.cpu(), dc.cpu()
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = prev
+
+
+def rel(a, ref, chunk=4096):
+    """||a - ref|| / ||ref|| (ref on the CPU), a block of rows at a time."""
+    num = den = 0.0
+    for s in range(0, a.shape[0], chunk):
+        b = ref[s:s + chunk].to(a.device).double()
+        num += (a[s:s + chunk].double() - b).pow(2).sum().item()
+        den += b.pow(2).sum().item()
+    return math.sqrt(num / den) if den else float("nan")
+
+
+# ------------------------------------------------------------------------------------------------------------
+# methods
+# ------------------------------------------------------------------------------------------------------------
+def fresh_loss(tag):
+    """A new function object with its own code object (Dynamo caches compiled code per code object)."""
+    src = (f"def loss_{tag}(e, c, t):\n"
+           f"    return F.cross_entropy(F.linear(e, c).float(), t, ignore_index={IGNORE})\n")
+    ns = {"F": F}
+    exec(compile(src, f"<vocab_grid loss_{tag}>", "exec"), ns)
+    return ns[f"loss_{tag}"]
+
+
+def find_peers(device):
+    """({name: loss fn}, [notes]) for the peers that import (and run on this device)."""
+    peers, notes = {}, []
+    try:
+        from trl.kernels.chunked_logprob import ChunkedLogProbFunction
+        from trl.trainer import utils as trl_utils  # the function's backward imports from it
+
+        chunk = getattr(trl_utils, "_CHUNKED_LOGPROB_CHUNK_SIZE", 32768)
+
+        def trl_loss(e, c, t):
+            valid = t != IGNORE
+            lp = ChunkedLogProbFunction.apply(e[valid], c, None, t[valid], 1.0, chunk, None, 1.0,
+                                              ("log_probs", "entropy", "is_top1"))[0]
+            return -lp.sum() / valid.sum().clamp(min=1)
+        peers["trl"] = trl_loss
+    except Exception as exc:  # noqa: BLE001
+        notes.append(f"trl: {C.err_text(exc)}")
+    try:
+        from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy as liger
+
+        if device != "cuda":
+            raise ImportError("needs CUDA")
+        peers["liger"] = lambda e, c, t: liger(e, c, t, ignore_index=IGNORE)
+    except Exception as exc:  # noqa: BLE001
+        notes.append(f"liger: {C.err_text(exc)}")
+    try:
+        from cut_cross_entropy import linear_cross_entropy as apple
+
+        if device != "cuda":
+            raise ImportError("needs CUDA")
+        peers["apple_cce"] = lambda e, c, t: apple(e, c, t, ignore_index=IGNORE)
+    except Exception as exc:  # noqa: BLE001
+        notes.append(f"apple_cce: {C.err_text(exc)}")
+    return peers, notes
+
+
+def build(name, backends, peers, dynamic, tag):
+    if name in peers:
+        return peers[name]
+    fn = fresh_loss(tag)
+    if name == "compile":
+        return torch.compile(fn, dynamic=dynamic)
+    import cce_inductor
+
+    return torch.compile(fn, backend=cce_inductor.make_backend(**backends[name]), dynamic=dynamic)
+
+
+def measure(fn, e, c, t, args, dynamic, ref, is_cce, fwd, profile):
+    """One method on one case: fwd+bwd ms, peak MB, errors, pick; fwd ms where asked."""
+    import cce_inductor
+
+    dev, r = args.device, {}
+    e.requires_grad_(True)
+    c.requires_grad_(True)
+
+    def step(ee=e, cc=c, tt=t):
+        fn(ee, cc, tt).backward()
+    try:
+        cce_inductor.reset_stats()
+        if dynamic:  # as a trainer whose lengths vary: a first shape, then N (the automatic-dynamic recompile)
+            m = e.shape[0] - 64
+            step(e[:m].detach().requires_grad_(True), c.detach().requires_grad_(True), t[:m])
+        step()
+        C.sync(dev)
+        st = cce_inductor.stats()
+        if is_cce:
+            r["pick"], r["pick_reason"] = C.site_pick(st)
+        elif st["rewritten"]:
+            raise RuntimeError(f"the pass rewrote a plain method's loss: {st['summary']}")
+        e.grad = c.grad = None
+        C.free(dev)
+        if dev == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
+        step()
+        C.sync(dev)
+        if dev == "cuda":
+            r["peak_mb"] = (torch.cuda.max_memory_allocated() - base) / 2**20
+        r["err_de"], r["err_dc"] = rel(e.grad, ref[0]), rel(c.grad, ref[1])
+        e.grad = c.grad = None
+        r["fwdbwd_ms"] = C.bench(step, dev, args.reps, grad_to_none=[e, c])
+        if profile:
+            e.grad = c.grad = None
+            r["kernels"] = C.kernel_breakdown(step, dev)
+    finally:
+        e.grad = c.grad = None
+        e.requires_grad_(False)
+        c.requires_grad_(False)
+    if fwd:
+        def fwd_only():
+            with torch.no_grad():
+                return fn(e, c, t)
+        fwd_only()
+        r["fwd_ms"] = C.bench(fwd_only, dev, args.reps)
+    return r
+
+
+# ------------------------------------------------------------------------------------------------------------
+# worker: one head
+# ------------------------------------------------------------------------------------------------------------
+def case_key(r):
+    return (r["head"], r["n"], r["ignore_pct"], r["shapes"])
+
+
+def method_names(args, backends, peers):
+    return [m for m in args.methods if m in BASE or m in backends] + \
+        [p for p in peers if "peers" in args.methods_raw or p in args.methods]
+
+
+def finished(rows, names, peers):
+    """The case keys whose every method has a row (peers run in static cases only)."""
+    have = {}
+    for r in rows:
+        if r.get("kind") == "row" and r.get("n") is not None:
+            have.setdefault(case_key(r), set()).add(r["method"])
+    return {k for k, got in have.items()
+            if all(m in got for m in names if m not in peers or k[3] == "static")}
+
+
+def worker(args):
+    C.setup_compile()
+    d, v = {**HEADS, **TINY_HEADS}[args.head]
+    backends = C.resolve_methods([m for m in args.methods if m in C.METHODS], quiet=True)
+    peers, notes = find_peers(args.device)
+    if "peers" in args.methods_raw:
+        print(f"# peers: {', '.join(peers) or 'none'}" + (f" (skipped: {'; '.join(notes)})" if notes else ""),
+              flush=True)
+    names = method_names(args, backends, peers)
+    done = finished(C.read_rows(args.out), names, peers) if args.resume else set()
+    slowest, bad = 0.0, 0
+    for n in args.n:
+        for ign in args.ignore:
+            cases = [s for s in args.shapes if (args.head, n, ign, s) not in done]
+            if not cases:
+                continue
+            if C.past_deadline(args.deadline, 1.2 * slowest):
+                print(f"# {args.head}: deadline: stopping before N={n} ignore={ign}%", flush=True)
+                return 0
+            began = time.time()
+            try:
+                e, c, t = make_data(n, d, v, ign, args.device, args.seed)
+                ref = fp32_reference_grads(e, c, t)
+                mm_ms = C.bench(lambda: e @ c.T, args.device, args.reps)
+            except Exception as exc:  # noqa: BLE001 - every method of these cases gets the error; next N goes on
+                for shapes in cases:
+                    for name in names:
+                        C.append_row(args.out, dict(kind="row", head=args.head, d=d, v=v, n=n, ignore_pct=ign,
+                                                    shapes=shapes, method=name, error=f"data: {C.err_text(exc)}"))
+                print(f"# {args.head} N={n} ignore={ign}%: data / reference FAILED: {C.err_text(exc)}", flush=True)
+                e = c = t = ref = None
+                C.free(args.device)
+                if C.fatal_cuda(exc):
+                    return 3
+                continue
+            for shapes in cases:
+                dynamic = None if shapes == "dynamic" else False
+                results = {}
+                for name in names:
+                    if name in peers and shapes != "static":
+                        continue
+                    if C.past_deadline(args.deadline):  # an unfinished case is redone whole by --resume
+                        print(f"# {args.head}: deadline: stopping in N={n} ignore={ign}% {shapes}", flush=True)
+                        return 0
+                    row = dict(kind="row", head=args.head, d=d, v=v, n=n, ignore_pct=ign, shapes=shapes,
+                               method=name, lower_bound_mb=(n * d + v * d) * 2 / 2**20)
+                    t0 = time.time()
+                    if name == "matmul":
+                        row["fwd_ms"] = mm_ms
+                    else:
+                        torch._dynamo.reset()
+                        C.free(args.device)
+                        try:
+                            fn = build(name, backends, peers, dynamic, f"{name}_{n}_{ign}_{shapes}")
+                            row.update(measure(fn, e, c, t, args, dynamic, ref, name in backends,
+                                               fwd=name in FWD_TOO, profile=args.profile and name == "default"))
+                        except Exception as exc:  # noqa: BLE001 - recorded; the next method goes on
+                            row["error"] = C.err_text(exc)
+                            bad += "NOT REWRITTEN" in row["error"]
+                            fatal = C.fatal_cuda(exc)
+                        else:
+                            fatal = False
+                        fn = None
+                        C.free(args.device)
+                    row["wall_s"] = round(time.time() - t0, 1)
+                    base = results.get("compile", {})
+                    for key, col in (("fwdbwd_ms", "x_compile_ms"), ("peak_mb", "x_compile_mb")):
+                        if row.get(key) and base.get(key):
+                            row[col] = row[key] / base[key]
+                    results[name] = row
+                    C.append_row(args.out, row)
+                    print_row(row)
+                    if row.get("kernels"):
+                        C.print_breakdown(f"{args.head} N={n} {shapes} default fwd+bwd", row["kernels"])
+                    if name != "matmul" and fatal:
+                        print("# the CUDA context is broken: this worker stops", flush=True)
+                        return 3
+            e = c = t = ref = None
+            C.free(args.device)
+            slowest = max(slowest, time.time() - began)
+    return 1 if bad else 0
+
+
+def print_row(r):
+    f = C.fmt
+
+    def x(ratio):
+        return f"({ratio:.2f}x)" if ratio else "       "
+    line = (f"  {r['head']} N={r['n']} ign={r['ignore_pct']}% {r['shapes']:7s} {r['method']:10s} "
+            f"fwd {f(r.get('fwd_ms')):>8s} fwd+bwd {f(r.get('fwdbwd_ms')):>8s} ms {x(r.get('x_compile_ms'))} "
+            f"peak {f(r.get('peak_mb'), '.0f'):>7s} MB {x(r.get('x_compile_mb'))} "
+            f"err dE {f(r.get('err_de'), '.2e')} dC {f(r.get('err_dc'), '.2e')} {r.get('pick', '')}")
+    if r.get("error"):
+        line += f"  FAILED {r['error']}"
+    print(line, flush=True)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# driver
+# ------------------------------------------------------------------------------------------------------------
+def table(rows):
+    f = C.fmt
+    body = [(r["head"], r["n"], r["ignore_pct"], r["shapes"], r["method"],
+             f(r.get("fwdbwd_ms")) or (f(r.get("fwd_ms")) + " (fwd)" if r.get("fwd_ms") else ""),
+             f(r.get("x_compile_ms")), f(r.get("peak_mb"), ".0f"), f(r.get("x_compile_mb")),
+             f(r.get("err_de"), ".1e"), f(r.get("err_dc"), ".1e"),
+             ("ERROR " + r["error"][:60]) if r.get("error") else r.get("pick", ""))
+            for r in rows]
+    return C.md_table(["head", "N", "ign %", "shapes", "method", "fwd+bwd ms", "x compile", "peak MB", "x compile",
+                       "err dE", "err dC", "pick"], body)
+
+
+def driver(args, argv):
+    import cce_inductor  # noqa: F401 (fails early, before any worker, when the package is missing)
+
+    backends = C.resolve_methods([m for m in args.methods if m in C.METHODS])
+    peers, notes = find_peers(args.device)
+    if not args.report:
+        C.append_row(args.out, C.header(args.device, dict(
+            script="vocab_grid", heads=args.heads, n=args.n, ignore=args.ignore, shapes=args.shapes,
+            methods=args.methods_raw, backends=backends, peers=list(peers), peers_skipped=notes)))
+    print(f"# results: {args.out}", flush=True)
+    child_argv = C.strip_flags(argv, {"--heads", "--out", "--budget-s"}) + ["--out", args.out]
+    units = [["--head", h] for h in args.heads]
+
+    def crash_row(unit, rc):
+        return dict(kind="row", head=unit[1], method="*", n=None, ignore_pct=None, shapes=None,
+                    error=f"worker exited with {rc}")
+    left = [] if args.report else \
+        C.run_workers(units, child_argv, os.path.abspath(__file__), args.budget_s, args.out, crash_row)
+    names = method_names(args, backends, peers)
+    rows = [r for r in C.latest(C.read_rows(args.out), lambda r: (*case_key(r), r["method"]))
+            if r["head"] in args.heads and r["method"] in names + ["*"] and (r["n"] is None or (r["n"] in args.n and r["ignore_pct"] in args.ignore
+                                                              and r["shapes"] in args.shapes))]
+    done = finished(rows, names, peers)
+    todo = [(h, n, i, s) for h in args.heads for n in args.n for i in args.ignore for s in args.shapes
+            if (h, n, i, s) not in done]
+    bad = [r for r in rows if "NOT REWRITTEN" in str(r.get("error", ""))]
+    print()
+    if notes:
+        print(f"# peers skipped: {'; '.join(notes)}")
+    if todo:
+        started = f" ({len(left)} worker(s) not started)" if left else ""
+        print(f"# not done: {len(todo)} case(s){started}, e.g. {todo[:3]}; re-run the same command with --resume")
+    for r in bad:
+        print(f"# !!! {r['head']} N={r['n']} {r['shapes']} {r['method']}: {r['error']}")
+    print(table(rows), flush=True)
+    return 1 if bad else 0
+
+
+def parse_args(argv):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--heads", default=None, help=f"comma list of {', '.join(HEADS)} (default: all)")
+    ap.add_argument("--n", default=None, help="rows per case, comma list (default 4096,8192,32768)")
+    ap.add_argument("--ignore", default="0,50", help="%% of targets set to -100, comma list")
+    ap.add_argument("--shapes", default="static,dynamic", help="static, dynamic or both")
+    ap.add_argument("--methods", default="matmul,compile,default,lean,balanced,peers")
+    ap.add_argument("--out", default=None, help="JSON lines, appended (default $OUT/vocab_grid.jsonl)")
+    ap.add_argument("--resume", action="store_true", help="skip the cases --out already holds")
+    ap.add_argument("--report", action="store_true", help="print the table of --out's rows; run nothing")
+    ap.add_argument("--budget-s", type=float, default=None, help="seconds for the whole command (default 500)")
+    ap.add_argument("--reps", type=int, default=2, help="CPU timing repetitions (CUDA: do_bench decides)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--profile", action="store_true", help="per-kernel breakdown of the default method's fwd+bwd")
+    ap.add_argument("--tiny", action="store_true", help="CPU smoke run of the harness")
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--head", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--deadline", type=float, default=0.0, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    args.device = "cpu" if args.tiny else "cuda"
+    heads = TINY_HEADS if args.tiny else HEADS
+    args.heads = (args.heads or ",".join(heads)).split(",")
+    for h in args.heads:
+        if h not in heads:
+            ap.error(f"unknown head {h!r}; heads: {', '.join(heads)}")
+    args.n = [int(x) for x in (args.n or ("256" if args.tiny else "4096,8192,32768")).split(",")]
+    args.ignore = [int(x) for x in args.ignore.split(",")]
+    args.shapes = args.shapes.split(",")
+    if not set(args.shapes) <= {"static", "dynamic"}:
+        ap.error("--shapes: static, dynamic")
+    args.methods_raw = args.methods.split(",")
+    args.methods = [m for m in args.methods_raw if m != "peers"]
+    unknown = set(args.methods) - set(BASE) - set(C.METHODS) - {"trl", "liger", "apple_cce"}
+    if unknown:
+        ap.error(f"unknown methods {sorted(unknown)}")
+    args.out = args.out or C.default_out("vocab_grid_tiny" if args.tiny else "vocab_grid")
+    if args.budget_s is None:
+        args.budget_s = 0 if args.tiny else 500
+    if args.device == "cuda" and not torch.cuda.is_available() and not args.report:
+        ap.error("no CUDA device: use --tiny for a CPU run of the harness")
+    return args
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
+    return worker(args) if args.worker else driver(args, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

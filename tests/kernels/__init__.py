@@ -1,0 +1,1 @@
+"""Tests of the Triton kernels (``kernels/``, imported as ``cce_inductor.kernels``)."""

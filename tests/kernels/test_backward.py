@@ -1,0 +1,220 @@
+"""Tests of ``cce_inductor.kernels.backward`` (``kernels/_backward.py``) against the fp64 reference (the harness and
+its tolerances: ``tests/support/kernels.py``):
+
+* the ``need_*`` flags and a missing bias;
+* the backward is bitwise reproducible, and its chunking (``options.backward_row_chunk`` and the vocabulary
+  chunk, ``_backward._TUNING[...]["vocab_chunk"]``, monkeypatched) changes only rounding;
+* rows whose target is ``ignore_index`` are skipped (whole row blocks of them too) with eager's NaN pattern;
+* with CUDA, a ``gpu`` set: real LM-head shapes, and no host synchronisation.
+"""
+
+import pytest
+import torch
+
+import cce_inductor.kernels as K
+from cce_inductor import CCEOptions
+from cce_inductor.kernels import _backward
+from tests.support.inputs import IGNORE, make_kernel_inputs
+from tests.support.kernels import (
+    DEVICES,
+    LSE_TOL,
+    OPTION_SETS,
+    TUNING_KEY,
+    check_grad,
+    device_ok,
+    mean_grad_rows,
+    reference,
+    rel,
+    requires_cuda,
+    run_kernels,
+)
+
+
+@pytest.mark.parametrize("opts", list(OPTION_SETS.values()), ids=list(OPTION_SETS))
+@pytest.mark.parametrize("device", DEVICES)
+def test_need_flags_and_no_bias(device, opts):
+    device_ok(device)
+    e, c, targets, b = make_kernel_inputs(20, 70, 16, torch.bfloat16, device, bias=True)
+    g = mean_grad_rows(targets)
+    _, _, (de, dc, db) = run_kernels(e, c, targets, b, g, softcap=None, opts=opts,
+                                     need_e=True, need_c=False, need_bias=False)
+    assert dc is None and db is None and de is not None
+    _, _, (de2, dc2, db2) = run_kernels(e, c, targets, b, g, softcap=None, opts=opts,
+                                        need_e=False, need_c=True, need_bias=True)
+    assert de2 is None and dc2 is not None and db2 is not None
+    _, _, (de3, dc3, db3) = run_kernels(e, c, targets, None, g, softcap=None, opts=opts,
+                                        need_e=True, need_c=True, need_bias=True)
+    assert db3 is None
+    _, _, nothing = run_kernels(e, c, targets, b, g, softcap=None, opts=opts,
+                                need_e=False, need_c=False, need_bias=False)
+    assert nothing == (None, None, None)
+    _, _, de_r, dc_r, db_r = reference(e, c, targets, b, g, None)
+    _, _, de_r3, dc_r3, _ = reference(e, c, targets, None, g, None)
+    for got, want in ((de, de_r), (dc2, dc_r), (db2, db_r), (de3, de_r3), (dc3, dc_r3)):
+        check_grad(got, want, opts.exact)
+
+
+@pytest.mark.parametrize("opts", list(OPTION_SETS.values()), ids=list(OPTION_SETS))
+@pytest.mark.parametrize("v", [200, 257])
+@pytest.mark.parametrize("device", DEVICES)
+def test_unaligned_vocabulary_chunks(device, v, opts, monkeypatch):
+    """A vocabulary chunk whose width is not a multiple of 64 (V 200 and 257 in chunks of 128: a last chunk of 72
+    or 1 entries): its products are split at a multiple of 64 (``_launch.product_into``) and G keeps its aligned
+    pitch; the gradients meet the fp64 reference's tolerance, over one row chunk and over several."""
+    device_ok(device)
+    monkeypatch.setitem(_backward._TUNING[TUNING_KEY], "vocab_chunk", 128)
+    e, c, targets, b = make_kernel_inputs(40, v, 16, torch.bfloat16, device, bias=True, ignore_frac=0.2)
+    g = mean_grad_rows(targets)
+    _, _, *want = reference(e, c, targets, b, g, 5.0)
+    for row_chunk in (0, 16):
+        chunked = CCEOptions(exact=opts.exact, products=opts.products, backward_row_chunk=row_chunk)
+        _, _, got = run_kernels(e, c, targets, b, g, softcap=5.0, opts=chunked)
+        for mine, ref in zip(got, want):
+            check_grad(mine, ref, opts.exact)
+
+
+@pytest.mark.parametrize("products", ["cublas", "triton"])
+@pytest.mark.parametrize("device", DEVICES)
+def test_backward_is_reproducible_and_chunking_invariant(device, products, monkeypatch):
+    """The backward has no atomics: two runs agree bitwise (exact mode too).  Its row chunking
+    (``options.backward_row_chunk``) and vocabulary chunking (``vocab_chunk``) only change how the products are
+    cut: one block and many blocks agree to fp32 rounding (fp32 inputs); with bf16 inputs the chunked backward
+    still meets the fp64 tolerances of its mode (row chunks add one rounding of dC each in default mode; exact
+    mode sums dC of all row chunks in fp32)."""
+    device_ok(device)
+    e, c, targets, b = make_kernel_inputs(45, 170, 24, torch.float32, device, ignore_frac=0.2, bias=True, seed=7)
+    g = mean_grad_rows(targets)
+    lse, *_ = K.forward(e, c, targets, b, softcap=20.0, ignore_index=IGNORE)
+    e16, c16, b16 = e.bfloat16(), c.bfloat16(), b.bfloat16()
+    lse16, *_ = K.forward(e16, c16, targets, b16, softcap=20.0, ignore_index=IGNORE)
+
+    def grads(exact=False, row_chunk=0, sixteen=False):
+        args = (e16, c16, targets, b16, lse16) if sixteen else (e, c, targets, b, lse)
+        return K.backward(*args, g, softcap=20.0, ignore_index=IGNORE,
+                          options=CCEOptions(exact=exact, products=products, backward_row_chunk=row_chunk),
+                          need_e=True, need_c=True, need_bias=True)
+
+    first, second = grads(), grads()
+    for x, y in zip(first, second):
+        assert torch.equal(x, y)
+    # exact mode (16-bit: G in hi + lo halves through the same products) is just as reproducible
+    for x, y in zip(grads(True, sixteen=True), grads(True, sixteen=True)):
+        assert torch.equal(x, y)
+
+    tuning = _backward._TUNING[TUNING_KEY]
+    monkeypatch.setitem(tuning, "vocab_chunk", 1 << 20)
+    whole = grads(row_chunk=0)
+    monkeypatch.setitem(tuning, "vocab_chunk", 33)  # narrower than a vocabulary block, not a multiple of one
+    pieces = grads(row_chunk=7)
+    pieces16 = {exact: grads(exact, row_chunk=7, sixteen=True) for exact in (False, True)}
+    for x, y in zip(whole, pieces):
+        assert rel(y, x) < 1e-6
+    _, _, de_r, dc_r, db_r = reference(e, c, targets, b, g, 20.0)
+    for x, ref in zip(whole, (de_r, dc_r, db_r)):
+        assert rel(x, ref) < 1e-5
+    _, _, de_r, dc_r, db_r = reference(e16, c16, targets, b16, g, 20.0)
+    for exact, got in pieces16.items():
+        for x, ref in zip(got, (de_r, dc_r, db_r)):
+            assert x.dtype == torch.bfloat16
+            check_grad(x, ref, exact)
+
+
+@pytest.mark.parametrize("products", ["cublas", "triton"])
+@pytest.mark.parametrize("device", DEVICES)
+def test_backward_skips_ignored_rows_keeps_eager_nan_pattern(device, products):
+    """The backward's recompute skips whole row blocks of ignored rows (compacted on the device) and partly
+    ignored blocks alike; the gradients still match the fp64 reference.  NaN lands where eager's log-softmax
+    backward puts it through 0 * NaN: an ignored row of E holding a NaN -> dE of that row and all of dC / dbias;
+    a NaN in C with every row ignored -> everything (each row's log-sum-exp is NaN).  ``products``: the dE / dC
+    products (cuBLAS, or the Triton ones that skip the ignored rows too)."""
+    device_ok(device)
+    n, v, d = 53, 150, 24
+    e, c, targets, b = make_kernel_inputs(n, v, d, torch.float32, device, bias=True, seed=11)
+    targets[10:40] = IGNORE  # whole compacted blocks of ignored rows at any block size <= 16
+    g = mean_grad_rows(targets)
+
+    def grads(e_in, c_in, targets=targets, g=g):
+        return run_kernels(e_in, c_in, targets, b, g, softcap=None, opts=CCEOptions(products=products))[2]
+
+    got = grads(e, c)
+    _, _, de_r, dc_r, db_r = reference(e, c, targets, b, g, None)
+    for x, ref in zip(got, (de_r, dc_r, db_r)):
+        assert rel(x, ref) < 1e-5
+
+    e_nan = e.clone()
+    e_nan[20, 3] = float("nan")  # an ignored row
+    de, dc, db = grads(e_nan, c)
+    assert de.isnan().any(dim=1).nonzero().flatten().tolist() == [20]
+    assert dc.isnan().all() and db.isnan().all()
+    de, dc, db = grads(e, c)
+    assert not (de.isnan().any() or dc.isnan().any() or db.isnan().any())
+    c_nan = c.clone()
+    c_nan[7, 0] = float("nan")
+    none_counted = torch.full_like(targets, IGNORE)
+    de, dc, db = grads(e, c_nan, none_counted, torch.zeros_like(g))
+    assert de.isnan().all() and dc.isnan().all() and db.isnan().all()
+
+
+# ----------------------------------------------------------------------------------------------------
+# GPU set: real LM-head shapes (skipped without CUDA)
+# ----------------------------------------------------------------------------------------------------
+GPU_SHAPES = [(8192, 32064, 3072), (8192, 128256, 4096), (8192, 256000, 2304)]
+
+
+def _gpu_reference_grads(e, c, targets, grad_rows, softcap, chunk=1024):
+    """fp64-accumulated reference on the GPU, chunked over rows (fp32 logits would be too coarse for the
+    exact-mode tolerance; fp64 matmuls on the GPU are slow but fine at these sizes)."""
+    e64, c64 = e.double(), c.double()
+    de = torch.zeros_like(e64)
+    dc = torch.zeros_like(c64)
+    lse_all = torch.empty(e.shape[0], dtype=torch.float64, device=e.device)
+    for s in range(0, e.shape[0], chunk):
+        raw = e64[s:s + chunk] @ c64.T
+        logits = softcap * torch.tanh(raw / softcap) if softcap is not None else raw
+        lse = torch.logsumexp(logits, -1)
+        lse_all[s:s + chunk] = lse
+        t = targets[s:s + chunk]
+        valid = t != IGNORE
+        grad = torch.softmax(logits, -1)
+        grad[valid.nonzero()[:, 0], t[valid]] -= 1
+        grad *= grad_rows[s:s + chunk, None].double()
+        if softcap is not None:
+            grad *= 1 - (logits / softcap) ** 2
+        grad[~valid] = 0
+        de[s:s + chunk] = grad @ c64
+        dc += grad.T @ e64[s:s + chunk]
+        del raw, logits, grad
+    return lse_all, de, dc
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("shape", GPU_SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("opts", list(OPTION_SETS.values()), ids=list(OPTION_SETS))
+def test_gpu_real_shapes(shape, opts):
+    n, v, d = shape
+    e, c, targets, _ = make_kernel_inputs(n, v, d, torch.bfloat16, "cuda", ignore_frac=0.1, logit_std=1.0)
+    grad_rows = mean_grad_rows(targets)
+    lse, tgt, (de, dc, _) = run_kernels(e, c, targets, None, grad_rows, softcap=None, opts=opts)
+    lse_r, de_r, dc_r = _gpu_reference_grads(e, c, targets, grad_rows, None)
+    valid = targets != IGNORE
+    assert rel(lse[valid], lse_r[valid]) < LSE_TOL
+    check_grad(de, de_r, opts.exact)
+    check_grad(dc, dc_r, opts.exact)
+
+
+@pytest.mark.gpu
+@requires_cuda
+def test_gpu_no_host_sync():
+    e, c, targets, b = make_kernel_inputs(1024, 32064, 512, torch.bfloat16, "cuda", ignore_frac=0.3, bias=True)
+    g = mean_grad_rows(targets)
+    every = [*OPTION_SETS.values(), CCEOptions(backward_row_chunk=384)]
+    for opts in every:  # compile
+        run_kernels(e, c, targets, b, g, softcap=30.0, opts=opts)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for opts in every:
+            run_kernels(e, c, targets, b, g, softcap=30.0, opts=opts)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)

@@ -1,0 +1,1 @@
+"""Whole-model tests: real model code, unmodified, compiled with the pass."""

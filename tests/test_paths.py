@@ -1,0 +1,369 @@
+"""Tests of the choice between the lean and the balanced path (``cce_inductor/paths.py``):
+
+* ``paths.choose`` as a pure function of the head's facts: a table of real heads and batch sizes, the memory model,
+  forced paths and what ``stats()`` is told;
+
+* ``cce_inductor.linear_cross_entropy`` calls ``linear_cross_entropy_with_grads`` exactly where the balanced path
+  applies, with the lean path's numbers (bit for bit where the upstream gradient is 1 or a power of two);
+* the pass: the balanced path is chosen exactly for mean / sum losses whose head needs gradients (and an lse not
+  used elsewhere), ``stats()`` says which path each site got and why, and compiled results match eager (frozen and
+  tied weights, dynamic shapes, CPU autocast, a softcap and label smoothing).
+
+The balanced kernels: ``tests/kernels/test_balanced.py``; its op: ``tests/test_ops.py``.
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import cce_inductor
+from cce_inductor import CCEOptions
+from tests.support.compare import rel_l2
+from cce_inductor import paths
+from tests.support.inputs import BALANCED, IGNORE, make_balanced_inputs
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The choice as a pure function
+# ----------------------------------------------------------------------------------------------------------------
+
+HEADS = {  # name: (D, V)
+    "gpt2": (768, 50257), "gpt2-medium": (1024, 50257), "llama2": (4096, 32000), "phi35": (3072, 32064),
+    "v65535": (2048, 65535), "llama3": (4096, 128256), "qwen25-0.5b": (896, 151936), "gemma2": (2304, 256000),
+    "deepseek-v3": (7168, 129280),
+}
+
+# The default's pick for bf16 mean losses with gradients on the CUDA kernels: balanced exactly where its estimated
+# peak (dC summed in fp32 beside its rounding) fits half of torch.compile's (its logits), i.e. where N >~ 5 D.
+PICKS = {
+    4096: {},
+    8192: {"gpt2": "balanced", "gpt2-medium": "balanced", "qwen25-0.5b": "balanced"},
+    32768: {"gpt2": "balanced", "gpt2-medium": "balanced", "phi35": "balanced", "v65535": "balanced",
+            "llama3": "balanced", "qwen25-0.5b": "balanced", "gemma2": "balanced"},
+}
+
+
+def _facts(head, n, **kw):
+    d, v = HEADS[head]
+    base = dict(rows=n, hidden=d, vocab=v, element_size=2, kernels=True, reduction="mean", needs_grad=True)
+    return paths.HeadFacts(**{**base, **kw})
+
+
+@pytest.mark.parametrize("n", sorted(PICKS))
+@pytest.mark.parametrize("head", sorted(HEADS))
+def test_default_pick_table(head, n):
+    facts = _facts(head, n)
+    choice = paths.choose(facts)
+    assert choice.path == PICKS[n].get(head, "lean"), choice.reason
+    budget = paths.budget(facts)
+    assert budget == max(paths.compile_peak(facts) // 2, int(1.15 * paths.gradient_bytes(facts)))
+    if choice.path == "balanced":
+        assert paths.balanced_peak(facts, choice.scratch_bytes) <= budget
+        # at least 1024 rows (or all) per chunk, at most 1 GiB
+        assert paths.chunk_rows(choice.scratch_bytes, facts.vocab, 2, n) >= min(n, 1024)
+        assert choice.scratch_bytes <= 2**30
+        assert "within the budget" in choice.reason
+    else:
+        assert choice.scratch_bytes == 0
+        assert paths.balanced_peak(facts, min(n, 1024) * paths.scratch_row_pitch(facts.vocab) * 2) > budget
+        assert "exceeds the budget" in choice.reason and "four matmuls" in choice.reason
+
+
+def test_memory_model_matches_the_measured_peaks():
+    """The estimates against peaks measured on an H100 (bf16, N 8192; benchmarks/results, v12 and this session's
+    quick run): within 3% where the kernels' own buffers are modelled (the CUDA caching allocator rounds)."""
+    mib = 2**20
+    measured = {  # head: (compile, lean, balanced with a 1 GiB scratch), MiB
+        "gemma2": (5162, 1300, 3412), "llama3": (3070, 1259, 3134),
+    }
+    for head, (compile_mb, lean_mb, balanced_mb) in measured.items():
+        facts = _facts(head, 8192)
+        assert abs(paths.compile_peak(facts) / mib / compile_mb - 1) < 0.01
+        assert abs(paths.lean_peak(facts) / mib / lean_mb - 1) < 0.01
+        assert abs(paths.balanced_peak(facts, 2**30) / mib / balanced_mb - 1) < 0.03
+
+
+@pytest.mark.parametrize("facts_kw, reason", [
+    (dict(reduction="none"), "reduction='none'"),
+    (dict(per_row_outputs=True), "per-row outputs"),
+    (dict(needs_grad=False), "no gradient is needed"),
+    (dict(lse_reused=True), "log-sum-exp is used beyond the loss"),
+    (dict(kernels=False), "chunked PyTorch path"),
+    (dict(rows=100), "too few"),
+])
+def test_lean_only_facts(facts_kw, reason):
+    """Facts under which the default is lean whatever the memory (N 32768 on GPT-2's head: balanced otherwise)."""
+    choice = paths.choose(_facts("gpt2", 32768, **{**dict(rows=32768), **facts_kw}))
+    assert choice.path == "lean" and reason in choice.reason, choice.reason
+
+
+def test_forced_paths_say_what_the_default_would_do():
+    fat = paths.choose(_facts("deepseek-v3", 8192), path="balanced")
+    assert fat.path == "balanced" and fat.scratch_bytes == 2**30
+    assert "forced: path='balanced'" in fat.reason and "above torch.compile's" in fat.reason
+    slow = paths.choose(_facts("gpt2", 8192), path="lean")
+    assert slow.path == "lean" and "path='auto' would take the balanced path" in slow.reason
+    # a forced balanced path cannot compute per-row outputs: lean, and it says a balanced path was asked for
+    per_row = paths.choose(_facts("gpt2", 8192, reduction="none"), path="balanced")
+    assert per_row.path == "lean" and "(a balanced path was asked for)" in per_row.reason
+    asked = paths.choose(_facts("gemma2", 8192), scratch_mb=512)
+    assert asked.path == "balanced" and asked.scratch_bytes == 512 * 2**20 and "scratch_mb=512" in asked.reason
+
+
+def test_scratch_at_run_time():
+    """The op sizes the scratch from the real N: what the budget leaves, or (past it: a forced path, a batch larger
+    than the compiled one) up to 1 GiB."""
+    assert paths.scratch_for(_facts("gpt2", 8192)) == paths.balanced_scratch(_facts("gpt2", 8192)) > 0
+    assert paths.scratch_for(_facts("gemma2", 8192)) == 2**30
+    assert paths.scratch_for(_facts("gpt2", 100)) == 100 * paths.scratch_row_pitch(50257) * 2
+    assert paths.scratch_for(_facts("gpt2", 8192), scratch_mb=3) == 3 * 2**20
+
+
+def test_chunk_rows():
+    """Rows per balanced chunk: scratch rows are padded to a multiple of 64 elements (V 1000 -> 1024)."""
+    assert paths.scratch_row_pitch(1000) == 1024 and paths.scratch_row_pitch(1024) == 1024
+    assert paths.chunk_rows(1 << 20, 1000, 2, 8192) == 512 - 512 % 128 == 512
+    assert paths.chunk_rows(300 * 1024 * 2, 1000, 2, 8192) == 256  # rounded down to whole 128-row tiles
+    assert paths.chunk_rows(100 * 1024 * 2, 1000, 2, 8192) == 100
+    assert paths.chunk_rows(10, 1000, 2, 8192) == 1
+    assert paths.chunk_rows(1 << 30, 1000, 2, 37) == 37
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The op and the public function
+# ----------------------------------------------------------------------------------------------------------------
+
+
+class _OpLog(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.names = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+def _ops_called(fn):
+    with _OpLog() as log:
+        fn()
+    return {name for name in log.names if name.startswith("cce_inductor.")}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_public_function_chooses_the_path_and_matches_the_lean_one(dtype):
+    e, c, t, b = make_balanced_inputs(23, 40, 8, dtype, bias=True)
+    leaves = [x.requires_grad_() for x in (e, c, b)]
+
+    def run(options, upstream):
+        loss = cce_inductor.linear_cross_entropy(e, c, t, bias=b, softcap=3.0, options=options)
+        return loss, torch.autograd.grad(loss * upstream, leaves)
+
+    assert _ops_called(lambda: run(BALANCED, 1.0)) == {"cce_inductor.linear_cross_entropy_with_grads.default"}
+    assert "cce_inductor.linear_cross_entropy.default" in _ops_called(lambda: run(CCEOptions(), 1.0))
+    with torch.no_grad():
+        assert _ops_called(lambda: cce_inductor.linear_cross_entropy(e, c, t, options=BALANCED)) == {
+            "cce_inductor.linear_cross_entropy.default"}
+    assert _ops_called(lambda: cce_inductor.linear_cross_entropy(e, c, t, reduction="none", options=BALANCED)) == {
+        "cce_inductor.linear_cross_entropy.default"}
+
+    for upstream in (1.0, 0.25, 3.0):
+        lean_loss, lean = run(CCEOptions(), upstream)
+        loss, grads = run(BALANCED, upstream)
+        assert loss.item() == lean_loss.item()
+        for mine, theirs in zip(grads, lean):
+            if upstream == 3.0:  # the scaling rounds once more (README, "The balanced path")
+                # (each within ~2 units of rounding of the exact gradient)
+                assert rel_l2(mine, theirs) <= 4 * (2.0**-9 if dtype == torch.bfloat16 else 2.0**-24)
+            else:  # CPU: both are the chunked path's gradients; scaling by a power of two is exact
+                assert torch.equal(mine, theirs)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The pass
+# ----------------------------------------------------------------------------------------------------------------
+
+
+class Head(torch.nn.Module):
+    def __init__(self, d=16, v=50, tied=False):
+        super().__init__()
+        self.embed = torch.nn.Embedding(v, d)
+        self.proj = torch.nn.Linear(d, d)
+        self.head = torch.nn.Linear(d, v, bias=False)
+        if tied:
+            self.head.weight = self.embed.weight
+
+    def forward(self, ids, labels, reduction="mean", z_loss=0.0):
+        h = torch.tanh(self.proj(self.embed(ids)))
+        logits = self.head(h).float().view(-1, self.head.out_features)
+        loss = F.cross_entropy(logits, labels.view(-1), reduction=reduction)
+        if z_loss:
+            loss = loss + z_loss * torch.logsumexp(logits, -1).pow(2).mean()
+        return loss
+
+
+def _compiled_run(model, ids, labels, options, **kwargs):
+    cce_inductor.reset_stats()
+    compiled = torch.compile(model, backend=cce_inductor.make_backend(options), **kwargs.pop("compile", {}))
+    loss = compiled(ids, labels, **kwargs)
+    params = [p for p in model.parameters() if p.requires_grad]
+    grads = torch.autograd.grad(loss.sum(), params) if loss.requires_grad else []
+    return loss, grads, cce_inductor.stats()
+
+
+def _eager_run(model, ids, labels, **kwargs):
+    loss = model(ids, labels, **kwargs)
+    params = [p for p in model.parameters() if p.requires_grad]
+    return loss, (torch.autograd.grad(loss.sum(), params) if loss.requires_grad else [])
+
+
+def _data(b=3, t=7, v=50, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, v, (b, t), generator=gen)
+    labels = torch.randint(0, v, (b, t), generator=gen)
+    labels[0, :3] = IGNORE
+    return ids, labels
+
+
+@pytest.mark.parametrize("setting", ["mean", "sum", "tied", "frozen_head", "dynamic"])
+def test_pass_takes_the_balanced_path_and_matches_eager(setting, no_inductor_caches):
+    torch.manual_seed(0)
+    model = Head(tied=setting == "tied")
+    if setting == "frozen_head":
+        model.head.weight.requires_grad_(False)
+    reduction = "sum" if setting == "sum" else "mean"
+    ids, labels = _data()
+    want_loss, want = _eager_run(model, ids, labels, reduction=reduction)
+    compile_kwargs = {"dynamic": True} if setting == "dynamic" else {}
+    loss, grads, stats = _compiled_run(model, ids, labels, BALANCED, reduction=reduction, compile=compile_kwargs)
+    # (dynamic=True: Dynamo may restart its analysis after calling the backend once: the site is then seen twice)
+    assert {s["path"] for s in stats["sites"]} == {"balanced"}, stats["sites"]
+    assert "balanced path (asked for by scratch_mb=1; 1 MiB scratch)" in stats["sites"][0]["reason"]
+    assert f"({len(stats['sites'])} on the balanced path)" in stats["summary"]
+    torch.testing.assert_close(loss, want_loss, rtol=1e-5, atol=1e-6)
+    for mine, theirs in zip(grads, want):
+        assert rel_l2(mine, theirs) < 1e-5
+    if setting == "dynamic":  # another batch size reuses the dynamic graph
+        ids2, labels2 = _data(b=5, t=4, seed=1)
+        want_loss2, want2 = _eager_run(model, ids2, labels2)
+        compiled = torch.compile(model, backend=cce_inductor.make_backend(BALANCED), dynamic=True)
+        loss2 = compiled(ids2, labels2)
+        grads2 = torch.autograd.grad(loss2, [p for p in model.parameters() if p.requires_grad])
+        torch.testing.assert_close(loss2, want_loss2, rtol=1e-5, atol=1e-6)
+        for mine, theirs in zip(grads2, want2):
+            assert rel_l2(mine, theirs) < 1e-5
+
+
+@pytest.mark.parametrize("setting, reason", [
+    ("none", "lean path: reduction='none'"),
+    ("no_grad", "lean path: no gradient is needed"),
+    ("frozen_all", "lean path: no gradient is needed"),
+    ("z_loss", "lean path: the log-sum-exp is used beyond the loss"),
+    ("scratch_0", None),
+])
+def test_pass_keeps_the_lean_path_where_the_balanced_one_does_not_apply(setting, reason, no_inductor_caches):
+    torch.manual_seed(0)
+    model = Head()
+    if setting == "frozen_all":
+        model.requires_grad_(False)
+    ids, labels = _data()
+    kwargs = {"reduction": "none"} if setting == "none" else {"z_loss": 1e-2} if setting == "z_loss" else {}
+    options = CCEOptions() if setting == "scratch_0" else BALANCED
+    want_loss, want = _eager_run(model, ids, labels, **kwargs)
+    if setting == "no_grad":
+        with torch.no_grad():
+            loss, grads, stats = _compiled_run(model, ids, labels, options, **kwargs)
+        want = []
+    else:
+        loss, grads, stats = _compiled_run(model, ids, labels, options, **kwargs)
+    assert [s["path"] for s in stats["sites"]] == ["lean"], stats["sites"]
+    assert stats["sites"][0]["rewritten"]
+    if reason is None:  # the default on the CPU: the chunked path, where the balanced path gains nothing
+        assert "lean path: the chunked PyTorch path" in stats["sites"][0]["reason"]
+        assert "balanced" not in stats["summary"]
+    else:
+        assert reason in stats["sites"][0]["reason"], stats["sites"][0]["reason"]
+    torch.testing.assert_close(loss, want_loss.detach(), rtol=1e-5, atol=1e-6)
+    for mine, theirs in zip(grads, want):
+        assert rel_l2(mine, theirs) < 1e-5
+
+
+def test_per_row_sites_say_they_keep_the_lean_path(no_inductor_caches):
+    """Token log-probs (RL) are per-row outputs: the lean path, and stats() says why when a scratch was asked for."""
+
+    def log_probs(hidden, weight, ids):
+        logits = hidden @ weight.T
+        return torch.gather(logits.log_softmax(-1), -1, ids.unsqueeze(-1)).squeeze(-1)
+
+    hidden = torch.randn(2, 5, 8, requires_grad=True)
+    weight = torch.randn(30, 8, requires_grad=True)
+    ids = torch.randint(0, 30, (2, 5))
+    cce_inductor.reset_stats()
+    out = torch.compile(log_probs, backend=cce_inductor.make_backend(BALANCED))(hidden, weight, ids)
+    torch.testing.assert_close(out, log_probs(hidden, weight, ids), rtol=1e-5, atol=1e-5)
+    (site,) = cce_inductor.stats()["sites"]
+    assert site["rewritten"] and site["path"] == "lean" and "lean path: per-row outputs" in site["reason"]
+
+
+def test_pass_under_autocast_is_no_less_accurate_than_eager(no_inductor_caches):
+    """CPU autocast (bf16 head over fp32 weights): the balanced path is taken, and its loss and gradients are at
+    least as close to the fp32 computation as eager autocast's."""
+    torch.manual_seed(0)
+    model = Head(d=32, v=300)
+    ids, labels = _data(b=4, t=16, v=300)
+    ref_loss, ref = _eager_run(model, ids, labels)  # fp32
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        eager_loss, eager = _eager_run(model, ids, labels)
+        loss, grads, stats = _compiled_run(model, ids, labels, BALANCED)
+    assert {s["path"] for s in stats["sites"]} == {"balanced"}, stats["sites"]
+    assert abs(loss.item() - ref_loss.item()) <= abs(eager_loss.item() - ref_loss.item()) + 1e-6
+    for mine, theirs, want in zip(grads, eager, ref):
+        assert mine.dtype == want.dtype
+        assert rel_l2(mine, want) <= rel_l2(theirs, want) + 1e-6
+
+
+def test_pass_balanced_gemma_style_softcap_and_label_smoothing(no_inductor_caches):
+    """Gemma-2's final-logit softcap and a label-smoothed loss, through the pass on the balanced path."""
+
+    class SoftcapHead(Head):
+        def forward(self, ids, labels):
+            h = torch.tanh(self.proj(self.embed(ids)))
+            logits = torch.tanh(self.head(h) / 30.0) * 30.0
+            return F.cross_entropy(logits.float().view(-1, self.head.out_features), labels.view(-1),
+                                   label_smoothing=0.1)
+
+    torch.manual_seed(0)
+    model = SoftcapHead()
+    ids, labels = _data()
+    want_loss, want = _eager_run(model, ids, labels)
+    loss, grads, stats = _compiled_run(model, ids, labels, BALANCED)
+    assert {s["path"] for s in stats["sites"]} == {"balanced"}, stats["sites"]
+    assert "softcap=30" in stats["sites"][0]["reason"] and "label_smoothing=0.1" in stats["sites"][0]["reason"]
+    torch.testing.assert_close(loss, want_loss, rtol=1e-5, atol=1e-6)
+    for mine, theirs in zip(grads, want):
+        assert rel_l2(mine, theirs) < 1e-5
+
+
+def test_pass_loss_under_no_grad_after_a_head_with_grad_stays_lean(no_inductor_caches):
+    """The head computed with grad, its loss taken under torch.no_grad (an evaluation metric in a training step):
+    the loss needs no gradient, so no gradients are computed for it."""
+
+    class MetricHead(Head):
+        def forward(self, ids, labels):
+            h = torch.tanh(self.proj(self.embed(ids)))
+            logits = self.head(h)
+            with torch.no_grad():
+                metric = F.cross_entropy(logits.float().view(-1, self.head.out_features), labels.view(-1))
+            return h.sum() * 0.0 + metric
+
+    torch.manual_seed(0)
+    model = MetricHead()
+    ids, labels = _data()
+    want = model(ids, labels)
+    cce_inductor.reset_stats()
+    got = torch.compile(model, backend=cce_inductor.make_backend(BALANCED))(ids, labels)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    (site,) = cce_inductor.stats()["sites"]
+    assert site["rewritten"] and site["path"] == "lean", site
+    assert "lean path: no gradient is needed" in site["reason"], site
