@@ -12,7 +12,7 @@ import cce_inductor
 def cce_enabled():
     """The pass installed for every plain ``torch.compile``, as ``CCE_INDUCTOR=1`` does (``cce_inductor.enable()``),
     with Inductor's caches off so that its decisions are seen; removed afterwards."""
-    from _compare import inductor_caches_off
+    from tests.support.compare import inductor_caches_off
 
     torch._dynamo.reset()
     with inductor_caches_off():

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 import cce_inductor
 from cce_inductor import _chunked, linear_cross_entropy
 
-from _compare import inductor_caches_off
+from tests.support.compare import inductor_caches_off
 
 
 def _tied_inputs(n=37, v=70, d=16, dtype=torch.float32, seed=0, span=2):

@@ -12,7 +12,7 @@ pytest.importorskip("accelerate", reason="accelerate is not installed (pip insta
 
 import cce_inductor  # noqa: E402
 
-from _clients import LMDataset, assert_same_logs, sequences, tiny_model, training_logs  # noqa: E402
+from tests.clients._clients import LMDataset, assert_same_logs, sequences, tiny_model, training_logs  # noqa: E402
 
 
 def _train(model, tmp_path, name: str) -> list[dict]:

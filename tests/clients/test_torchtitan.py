@@ -26,7 +26,7 @@ from torchtitan.trainer import Trainer  # noqa: E402
 import cce_inductor  # noqa: E402
 from cce_inductor.integrations.torchtitan import CCELoss  # noqa: E402
 
-from _compare import rel_l2  # noqa: E402
+from tests.support.compare import rel_l2  # noqa: E402
 
 
 def _model(tied: bool):

@@ -23,9 +23,9 @@ import pytest
 pytest.importorskip("transformers", reason="transformers is not installed (pip install -e '.[clients]')")
 pytest.importorskip("accelerate", reason="accelerate is not installed (pip install -e '.[clients]')")
 
-from _clients import assert_same_logs  # noqa: E402
+from tests.clients._clients import assert_same_logs  # noqa: E402
 
-HERE = Path(__file__).resolve().parent
+ROOT = Path(__file__).resolve().parents[2]  # the repository: the script imports tests.clients._clients
 
 SCRIPT = r'''
 import json, os, sys
@@ -33,7 +33,7 @@ import numpy as np
 import torch
 import transformers
 sys.path.insert(0, sys.argv[1])
-from _clients import LMDataset, sequences, tiny_model, training_logs
+from tests.clients._clients import LMDataset, sequences, tiny_model, training_logs
 
 model = tiny_model("llama")
 seen = {"lazy": 0, "plain": 0}
@@ -92,13 +92,13 @@ print("RESULT " + json.dumps(result))
 
 def _run(tmp_path: Path, precision: str, cce: bool) -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith("CCE_INDUCTOR")}
-    env.update(PYTHONPATH=str(HERE.parent), TORCHINDUCTOR_FX_GRAPH_CACHE="0", TORCHINDUCTOR_AUTOGRAD_CACHE="0",
+    env.update(PYTHONPATH=str(ROOT), TORCHINDUCTOR_FX_GRAPH_CACHE="0", TORCHINDUCTOR_AUTOGRAD_CACHE="0",
                TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"), TOKENIZERS_PARALLELISM="false")
     if cce:
         env["CCE_INDUCTOR"] = "1"  # the one switch
     script = tmp_path / "train.py"
     script.write_text(SCRIPT)
-    proc = subprocess.run([sys.executable, str(script), str(HERE), str(tmp_path / f"out-{cce}"), precision],
+    proc = subprocess.run([sys.executable, str(script), str(ROOT), str(tmp_path / f"out-{cce}"), precision],
                           env=env, capture_output=True, text=True, timeout=900)  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     line = next(line for line in proc.stdout.splitlines()[::-1] if line.startswith("RESULT "))

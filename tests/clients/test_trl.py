@@ -21,7 +21,7 @@ import cce_inductor  # noqa: E402
 from cce_inductor.integrations import trl as cce_trl  # noqa: E402
 from trl.kernels import ChunkedLogProbFunction as TRLFunction  # noqa: E402
 
-from _clients import assert_same_logs, sequences, tiny_model, tokenizer, training_logs  # noqa: E402
+from tests.clients._clients import assert_same_logs, sequences, tiny_model, tokenizer, training_logs  # noqa: E402
 
 
 def _sft(tmp_path, name: str, steps: int = 3) -> list[dict]:
