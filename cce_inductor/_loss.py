@@ -52,7 +52,8 @@ def grad_rows(grad_loss: Tensor, valid: Tensor, reduction: str, dtype: torch.dty
     return torch.where(valid, per_row, 0.0)
 
 
-def row_weights(class_weights: Optional[Tensor], targets: Tensor, valid: Tensor, dtype: torch.dtype) -> Optional[Tensor]:
+def row_weights(class_weights: Optional[Tensor], targets: Tensor, valid: Tensor,
+                dtype: torch.dtype) -> Optional[Tensor]:
     """``class_weights[targets]`` in ``dtype``, 0 at ignored rows (whose targets may be any value), or None."""
     if class_weights is None:
         return None

@@ -111,7 +111,8 @@ def match_site(ce: fx.Node) -> Site:
     insert_before = None
     if argmax_users and min(position[user] for user in argmax_users) < position[ce]:
         first = min(argmax_users, key=position.get)
-        operands = [n for n in (logits.hidden, logits.weight, logits.bias, targets, class_weight) if isinstance(n, fx.Node)]
+        operands = [n for n in (logits.hidden, logits.weight, logits.bias, targets, class_weight)
+                    if isinstance(n, fx.Node)]
         late = [n.name for n in operands if position[n] > position[first]]
         if late:
             raise NoMatch(f"the argmax of the logits ({first.name}) comes before {', '.join(late)}, which the fused "

@@ -85,6 +85,8 @@ def assert_same_logs(got: list[dict], want: list[dict], *, rel: float, abs_: flo
         for key in w:
             a, b = g[key], w[key]
             if isinstance(b, float) and not (math.isnan(a) and math.isnan(b)):
-                assert math.isclose(a, b, rel_tol=(per_key or {}).get(key, rel), abs_tol=abs_), f"entry {step}, {key}: {a} != {b}\n{got}\n{want}"
+                tolerance = (per_key or {}).get(key, rel)
+                message = f"entry {step}, {key}: {a} != {b}\n{got}\n{want}"
+                assert math.isclose(a, b, rel_tol=tolerance, abs_tol=abs_), message
             else:
                 assert a == b, (step, key, a, b)

@@ -114,7 +114,8 @@ def test_pass_fuses_accuracy_and_class_weights(weighted):
         got_loss, got_accuracy = torch.compile(f, backend=cce_inductor.backend)(hidden, labels)
     stats = cce_inductor.stats()
     assert stats["rewritten"] == 1, stats
-    assert "argmax fused" in stats["sites"][0]["reason"] and ("class weights" in stats["sites"][0]["reason"]) == weighted
+    reason = stats["sites"][0]["reason"]
+    assert "argmax fused" in reason and ("class weights" in reason) == weighted
     assert 0 < want_accuracy.item() < 1 and got_accuracy.item() == want_accuracy.item()
     torch.testing.assert_close(got_loss, want_loss)
     for g, w in zip(torch.autograd.grad(got_loss, (hidden, weight)), want_grads):

@@ -83,8 +83,8 @@ def test_adapter_equals_trl_head(dtype, head):
     weight = (torch.randn(v, d) / 2).to(dtype).requires_grad_()
     bias = torch.randn(v).to(dtype).requires_grad_() if head.get("bias") else None
     targets = torch.randint(0, v, (n,))
-    args = (hidden, weight, bias, targets, head.get("temperature", 1.0), 32, head.get("softcap"), head.get("scale", 1.0),
-            OUTPUTS)
+    args = (hidden, weight, bias, targets, head.get("temperature", 1.0), 32, head.get("softcap"),
+            head.get("scale", 1.0), OUTPUTS)
     leaves = [x for x in (hidden, weight, bias) if x is not None]
     want = TRLFunction.apply(*args)
     got = cce_trl.log_probs(*args)
