@@ -222,3 +222,35 @@ def test_lazy_logits_not_under_cuda_graphs():
     assert type(logits) is torch.Tensor
     torch.testing.assert_close(logits, want_logits)
     torch.testing.assert_close(loss, want_loss)
+
+
+@pytest.fixture
+def kernels_on_cpu(monkeypatch):
+    """The op's forward and backward through the Triton kernels (the interpreter) on CPU tensors."""
+    from cce_inductor import _dispatch
+
+    monkeypatch.setattr(_dispatch, "uses_kernels", lambda device, dtype: dtype in (torch.float32, torch.bfloat16))
+
+
+@pytest.mark.parametrize("ignored", ["some", "all"])
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_op_with_class_weights_and_argmax_through_the_kernels(kernels_on_cpu, reduction, ignored):
+    from cce_inductor.ops import linear_cross_entropy_ext_op
+    from cce_inductor.options import CCEOptions
+
+    e, c = _tied_inputs(n=29, v=70, d=16)
+    e, c = e.requires_grad_(), c.requires_grad_()
+    targets = torch.randint(0, 70, (29,), generator=torch.Generator().manual_seed(1))
+    targets[::4] = -100
+    if ignored == "all":
+        targets[:] = -100
+    w = torch.rand(70, generator=torch.Generator().manual_seed(2)) + 0.5
+    logits = e @ c.T
+    want = F.cross_entropy(logits, targets, weight=w, reduction=reduction)
+    loss, _, _, argmax = linear_cross_entropy_ext_op(e, c, targets, None, w, None, -100, reduction, 0.0,
+                                                     CCEOptions().encode(), False, False, "float32")  # fmt: skip
+    assert torch.equal(argmax, logits.argmax(-1))  # every row, ignored ones too; exact ties: the first index
+    torch.testing.assert_close(loss, want, equal_nan=True)
+    if ignored == "some":
+        for g, r in zip(torch.autograd.grad(loss, (e, c)), torch.autograd.grad(want, (e, c))):
+            torch.testing.assert_close(g, r, rtol=1e-5, atol=1e-5)
