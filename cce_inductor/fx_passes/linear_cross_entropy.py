@@ -108,6 +108,7 @@ def match_site(ce: fx.Node) -> Site:
     if any(position[user] < position[ce] for user in lse_users):
         raise NoMatch("logsumexp of the logits comes before the cross_entropy (only the other order is matched)")
     argmax_users, argmax_round = _argmax_users(logits.chain)
+    argmax_branches = _branches(argmax_users, logits.chain)
     insert_before = None
     if argmax_users and min(position[user] for user in argmax_users) < position[ce]:
         first = min(argmax_users, key=position.get)
@@ -124,10 +125,11 @@ def match_site(ce: fx.Node) -> Site:
         ignore_index=args["ignore_index"],
         reduction=args["reduction"],
         label_smoothing=label_smoothing,
-        escaping=private_chain(logits.chain, ce, allowed=lse_users + argmax_users),
+        escaping=private_chain(logits.chain, ce, allowed=lse_users + argmax_users + argmax_branches),
         lse_users=lse_users,
         class_weight=class_weight,
         argmax_users=argmax_users,
+        argmax_branches=argmax_branches,
         argmax_round=argmax_round,
         insert_before=insert_before,
         **logits.fields(),
@@ -153,23 +155,54 @@ def _check_class_weight(weight: Any, logits_meta: torch.Tensor, label_smoothing:
 
 
 ARGMAX = functions(torch.argmax) | methods("argmax")
+
+
+def _branches(argmax_users: list[fx.Node], chain: list[fx.Node]) -> list[fx.Node]:
+    """The upcasts between the chain and its argmax nodes (``_upcast_branch_argmaxes``): read by those alone."""
+    found: list[fx.Node] = []
+    for user in argmax_users:
+        node = call_arg(user, 0, "input")
+        while node not in chain:
+            found.append(node)
+            node = node.args[0]
+    return list(dict.fromkeys(found))
 # Views and casts that keep the values and the rows' order: an argmax before them is the argmax of the loss's rows.
 _ROW_ORDER_KEEPING = RESHAPE | FLATTEN | IDENTITY_VIEW
 
 
+def _upcast_branch_argmaxes(node: fx.Node) -> Optional[list[fx.Node]]:
+    """The argmax nodes at the end of ``node``, an upcast / ``contiguous`` of a chain node (``logits.float()
+    .argmax(-1)``) every user of which is an argmax or another such node; None if it has another user."""
+    if not (matches(node, IDENTITY_VIEW) or upcast_target(node) is not None):
+        return None
+    found = []
+    for user in node.users:
+        if matches(user, ARGMAX):
+            found.append(user)
+            continue
+        deeper = _upcast_branch_argmaxes(user)
+        if deeper is None:
+            return None
+        found += deeper
+    return found or None
+
+
 def _argmax_users(chain: list[fx.Node]) -> tuple[list[fx.Node], str]:
-    """``argmax(x, -1)`` nodes reading a node of the chain, and the dtype the op rounds the logits to before its
-    argmax (the values' dtype in the graph); NoMatch for an argmax the op cannot give (before the scale / softcap:
-    other values; before a slice of the rows: other rows)."""
+    """``argmax(x, -1)`` nodes reading a node of the chain (directly, or through upcasts of it that nothing else
+    reads), and the dtype the op rounds the logits to before its argmax (the values' dtype in the graph); NoMatch for
+    an argmax the op cannot give (before the scale / softcap: other values; before a slice of the rows: other rows)."""
     def keeps_values(node: fx.Node) -> bool:
         return matches(node, _ROW_ORDER_KEEPING) or matches(node, GETITEM) or upcast_target(node) is not None
 
     last_value = max(i for i, node in enumerate(chain) if i == 0 or not keeps_values(node))
     users = []
     for i, node in enumerate(chain):
+        next_node = chain[i + 1] if i + 1 < len(chain) else None
+        readers = [user for user in node.users if matches(user, ARGMAX)]
         for user in node.users:
-            if not matches(user, ARGMAX):
-                continue
+            if user is not next_node and user not in chain and not matches(user, ARGMAX):
+                readers += _upcast_branch_argmaxes(user) or []
+        for user in readers:
             meta = example_value(node)
             dim = call_arg(user, 1, "dim")
             keepdim = call_arg(user, 2, "keepdim", False)
@@ -247,7 +280,15 @@ def _emit_ext(graph: fx.Graph, site: Site, rows, weight, targets, bias, options:
                 value = graph.call_method("unsqueeze", (value, -1))
             user.replace_all_uses_with(value)
             graph.erase_node(user)
+        for node in reversed(_branches_in_order(graph, site)):
+            if not node.users:
+                graph.erase_node(node)
     return graph.call_function(operator.getitem, (fused, 0))
+
+
+def _branches_in_order(graph: fx.Graph, site: Site) -> list[fx.Node]:
+    position = {node: i for i, node in enumerate(graph.nodes)}
+    return sorted(site.argmax_branches, key=position.get)
 
 
 def cross_entropy_input(ce: fx.Node) -> Any:

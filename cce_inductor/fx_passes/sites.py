@@ -53,6 +53,7 @@ class Site:
     escaping_as: str = ""  # what the escaping logits become: "lazy" or "drop" (set by check_escaping)
     class_weight: Optional[fx.Node] = None  # cross_entropy's weight= (V,)
     argmax_users: list[fx.Node] = dataclasses.field(default_factory=list)  # argmax(chain node, -1): fed by the op
+    argmax_branches: list[fx.Node] = dataclasses.field(default_factory=list)  # upcasts between the chain and those
     argmax_round: str = ""  # the dtype eager's logits have where the argmax reads them ("" without argmax users)
     insert_before: Optional[fx.Node] = None  # where the fused call goes, if not at the loss (an argmax before it)
 

@@ -254,3 +254,25 @@ def test_op_with_class_weights_and_argmax_through_the_kernels(kernels_on_cpu, re
     if ignored == "some":
         for g, r in zip(torch.autograd.grad(loss, (e, c)), torch.autograd.grad(want, (e, c))):
             torch.testing.assert_close(g, r, rtol=1e-5, atol=1e-5)
+
+
+def test_pass_fuses_an_argmax_of_upcast_logits():
+    """``logits.float().argmax(-1)`` (an upcast of the head's logits that only the argmax reads)."""
+    e, c = _tied_inputs(n=24, v=50, d=8)
+    weight = c.clone().to(torch.bfloat16).requires_grad_()
+    hidden = e.view(2, 12, 8).to(torch.bfloat16).requires_grad_()
+    labels = (e.view(2, 12, 8) @ c.T).argmax(-1)
+    labels[0, 5:] = 3
+
+    def f(h, y):
+        logits = F.linear(h, weight)
+        loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
+        return loss, (logits.float().argmax(-1) == y).float().mean()
+
+    want = f(hidden, labels)
+    with inductor_caches_off():
+        got = torch.compile(f, backend=cce_inductor.backend)(hidden, labels)
+    stats = cce_inductor.stats()
+    assert stats["rewritten"] == 1 and "argmax fused" in stats["sites"][0]["reason"], stats
+    assert 0 < want[1].item() < 1 and got[1].item() == want[1].item()
+    torch.testing.assert_close(got[0], want[0], rtol=1e-2, atol=1e-2)  # bf16 logits: eager rounds them, the op not
