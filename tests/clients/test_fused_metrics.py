@@ -171,16 +171,23 @@ def test_lazy_logits_values_and_laziness(dynamic, softcap):
 
 
 def test_lazy_logits_into_another_compiled_function():
-    """Returned logits handed to another compiled function: Dynamo cannot trace the lazy tensor (an error, never
-    the placeholder's NaN as values); ``materialize()`` first gives that function the real logits."""
+    """Returned logits handed to another compiled function: torch 2.13's Dynamo cannot trace the lazy tensor (an
+    error), 2.15's computes them through ``__torch_function__``; never the placeholder's NaN as values.
+    ``materialize()`` first gives that function the real logits on both."""
     model = _Head()
     x, y = torch.randint(0, 50, (2, 7)), torch.randint(0, 50, (2, 7))
     _, want = model(x, y)
     metric = torch.compile(lambda t: t.float().amax(-1) * 3)
     with inductor_caches_off():
         _, logits = torch.compile(model, backend=cce_inductor.backend)(x, y)
-        with pytest.raises(Exception):
-            metric(logits)
+        try:
+            got = metric(logits)
+        except Exception:  # noqa: BLE001 - Dynamo's error (torch 2.13): loud, and the route below works
+            got = None
+        if got is not None:
+            torch.testing.assert_close(got, want.amax(-1) * 3)
+        torch._dynamo.reset()
+        _, logits = torch.compile(model, backend=cce_inductor.backend)(x, y)
         torch.testing.assert_close(metric(logits.materialize()), want.amax(-1) * 3)
 
 
