@@ -10,6 +10,7 @@
 from ._version import __version__
 from .ops import linear_cross_entropy  # noqa: E402  (registers torch.ops.cce_inductor.*)
 from ._dropped_logits import DroppedLogits  # noqa: E402  (registers torch.ops.cce_inductor.dropped_logits)
+from ._lazy_logits import LazyLogits  # noqa: E402  (registers torch.ops.cce_inductor.lazy_logits)
 from .options import CCEOptions  # noqa: E402
 from .diagnostics import reset_stats, stats  # noqa: E402
 from .graph_pass import CCEGraphPass, disable, enable, is_enabled  # noqa: E402
@@ -23,6 +24,7 @@ __all__ = [
     "linear_cross_entropy",
     "CCEOptions",
     "DroppedLogits",
+    "LazyLogits",
     "backend",
     "make_backend",
     "enable",

@@ -52,6 +52,20 @@ def check_inputs(e: Tensor, c: Tensor, targets: Tensor, bias: Optional[Tensor]) 
         torch._check_value(bias.shape[0] == c.shape[0], lambda: f"bias has {bias.shape[0]} entries, c has {c.shape[0]} rows")
 
 
+def check_class_weights(class_weights: Optional[Tensor], c: Tensor) -> None:
+    """``F.cross_entropy``'s ``weight``: one weight per class, on c's device, floating point."""
+    if class_weights is None:
+        return
+    if class_weights.dim() != 1:
+        raise ValueError(f"expected class weights of shape (V,), got {tuple(class_weights.shape)}")
+    torch._check_value(class_weights.shape[0] == c.shape[0],
+                       lambda: f"class weights have {class_weights.shape[0]} entries but c has {c.shape[0]} classes")
+    if not class_weights.dtype.is_floating_point:
+        raise TypeError(f"class weights must be floating-point, got {class_weights.dtype}")
+    if class_weights.device != c.device:
+        raise ValueError(f"class weights are on {class_weights.device} but c is on {c.device}")
+
+
 def check_target_range(targets: Tensor, vocab: int, ignore_index: int) -> None:
     """Out-of-range targets are an error as in eager PyTorch: an IndexError on CPU, a device-side assert on CUDA
     and under torch.compile (a Python branch on a tensor would be a host sync / a graph break there)."""

@@ -57,11 +57,15 @@ def forward(
     mean_logit: bool = False,
     row_chunk: int = ROW_CHUNK,
     vocab_chunk: int = VOCAB_CHUNK,
+    argmax_out: Optional[Tensor] = None,
+    argmax_round: Optional[torch.dtype] = None,
 ) -> tuple[Tensor, Tensor, Optional[Tensor], Optional[Tensor]]:
     """Returns ``(lse, target_logit, logit_sum | None, mean_logit | None)``, each ``(N,)`` in the accumulation
     dtype, for every row (ignored ones too); the target logit is 0 where the target is ``ignore_index`` or outside
     ``[0, V)``. ``logit_sum``: also the sum of each row's logits (the label-smoothing
-    term); ``mean_logit``: also each row's softmax-weighted mean logit (the entropy is ``lse - mean_logit``)."""
+    term); ``mean_logit``: also each row's softmax-weighted mean logit (the entropy is ``lse - mean_logit``).
+    ``argmax_out``: an int64 ``(N,)`` tensor that receives each row's ``argmax`` (see :func:`fold_argmax`) over the
+    logits rounded to ``argmax_round`` (the dtype eager's logits have: ties there are ties here)."""
     n_rows, vocab = e.shape[0], c.shape[0]
     acc = accumulation_dtype(e.dtype)
     lse = torch.empty(n_rows, dtype=acc, device=e.device)
@@ -74,11 +78,15 @@ def forward(
         running_max = torch.full((e_rows.shape[0],), float("-inf"), dtype=acc, device=e.device)
         running_sum = torch.zeros(e_rows.shape[0], dtype=acc, device=e.device)
         running_weighted = torch.zeros(e_rows.shape[0], dtype=acc, device=e.device)  # sum exp(z - max) z
+        best = torch.full((e_rows.shape[0],), float("-inf"), dtype=acc, device=e.device)
+        best_index = torch.zeros(e_rows.shape[0], dtype=torch.int64, device=e.device)
         for v0 in range(0, vocab, vocab_chunk):
             bias_block = None if bias_acc is None else bias_acc[v0 : v0 + vocab_chunk]
             logits, _ = _logits_block(e_rows, c[v0 : v0 + vocab_chunk].to(acc), bias_block, softcap)
             if row_sums is not None:
                 row_sums[r0 : r0 + row_chunk] += logits.sum(dim=1)
+            if argmax_out is not None:
+                best, best_index = fold_argmax(best, best_index, logits, v0, argmax_round)
             new_max = torch.maximum(running_max, logits.amax(dim=1))
             rescale = torch.exp(running_max - new_max)
             exps = torch.exp(logits - new_max[:, None])
@@ -87,6 +95,8 @@ def forward(
                 running_weighted = running_weighted * rescale + (exps * logits).sum(dim=1)
             running_max = new_max
         lse[r0 : r0 + row_chunk] = running_max + torch.log(running_sum)
+        if argmax_out is not None:
+            argmax_out[r0 : r0 + row_chunk] = best_index
         if row_means is not None:
             row_means[r0 : r0 + row_chunk] = running_weighted / running_sum
 
@@ -100,6 +110,19 @@ def forward(
         raw = raw if softcap is None else torch.tanh(raw / softcap) * softcap
         target_logit[r0 : r0 + row_chunk] = torch.where(hit, raw, 0.0)
     return lse, target_logit, row_sums, row_means
+
+
+def fold_argmax(best: Tensor, best_index: Tensor, logits: Tensor, offset: int,
+                round_to: Optional[torch.dtype]) -> tuple[Tensor, Tensor]:
+    """The running ``(max, argmax)`` of each row after one more block of its logits (columns ``offset + j``), with
+    ``torch.argmax``'s ties: the first maximal index wins (``torch.argmax`` within the block, a strictly larger
+    value across blocks) and a NaN is larger than everything. ``round_to``: compare the logits rounded to this dtype
+    (eager's 16-bit logits tie where their fp32 sums differ)."""
+    values = logits if round_to is None or round_to == logits.dtype else logits.to(round_to).to(logits.dtype)
+    block_index = values.argmax(dim=1)
+    block_max = values.gather(1, block_index[:, None]).squeeze(1)
+    better = (block_max > best) | (block_max.isnan() & ~best.isnan())
+    return torch.where(better, block_max, best), torch.where(better, block_index + offset, best_index)
 
 
 def backward(

@@ -62,14 +62,18 @@ def head_facts(rows, hidden, vocab, dtype: torch.dtype, device: torch.device, re
 
 
 def forward(e: Tensor, c: Tensor, targets: Tensor, bias: Optional[Tensor], *, softcap: Optional[float],
-            ignore_index: int, logit_sum: bool = False, mean_logit: bool = False, every_row: bool = False):
+            ignore_index: int, logit_sum: bool = False, mean_logit: bool = False, every_row: bool = False,
+            argmax_out: Optional[Tensor] = None, argmax_round: Optional[torch.dtype] = None):
     """``(lse, target_logit, logit_sum | None, mean_logit | None)`` per row. ``every_row``: ignored rows are computed
-    too (the chunked path always computes them; the kernels skip them otherwise, leaving 0)."""
+    too (the chunked path always computes them; the kernels skip them otherwise, leaving 0). ``argmax_out``: an int64
+    ``(N,)`` tensor filled with each row's argmax over the logits rounded to ``argmax_round`` (``torch.argmax``'s
+    ties; with the kernels, 0 at rows not computed)."""
     if uses_kernels(e.device, e.dtype) and e.shape[0] > 0:
         return tuple(triton_kernels().forward(e, c, targets, bias, softcap=softcap, ignore_index=ignore_index,
-                                              logit_sum=logit_sum, mean_logit=mean_logit, every_row=every_row))
+                                              logit_sum=logit_sum, mean_logit=mean_logit, every_row=every_row,
+                                              argmax_out=argmax_out, argmax_round=argmax_round))
     return _chunked.forward(e, c, targets, bias, softcap=softcap, ignore_index=ignore_index, logit_sum=logit_sum,
-                            mean_logit=mean_logit)
+                            mean_logit=mean_logit, argmax_out=argmax_out, argmax_round=argmax_round)
 
 
 def backward(e: Tensor, c: Tensor, targets: Tensor, bias: Optional[Tensor], lse: Tensor, grad_rows: Tensor, *,

@@ -24,23 +24,41 @@ def row_losses(lse: Tensor, target_logit: Tensor, logit_sum: Optional[Tensor], v
     return torch.where(valid, row_loss, 0.0)
 
 
-def reduce_rows(row_loss: Tensor, valid: Tensor, reduction: str) -> Tensor:
+def reduce_rows(row_loss: Tensor, valid: Tensor, reduction: str, row_weight: Optional[Tensor] = None) -> Tensor:
+    """``row_weight``: each row's class weight (``F.cross_entropy(weight=w)``: ``w[target]``, 0 at ignored rows); the
+    rows' losses are scaled by it and a mean divides by its sum, as eager does."""
+    if row_weight is not None:
+        row_loss = row_loss * row_weight
     if reduction == "none":
         return row_loss
     if reduction == "sum":
         return row_loss.sum()
-    return row_loss.sum() / valid.sum()  # mean over counted rows: 0/0 = NaN when all are ignored, as in PyTorch
+    # mean over counted rows (or their weights): 0/0 = NaN when all are ignored, as in PyTorch
+    return row_loss.sum() / (valid.sum() if row_weight is None else row_weight.sum())
 
 
-def grad_rows(grad_loss: Tensor, valid: Tensor, reduction: str, dtype: torch.dtype) -> Tensor:
-    """The upstream gradient of each row's loss: ``grad_loss`` spread as the reduction spread the rows."""
+def grad_rows(grad_loss: Tensor, valid: Tensor, reduction: str, dtype: torch.dtype,
+              row_weight: Optional[Tensor] = None) -> Tensor:
+    """The upstream gradient of each row's loss: ``grad_loss`` spread as the reduction spread the rows (times each
+    row's class weight, where there are class weights: see :func:`reduce_rows`)."""
     if reduction == "none":
         per_row = grad_loss.to(dtype)
     elif reduction == "sum":
         per_row = grad_loss.to(dtype).expand(valid.shape[0])
     else:
-        per_row = grad_loss.to(dtype) / valid.sum()
+        per_row = grad_loss.to(dtype) / (valid.sum() if row_weight is None else row_weight.sum())
+    if row_weight is not None:
+        per_row = per_row * row_weight
     return torch.where(valid, per_row, 0.0)
+
+
+def row_weights(class_weights: Optional[Tensor], targets: Tensor, valid: Tensor,
+                dtype: torch.dtype) -> Optional[Tensor]:
+    """``class_weights[targets]`` in ``dtype``, 0 at ignored rows (whose targets may be any value), or None."""
+    if class_weights is None:
+        return None
+    safe = torch.where(valid, targets, 0).clamp(0, class_weights.shape[0] - 1)
+    return torch.where(valid, class_weights.to(dtype)[safe], 0.0)
 
 
 def empty_unless(needed: bool, grad: Optional[Tensor], like: Tensor) -> Tensor:

@@ -96,15 +96,20 @@ def linear_cross_entropy_backward_op(
     need_e: bool,
     need_c: bool,
     need_bias: bool,
+    class_weights: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Returns ``(grad_e, grad_c, grad_bias)``; a gradient not asked for is an empty tensor and costs nothing.
-    ``grad_lse`` / ``grad_entropy``: upstream gradients of the forward's per-row lse / entropy, where they are used."""
+    ``grad_lse`` / ``grad_entropy``: upstream gradients of the forward's per-row lse / entropy, where they are used.
+    ``class_weights``: ``F.cross_entropy``'s ``weight`` (no label smoothing): each row's loss gradient scaled by its
+    target's weight (the kernels need nothing else: the weight is a per-row factor)."""
     need_bias = need_bias and bias is not None
     with torch.autocast(e.device.type, enabled=False):
         # the entropy's gradient needs each row's softmax-weighted mean logit: lse - entropy
         mean_logit = None if grad_entropy is None else lse - entropy
         valid = targets != ignore_index
-        grad_rows = _loss.grad_rows(grad_loss, valid, reduction, _chunked.accumulation_dtype(e.dtype))
+        acc = _chunked.accumulation_dtype(e.dtype)
+        grad_rows = _loss.grad_rows(grad_loss, valid, reduction, acc,
+                                    _loss.row_weights(class_weights, targets, valid, acc))
         grad_e, grad_c, grad_bias = _dispatch.backward(
             e, c, targets, bias, lse, grad_rows, softcap=softcap, ignore_index=ignore_index,
             options=CCEOptions.decode(options), need_e=need_e, need_c=need_c, need_bias=need_bias,
@@ -116,7 +121,7 @@ def linear_cross_entropy_backward_op(
 
 @linear_cross_entropy_backward_op.register_fake
 def _(grad_loss, e, c, targets, bias, lse, grad_lse, entropy, grad_entropy, softcap, ignore_index, reduction,
-      label_smoothing, options, need_e, need_c, need_bias):  # fmt: skip
+      label_smoothing, options, need_e, need_c, need_bias, class_weights=None):  # fmt: skip
     return _loss.grad_outputs_fake(e, c, bias, need_e, need_c, need_bias)
 
 
@@ -152,6 +157,109 @@ def _backward(ctx, grad_loss, grad_lse, grad_entropy):
 
 
 linear_cross_entropy_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Class weights and the argmax: the same op with two more inputs / outputs (a separate op, so that the graphs of
+# every other site keep their schema)
+# --------------------------------------------------------------------------------------------------------------
+
+_ARGMAX_ROUNDING = {"": None, "float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16,
+                    "float16": torch.float16}  # fmt: skip
+
+
+@torch.library.custom_op("cce_inductor::linear_cross_entropy_ext", mutates_args=())
+def linear_cross_entropy_ext_op(
+    e: Tensor,
+    c: Tensor,
+    targets: Tensor,
+    bias: Optional[Tensor],
+    class_weights: Optional[Tensor],
+    softcap: Optional[float],
+    ignore_index: int,
+    reduction: str,
+    label_smoothing: float,
+    options: str,
+    full_lse: bool,
+    entropy: bool,
+    argmax: str,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """:func:`linear_cross_entropy_op` with ``F.cross_entropy``'s class weights and each row's argmax.
+    Returns ``(loss, lse, entropy, argmax)``.
+
+    ``class_weights`` (V,): each counted row's loss is scaled by its target's weight, and a mean divides by the sum
+    of those weights (eager's semantics: 0/0 = NaN when every row is ignored); not with label smoothing (eager's
+    weighted smoothing is another formula). ``argmax``: "" for none, else the dtype whose rounding the logits get
+    before the comparison (the dtype eager's logits have: 16-bit logits tie where their fp32 sums differ): each
+    row's ``argmax`` of the logits, int64, ``torch.argmax``'s ties (the first maximal index), every row computed."""
+    diagnostics.count_execution("linear_cross_entropy")
+    if class_weights is not None and label_smoothing != 0.0:
+        raise ValueError("linear_cross_entropy: class weights with label_smoothing are not supported")
+    if argmax not in _ARGMAX_ROUNDING:
+        raise ValueError(f"argmax must be one of {sorted(_ARGMAX_ROUNDING)}, got {argmax!r}")
+    with torch.autocast(e.device.type, enabled=False):
+        _checks.check_inputs(e, c, targets, bias)
+        _checks.check_class_weights(class_weights, c)
+        _checks.check_target_range(targets, c.shape[0], ignore_index)
+        acc = _chunked.accumulation_dtype(e.dtype)
+        argmax_out = torch.empty(e.shape[0] if argmax else 0, dtype=torch.int64, device=e.device)
+        lse, target_logit, logit_sum, mean_logit = _dispatch.forward(
+            e, c, targets, bias, softcap=softcap, ignore_index=ignore_index, logit_sum=label_smoothing != 0.0,
+            mean_logit=entropy, every_row=full_lse or entropy or bool(argmax),
+            argmax_out=argmax_out if argmax else None, argmax_round=_ARGMAX_ROUNDING[argmax],
+        )
+        valid = targets != ignore_index
+        row_loss = _loss.row_losses(lse, target_logit, logit_sum, valid, label_smoothing, c.shape[0], acc)
+        row_entropy = lse - mean_logit if entropy else lse.new_empty(0)
+        loss = _loss.reduce_rows(row_loss, valid, reduction, _loss.row_weights(class_weights, targets, valid, acc))
+        return loss, lse, row_entropy, argmax_out
+
+
+@linear_cross_entropy_ext_op.register_fake
+def _(e, c, targets, bias, class_weights, softcap, ignore_index, reduction, label_smoothing, options, full_lse, entropy,
+      argmax):  # fmt: skip
+    _checks.check_inputs(e, c, targets, bias)
+    _checks.check_class_weights(class_weights, c)
+    n_rows = e.shape[0]
+    loss = e.new_empty((n_rows,) if reduction == "none" else (), dtype=_chunked.accumulation_dtype(e.dtype))
+    row_dtype = _dispatch.lse_dtype(e.device, e.dtype)
+    return (loss, e.new_empty((n_rows,), dtype=row_dtype),
+            e.new_empty((n_rows if entropy else 0,), dtype=row_dtype),
+            e.new_empty((n_rows if argmax else 0,), dtype=torch.int64))  # fmt: skip
+
+
+_EXT_ATTRS = ("softcap", "ignore_index", "reduction", "label_smoothing", "options")
+
+
+def _setup_context_ext(ctx, inputs, output) -> None:
+    e, c, targets, bias, class_weights, *attrs, full_lse, entropy, _ = inputs
+    _, lse, row_entropy, argmax = output
+    ctx.save_for_backward(e, c, targets, bias, lse, row_entropy if entropy else None, class_weights)
+    ctx.mark_non_differentiable(argmax)
+    if not full_lse:
+        ctx.mark_non_differentiable(lse)
+    if not entropy:
+        ctx.mark_non_differentiable(row_entropy)
+    ctx.full_lse = full_lse
+    ctx.attrs = dict(zip(_EXT_ATTRS, attrs))
+
+
+def _backward_ext(ctx, grad_loss, grad_lse, grad_entropy, _grad_argmax):
+    e, c, targets, bias, lse, row_entropy, class_weights = ctx.saved_tensors
+    need_e, need_c, _, need_bias, need_weights = ctx.needs_input_grad[:5]
+    if need_weights:
+        # never a silently missing gradient: the public wrapper and the pass refuse weights that require grad
+        raise RuntimeError("cce_inductor: the gradient w.r.t. cross_entropy's class weights is not computed")
+    grad_e, grad_c, grad_bias = linear_cross_entropy_backward_op(
+        grad_loss, e, c, targets, bias, lse, grad_lse if ctx.full_lse else None,
+        row_entropy, grad_entropy if row_entropy is not None else None, **ctx.attrs,
+        need_e=need_e, need_c=need_c, need_bias=need_bias, class_weights=class_weights,
+    )
+    return (grad_e if need_e else None, grad_c if need_c else None, None, grad_bias if need_bias else None, None) \
+        + (None,) * (len(_EXT_ATTRS) + 3)  # fmt: skip
+
+
+linear_cross_entropy_ext_op.register_autograd(_backward_ext, setup_context=_setup_context_ext)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -258,6 +366,7 @@ def linear_cross_entropy(
     ignore_index: int = -100,
     reduction: str = "mean",
     label_smoothing: float = 0.0,
+    class_weights: Optional[Tensor] = None,
     options: Optional[CCEOptions] = None,
 ) -> Tensor:
     """``F.cross_entropy(softcap(e @ c.T + bias), targets, ...)`` without materialising the logits.
@@ -271,6 +380,9 @@ def linear_cross_entropy(
         reduction: ``"mean"`` (over non-ignored targets; NaN if there are none), ``"sum"`` or ``"none"``
             (shape ``targets.shape``, 0 at ignored positions).
         label_smoothing: as in ``F.cross_entropy``, in ``[0, 1]``.
+        class_weights: ``F.cross_entropy``'s ``weight``, ``(V,)``: a counted row's loss is scaled by its target's
+            weight, and "mean" divides by the sum of those weights. Not with ``label_smoothing``; not differentiable
+            (an error where they require grad). Always the lean path.
         options: :class:`cce_inductor.CCEOptions` (``exact``, ``products``, ``backward_row_chunk``, ``path``,
             ``scratch_mb``); default ``CCEOptions()``, not the environment: a direct call does what its arguments
             say. The path is chosen as the pass chooses it (``cce_inductor.paths.choose``) for these operands: a
@@ -285,8 +397,22 @@ def linear_cross_entropy(
         raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing}")
     if options is not None and not isinstance(options, CCEOptions):
         raise TypeError(f"options must be a cce_inductor.CCEOptions, got {type(options).__name__}")
+    if class_weights is not None:
+        if label_smoothing != 0.0:
+            raise NotImplementedError("linear_cross_entropy: class_weights with label_smoothing are not supported "
+                                      "(F.cross_entropy's weighted label smoothing is another formula)")
+        if class_weights.requires_grad and torch.is_grad_enabled():
+            raise ValueError("linear_cross_entropy: class_weights that require grad are not supported (their "
+                             "gradient is not computed); pass class_weights.detach()")
     e, c, bias = _checks.autocast_inputs(e, c, bias)
     options = options or CCEOptions()
+    if class_weights is not None:
+        loss, _, _, _ = linear_cross_entropy_ext_op(
+            e.reshape(-1, e.shape[-1]), c, targets.reshape(-1).long(), bias, class_weights,
+            None if softcap is None else float(softcap), int(ignore_index), reduction, float(label_smoothing),
+            options.encode(), False, False, "",
+        )
+        return loss.view(targets.shape) if reduction == "none" else loss
     need = (e.requires_grad, c.requires_grad, bias is not None and bias.requires_grad)
     facts = _dispatch.head_facts(math.prod(e.shape[:-1]), e.shape[-1], c.shape[0], e.dtype, e.device, reduction,
                        needs_grad=torch.is_grad_enabled() and any(need))

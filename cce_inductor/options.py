@@ -38,10 +38,16 @@ PathName = Literal["auto", "lean", "balanced"]
 class CCEOptions:
     """How rewritten sites compute their loss; every field is validated and part of the pass's cache key.
 
-    drop_logits: when the logits also leave the compiled region (Hugging Face models return them), return in their
-        place a placeholder of their shape and dtype that raises on any use (``DroppedLogits``), so the site can
-        still be rewritten. Off by default: it changes what the compiled function returns (docs/design.md,
-        "Dropping logits by default?"). Environment: ``CCE_INDUCTOR_DROP_LOGITS=1``.
+    lazy_logits: when the logits also leave the compiled region (Hugging Face models return them), rewrite the site
+        anyway and return in their place logits computed on first use (``LazyLogits``: the hidden-state rows and the
+        head are held, ``N x D``, not ``N x V``; code that reads them gets the graph's numbers, code that does not
+        pays nothing more; a backward through them raises). On by default; off, such a site is left to Inductor.
+        ``drop_logits`` wins over it. Not under CUDA graphs (``mode="reduce-overhead"`` returns plain tensors): such
+        sites are left alone there. Environment: ``CCE_INDUCTOR_LAZY_LOGITS=0`` turns it off.
+    drop_logits: when the logits also leave the compiled region, return in their place a placeholder of their shape
+        and dtype that raises on any use (``DroppedLogits``): for code that must never compute them. Off by default
+        (docs/design.md, "Dropping logits by default?"; docs/clients.md, "The one switch: lazy logits").
+        Environment: ``CCE_INDUCTOR_DROP_LOGITS=1``.
     exact: the CUDA backward carries the softmax gradient into its products as two 16-bit halves and sums dC in
         fp32: gradients at the rounding floor of the output dtype, for ~1.6x the backward's time.
         Environment: ``CCE_INDUCTOR_EXACT=1``.
@@ -71,9 +77,10 @@ class CCEOptions:
     backward_row_chunk: int = 8192
     path: PathName = "auto"
     scratch_mb: int = 0
+    lazy_logits: bool = True
 
     def __post_init__(self) -> None:
-        for name in ("drop_logits", "exact"):
+        for name in ("drop_logits", "exact", "lazy_logits"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.products not in ("cublas", "triton"):
@@ -119,7 +126,7 @@ class CCEOptions:
 
 
 _FIELDS = {field.name: field for field in dataclasses.fields(CCEOptions)}
-# drop_logits changes the graph around the op, not what the op computes.
+# drop_logits and lazy_logits change the graph around the op, not what the op computes.
 _OP_FIELDS = ("exact", "products", "backward_row_chunk", "path", "scratch_mb")
 
 

@@ -9,6 +9,9 @@ For every row n that counts (targets[n] != ignore_index)
                                                     sees the targets other shards hold that way)
     logit_sum[n]    = sum_v logits[n, v]           (only with LOGIT_SUM: the label-smoothing term)
     mean_logit[n]   = sum_v softmax[n, v] logits[n, v]   (only with MEAN_LOGIT: entropy[n] = lse[n] - mean_logit[n])
+    argmax[n]       = argmax_v round(logits[n, v])  (only with ARGMAX: torch.argmax's ties -- the first maximal
+                                                    index, a NaN larger than everything -- over the logits rounded
+                                                    to the dtype eager's logits have, ROUND)
 
 Block / grid layout (flash-decoding style)
 ------------------------------------------
@@ -30,8 +33,9 @@ tile-sized mask live beside the accumulator, and the kernel spilled registers (H
 ``E[n] . C[targets[n]]`` per row (+ bias, softcap), fp32 sums of exact bf16 products: N * D reads, ~0.05 ms at
 N = 8192.  The lean backward uses the same kernel (``target_logits``) for the one-hot entries of its gradient.
 
-Each program writes its partial ``(max, sumexp[, logit_sum][, zexp])`` for its rows into ``(splits, N)``
-fp32 buffers; ``_combine_kernel`` (grid ``cdiv(N, BLOCK)``) merges the splits:
+Each program writes its partial ``(max, sumexp[, logit_sum][, zexp][, best, best_index])`` for its rows into
+``(splits, N)`` fp32 buffers (int32 for the index); ``_combine_kernel`` (grid ``cdiv(N, BLOCK)``) merges the splits
+(the argmax: a strictly larger best, so the earlier split wins a tie):
 ``lse = m + log(sum_s sumexp_s * exp(max_s - m))``, ``mean_logit = sum_s zexp_s * exp(max_s - m) / sum_s sumexp_s *
 exp(max_s - m)``.  Ignored rows get lse = target_logit = logit_sum = mean_logit = 0.
 
@@ -61,13 +65,14 @@ _TUNING = {
 
 @triton.jit
 def _lse_forward_kernel(
-    E, C, Bias, RowOrder, NumValid, PartMax, PartSum, PartLogitSum, PartZExp,
+    E, C, Bias, RowOrder, NumValid, PartMax, PartSum, PartLogitSum, PartZExp, PartBest, PartBestIndex,
     N, V, D,
     stride_en, stride_ed, stride_cv, stride_cd,
     vblocks_per_split, softcap,
     HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, LOGIT_SUM: tl.constexpr, MEAN_LOGIT: tl.constexpr,
     TMA: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, EVEN_D: tl.constexpr, EVEN_V: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
+    ARGMAX: tl.constexpr = False, ROUND: tl.constexpr = 0,
 ):
     row_block = tl.program_id(0)
     split = tl.program_id(1)
@@ -83,6 +88,8 @@ def _lse_forward_kernel(
     run_sum = tl.zeros((BLOCK_N,), dtype=tl.float32)
     logit_sum = tl.zeros((BLOCK_N,), dtype=tl.float32)
     run_zexp = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    best = tl.full((BLOCK_N,), float("-inf"), dtype=tl.float32)
+    best_index = tl.zeros((BLOCK_N,), dtype=tl.int32)
 
     vb_start = split * vblocks_per_split
     vb_end = tl.minimum(vb_start + vblocks_per_split, tl.cdiv(V, BLOCK_V))
@@ -105,6 +112,8 @@ def _lse_forward_kernel(
             finite_logits = logits
         if LOGIT_SUM:
             logit_sum += tl.sum(finite_logits, axis=1)
+        if ARGMAX:
+            best, best_index = _fold_argmax(best, best_index, logits, cols, ROUND)
         new_max = tl.maximum(run_max, tl.max(logits, axis=1))
         rescale = tl.exp(run_max - new_max)
         exps = tl.exp(logits - new_max[:, None])
@@ -120,6 +129,27 @@ def _lse_forward_kernel(
         tl.store(PartLogitSum + out, logit_sum, mask=row_mask)
     if MEAN_LOGIT:
         tl.store(PartZExp + out, run_zexp, mask=row_mask)
+    if ARGMAX:
+        tl.store(PartBest + out, best, mask=row_mask)
+        tl.store(PartBestIndex + out, best_index, mask=row_mask)
+
+
+@triton.jit
+def _fold_argmax(best, best_index, logits, cols, ROUND: tl.constexpr):
+    """The running (max, argmax) of each row after one more tile (columns ``cols``; padded columns hold -inf): the
+    logits rounded as eager's are (ROUND 1: bf16, 2: fp16), a NaN counted as +inf (torch.argmax: NaN is the
+    largest; a row holding both +inf and a later NaN is the one difference), the first maximal column of the tile,
+    and a strictly larger value across tiles, so the first maximal index wins as in ``torch.argmax``."""
+    values = logits
+    if ROUND == 1:
+        values = values.to(tl.bfloat16).to(tl.float32)
+    if ROUND == 2:
+        values = values.to(tl.float16).to(tl.float32)
+    values = tl.where(values != values, float("inf"), values)
+    tile_max = tl.max(values, axis=1)
+    first = tl.min(tl.where(values == tile_max[:, None], cols[None, :], 2147483647), axis=1)
+    better = tile_max > best
+    return tl.where(better, tile_max, best), tl.where(better, first, best_index)
 
 
 @triton.jit
@@ -154,6 +184,7 @@ def _combine_kernel(
     PartMax, PartSum, PartLogitSum, PartZExp, Targets, Lse, LogitSum, MeanLogit,
     N, num_splits, ignore_index,
     LOGIT_SUM: tl.constexpr, MEAN_LOGIT: tl.constexpr, BLOCK: tl.constexpr,
+    PartBest=None, PartBestIndex=None, Argmax=None, ARGMAX: tl.constexpr = False,
 ):
     rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     in_range = rows < N
@@ -179,6 +210,15 @@ def _combine_kernel(
         tl.store(LogitSum + rows, tl.where(valid, logit_sum, 0.0), mask=in_range)
     if MEAN_LOGIT:
         tl.store(MeanLogit + rows, tl.where(valid, zexp / tl.where(valid, total, 1.0), 0.0), mask=in_range)
+    if ARGMAX:
+        best = tl.full((BLOCK,), float("-inf"), dtype=tl.float32)
+        best_index = tl.zeros((BLOCK,), dtype=tl.int32)
+        for s in range(0, num_splits):
+            part_best = tl.load(PartBest + s * N + rows, mask=valid, other=float("-inf"))
+            better = part_best > best
+            best = tl.where(better, part_best, best)
+            best_index = tl.where(better, tl.load(PartBestIndex + s * N + rows, mask=valid, other=0), best_index)
+        tl.store(Argmax + rows, best_index.to(tl.int64), mask=in_range)
 
 
 def tma_operands(e: torch.Tensor, c: torch.Tensor, tune: dict) -> bool:
@@ -223,10 +263,15 @@ def target_logits(e, c, targets, bias, *, softcap, ignore_index, out=None):
     return out
 
 
-def forward(e, c, targets, bias, *, softcap, ignore_index, logit_sum=False, mean_logit=False, every_row=False):
+_ROUND = {None: 0, torch.float32: 0, torch.float64: 0, torch.bfloat16: 1, torch.float16: 2}
+
+
+def forward(e, c, targets, bias, *, softcap, ignore_index, logit_sum=False, mean_logit=False, every_row=False,
+            argmax_out=None, argmax_round=None):
     """Launch helper: :class:`RowStats` ``(lse, target_logit, logit_sum | None, mean_logit | None)``; see the module
     docstring.  ``every_row``: the rows whose target is ``ignore_index`` are computed too (their target logit is that
-    of ``ignore_index`` where it lies in ``[0, V)``, else 0)."""
+    of ``ignore_index`` where it lies in ``[0, V)``, else 0).  ``argmax_out``: an int64 ``(N,)`` tensor that receives
+    each counted row's argmax over the logits rounded to ``argmax_round`` (0 at rows not counted)."""
     if every_row:
         ignore_index = EVERY_ROW
     tune = _launch.tuning(_TUNING)
@@ -248,9 +293,12 @@ def forward(e, c, targets, bias, *, softcap, ignore_index, logit_sum=False, mean
     vblocks_per_split = triton.cdiv(vblocks, splits)
     splits = triton.cdiv(vblocks, vblocks_per_split)
 
-    part = torch.empty((2 + logit_sum + mean_logit, splits, n), dtype=torch.float32, device=device)
+    argmax = argmax_out is not None
+    part = torch.empty((2 + logit_sum + mean_logit + argmax, splits, n), dtype=torch.float32, device=device)
     part_logit_sum = part[2] if logit_sum else part[0]  # (unused without logit_sum)
-    part_zexp = part[-1] if mean_logit else part[0]  # (unused without mean_logit)
+    part_zexp = part[2 + logit_sum] if mean_logit else part[0]  # (unused without mean_logit)
+    part_best = part[-1] if argmax else part[0]  # (unused without argmax)
+    part_best_index = torch.empty((splits, n), dtype=torch.int32, device=device) if argmax else row_order
     use_tma = tma_operands(e, c, tune)
     e_op, c_op = e, c
     if use_tma:  # the counted rows, compacted: a tile's rows must be contiguous for the copy engine
@@ -258,13 +306,13 @@ def forward(e, c, targets, bias, *, softcap, ignore_index, logit_sum=False, mean
         c_op = _launch.descriptor(c, [block_v, block_d])
     _lse_forward_kernel[(row_blocks, splits)](
         e_op, c_op, bias if bias is not None else e, row_order, num_valid, part[0], part[1], part_logit_sum, part_zexp,
-        n, v, d,
+        part_best, part_best_index, n, v, d,
         e.stride(0), e.stride(1), c.stride(0), c.stride(1),
         vblocks_per_split, float(softcap) if softcap is not None else 1.0,
         HAS_BIAS=bias is not None, HAS_SOFTCAP=softcap is not None, LOGIT_SUM=logit_sum, MEAN_LOGIT=mean_logit,
         TMA=use_tma, UPCAST=_launch.upcast_dots(e.dtype), DOT_PRECISION=_launch.dot_precision(e.dtype),
         EVEN_D=(d % block_d == 0), EVEN_V=(v % block_v == 0), BLOCK_N=block_n, BLOCK_V=block_v, BLOCK_D=block_d,
-        num_warps=tune["num_warps"],
+        ARGMAX=argmax, ROUND=_ROUND[argmax_round], num_warps=tune["num_warps"],
         num_stages=_launch.fit_num_stages(tune["num_stages"], block_n, block_v, block_d, e.element_size()),
     )
     target_logits(e, c, targets, bias, softcap=softcap, ignore_index=ignore_index, out=target_logit)
@@ -273,5 +321,6 @@ def forward(e, c, targets, bias, *, softcap, ignore_index, logit_sum=False, mean
         part[0], part[1], part_logit_sum, part_zexp, targets, lse,
         row_sums if logit_sum else lse, row_means if mean_logit else lse, n, splits, ignore_index,
         LOGIT_SUM=logit_sum, MEAN_LOGIT=mean_logit, BLOCK=combine_block, num_warps=4,
+        PartBest=part_best, PartBestIndex=part_best_index, Argmax=argmax_out if argmax else row_order, ARGMAX=argmax,
     )
     return RowStats(lse, target_logit, row_sums, row_means)

@@ -339,14 +339,59 @@ def walk_logits(logits: fx.Node, consumer: fx.Node) -> Logits:
 
 def private_chain(chain: list[fx.Node], consumer: fx.Node, allowed: list[fx.Node] = ()) -> list[fx.Node]:
     """The chain must be private to its loss (besides ``allowed`` users), except for being returned from the graph
-    (Hugging Face models return their logits): returns those escaping nodes, or raises NoMatch."""
+    (Hugging Face models return their logits), directly or through casts and row views (Accelerate's mixed precision
+    returns ``logits.float()``): returns the nodes whose values are graph outputs, or raises NoMatch."""
     escaping = []
     for i, node in enumerate(chain):
         next_node = chain[i + 1] if i + 1 < len(chain) else consumer
         others = [user for user in node.users if user is not next_node and user not in allowed]
-        if any(user.op != "output" for user in others):
-            names = ", ".join(short(user) for user in others if user.op != "output")
-            raise NoMatch(f"the logits ({node.name}) are also used by {names}, not only by the loss")
-        if others:
+        if any(user.op == "output" for user in others):
             escaping.append(node)
+        for user in others:
+            if user.op != "output":
+                escaping.extend(_returned_branch(user, node))
     return escaping
+
+
+def _returned_branch(node: fx.Node, source: fx.Node) -> list[fx.Node]:
+    """The graph outputs reached from ``node`` (a user of chain node ``source``) through casts, ``contiguous``,
+    ``detach`` and row views alone, or NoMatch: the logits have another user."""
+    if not is_replayable_view(node):
+        raise NoMatch(f"the logits ({source.name}) are also used by {short(node)}, not only by the loss")
+    returned = []
+    for user in node.users:
+        if user.op == "output":
+            returned.append(node)
+        else:
+            returned.extend(_returned_branch(user, source))
+    return list(dict.fromkeys(returned))
+
+
+DETACH = {("call_method", "detach"), ("call_function", torch.detach)}
+
+
+def is_replayable_view(node: fx.Node) -> bool:
+    """A node that changes neither the logits' values nor their vocabulary dimension: a cast to a floating-point
+    dtype, ``contiguous``, ``detach``, a row view."""
+    if matches(node, IDENTITY_VIEW) or spelling(node) in DETACH:
+        return True
+    cast_to = upcast_target(node)
+    if cast_to is not None:
+        return cast_to in SUPPORTED_DTYPES
+    if matches(node, RESHAPE) or matches(node, FLATTEN) or matches(node, GETITEM):
+        meta = example_value(node.args[0])
+        try:
+            _row_step(node, meta.shape[-1])
+        except (NoMatch, AttributeError, IndexError, TypeError):
+            return False
+        return True
+    return False
+
+
+def branch_path(node: fx.Node, chain: list[fx.Node]) -> list[fx.Node]:
+    """The nodes from the head to ``node`` (a chain node, or the end of a returned branch), forward order."""
+    tail = []
+    while node not in chain:
+        tail.append(node)
+        node = node.args[0]
+    return chain[: chain.index(node) + 1] + tail[::-1]

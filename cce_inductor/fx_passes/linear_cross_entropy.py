@@ -17,9 +17,11 @@ in any order)::
                   |         ---- softcap:     tanh(logits / cap) * cap  (or  * (1 / cap))
           logits2d (M, V)           targets (M,) int   (any computation: shifts, F.pad(labels, (0, 1), value=ignore))
                    \\                /
-                 cross_entropy(logits2d, targets, ignore_index=i, reduction=r, label_smoothing=eps)   [weight=None]
+                 cross_entropy(logits2d, targets, ignore_index=i, reduction=r, label_smoothing=eps, [weight=w])
 
                  [logsumexp(logits2d, -1), after the cross_entropy: a z-loss, logging]
+                 [argmax(<a chain node from which only row reshapes and upcasts lead to logits2d>, -1):
+                  token accuracy, predictions; after the cross_entropy, or before it once every operand exists]
 
 is replaced by::
 
@@ -28,6 +30,11 @@ is replaced by::
                                               False)
     loss = fused[0].to(<dtype cross_entropy returned>)
     lse = fused[1].to(<dtype logsumexp returned>)          (only with logsumexp users: full_lse, every row's lse)
+
+and, with class weights ``w`` (V,) (no label smoothing: eager's weighted smoothing is another formula) or argmax
+users, by ``cce_inductor::linear_cross_entropy_ext(rows, weight, targets, bias, w, ..., argmax_dtype)`` whose fourth
+output, each row's argmax (``torch.argmax``'s ties, over the logits rounded to the dtype they have in the graph),
+takes the argmax nodes' place, viewed to their shape.
 
 Every ``cross_entropy`` that is not rewritten gets a reason in :func:`cce_inductor.stats` and the
 ``cce_inductor`` log. The tables below are the whole vocabulary of the matcher. Sites on DTensors belong to
@@ -38,6 +45,7 @@ from the loss back to the head is ``head_chain.py``'s, the replacement ``sites.p
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import operator
 from typing import Any, Optional, Union
@@ -48,14 +56,15 @@ import torch.nn.functional as F
 
 from .. import _checks, diagnostics
 from ..options import CCEOptions
-from .head_chain import NoMatch, mutated_tensor, private_chain, storage_roots, walk_logits
+
+from .head_chain import NoMatch, mutated_tensor, private_chain, storage_roots, upcast_target, walk_logits
 from .sites import (
-    EmitLoss, Site, check_escaping, choose_path, decide, describe_site, head_operands, path_decision, replace_site,
-    retire, rows_of,
+    EmitLoss, Site, check_escaping, choose_path, decide, describe_site, head_operands, lazy_recipe, path_decision,
+    replace_site, retire, rows_of,
 )
 from .spellings import (
-    CROSS_ENTROPY, GRAD_MODE, call_arg, const_float, example_value, is_dtensor, is_row_logsumexp, matches,
-    requires_grad,
+    CROSS_ENTROPY, FLATTEN, GETITEM, GRAD_MODE, IDENTITY_VIEW, RESHAPE, call_arg, const_float, example_value, functions,
+    is_dtensor, is_row_logsumexp, matches, methods, requires_grad, short,
 )
 
 _CE_SIGNATURE = inspect.signature(F.cross_entropy)
@@ -66,8 +75,6 @@ def match_site(ce: fx.Node) -> Site:
     bound = _CE_SIGNATURE.bind(*ce.args, **ce.kwargs)
     bound.apply_defaults()
     args = bound.arguments
-    if args["weight"] is not None:
-        raise NoMatch("cross_entropy has class weights (weight=...)")
     label_smoothing = const_float(args["label_smoothing"])
     if label_smoothing is None or not 0.0 <= label_smoothing <= 1.0:
         raise NoMatch(f"label_smoothing={args['label_smoothing']!r} is not a constant in [0, 1]")
@@ -90,6 +97,9 @@ def match_site(ce: fx.Node) -> Site:
             f"cross_entropy input is {logits_meta.dim()}-D and target {targets_meta.dim()}-D; "
             "only (N, V) logits with (N,) class targets are matched"
         )
+    class_weight = args["weight"]
+    if class_weight is not None:
+        _check_class_weight(class_weight, logits_meta, label_smoothing)
     logits = walk_logits(logits2d, ce)
 
     # A log-sum-exp of the loss's own logits (a z-loss) may read them too: the op computes it anyway.
@@ -97,20 +107,127 @@ def match_site(ce: fx.Node) -> Site:
     position = {node: i for i, node in enumerate(ce.graph.nodes)}
     if any(position[user] < position[ce] for user in lse_users):
         raise NoMatch("logsumexp of the logits comes before the cross_entropy (only the other order is matched)")
+    argmax_users, argmax_round = _argmax_users(logits.chain)
+    argmax_branches = _branches(argmax_users, logits.chain)
+    insert_before = None
+    if argmax_users and min(position[user] for user in argmax_users) < position[ce]:
+        first = min(argmax_users, key=position.get)
+        operands = [n for n in (logits.hidden, logits.weight, logits.bias, targets, class_weight)
+                    if isinstance(n, fx.Node)]
+        late = [n.name for n in operands if position[n] > position[first]]
+        if late:
+            raise NoMatch(f"the argmax of the logits ({first.name}) comes before {', '.join(late)}, which the fused "
+                          "call needs")
+        insert_before = first
     return Site(
         cross_entropy=ce,
         targets=targets,
         ignore_index=args["ignore_index"],
         reduction=args["reduction"],
         label_smoothing=label_smoothing,
-        escaping=private_chain(logits.chain, ce, allowed=lse_users),
+        escaping=private_chain(logits.chain, ce, allowed=lse_users + argmax_users + argmax_branches),
         lse_users=lse_users,
+        class_weight=class_weight,
+        argmax_users=argmax_users,
+        argmax_branches=argmax_branches,
+        argmax_round=argmax_round,
+        insert_before=insert_before,
         **logits.fields(),
     )
 
 
+def _check_class_weight(weight: Any, logits_meta: torch.Tensor, label_smoothing: float) -> None:
+    """``cross_entropy(..., weight=w)`` is rewritten where eager computes it as the op does; otherwise NoMatch (and
+    eager's own error for bad weights, as the site is left to it)."""
+    meta = example_value(weight)
+    if not isinstance(meta, torch.Tensor):
+        raise NoMatch("cross_entropy's class weights are not a tensor")
+    if label_smoothing != 0.0:
+        raise NoMatch("cross_entropy has class weights and label_smoothing: eager's weighted label smoothing "
+                      "(the smoothing term weighted per class) is not implemented")
+    if meta.dim() != 1 or meta.shape[0] != logits_meta.shape[-1]:
+        raise NoMatch(f"cross_entropy's class weights have shape {tuple(meta.shape)}, not (V,)")
+    if meta.dtype != logits_meta.dtype:
+        raise NoMatch(f"cross_entropy's class weights are {meta.dtype} but its input is {logits_meta.dtype} "
+                      "(eager raises: left to it)")
+    if meta.requires_grad:
+        raise NoMatch("cross_entropy's class weights require grad (their gradient is not computed by the fused op)")
+
+
+ARGMAX = functions(torch.argmax) | methods("argmax")
+
+
+def _branches(argmax_users: list[fx.Node], chain: list[fx.Node]) -> list[fx.Node]:
+    """The upcasts between the chain and its argmax nodes (``_upcast_branch_argmaxes``): read by those alone."""
+    found: list[fx.Node] = []
+    for user in argmax_users:
+        node = call_arg(user, 0, "input")
+        while node not in chain:
+            found.append(node)
+            node = node.args[0]
+    return list(dict.fromkeys(found))
+# Views and casts that keep the values and the rows' order: an argmax before them is the argmax of the loss's rows.
+_ROW_ORDER_KEEPING = RESHAPE | FLATTEN | IDENTITY_VIEW
+
+
+def _upcast_branch_argmaxes(node: fx.Node) -> Optional[list[fx.Node]]:
+    """The argmax nodes at the end of ``node``, an upcast / ``contiguous`` of a chain node (``logits.float()
+    .argmax(-1)``) every user of which is an argmax or another such node; None if it has another user."""
+    if not (matches(node, IDENTITY_VIEW) or upcast_target(node) is not None):
+        return None
+    found = []
+    for user in node.users:
+        if matches(user, ARGMAX):
+            found.append(user)
+            continue
+        deeper = _upcast_branch_argmaxes(user)
+        if deeper is None:
+            return None
+        found += deeper
+    return found or None
+
+
+def _argmax_users(chain: list[fx.Node]) -> tuple[list[fx.Node], str]:
+    """``argmax(x, -1)`` nodes reading a node of the chain (directly, or through upcasts of it that nothing else
+    reads), and the dtype the op rounds the logits to before its argmax (the values' dtype in the graph); NoMatch for
+    an argmax the op cannot give (before the scale / softcap: other values; before a slice of the rows: other rows)."""
+    def keeps_values(node: fx.Node) -> bool:
+        return matches(node, _ROW_ORDER_KEEPING) or matches(node, GETITEM) or upcast_target(node) is not None
+
+    last_value = max(i for i, node in enumerate(chain) if i == 0 or not keeps_values(node))
+    users = []
+    for i, node in enumerate(chain):
+        next_node = chain[i + 1] if i + 1 < len(chain) else None
+        readers = [user for user in node.users if matches(user, ARGMAX)]
+        for user in node.users:
+            if user is not next_node and user not in chain and not matches(user, ARGMAX):
+                readers += _upcast_branch_argmaxes(user) or []
+        for user in readers:
+            meta = example_value(node)
+            dim = call_arg(user, 1, "dim")
+            keepdim = call_arg(user, 2, "keepdim", False)
+            if not isinstance(dim, int) or dim not in (-1, meta.dim() - 1) or not isinstance(keepdim, bool):
+                raise NoMatch(f"{short(user)} is not over the vocabulary dimension alone")
+            if set(user.kwargs) - {"dim", "keepdim"}:
+                raise NoMatch(f"{short(user)} has arguments the fused op does not take")
+            if i < last_value:
+                raise NoMatch(f"{short(user)} reads the logits before their scale / softcap (other values)")
+            between = chain[i + 1 :]
+            if any(not (matches(n, _ROW_ORDER_KEEPING) or upcast_target(n) is not None) for n in between):
+                raise NoMatch(f"{short(user)} reads the logits before a slice of their rows (other rows than the loss)")
+            users.append(user)
+    rounding = str(example_value(chain[last_value]).dtype).removeprefix("torch.") if users else ""
+    return users, rounding
+
+
+def _extended(site: Site) -> bool:
+    return site.class_weight is not None or bool(site.argmax_users)
+
+
 def _fused_loss(options: CCEOptions) -> EmitLoss:
     def emit(graph: fx.Graph, site: Site, rows, weight, targets, bias) -> fx.Node:
+        if _extended(site):
+            return _emit_ext(graph, site, rows, weight, targets, bias, options)
         if choose_path(site, options).path == "balanced":
             need = (requires_grad(site.hidden), requires_grad(site.weight),
                     site.bias is not None and requires_grad(site.bias))
@@ -135,6 +252,43 @@ def _fused_loss(options: CCEOptions) -> EmitLoss:
         return graph.call_function(operator.getitem, (fused, 0))
 
     return emit
+
+
+def _emit_ext(graph: fx.Graph, site: Site, rows, weight, targets, bias, options: CCEOptions) -> fx.Node:
+    """The op with class weights and / or the argmax (module docstring): the lse and argmax users take its outputs."""
+    fused = graph.call_function(
+        torch.ops.cce_inductor.linear_cross_entropy_ext.default,
+        (rows, weight, targets, bias, site.class_weight, site.softcap, site.ignore_index, site.reduction,
+         site.label_smoothing, options.encode(), bool(site.lse_users), False, site.argmax_round),
+    )  # fmt: skip
+    lse_dtype = torch.float64 if site.compute_dtype == torch.float64 else torch.float32
+    for user in site.lse_users:
+        lse = graph.call_function(operator.getitem, (fused, 1))
+        if example_value(user).dtype != lse_dtype:
+            lse = graph.call_method("to", (lse, example_value(user).dtype))
+        user.replace_all_uses_with(lse)
+        graph.erase_node(user)
+    if site.argmax_users:
+        argmax = graph.call_function(operator.getitem, (fused, 3))
+        for user in site.argmax_users:
+            # the rows as the argmax's input has them: the row views up to it, replayed on the hidden states
+            row_steps, _ = lazy_recipe(site, call_arg(user, 0, "input"))
+            rows_there = rows_of(graph, dataclasses.replace(site, scale=1.0, row_steps=row_steps))
+            leading = graph.call_function(operator.getitem, (graph.call_method("size", (rows_there,)), slice(None, -1)))
+            value = graph.call_method("view", (argmax, leading))
+            if call_arg(user, 2, "keepdim", False):
+                value = graph.call_method("unsqueeze", (value, -1))
+            user.replace_all_uses_with(value)
+            graph.erase_node(user)
+        for node in reversed(_branches_in_order(graph, site)):
+            if not node.users:
+                graph.erase_node(node)
+    return graph.call_function(operator.getitem, (fused, 0))
+
+
+def _branches_in_order(graph: fx.Graph, site: Site) -> list[fx.Node]:
+    position = {node: i for i, node in enumerate(graph.nodes)}
+    return sorted(site.argmax_branches, key=position.get)
 
 
 def cross_entropy_input(ce: fx.Node) -> Any:
@@ -168,8 +322,10 @@ def rewrite_linear_cross_entropy(graph: fx.Graph, options: CCEOptions, graph_id:
     for group in _chunk_groups(matched):
         merged = f"; one call with {len(group) - 1} other chunk(s) of this head" if len(group) > 1 else ""
         # chunks of one head are fused with reduction="none": per-row outputs, the lean path
+        # class weights / the argmax: the op with them has the lean path only (per-row outputs)
         decisions = [path_decision(graph_id, site, describe_site(site) + merged,
-                                   choose_path(site, options, per_row_outputs=len(group) > 1)) for site in group]
+                                   choose_path(site, options, per_row_outputs=len(group) > 1 or _extended(site)))
+                     for site in group]  # fmt: skip
         if len(group) > 1:
             _replace_chunks(graph, group, options)
         else:
@@ -199,7 +355,7 @@ def rewrite_linear_cross_entropy(graph: fx.Graph, options: CCEOptions, graph_id:
 
 
 def _chunk_key(site: Site) -> Optional[tuple]:
-    if site.escaping or site.lse_users:
+    if site.escaping or site.lse_users or site.argmax_users or site.class_weight is not None:
         return None
     return (site.weight, site.weight_is_transposed, site.bias, site.scale, site.softcap, site.ignore_index,
             site.label_smoothing, site.compute_dtype)  # fmt: skip

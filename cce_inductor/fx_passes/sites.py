@@ -7,7 +7,9 @@ A :class:`Site` is a :class:`~cce_inductor.fx_passes.head_chain.Logits` chain pl
     weight = weight (in the logits' dtype; .t() of a (D, V) weight),  bias = bias * scale
     loss   = emit_loss(graph, site, rows, weight, targets, bias)        (the pass's own call of the op)
     <every use of the loss>  ->  loss.to(<the dtype the loss had>)
-    <logits returned from the graph>  ->  dropped_logits(...)   (drop_logits; see cce_inductor/_dropped_logits.py)
+    <logits returned from the graph>  ->  lazy_logits(rows', weight, bias, steps)   (lazy_logits, the default: computed
+                                            on first use; see cce_inductor/_lazy_logits.py), or
+                                          dropped_logits(...)   (drop_logits; see cce_inductor/_dropped_logits.py)
 
 and erases the chain. :func:`decide` runs a matcher and records a refused site's reason for ``stats()``.
 """
@@ -21,10 +23,12 @@ from typing import Any, Callable, Optional, Union
 import torch
 import torch.fx as fx
 
-from .. import _dispatch, _dropped_logits, diagnostics, paths
+from .. import _dispatch, _dropped_logits, _lazy_logits, diagnostics, paths
 from ..options import CCEOptions
-from .head_chain import NoMatch, RowStep, transposed_source
-from .spellings import MATMUL, example_value, matches, requires_grad
+from .head_chain import NoMatch, RowStep, _row_step, branch_path, transposed_source, upcast_target
+from .spellings import (
+    DIV, FLATTEN, GETITEM, MATMUL, MUL, RESHAPE, TANH, const_float, example_value, matches, requires_grad, short,
+)
 
 
 @dataclasses.dataclass
@@ -44,8 +48,14 @@ class Site:
     reduction: str
     label_smoothing: float
     chain: list[fx.Node]  # head ... the loss's input, forward order
-    escaping: list[fx.Node]  # chain nodes that are also graph outputs
+    escaping: list[fx.Node]  # nodes whose values are graph outputs: chain nodes, or casts / row views of them
     lse_users: list[fx.Node]  # logsumexp(loss input, -1) nodes: fed by the op's lse
+    escaping_as: str = ""  # what the escaping logits become: "lazy" or "drop" (set by check_escaping)
+    class_weight: Optional[fx.Node] = None  # cross_entropy's weight= (V,)
+    argmax_users: list[fx.Node] = dataclasses.field(default_factory=list)  # argmax(chain node, -1): fed by the op
+    argmax_branches: list[fx.Node] = dataclasses.field(default_factory=list)  # upcasts between the chain and those
+    argmax_round: str = ""  # the dtype eager's logits have where the argmax reads them ("" without argmax users)
+    insert_before: Optional[fx.Node] = None  # where the fused call goes, if not at the loss (an argmax before it)
 
 
 # What a rewrite puts in place of the loss: given the hidden-state rows (M, D), the (V, D) weight, the targets and
@@ -55,7 +65,7 @@ EmitLoss = Callable[[fx.Graph, Site, fx.Node, fx.Node, fx.Node, Optional[fx.Node
 
 def replace_site(graph: fx.Graph, site: Site, emit_loss: EmitLoss) -> None:
     """Replace the matched site by ``emit_loss``'s nodes (module docstring)."""
-    with graph.inserting_before(site.cross_entropy):
+    with graph.inserting_before(site.insert_before or site.cross_entropy):
         rows, weight, bias = rows_of(graph, site), *head_operands(graph, site)
         loss = emit_loss(graph, site, rows, weight, site.targets, bias)
     retire(graph, site, loss)
@@ -113,14 +123,20 @@ def retire(graph: fx.Graph, site: Site, loss: fx.Node) -> None:
     graph.erase_node(ce)
 
     if site.escaping:
-        # drop_logits: the returned logits become a placeholder of their shape that raises on use
-        # (cce_inductor/_dropped_logits.py); check_escaping made sure each shape can be rebuilt.
         output = next(n for n in graph.nodes if n.op == "output")
         for node in site.escaping:
-            recipe = _dropped_logits.shape_recipe(node, _dropped_logits.shape_sources(site))
             with graph.inserting_before(output):
-                placeholder = _dropped_logits.emit(graph, node, site, recipe)
+                if site.escaping_as == "lazy":  # logits computed on first use (cce_inductor/_lazy_logits.py)
+                    placeholder = _emit_lazy(graph, site, node)
+                else:  # drop_logits: a placeholder that raises on use; check_escaping made sure its shape can be built
+                    recipe = _dropped_logits.shape_recipe(node, _dropped_logits.shape_sources(site))
+                    placeholder = _dropped_logits.emit(graph, node, site, recipe)
             output.replace_input_with(node, placeholder)
+        for node in site.escaping:  # the returned branches (casts, views of the chain) go; the chain goes below
+            while node not in site.chain and not node.users:
+                source = node.args[0]
+                graph.erase_node(node)
+                node = source
 
     for node in reversed(site.chain):
         if not node.users:
@@ -151,24 +167,32 @@ def check_escaping(site: Site, options: CCEOptions) -> None:
     from nodes that stay in the graph."""
     if not site.escaping:
         return
-    if not options.drop_logits:
-        names = ", ".join(n.name for n in site.escaping)
+    names = ", ".join(n.name for n in site.escaping)
+    if not (options.drop_logits or options.lazy_logits):
         raise NoMatch(
-            f"logits escape the compiled region ({names} is a graph output, as in Hugging Face models); "
-            "set CCE_INDUCTOR_DROP_LOGITS=1 or cce_inductor.make_backend(drop_logits=True) "
+            f"logits escape the compiled region ({names} is a graph output, as in Hugging Face models) and "
+            "lazy_logits is off (CCE_INDUCTOR_LAZY_LOGITS=0); turn it back on to return them computed on first use, "
+            "or set CCE_INDUCTOR_DROP_LOGITS=1 or cce_inductor.make_backend(drop_logits=True) "
             "to return, in their place, a placeholder that raises on use"
         )
     if _compiling_with_cuda_graphs():
-        # Inductor's CUDA graphs hand their outputs back as plain tensors over the recorded memory: the placeholder
-        # would come back as an ordinary (NaN-filled) tensor that no longer raises on use.
+        # Inductor's CUDA graphs hand their outputs back as plain tensors over the recorded memory: a placeholder
+        # would come back as an ordinary (NaN-filled) tensor that neither computes nor raises on use.
         raise NoMatch(
-            "logits escape the compiled region and this graph is compiled with CUDA graphs (mode='reduce-overhead'), "
-            "which return plain tensors: a dropped-logits placeholder could not raise on use there"
+            f"logits escape the compiled region ({names}) and this graph is compiled with CUDA graphs "
+            "(mode='reduce-overhead'), which return plain tensors: neither lazy logits nor a dropped-logits "
+            "placeholder can be returned there"
         )
+    if options.drop_logits:
+        for node in site.escaping:
+            recipe = _dropped_logits.shape_recipe(node, _dropped_logits.shape_sources(site))
+            if isinstance(recipe, str):
+                raise NoMatch(f"the returned logits cannot be replaced by a placeholder: {recipe}")
+        site.escaping_as = "drop"
+        return
     for node in site.escaping:
-        recipe = _dropped_logits.shape_recipe(node, _dropped_logits.shape_sources(site))
-        if isinstance(recipe, str):
-            raise NoMatch(f"the returned logits cannot be replaced by a placeholder: {recipe}")
+        lazy_recipe(site, node)  # raises NoMatch where the path cannot be replayed
+    site.escaping_as = "lazy"
 
 
 def _compiling_with_cuda_graphs() -> bool:
@@ -193,8 +217,13 @@ def describe_site(site: Site) -> str:
         parts.append(f"label_smoothing={site.label_smoothing:g}")
     if site.lse_users:
         parts.append("log-sum-exp reused")
+    if site.class_weight is not None:
+        parts.append("class weights")
+    if site.argmax_users:
+        parts.append(f"argmax fused ({', '.join(n.name for n in site.argmax_users)})")
     if site.escaping:
-        parts.append("logits dropped from the outputs")
+        parts.append("returned logits computed on first use" if site.escaping_as == "lazy"
+                     else "logits dropped from the outputs")
     return ", ".join(parts)
 
 
@@ -224,3 +253,53 @@ def path_decision(graph_id: int, site: Site, description: str, choice: paths.Pat
     """The rewritten site's record for ``stats()``: what was matched, which path it got and why."""
     return diagnostics.SiteDecision(graph_id, site.cross_entropy.name, True, f"{description}; {choice.reason}",
                                     choice.path)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Returned logits, computed on first use (lazy_logits)
+# --------------------------------------------------------------------------------------------------------------
+
+
+def lazy_recipe(site: Site, node: fx.Node) -> tuple[list[RowStep], list[tuple]]:
+    """How the returned ``node`` comes out of the head: the row views on the way (replayed on the hidden states) and
+    its elementwise steps, in order (``cce_inductor._lazy_logits.encode_steps``), or NoMatch."""
+    row_steps: list[RowStep] = []
+    steps: list[tuple] = []
+    vocab = example_value(site.head).shape[-1]
+    for step in branch_path(node, site.chain)[1:]:
+        cast_to = upcast_target(step)
+        if cast_to is not None:
+            steps.append(("to", cast_to))
+        elif matches(step, RESHAPE) or matches(step, FLATTEN) or matches(step, GETITEM):
+            row_steps.append(_row_step(step, vocab))
+        elif matches(step, TANH):
+            steps.append(("tanh",))
+        elif (matches(step, MUL) or matches(step, DIV)) and len(step.args) == 2 and not step.kwargs:
+            a, b = step.args
+            if matches(step, DIV) and isinstance(a, fx.Node) and const_float(b) is not None:
+                steps.append(("div", const_float(b)))
+            elif matches(step, MUL) and isinstance(a, fx.Node) and const_float(b) is not None:
+                steps.append(("mul", const_float(b)))
+            elif matches(step, MUL) and isinstance(b, fx.Node) and const_float(a) is not None:
+                steps.append(("mul", const_float(a)))
+            else:
+                raise NoMatch(f"the returned logits ({node.name}) go through {short(step)}, which cannot be replayed")
+        elif step.op == "call_method" and step.target in ("contiguous", "detach") or step.target is torch.detach:
+            continue
+        else:
+            raise NoMatch(f"the returned logits ({node.name}) go through {short(step)}, which cannot be replayed")
+    return row_steps, steps
+
+
+def _emit_lazy(graph: fx.Graph, site: Site, node: fx.Node) -> fx.Node:
+    """``lazy_logits(rows, weight, bias, steps)`` standing for ``node``: the rows are the hidden states in the head's
+    compute dtype with the path's row views replayed on them; every input detached (module docstring of
+    ``cce_inductor._lazy_logits``)."""
+    row_steps, steps = lazy_recipe(site, node)
+    rows = rows_of(graph, dataclasses.replace(site, scale=1.0, row_steps=row_steps))
+    weight = site.weight if not site.weight_is_transposed else graph.call_method("t", (site.weight,))
+    operands = [graph.call_method("detach", (x,)) if x is not None else None for x in (rows, weight, site.bias)]
+    meta = example_value(node)
+    wants_grad = isinstance(meta, torch.Tensor) and meta.requires_grad
+    return graph.call_function(torch.ops.cce_inductor.lazy_logits.default,
+                               (*operands, _lazy_logits.encode_steps(steps), wants_grad))
