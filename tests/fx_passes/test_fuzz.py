@@ -509,7 +509,7 @@ def test_fuzz_matched_low_precision(drawn):
 
 # Poisons, rendered by _near_miss_site: each makes the site something the pass does not claim.
 NEAR_MISSES = [
-    "class_weights", "metric", "second_loss", "returned_logits", "sigmoid_cap", "clamp_cap",
+    "class_weights", "metric", "second_loss", "sigmoid_cap", "clamp_cap",
     "tanh_no_scale", "mismatched_cap", "double_cap", "negative_cap", "atan_cap", "plus_tensor", "matmul_plus_bias",
     "times_tensor", "scale_after_cap", "tensor_scale", "vocab_slice", "vocab_narrow", "downcast",
     "class_dim_not_last", "floor_div_cap", "floor_div_scale", "fp16_bf16_cast",
@@ -527,10 +527,10 @@ def _near_miss_site(spec: SiteSpec, dtype: torch.dtype) -> tuple[list[str], dict
     lines = [head]
     if kind == "class_weights":
         lines += [to_2d]
-        ce_kwargs = f", weight=cw{i}"
+        ce_kwargs = f", weight=cw{i}, label_smoothing=0.1"  # (weights alone are matched: tests/clients)
         extra[f"cw{i}"] = ("class_weights", V)
     elif kind == "metric":
-        lines += [to_2d, f"acc{i} = ({x}.argmax(-1) == {y}.reshape(-1)).float().mean()"]
+        lines += [to_2d, f"acc{i} = {x}.softmax(-1).amax(-1).mean()"]  # (an argmax accuracy is fused: tests/clients)
         out = f"loss{i} + acc{i}"
     elif kind == "second_loss":
         lines += [to_2d, f"z{i} = {x}.logsumexp(-1).pow(2).mean()"]

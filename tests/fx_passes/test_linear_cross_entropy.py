@@ -629,11 +629,11 @@ class TestRefusals(PatternTestCase):
         self.assertEqual(cap.after[0].count("linear_cross_entropy.default("), 2)
         self.assertNotIn("other chunk", str(cce_inductor.stats()["sites"]))
 
-    def test_class_weights(self):
+    def test_class_weights_with_label_smoothing(self):
         weight, class_weight = rand_weight(V, D), torch.rand(V)
-        f = lambda h, y: F.cross_entropy(F.linear(h, weight), y, weight=class_weight)  # noqa: E731
+        f = lambda h, y: F.cross_entropy(F.linear(h, weight), y, weight=class_weight, label_smoothing=0.1)  # noqa: E731
         reason = self.assert_refused(f, rand_hidden(B * T, D), rand_labels(B * T, fraction_ignored=0), reason="weight")
-        self.assertExpectedInline(reason, """cross_entropy has class weights (weight=...)""")
+        self.assertExpectedInline(reason, """cross_entropy has class weights and label_smoothing: eager's weighted label smoothing (the smoothing term weighted per class) is not implemented""")
 
     def test_probability_targets(self):
         weight = rand_weight(V, D)
@@ -647,21 +647,24 @@ class TestRefusals(PatternTestCase):
 
         def f(hidden, labels):
             logits = F.linear(hidden, weight)
-            accuracy = (logits.argmax(-1) == labels).float().mean()
-            return F.cross_entropy(logits, labels) + accuracy
+            confidence = logits.softmax(-1).amax(-1).mean()  # (a token accuracy, argmax, is fused: tests/clients)
+            return F.cross_entropy(logits, labels) + confidence
 
         reason = self.assert_refused(f, rand_hidden(B * T, D), rand_labels(B * T), reason="also used by")
-        self.assertExpectedInline(reason, """the logits (logits) are also used by argmax (.argmax()), not only by the loss""")
+        self.assertExpectedInline(reason, """the logits (logits) are also used by softmax (.softmax()), not only by the loss""")
 
-    def test_logits_returned_without_opt_in(self):
+    def test_logits_returned_with_lazy_logits_off(self):
         weight = rand_weight(V, D)
 
         def f(hidden, labels):
             logits = F.linear(hidden, weight)
             return F.cross_entropy(logits, labels), logits
 
-        reason = self.assert_refused(f, rand_hidden(B * T, D), rand_labels(B * T), reason="CCE_INDUCTOR_DROP_LOGITS=1")
-        self.assertExpectedInline(reason, """logits escape the compiled region (logits is a graph output, as in Hugging Face models); set CCE_INDUCTOR_DROP_LOGITS=1 or cce_inductor.make_backend(drop_logits=True) to return, in their place, a placeholder that raises on use""")
+        cap = self.run_pass(f, rand_hidden(B * T, D), rand_labels(B * T), rewrites=0,
+                            options=CCEOptions(lazy_logits=False))
+        self.assertEqual(cap.before, cap.after)
+        (reason,) = cce_inductor.stats()["reasons"]
+        self.assertExpectedInline(reason, """logits escape the compiled region (logits is a graph output, as in Hugging Face models) and lazy_logits is off (CCE_INDUCTOR_LAZY_LOGITS=0); turn it back on to return them computed on first use, or set CCE_INDUCTOR_DROP_LOGITS=1 or cce_inductor.make_backend(drop_logits=True) to return, in their place, a placeholder that raises on use""")
 
     def test_non_tanh_softcap(self):
         weight = rand_weight(V, D)

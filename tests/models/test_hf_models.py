@@ -57,13 +57,13 @@ def test_hf_family_rewritten_with_drop_logits(family):
 def test_hf_without_opt_in_says_logits_escape(family):
     model = hf_model(family)
     input_ids, labels = hf_batch()
-    capture = PassCapture()
+    capture = PassCapture(CCEOptions(lazy_logits=False))  # (the default, lazy logits: tests/clients)
     compiled = torch.compile(model, backend=capture)
     out = _assert_same_training_step(model, compiled, dict(input_ids=input_ids, labels=labels))
     assert sum(capture.rewrites) == 0
     assert out.logits.shape == (2, 12, VOCAB)
     (reason,) = cce_inductor.stats()["reasons"]
-    assert "logits escape" in reason and "CCE_INDUCTOR_DROP_LOGITS=1" in reason
+    assert "logits escape" in reason and "CCE_INDUCTOR_DROP_LOGITS=1" in reason and "CCE_INDUCTOR_LAZY_LOGITS" in reason
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma2"])
