@@ -29,17 +29,18 @@ __all__ = ["DroppedLogits", "dropped_logits_error"]
 
 _T = torch.Tensor
 
-# What may still be done with the placeholder: metadata only (plus detach and storage access, which read no
-# values: autograd bookkeeping and CUDA-graph trees use them).
-_PROPERTIES = ("shape", "dtype", "device", "layout", "ndim", "requires_grad", "is_leaf", "grad_fn", "grad", "is_cuda",
+# What may still be done with a placeholder (this one and ``_lazy_logits``'s): metadata only (plus detach and storage
+# access, which read no values: autograd bookkeeping and CUDA-graph trees use them).
+_PROPERTIES = ("shape", "dtype", "device", "layout", "ndim", "is_leaf", "grad_fn", "grad", "is_cuda",
                "is_cpu", "is_meta", "is_sparse", "is_nested", "is_quantized", "is_mkldnn", "names", "_base", "_version",
                "output_nr", "itemsize", "nbytes")  # fmt: skip
 _METHODS = ("size", "dim", "ndimension", "numel", "nelement", "element_size", "stride", "storage_offset",
             "is_contiguous", "is_floating_point", "is_complex", "get_device", "__len__", "data_ptr", "untyped_storage",
             "_typed_storage", "__hash__")  # fmt: skip
-_METADATA = {getattr(_T, name).__get__ for name in _PROPERTIES if hasattr(_T, name)} | {
+METADATA_READS = {getattr(_T, name).__get__ for name in _PROPERTIES if hasattr(_T, name)} | {
     getattr(_T, name) for name in _METHODS if hasattr(_T, name)
 }
+_METADATA = METADATA_READS | {_T.requires_grad.__get__}  # (lazy logits answer requires_grad themselves)
 
 
 def dropped_logits_error(shape: Sequence[int], dtype: torch.dtype, what: str) -> RuntimeError:

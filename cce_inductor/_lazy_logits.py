@@ -42,21 +42,14 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.utils._pytree import tree_map
 
+from ._dropped_logits import METADATA_READS
+
 __all__ = ["LazyLogits", "encode_steps", "decode_steps"]
 
 _T = torch.Tensor
 
-# Answered from the placeholder itself: metadata only (detach and storage access read no values: autograd
-# bookkeeping and AOTAutograd's output wrappers use them).
-_PROPERTIES = ("shape", "dtype", "device", "layout", "ndim", "is_leaf", "grad_fn", "grad", "is_cuda", "is_cpu",
-               "is_meta", "is_sparse", "is_nested", "is_quantized", "is_mkldnn", "names", "_base", "_version",
-               "output_nr", "itemsize", "nbytes")  # fmt: skip
-_METHODS = ("size", "dim", "ndimension", "numel", "nelement", "element_size", "stride", "storage_offset",
-            "is_contiguous", "is_floating_point", "is_complex", "get_device", "__len__", "data_ptr", "untyped_storage",
-            "_typed_storage", "__hash__")  # fmt: skip
-_METADATA = {getattr(_T, name).__get__ for name in _PROPERTIES if hasattr(_T, name)} | {
-    getattr(_T, name) for name in _METHODS if hasattr(_T, name)
-}
+# Answered from the placeholder itself, as for dropped logits: metadata only.
+_METADATA = METADATA_READS
 _REQUIRES_GRAD = _T.requires_grad.__get__
 _DTYPE_METHODS = {_T.float: torch.float32, _T.double: torch.float64, _T.half: torch.float16,
                   _T.bfloat16: torch.bfloat16}  # fmt: skip

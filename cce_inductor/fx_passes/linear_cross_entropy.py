@@ -242,16 +242,21 @@ def _fused_loss(options: CCEOptions) -> EmitLoss:
             (rows, weight, targets, bias, site.softcap, site.ignore_index, site.reduction, site.label_smoothing,
              options.encode(), bool(site.lse_users), False),
         )
-        lse_dtype = torch.float64 if site.compute_dtype == torch.float64 else torch.float32
-        for user in site.lse_users:
-            lse = graph.call_function(operator.getitem, (fused, 1))
-            if example_value(user).dtype != lse_dtype:
-                lse = graph.call_method("to", (lse, example_value(user).dtype))
-            user.replace_all_uses_with(lse)
-            graph.erase_node(user)
+        _feed_lse_users(graph, site, fused)
         return graph.call_function(operator.getitem, (fused, 0))
 
     return emit
+
+
+def _feed_lse_users(graph: fx.Graph, site: Site, fused: fx.Node) -> None:
+    """The log-sum-exps the graph computes of the loss's logits (a z-loss) read the fused op's (output 1) instead."""
+    lse_dtype = torch.float64 if site.compute_dtype == torch.float64 else torch.float32
+    for user in site.lse_users:
+        lse = graph.call_function(operator.getitem, (fused, 1))
+        if example_value(user).dtype != lse_dtype:
+            lse = graph.call_method("to", (lse, example_value(user).dtype))
+        user.replace_all_uses_with(lse)
+        graph.erase_node(user)
 
 
 def _emit_ext(graph: fx.Graph, site: Site, rows, weight, targets, bias, options: CCEOptions) -> fx.Node:
@@ -261,13 +266,7 @@ def _emit_ext(graph: fx.Graph, site: Site, rows, weight, targets, bias, options:
         (rows, weight, targets, bias, site.class_weight, site.softcap, site.ignore_index, site.reduction,
          site.label_smoothing, options.encode(), bool(site.lse_users), False, site.argmax_round),
     )  # fmt: skip
-    lse_dtype = torch.float64 if site.compute_dtype == torch.float64 else torch.float32
-    for user in site.lse_users:
-        lse = graph.call_function(operator.getitem, (fused, 1))
-        if example_value(user).dtype != lse_dtype:
-            lse = graph.call_method("to", (lse, example_value(user).dtype))
-        user.replace_all_uses_with(lse)
-        graph.erase_node(user)
+    _feed_lse_users(graph, site, fused)
     if site.argmax_users:
         argmax = graph.call_function(operator.getitem, (fused, 3))
         for user in site.argmax_users:
