@@ -34,7 +34,8 @@ def resolve_methods(names=None, quiet=False):
             continue
         out[name] = dict(kw) if has_path or "path" not in kw else dict(FALLBACK[name])
     if not quiet:
-        how = "CCEOptions.path exists" if has_path else "CCEOptions has no `path` field: lean/balanced fall back to scratch_mb"
+        how = "CCEOptions.path exists" if has_path else \
+            "CCEOptions has no `path` field: lean/balanced fall back to scratch_mb"
         print(f"# methods ({how}): " + ", ".join(f"{k}={v}" for k, v in out.items()), flush=True)
     return out
 

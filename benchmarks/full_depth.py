@@ -93,6 +93,10 @@ TINY = dict(gpt2=dict(n_embd=64, n_layer=2, n_head=4, vocab_size=1001, n_positio
                        num_key_value_heads=2, head_dim=16, vocab_size=1001, max_position_embeddings=64))
 
 
+COLUMNS = ("model", "method", "ckpt", "batch", "seq", "tokens", "first_step_s", "step_ms", "tokens_s", "peak_gb",
+           "pick", "pick_reason", "loss", "oom", "error")
+
+
 def build_model(name, args):
     import transformers
 
@@ -149,8 +153,8 @@ def worker(args):
         try:
             model = build_model(args.model, args)
         except Exception as exc:  # noqa: BLE001
-            row = dict(kind="row", model=args.model, method=args.method, ckpt=ckpt, batch=args.batches[0],
-                       seq=args.seq, error=f"building the model: {C.err_text(exc)}")
+            row = dict(dict.fromkeys(COLUMNS), kind="row", model=args.model, method=args.method, ckpt=ckpt,
+                       batch=args.batches[0], seq=args.seq, error=f"building the model: {C.err_text(exc)}")
             C.append_row(args.out, row)
             print_row(row)
             C.free(dev)
@@ -170,8 +174,8 @@ def worker(args):
             if C.past_deadline(args.deadline, 1.5 * slowest):
                 print(f"# {args.model} {args.method}: deadline: stopping before ckpt={ckpt} batch={b}", flush=True)
                 return 0
-            row = dict(kind="row", model=args.model, method=args.method, ckpt=ckpt, batch=b, seq=args.seq,
-                       tokens=b * args.seq)
+            row = dict(dict.fromkeys(COLUMNS), kind="row", model=args.model, method=args.method, ckpt=ckpt, batch=b,
+                       seq=args.seq, tokens=b * args.seq)
             began = time.time()
             if args.static:
                 torch._dynamo.reset()
@@ -237,7 +241,7 @@ def print_row(r):
     f = C.fmt
     line = (f"  {r['model']} {r['method']:8s} ckpt={r['ckpt']:3s} batch={r['batch']:<4d} first step "
             f"{f(r.get('first_step_s'), '.1f'):>6s} s  step {f(r.get('step_ms'), '.1f'):>8s} ms "
-            f"{f(r.get('tokens_s'), '.0f'):>8s} tok/s  peak {f(r.get('peak_gb'), '.2f'):>6s} GB  {r.get('pick', '')}")
+            f"{f(r.get('tokens_s'), '.0f'):>8s} tok/s  peak {f(r.get('peak_gb'), '.2f'):>6s} GB  {r.get('pick') or ''}")
     if r.get("oom") or r.get("error"):
         line += f"  {'OOM' if r.get('oom') else 'FAILED ' + r['error']}"
     print(line, flush=True)
@@ -310,7 +314,8 @@ def driver(args, argv):
     units = [["--model", m, "--method", meth] for m in args.models for meth in args.methods]
 
     def crash_row(unit, rc):
-        return dict(kind="row", model=unit[1], method=unit[3], ckpt="*", batch=0, error=f"worker exited with {rc}")
+        return dict(dict.fromkeys(COLUMNS), kind="row", model=unit[1], method=unit[3], ckpt="*", batch=0,
+                    error=f"worker exited with {rc}")
     left = [] if args.report else \
         C.run_workers(units, child_argv, os.path.abspath(__file__), args.budget_s, args.out, crash_row)
     rows = [r for r in C.latest(C.read_rows(args.out), unit_key)

@@ -82,6 +82,8 @@ TINY_HEADS = {"tiny2003": (64, 2003), "tiny2048": (64, 2048)}
 IGNORE = -100
 BASE = ("matmul", "compile")
 FWD_TOO = ("matmul", "compile", "default")  # methods also timed forward-only
+COLUMNS = ("head", "d", "v", "n", "ignore_pct", "shapes", "method", "pick", "fwd_ms", "fwdbwd_ms", "peak_mb",
+           "x_compile_ms", "x_compile_mb", "err_de", "err_dc", "lower_bound_mb", "error")
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -310,8 +312,9 @@ def worker(args):
             except Exception as exc:  # noqa: BLE001 - every method of these cases gets the error; next N goes on
                 for shapes in cases:
                     for name in names:
-                        C.append_row(args.out, dict(kind="row", head=args.head, d=d, v=v, n=n, ignore_pct=ign,
-                                                    shapes=shapes, method=name, error=f"data: {C.err_text(exc)}"))
+                        C.append_row(args.out, dict(dict.fromkeys(COLUMNS), kind="row", head=args.head, d=d, v=v,
+                                                    n=n, ignore_pct=ign, shapes=shapes, method=name,
+                                                    error=f"data: {C.err_text(exc)}"))
                 print(f"# {args.head} N={n} ignore={ign}%: data / reference FAILED: {C.err_text(exc)}", flush=True)
                 e = c = t = ref = None
                 C.free(args.device)
@@ -327,8 +330,8 @@ def worker(args):
                     if C.past_deadline(args.deadline):  # an unfinished case is redone whole by --resume
                         print(f"# {args.head}: deadline: stopping in N={n} ignore={ign}% {shapes}", flush=True)
                         return 0
-                    row = dict(kind="row", head=args.head, d=d, v=v, n=n, ignore_pct=ign, shapes=shapes,
-                               method=name, lower_bound_mb=(n * d + v * d) * 2 / 2**20)
+                    row = dict(dict.fromkeys(COLUMNS), kind="row", head=args.head, d=d, v=v, n=n, ignore_pct=ign,
+                               shapes=shapes, method=name, lower_bound_mb=(n * d + v * d) * 2 / 2**20)
                     t0 = time.time()
                     if name == "matmul":
                         row["fwd_ms"] = mm_ms
@@ -374,7 +377,7 @@ def print_row(r):
     line = (f"  {r['head']} N={r['n']} ign={r['ignore_pct']}% {r['shapes']:7s} {r['method']:10s} "
             f"fwd {f(r.get('fwd_ms')):>8s} fwd+bwd {f(r.get('fwdbwd_ms')):>8s} ms {x(r.get('x_compile_ms'))} "
             f"peak {f(r.get('peak_mb'), '.0f'):>7s} MB {x(r.get('x_compile_mb'))} "
-            f"err dE {f(r.get('err_de'), '.2e')} dC {f(r.get('err_dc'), '.2e')} {r.get('pick', '')}")
+            f"err dE {f(r.get('err_de'), '.2e')} dC {f(r.get('err_dc'), '.2e')} {r.get('pick') or ''}")
     if r.get("error"):
         line += f"  FAILED {r['error']}"
     print(line, flush=True)
@@ -389,7 +392,7 @@ def table(rows):
              f(r.get("fwdbwd_ms")) or (f(r.get("fwd_ms")) + " (fwd)" if r.get("fwd_ms") else ""),
              f(r.get("x_compile_ms")), f(r.get("peak_mb"), ".0f"), f(r.get("x_compile_mb")),
              f(r.get("err_de"), ".1e"), f(r.get("err_dc"), ".1e"),
-             ("ERROR " + r["error"][:60]) if r.get("error") else r.get("pick", ""))
+             ("ERROR " + r["error"][:60]) if r.get("error") else r.get("pick") or "")
             for r in rows]
     return C.md_table(["head", "N", "ign %", "shapes", "method", "fwd+bwd ms", "x compile", "peak MB", "x compile",
                        "err dE", "err dC", "pick"], body)
@@ -409,14 +412,14 @@ def driver(args, argv):
     units = [["--head", h] for h in args.heads]
 
     def crash_row(unit, rc):
-        return dict(kind="row", head=unit[1], method="*", n=None, ignore_pct=None, shapes=None,
-                    error=f"worker exited with {rc}")
+        return dict(dict.fromkeys(COLUMNS), kind="row", head=unit[1], method="*", error=f"worker exited with {rc}")
     left = [] if args.report else \
         C.run_workers(units, child_argv, os.path.abspath(__file__), args.budget_s, args.out, crash_row)
     names = method_names(args, backends, peers)
-    rows = [r for r in C.latest(C.read_rows(args.out), lambda r: (*case_key(r), r["method"]))
-            if r["head"] in args.heads and r["method"] in names + ["*"] and (r["n"] is None or (r["n"] in args.n and r["ignore_pct"] in args.ignore
-                                                              and r["shapes"] in args.shapes))]
+    def wanted(r):
+        return r["head"] in args.heads and r["method"] in names + ["*"] and (r["n"] is None or (
+            r["n"] in args.n and r["ignore_pct"] in args.ignore and r["shapes"] in args.shapes))
+    rows = [r for r in C.latest(C.read_rows(args.out), lambda r: (*case_key(r), r["method"])) if wanted(r)]
     done = finished(rows, names, peers)
     todo = [(h, n, i, s) for h in args.heads for n in args.n for i in args.ignore for s in args.shapes
             if (h, n, i, s) not in done]
