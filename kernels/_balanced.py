@@ -29,8 +29,8 @@ elements, so GPT-2's 50257 and every other V run as fast as their aligned neighb
     for each row chunk [r0, r0 + R):
         S       = E[rows] @ C^T                          cuBLAS, into the scratch (input dtype)
         _softmax_grad_in_place_kernel, grid (R,)          one program per row, BLOCK_V columns at a time:
-                   pass 1 reads the row: online max / sum of exps (fp32), the target logit, the row sum (eps > 0)
-                          -> row_loss[n]
+                   pass 1 reads the row: online max / sum of exps (fp32) per lane of the block, reduced
+                          across lanes after the loop; the target logit, the row sum (eps > 0) -> row_loss[n]
                    pass 2 reads it again and overwrites it with G (fp32 math, stored in the input dtype)
                    ignored rows read nothing: pass 2 writes their G (0, or NaN for a non-finite row)
         dE[rows]  = S @ C                                cuBLAS, fp32 result (``out_dtype=float32``), one product
@@ -62,10 +62,12 @@ from . import _launch
 from ._tile import softmax_grad, tanh
 
 # One program streams one row in BLOCK_V columns; 16-byte vector loads of bf16 need BLOCK_V / (32 * num_warps) >= 8.
-# (H100, Gemma-2 / Llama-3 heads: 2048 / 8 warps was the best of (1024, 4), (2048, 8), (4096, 8), (4096, 16).)
+# Measured on the H100 (2048 rows, bf16; .devrun-style probe in docs/engineering-log.md v14): rows up to 64k
+# entries (GPT-2's 50257) run best with 4096-wide blocks (0.37 ms against 0.59 with 2048), longer rows (Qwen2.5,
+# Llama-3, Gemma-2) with 2048 / 8 warps, within 1-3% of the other shapes tried.
 _TUNING = {
-    "gpu": dict(block_v=2048, num_warps=8),
-    "interpret": dict(block_v=64, num_warps=4),
+    "gpu": dict(block_v=2048, num_warps=8, short_row=65536, short_row_block_v=4096),
+    "interpret": dict(block_v=64, num_warps=4, short_row=0, short_row_block_v=64),
 }
 
 
@@ -113,21 +115,29 @@ def _softmax_grad_in_place_kernel(
         tl.store(RowLoss + row, 0.0)
         return
 
-    # pass 1: online log-sum-exp, one (max, sum) pair per row.  evict_last: ask L2 to keep the row for pass 2.
-    m = tl.max(tl.full((BLOCK_V,), float("-inf"), tl.float32), axis=0)
-    s = tl.sum(tl.zeros((BLOCK_V,), tl.float32), axis=0)
-    z_sum = tl.sum(tl.zeros((BLOCK_V,), tl.float32), axis=0)
+    # pass 1: online log-sum-exp with one (max, sum) pair per *lane* of the block, reduced across lanes once after
+    # the loop: no cross-warp reduction inside the loop, whose barriers kept the loads from streaming.  One exp per
+    # element: the larger of (z, m) becomes the lane's max and the smaller enters as exp(smaller - larger).
+    # evict_last: ask L2 to keep the row for pass 2.
+    m = tl.full((BLOCK_V,), float("-inf"), tl.float32)
+    s = tl.zeros((BLOCK_V,), tl.float32)
+    z_sum = tl.zeros((BLOCK_V,), tl.float32)
     for v0 in range(0, V, BLOCK_V):
         cols = v0 + offs
         mask = cols < V
         z = _load_z(row_ptr, Bias, cols, mask, softcap, HAS_BIAS, HAS_SOFTCAP, "evict_last")
         if LOGIT_SUM:
-            z_sum += tl.sum(z, axis=0)  # 0 past V
+            z_sum += z  # 0 past V
         z = tl.where(mask, z, float("-inf"))  # columns past V add nothing to the sums
-        m_new = tl.maximum(m, tl.max(z, axis=0))
-        s = s * tl.exp(m - m_new) + tl.sum(tl.exp(z - m_new), axis=0)
-        m = m_new
-    lse = m + tl.log(s)
+        above = z > m
+        # a -inf logit adds 0 (also where the lane's max is still -inf, whose difference would be NaN); NaN and
+        # +inf propagate to NaN as in eager
+        smaller = tl.where(z == float("-inf"), 0.0, tl.exp(-tl.abs(z - m)))
+        s = tl.where(above, s * smaller + 1.0, s + smaller)
+        m = tl.maximum(m, z)
+    row_max = tl.max(m, axis=0)
+    lse = row_max + tl.log(tl.sum(s * tl.exp(m - row_max), axis=0))
+    z_sum = tl.sum(z_sum, axis=0)
 
     # the target's logit: one element of the row (targets outside [0, V) were refused by the op's check)
     safe_target = tl.minimum(tl.maximum(target, 0), V - 1)
@@ -218,7 +228,8 @@ def loss_and_grads(e, c, targets, bias, *, softcap, ignore_index, reduction, lab
                 1.0 - label_smoothing, label_smoothing / v,
                 HAS_BIAS=bias is not None, HAS_SOFTCAP=softcap is not None, LOGIT_SUM=label_smoothing != 0.0,
                 ROUND_RNE=_launch.INTERPRET and dtype == torch.bfloat16,
-                BLOCK_V=tune["block_v"], num_warps=tune["num_warps"],
+                BLOCK_V=tune["short_row_block_v"] if v <= tune["short_row"] else tune["block_v"],
+                num_warps=tune["num_warps"],
             )
             grad = logits.float() if upcast else logits  # the scratch now holds G
             if need_e:  # one product over all of V per row

@@ -151,6 +151,31 @@ def test_poisoned_ignored_row_gets_eagers_nan_pattern(device):
     assert torch.isfinite(got.loss)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_nonfinite_logits_in_counted_rows_match_eager(device):
+    """The row kernel's per-lane log-sum-exp against eager where logits are not finite: a -inf bias entry (a masked
+    vocabulary entry: finite loss, p = 0 there), a lane whose every logit is -inf, a +inf logit and a NaN in a
+    counted row (NaN loss; eager's NaN pattern in the gradients)."""
+    device_ok(device)
+    e, c, t, b = make_balanced_inputs(12, 70, 16, torch.float32, device, bias=True, ignore="none")
+    b[::7] = float("-inf")  # every 7th vocabulary entry masked: with BLOCK_V 64 some lanes see only -inf
+    t[t % 7 == 0] += 1
+    got = K.loss_and_grads(e, c, t, b, softcap=None, ignore_index=IGNORE, reduction="mean", chunk_rows=5)
+    loss, (ge, gc, gb) = reference(e, c, t, b)
+    assert torch.isfinite(got.loss)
+    torch.testing.assert_close(got.loss.double(), loss, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got.grad_e.double(), ge, rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(got.grad_bias.double(), gb, rtol=1e-4, atol=1e-6)
+    for poison in (float("inf"), float("nan")):
+        e2 = e.clone()
+        e2[4, 3] = poison
+        got = K.loss_and_grads(e2, c, t, b, softcap=None, ignore_index=IGNORE, reduction="sum", chunk_rows=5)
+        loss, (ge, gc, _) = reference(e2, c, t, b, reduction="sum")
+        assert torch.isnan(got.loss) and torch.isnan(loss)
+        assert torch.equal(torch.isnan(got.grad_e), torch.isnan(ge))
+        assert torch.equal(torch.isnan(got.grad_c), torch.isnan(gc))
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # CUDA: a real head shape, no host synchronisation
 # ----------------------------------------------------------------------------------------------------------------
