@@ -15,7 +15,8 @@ the measured peaks of ``benchmarks/`` (H100, bf16, N 8192: Gemma-2 5162 / 1300 /
 balanced, model 5161 / 1297 / 3483; Llama-3 3070 / 1259 / 3134, model 3070 / 1258 / 3198):
 
     torch.compile  N V b + V D b + N D b                 (the logits, saved for its backward, and the gradients)
-    lean           (N + V) D b + R * 4096 * b + N D 4 (+ 4096 D 4 where N > R; R = min(N, backward_row_chunk))
+    lean           (N + V) D b + R * W * b + N D 4 (+ W D 4 where N > R; R = min(N, backward_row_chunk),
+                   W = min(V, 4096 * max(1, 8192 // R)): one G block of at most 8192 x 4096 entries)
     balanced       max(V D 4 + N D 4 + S,  V D (4 + b) + N D (4 + b))     (S = the scratch)
 
 The default (``path="auto"``) takes the fastest path whose peak fits the budget ``max(0.5 x torch.compile's,
@@ -33,8 +34,10 @@ from typing import Literal, Optional
 
 Path = Literal["lean", "balanced"]
 
-# The lean backward's G block width (kernels/_backward.py's vocab_chunk).
+# The lean backward's G block width (kernels/_backward.py's vocab_chunk), widened for row chunks shorter than
+# _LEAN_G_BLOCK_ROWS rows to the same bytes (its g_block_rows; kernels._backward.vocab_chunk_width).
 _LEAN_VOCAB_CHUNK = 4096
+_LEAN_G_BLOCK_ROWS = 8192
 # The balanced path's scratch: at least this many rows per chunk (smaller chunks make the dC products memory bound:
 # each chunk reads and writes the fp32 dC sums, 8 V D bytes), at most this many bytes.
 _MIN_CHUNK_ROWS = 1024
@@ -81,10 +84,10 @@ def gradient_bytes(f: HeadFacts) -> int:
 
 
 def lean_peak(f: HeadFacts, backward_row_chunk: int = 8192) -> int:
-    """The gradients, one G block (``R x 4096``, R the row chunk), dE in fp32 and, past one row chunk, one vocabulary
-    chunk of dC in fp32 (``kernels/_backward.py``)."""
+    """The gradients, one G block (``R x W``, R the row chunk, W 4096 or wider for R < 8192), dE in fp32 and, past
+    one row chunk, one vocabulary chunk of dC in fp32 (``kernels/_backward.py``)."""
     rows = min(f.rows, backward_row_chunk or f.rows)
-    width = min(f.vocab, _LEAN_VOCAB_CHUNK)
+    width = min(f.vocab, _LEAN_VOCAB_CHUNK * max(1, _LEAN_G_BLOCK_ROWS // max(rows, 1)))
     dc_sums = width * f.hidden * 4 if f.rows > rows else 0
     return gradient_bytes(f) + rows * width * f.element_size + f.rows * f.hidden * 4 + dc_sums
 

@@ -79,11 +79,23 @@ from . import _forward, _launch, _products
 from ._tile import logit_tile, softmax_grad
 
 # Hopper (H100 / H200); the interpreter's tiny blocks keep the CPU tests fast.  vocab_chunk: columns of one G block
-# (engineering log v11: 4096 against 2048 / 8192).
+# (engineering log v11: 4096 against 2048 / 8192) for a row chunk of g_block_rows rows or more; a chunk of fewer
+# rows gets a block that many times wider (the same bytes), so a small N takes fewer vocabulary steps: at N 4096 on
+# GPT-2's head the lean path was host-bound, 7.7 ms of launches for 2.5 ms of kernels (engineering log v14).
+# g_block_rows 0: never wider (the interpreter; tests set it).
 _TUNING = {
-    "gpu": dict(vocab_chunk=4096, block_n=128, block_v=256, block_d=64, num_warps=8, num_stages=4, tma=True),
-    "interpret": dict(vocab_chunk=48, block_n=16, block_v=32, block_d=16, num_warps=4, num_stages=1, tma=True),
+    "gpu": dict(vocab_chunk=4096, g_block_rows=8192, block_n=128, block_v=256, block_d=64, num_warps=8,
+                num_stages=4, tma=True),
+    "interpret": dict(vocab_chunk=48, g_block_rows=0, block_n=16, block_v=32, block_d=16, num_warps=4,
+                      num_stages=1, tma=True),
 }
+
+
+def vocab_chunk_width(vocab_chunk: int, g_block_rows: int, row_chunk: int, vocab: int) -> int:
+    """Columns of one G block: ``vocab_chunk``, times ``g_block_rows // row_chunk`` where the row chunk is shorter
+    (a block of the same bytes), at most V.  (``cce_inductor.paths.lean_peak`` models the same width.)"""
+    widen = max(1, g_block_rows // max(row_chunk, 1)) if g_block_rows else 1
+    return min(vocab, vocab_chunk * widen)
 
 
 @triton.jit
@@ -273,7 +285,7 @@ def backward(e, c, targets, bias, lse, grad_rows, *, softcap, ignore_index, opti
     every_row = grad_lse is not None or grad_entropy is not None
     counted = torch.ones_like(targets, dtype=torch.bool) if every_row else targets != ignore_index
     row_chunk = min(n, options.backward_row_chunk or n)
-    vocab_chunk = min(v, tune["vocab_chunk"])
+    vocab_chunk = vocab_chunk_width(tune["vocab_chunk"], tune["g_block_rows"], row_chunk, v)
     sixteen_bit = e.dtype in (torch.bfloat16, torch.float16)
     split_g = options.exact and sixteen_bit  # fp32 inputs: G is fp32 already
     # Triton products (``_products``: skip the ignored rows) where the tensor-memory accelerator can read C
@@ -317,6 +329,22 @@ def backward(e, c, targets, bias, lse, grad_rows, *, softcap, ignore_index, opti
                            poison_sum=triton_products and need_c)
               for r0 in range(0, n, row_chunk)]
 
+    # per row chunk, the recompute's row-indexed arguments (sliced once here, not once per vocabulary chunk: the
+    # host's launch work is what a small N waits on)
+    chunk_rows_args = [
+        (lse[r0:], grad_rows[r0:], (grad_rows if grad_lse is None else grad_lse)[r0:],
+         (grad_rows if grad_entropy is None else grad_entropy)[r0:],
+         (grad_rows if grad_entropy is None else mean_logit)[r0:], targets[r0:], target_logit[r0:])
+        for r0 in (chunk.r0 for chunk in chunks)
+    ]
+    flags = dict(HAS_BIAS=bias is not None, HAS_SOFTCAP=softcap is not None, HAS_LSE_GRAD=grad_lse is not None,
+                 HAS_ENTROPY_GRAD=grad_entropy is not None, COMPACT_G=triton_products, TMA=use_tma,
+                 SPLIT_G=split_g, UPCAST=_launch.upcast_dots(e.dtype), DOT_PRECISION=_launch.dot_precision(e.dtype),
+                 EVEN_D=(d % block_d == 0), BLOCK_N=block_n, BLOCK_V=block_v, BLOCK_D=block_d,
+                 num_warps=tune["num_warps"], num_stages=num_stages)
+    bias_or_lse = bias if bias is not None else lse
+    label_weights = (softcap_val, 1.0 - label_smoothing, label_smoothing / v)
+
     for v0 in range(0, v, vocab_chunk):
         width = min(vocab_chunk, v - v0)
         c_chunk = c[v0 : v0 + width]
@@ -329,21 +357,10 @@ def backward(e, c, targets, bias, lse, grad_rows, *, softcap, ignore_index, opti
             grad_lo = _block(g_lo_buf, rows, g_row_pitch)[:, :width] if split_g else grad
             tiles = triton.cdiv(rows, block_n) * triton.cdiv(width, block_v)
             _recompute_grad_kernel[(min(tiles, programs),)](
-                chunk.e_op, c_op, bias if bias is not None else lse, lse[r0:], grad_rows[r0:],
-                (grad_rows if grad_lse is None else grad_lse)[r0:],
-                (grad_rows if grad_entropy is None else grad_entropy)[r0:],
-                (grad_rows if grad_entropy is None else mean_logit)[r0:], targets[r0:],
-                target_logit[r0:], chunk.row_order, chunk.num_counted, chunk.row_poison, grad, grad_lo,
-                rows, width, v0, v, d,
-                e.stride(0), e.stride(1), c.stride(0), c.stride(1), grad.stride(0), softcap_val,
-                1.0 - label_smoothing, label_smoothing / v,
-                HAS_BIAS=bias is not None, HAS_SOFTCAP=softcap is not None, HAS_LSE_GRAD=grad_lse is not None,
-                HAS_ENTROPY_GRAD=grad_entropy is not None, COMPACT_G=triton_products, TMA=use_tma,
-                SPLIT_G=split_g,
-                UPCAST=_launch.upcast_dots(e.dtype), DOT_PRECISION=_launch.dot_precision(e.dtype),
-                EVEN_D=(d % block_d == 0), EVEN_TILE=(rows % block_n == 0 and width % block_v == 0),
-                BLOCK_N=block_n, BLOCK_V=block_v, BLOCK_D=block_d,
-                num_warps=tune["num_warps"], num_stages=num_stages,
+                chunk.e_op, c_op, bias_or_lse, *chunk_rows_args[k], chunk.row_order, chunk.num_counted,
+                chunk.row_poison, grad, grad_lo, rows, width, v0, v, d,
+                e.stride(0), e.stride(1), c.stride(0), c.stride(1), grad.stride(0), *label_weights,
+                EVEN_TILE=(rows % block_n == 0 and width % block_v == 0), **flags,
             )
             if need_bias:
                 dbias32[v0 : v0 + width] += grad.sum(dim=0, dtype=torch.float32)

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import cce_inductor.kernels as K
-from cce_inductor import CCEOptions
+from cce_inductor import CCEOptions, paths
 from cce_inductor.kernels import _backward
 from tests.support.inputs import IGNORE, make_kernel_inputs
 from tests.support.kernels import (
@@ -117,6 +117,36 @@ def test_backward_is_reproducible_and_chunking_invariant(device, products, monke
         for x, ref in zip(got, (de_r, dc_r, db_r)):
             assert x.dtype == torch.bfloat16
             check_grad(x, ref, exact)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_short_row_chunks_get_wider_vocabulary_blocks(device, monkeypatch):
+    """Fewer rows than ``g_block_rows``: the G block widens to the same bytes (fewer vocabulary steps, fewer
+    launches), down to one block over all of V; the gradients are the narrow blocks' to fp32 rounding, with and
+    without several row chunks.  The memory model (``cce_inductor.paths.lean_peak``) assumes the GPU tuning's
+    widths."""
+    device_ok(device)
+    assert _backward.vocab_chunk_width(48, 0, 10, 1000) == 48
+    assert _backward.vocab_chunk_width(48, 64, 20, 1000) == 144  # 64 // 20 = 3 blocks' width
+    assert _backward.vocab_chunk_width(48, 64, 2, 1000) == 1000  # at most V
+    gpu = _backward._TUNING["gpu"]
+    assert (paths._LEAN_VOCAB_CHUNK, paths._LEAN_G_BLOCK_ROWS) == (gpu["vocab_chunk"], gpu["g_block_rows"])
+    e, c, targets, b = make_kernel_inputs(20, 170, 24, torch.float32, device, ignore_frac=0.2, bias=True, seed=3)
+    g = mean_grad_rows(targets)
+    lse, *_ = K.forward(e, c, targets, b, softcap=None, ignore_index=IGNORE)
+    tuning = _backward._TUNING[TUNING_KEY]
+    monkeypatch.setitem(tuning, "vocab_chunk", 32)
+
+    def grads(g_block_rows, row_chunk):
+        monkeypatch.setitem(tuning, "g_block_rows", g_block_rows)
+        return K.backward(e, c, targets, b, lse, g, softcap=None, ignore_index=IGNORE,
+                          options=CCEOptions(backward_row_chunk=row_chunk), need_e=True, need_c=True, need_bias=True)
+
+    for row_chunk in (0, 8):
+        narrow = grads(0, row_chunk)
+        for g_block_rows in (64, 1 << 12):  # blocks 3 (or 8) times wider; one block over all of V
+            for x, y in zip(grads(g_block_rows, row_chunk), narrow):
+                assert rel(x, y) < 1e-6
 
 
 @pytest.mark.parametrize("products", ["cublas", "triton"])
