@@ -35,9 +35,11 @@ HEADS = {  # name: (D, V)
 }
 
 # The default's pick for bf16 mean losses with gradients on the CUDA kernels: balanced exactly where its estimated
-# peak (dC summed in fp32 beside its rounding) fits half of torch.compile's (its logits), i.e. where N >~ 5 D.
+# peak (dC summed in fp32 beside its rounding) fits half of torch.compile's (its logits), i.e. where N >~ 5 D, or, at
+# D <= 1024 (where the lean path is host-bound), 0.75x torch.compile's.
 PICKS = {
-    4096: {},
+    2048: {},
+    4096: {"gpt2": "balanced", "gpt2-medium": "balanced", "qwen25-0.5b": "balanced"},
     8192: {"gpt2": "balanced", "gpt2-medium": "balanced", "qwen25-0.5b": "balanced"},
     32768: {"gpt2": "balanced", "gpt2-medium": "balanced", "phi35": "balanced", "v65535": "balanced",
             "llama3": "balanced", "qwen25-0.5b": "balanced", "gemma2": "balanced"},
@@ -58,18 +60,23 @@ def test_default_pick_table(head, n):
     assert choice.path == PICKS[n].get(head, "lean"), choice.reason
     budget = paths.budget(facts)
     assert budget == max(paths.compile_peak(facts) // 2, int(1.15 * paths.gradient_bytes(facts)))
+    limit = paths.balanced_limit(facts)
+    smallest = min(n, 1024) * paths.scratch_row_pitch(facts.vocab) * 2  # the balanced path's least scratch
+    host_bound = facts.hidden <= 1024 and paths.balanced_peak(facts, smallest) > budget
+    assert limit == (max(budget, int(0.75 * paths.compile_peak(facts))) if host_bound else budget)
     if choice.path == "balanced":
-        assert paths.balanced_peak(facts, choice.scratch_bytes) <= budget
+        assert paths.balanced_peak(facts, choice.scratch_bytes) <= limit < paths.compile_peak(facts)
         # at least 1024 rows (or all) per chunk, at most 1 GiB
         assert paths.chunk_rows(choice.scratch_bytes, facts.vocab, 2, n) >= min(n, 1024)
         assert choice.scratch_bytes <= 2**30
-        assert "within the budget" in choice.reason
+        assert ("host-bound" if host_bound else "within the budget") in choice.reason, choice.reason
     else:
         assert choice.scratch_bytes == 0
-        assert paths.balanced_peak(facts, min(n, 1024) * paths.scratch_row_pitch(facts.vocab) * 2) > budget
+        assert paths.balanced_peak(facts, smallest) > limit
         assert "exceeds the budget" in choice.reason and "four matmuls" in choice.reason
+        assert ("0.75x torch.compile's" in choice.reason) == host_bound
         # where even the lean path is over the budget (a small V x D against its G block and fp32 dE), it says so
-        assert ("over the budget too" in choice.reason) == (paths.lean_peak(facts) > budget)
+        assert ("over the budget too" in choice.reason) == (paths.lean_peak(facts) > limit)
 
 
 def test_lean_over_budget_is_said():
@@ -133,6 +140,9 @@ def test_chunk_rows():
     """Rows per balanced chunk: scratch rows are padded to a multiple of 64 elements (V 1000 -> 1024)."""
     assert paths.scratch_row_pitch(1000) == 1024 and paths.scratch_row_pitch(1024) == 1024
     assert paths.chunk_rows(1 << 20, 1000, 2, 8192) == 512 - 512 % 128 == 512
+    # as many chunks as the fit needs, of equal size: 4096 rows, 1920 fit -> 3 chunks of 1408 (not 1920 + 1920 + 256)
+    assert paths.chunk_rows(1920 * 1024 * 2, 1000, 2, 4096) == 1408
+    assert paths.chunk_rows(1920 * 1024 * 2, 1000, 2, 3840) == 1920
     assert paths.chunk_rows(300 * 1024 * 2, 1000, 2, 8192) == 256  # rounded down to whole 128-row tiles
     assert paths.chunk_rows(100 * 1024 * 2, 1000, 2, 8192) == 100
     assert paths.chunk_rows(10, 1000, 2, 8192) == 1
