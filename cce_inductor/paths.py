@@ -21,9 +21,7 @@ balanced, model 5161 / 1297 / 3483; Llama-3 3070 / 1259 / 3134, model 3070 / 125
 
 The default (``path="auto"``) takes the fastest path whose peak fits the budget ``max(0.5 x torch.compile's,
 1.15 x the gradients' own (N + V) D b)``: balanced where it fits (three matmuls), else lean (four matmuls, always
-within the budget's second term up to its fixed scratch). One exception: at D <= 1024 the lean path is host-bound
-(its kernels are shorter than their launches), so there the balanced path may take up to 0.75x torch.compile's
-peak. So the default never trades memory for speed past half
+within the budget's second term up to its fixed scratch). So the default never trades memory for speed past half
 of torch.compile's peak; where balanced does not fit (large V x D against N x V, e.g. N 8192 on Gemma-2's head:
 6 V D > N V / 2) the lean path's time is the price, and ``stats()`` says so. ``path="lean"`` / ``"balanced"``
 force a path; a forced balanced path fatter than torch.compile says so too.
@@ -50,13 +48,6 @@ _COMPILE_SHARE = 0.5
 _GRADIENT_FACTOR = 1.15
 # Below this many rows a chunk loop is not worth it (and the scratch would be tiny): lean.
 _MIN_BALANCED_ROWS = 256
-# Where D is at most this, one vocabulary step of the lean backward (three kernels over an 8192 x 4096 G block,
-# ~6 x 32M x D flops: <= 0.3 ms on an H100) is shorter than the host's launches of it (~170-290 us on the device's
-# hosts: benchmarks/launch_overhead.py), so the lean path runs host-bound (N 4096, H100: 1.93x torch.compile on GPT-2,
-# 1.94x on GPT-2 medium, 1.21x on Qwen2.5-0.5B, where the balanced path ran at 0.95-1.05x; engineering log v14).
-# There the default takes the balanced path up to this larger share of torch.compile's peak.
-_HOST_BOUND_HIDDEN = 1024
-_HOST_BOUND_COMPILE_SHARE = 0.75
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,20 +101,6 @@ def budget(f: HeadFacts) -> int:
     return max(int(_COMPILE_SHARE * compile_peak(f)), int(_GRADIENT_FACTOR * gradient_bytes(f)))
 
 
-def lean_host_bound(f: HeadFacts) -> bool:
-    """The lean path would wait on the host's launches rather than on the GPU (``_HOST_BOUND_HIDDEN``)."""
-    return f.kernels and f.hidden <= _HOST_BOUND_HIDDEN
-
-
-def balanced_limit(f: HeadFacts) -> int:
-    """The peak the default allows the balanced path: the budget; where the balanced path does not fit it and the
-    lean path would be host-bound, ``_HOST_BOUND_COMPILE_SHARE`` of torch.compile's peak (if that is more)."""
-    limit = budget(f)
-    if lean_host_bound(f) and not balanced_scratch(f, limit):
-        return max(limit, int(_HOST_BOUND_COMPILE_SHARE * compile_peak(f)))
-    return limit
-
-
 def scratch_row_pitch(vocab: int) -> int:
     """Elements per scratch row, as the balanced kernels lay it out (``kernels/_balanced.py``, ``ROW_ALIGN``): V
     rounded up to a multiple of 64, so that the products over the scratch see aligned leading dimensions whatever V
@@ -149,11 +126,10 @@ def chunk_rows(scratch_bytes: int, vocab: int, element_size: int, rows: int) -> 
 
 
 def balanced_scratch(f: HeadFacts, limit: Optional[int] = None) -> int:
-    """The balanced path's scratch for these facts: as large as :func:`balanced_limit` (or ``limit``) leaves beside
-    its fixed memory, at most 1 GiB and all rows; 0 where not even ``_MIN_CHUNK_ROWS`` rows (or all rows, if fewer)
-    fit."""
+    """The balanced path's scratch for these facts: as large as the budget (or ``limit``) leaves beside its fixed
+    memory, at most 1 GiB and all rows; 0 where not even ``_MIN_CHUNK_ROWS`` rows (or all rows, if fewer) fit."""
     b, vd, nd = f.element_size, f.vocab * f.hidden, f.rows * f.hidden
-    limit = balanced_limit(f) if limit is None else limit
+    limit = budget(f) if limit is None else limit
     room = limit - 4 * vd - 4 * nd
     row_bytes = scratch_row_pitch(f.vocab) * b
     want = min(_MAX_SCRATCH_BYTES, max(f.rows, 1) * row_bytes)
@@ -198,27 +174,19 @@ def choose(f: HeadFacts, path: str = "auto", scratch_mb: int = 0, backward_row_c
     if f.rows < _MIN_BALANCED_ROWS:
         return PathChoice("lean", f"lean path: {f.rows} rows are too few for the balanced path's chunks")
     scratch = balanced_scratch(f)
-    limit = balanced_limit(f)
+    limit = budget(f)
     if scratch:
-        if limit > budget(f):
-            within = (f"within {_HOST_BOUND_COMPILE_SHARE:g}x torch.compile's est. {_mib(compile_peak(f))}: at D "
-                      f"{f.hidden} the lean path would wait on its kernel launches (host-bound); {_mib(scratch)} "
-                      "scratch")
-        else:
-            within = f"within the budget {_mib(limit)} (half of torch.compile's est. {_mib(compile_peak(f))}; " \
-                     f"{_mib(scratch)} scratch"
         return PathChoice("balanced", f"balanced path: three matmuls, est. peak {_mib(balanced_peak(f, scratch))} "
-                                      f"{within})", scratch)
+                                      f"within the budget {_mib(limit)} (half of torch.compile's est. "
+                                      f"{_mib(compile_peak(f))}; {_mib(scratch)} scratch)", scratch)
     need = balanced_peak(f, min(f.rows, _MIN_CHUNK_ROWS) * scratch_row_pitch(f.vocab) * f.element_size)
     lean = lean_peak(f, backward_row_chunk)
     over = "" if lean <= limit else (f"; the lean path's est. peak {_mib(lean)} is over the budget too (its G block "
                                      "and dE summed in fp32 against a small V x D), the least of the two")
-    share = f"{_HOST_BOUND_COMPILE_SHARE:g}x" if limit > budget(f) else "half of"
-    slower = ("; more at D <= 1024, where its kernel launches outlast its kernels" if lean_host_bound(f) else "")
     return PathChoice("lean", f"lean path: the balanced path's est. peak {_mib(need)} (dC summed in fp32, "
-                              f"{_mib(4 * f.vocab * f.hidden)}) exceeds the budget {_mib(limit)} ({share} "
+                              f"{_mib(4 * f.vocab * f.hidden)}) exceeds the budget {_mib(limit)} (half of "
                               f"torch.compile's est. {_mib(compile_peak(f))}); four matmuls where torch.compile does "
-                              f"three (~1.3-1.5x its time on the head{slower}){over}")
+                              f"three (~1.3-1.5x its time on the head){over}")
 
 
 def scratch_for(f: HeadFacts, scratch_mb: int = 0) -> int:
