@@ -62,7 +62,7 @@ from . import _launch
 from ._tile import softmax_grad, tanh
 
 # One program streams one row in BLOCK_V columns; 16-byte vector loads of bf16 need BLOCK_V / (32 * num_warps) >= 8.
-# Measured on the H100 (2048 rows, bf16; .devrun-style probe in docs/engineering-log.md v14): rows up to 64k
+# Measured on the H100 (2048 rows, bf16; benchmarks/results/2026-11-25_h100_row-kernel-probe_v14.json): rows up to 64k
 # entries (GPT-2's 50257) run best with 4096-wide blocks (0.37 ms against 0.59 with 2048), longer rows (Qwen2.5,
 # Llama-3, Gemma-2) with 2048 / 8 warps, within 1-3% of the other shapes tried.
 _TUNING = {
