@@ -266,3 +266,11 @@ def md_table(head, rows):
 
 def fmt(x, spec=".2f"):
     return "" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)
+
+
+def main(argv, parse_args, worker, driver):
+    """A benchmark script's entry: its arguments parsed, then its worker (one head / model in a fresh process) or
+    the driver that starts the workers."""
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
+    return worker(args) if args.worker else driver(args, argv)

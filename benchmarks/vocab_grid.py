@@ -479,11 +479,5 @@ def parse_args(argv):
     return args
 
 
-def main(argv=None):
-    argv = sys.argv[1:] if argv is None else argv
-    args = parse_args(argv)
-    return worker(args) if args.worker else driver(args, argv)
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(C.main(None, parse_args, worker, driver))
