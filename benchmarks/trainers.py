@@ -18,6 +18,13 @@ that would end past 480 s, a worker still running then is killed, its batch unre
     python benchmarks/trainers.py --report                                          # the tables of --out, no run
     python benchmarks/trainers.py --device cpu --tiny --clients trainer --models llama32-1b   # CPU smoke, ~2 min
 
+Measured: one setting takes ~70 s of compile per method and batch on an H100 (stock Trainer, Qwen2.5-0.5B, batch 4:
+first step 66.6 s), so one 10-minute call holds ~3 (method, batch) pairs: pass --batches. On a machine without
+`datasets` (the device's), TRL needs it and its pure dependencies as wheels on PYTHONPATH (pyarrow, numpy and
+huggingface_hub are there already), e.g. the cp312 wheels of datasets 4.7.0, dill, multiprocess, xxhash, fsspec,
+pandas, python-dateutil, tzdata, aiohttp and its small dependencies:
+    python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl-datasets/*.whl; export PYTHONPATH=/tmp/site
+
 One worker process per (client, model, method), its environment fresh: CCE_INDUCTOR=1 for cce methods only,
 Inductor's on-disk caches off (every first step compiles; stats() sees the site). Where the package's torch.backends
 entry point is not installed (a checkout on PYTHONPATH) the worker calls cce_inductor.enable() as that entry point
