@@ -3,11 +3,18 @@
     python benchmarks/plot.py ratios benchmarks/results/2026-11-24_h100_heads_v12.json --out /tmp/plots
     python benchmarks/plot.py ratios benchmarks/results/2026-11-24_h*_heads_v12.json --mode fwd
     python benchmarks/plot.py curves benchmarks/results/2026-11-24_h200_e2e-gemma2_v12.json --out /tmp/plots
+    python benchmarks/plot.py grid benchmarks/results/2026-11-25_h100_vocab-grid.jsonl \
+        benchmarks/results/2026-11-25_h100_vocab-grid-*_v14.jsonl --n 8192 --out /tmp/plots
 
 ``ratios``: a JSON written by ``benchmarks/benchmark.py --json``: per head (shape and data regime) one bar per
 method, its time as a multiple of torch.compile's in the same process (the rows' ``vs_compile``), for one mode
 (``fwdbwd`` by default). The methods ``compile`` (1.0 by definition) and ``matmul`` (forward only) are left out
 unless named in ``--methods``. Also prints the plotted numbers as a markdown table.
+
+``grid``: JSON lines written by ``benchmarks/vocab_grid.py`` (several files: a later file's row replaces an earlier
+one's for the same head, N, ignored share, shapes and method): per head, the time and the peak of each method as a
+multiple of torch.compile's in the same process (the same file's torch.compile row for that head), two panels, for one N / ignored share / shapes; the default's pick
+under its bar. One PNG for all the files (named after the first), and the plotted numbers as a markdown table.
 
 ``curves``: a JSON written by ``benchmarks/train_e2e.py``: the training loss of every mode (torch.compile,
 the lean and the balanced path) per step, with its running mean over ``--window`` steps.
@@ -90,6 +97,68 @@ def ratios(path: str, mode: str, methods: list[str] | None, out: str) -> str:
     return target
 
 
+GRID_METHODS = ("default", "lean", "balanced", "trl", "liger", "apple_cce")
+
+
+def grid(paths: list[str], n: int, ignore: int, shapes: str, out: str) -> str:
+    """Time and peak / torch.compile's per head and method of ``vocab_grid.py`` rows; returns the PNG's path."""
+    latest, header = OrderedDict(), {}  # (head, method) -> (row, torch.compile's row of the same file)
+    for path in paths:
+        with open(path) as handle:
+            rows = [json.loads(line) for line in handle if line.strip()]
+        header = header or next((r for r in rows if r.get("kind") == "header"), {})
+        case = [r for r in rows if r.get("kind") == "row" and r.get("fwdbwd_ms")
+                and (r["n"], r["ignore_pct"], r["shapes"]) == (n, ignore, shapes)]
+        compiled = {r["head"]: r for r in case if r["method"] == "compile"}
+        for row in case:  # a ratio only against torch.compile timed in the same process (the same file and head)
+            if row["head"] in compiled:
+                latest[(row["head"], row["method"])] = (row, compiled[row["head"]])
+    heads = list(OrderedDict.fromkeys(head for head, method in latest if method == "compile"))
+    if not heads:
+        raise SystemExit(f"no vocab_grid.py rows with torch.compile at N {n}, {ignore}% ignored, {shapes} shapes")
+    keep = [m for m in GRID_METHODS if any((h, m) in latest for h in heads)]
+
+    def ratio(head, method, column):
+        row, base = latest.get((head, method), (None, None))
+        return row[column] / base[column] if row and row.get(column) and base.get(column) else float("nan")
+
+    print(f"N {n}, {ignore}% ignored, {shapes} shapes ({_title(header)}): time / peak as multiples of torch.compile's")
+    print("| head (D, V) | " + " | ".join(keep) + " |")
+    print("| --- |" + " --- |" * len(keep))
+    for head in heads:
+        d, v = latest[(head, "compile")][0]["d"], latest[(head, "compile")][0]["v"]
+        cells = [f"{ratio(head, m, 'fwdbwd_ms'):.2f}x / {ratio(head, m, 'peak_mb'):.2f}x" if (head, m) in latest
+                 else "" for m in keep]
+        print(f"| {head} ({d}, {v}) | " + " | ".join(cells) + " |")
+
+    figure, axes = plt.subplots(2, 1, figsize=(max(7.0, 1.1 * len(heads)), 7), sharex=True)
+    width = 0.8 / max(1, len(keep))
+    top = 2.5  # the peers' slowest bars (up to ~8x) are cut here and labelled with their value
+    for axis, column, label in ((axes[0], "fwdbwd_ms", "fwd+bwd time"), (axes[1], "peak_mb", "peak memory")):
+        for i, method in enumerate(keep):
+            xs = [h + (i - (len(keep) - 1) / 2) * width for h in range(len(heads))]
+            ys = [ratio(head, method, column) for head in heads]
+            axis.bar(xs, [min(y, top) for y in ys], width, label=method)
+            for x, y in zip(xs, ys):
+                if y > top:
+                    axis.text(x, top, f"{y:.1f}", ha="center", va="bottom", fontsize=6)
+        axis.set_ylim(0, top * 1.08)
+        axis.axhline(1.0, color="black", linewidth=0.8, linestyle="--")
+        if column == "peak_mb":
+            axis.axhline(0.5, color="gray", linewidth=0.8, linestyle=":")
+        axis.set_ylabel(f"{label} / torch.compile's")
+    picks = [(latest.get((head, "default"), ({}, None))[0]).get("pick") or "" for head in heads]
+    axes[1].set_xticks(range(len(heads)))
+    axes[1].set_xticklabels([f"{head}\n{pick}" for head, pick in zip(heads, picks)], fontsize=7, rotation=30)
+    axes[0].set_title(f"{_title(header)}; N {n}, {ignore}% ignored, {shapes} shapes", fontsize=9)
+    axes[1].legend(fontsize=7, ncol=len(keep), loc="upper right")
+    figure.tight_layout()
+    target = _target(paths[0], out, f"_n{n}_ign{ignore}_{shapes}")
+    figure.savefig(target, dpi=120)
+    plt.close(figure)
+    return target
+
+
 def _running_mean(values, window):
     return [sum(values[i : i + window]) / window for i in range(len(values) - window + 1)]
 
@@ -132,11 +201,20 @@ def main() -> None:
     p_ratios.add_argument("--mode", default="fwdbwd", choices=("fwd", "fwdbwd"))
     p_ratios.add_argument("--methods", default="", help="comma-separated methods (default: all but compile, matmul)")
     p_ratios.add_argument("--out", default=".")
+    p_grid = sub.add_parser("grid", help="time and peak / torch.compile per head, from vocab_grid.py JSON lines")
+    p_grid.add_argument("files", nargs="+")
+    p_grid.add_argument("--n", type=int, default=8192)
+    p_grid.add_argument("--ignore", type=int, default=0)
+    p_grid.add_argument("--shapes", default="static", choices=("static", "dynamic"))
+    p_grid.add_argument("--out", default=".")
     p_curves = sub.add_parser("curves", help="loss curves, from a train_e2e.py JSON")
     p_curves.add_argument("files", nargs="+")
     p_curves.add_argument("--window", type=int, default=20)
     p_curves.add_argument("--out", default=".")
     args = parser.parse_args()
+    if args.kind == "grid":
+        print(grid(args.files, args.n, args.ignore, args.shapes, args.out))
+        return
     for path in args.files:
         if args.kind == "ratios":
             print(ratios(path, args.mode, [m for m in args.methods.split(",") if m], args.out))
