@@ -16,7 +16,8 @@ balanced, model 5161 / 1297 / 3483; Llama-3 3070 / 1259 / 3134, model 3070 / 125
 
     torch.compile  N V b + V D b + N D b                 (the logits, saved for its backward, and the gradients)
     lean           (N + V) D b + R * W * b + N D 4 (+ W D 4 where N > R; R = min(N, backward_row_chunk),
-                   W = min(V, 4096 * max(1, 8192 // R)): one G block of at most 8192 x 4096 entries)
+                   W = min(V, 4096 * max(1, 8192 // N)) where R = N, else 4096: one G block of at most 8192 x 4096
+                   entries)
     balanced       max(V D 4 + N D 4 + S,  V D (4 + b) + N D (4 + b))     (S = the scratch)
 
 The default (``path="auto"``) takes the fastest path whose peak fits the budget ``max(0.5 x torch.compile's,
@@ -84,10 +85,11 @@ def gradient_bytes(f: HeadFacts) -> int:
 
 
 def lean_peak(f: HeadFacts, backward_row_chunk: int = 8192) -> int:
-    """The gradients, one G block (``R x W``, R the row chunk, W 4096 or wider for R < 8192), dE in fp32 and, past
-    one row chunk, one vocabulary chunk of dC in fp32 (``kernels/_backward.py``)."""
+    """The gradients, one G block (``R x W``, R the row chunk, W 4096, or wider where N < 8192 is one row chunk), dE
+    in fp32 and, past one row chunk, one vocabulary chunk of dC in fp32 (``kernels/_backward.py``)."""
     rows = min(f.rows, backward_row_chunk or f.rows)
-    width = min(f.vocab, _LEAN_VOCAB_CHUNK * max(1, _LEAN_G_BLOCK_ROWS // max(rows, 1)))
+    widen = max(1, _LEAN_G_BLOCK_ROWS // max(rows, 1)) if rows == f.rows else 1  # one row chunk only
+    width = min(f.vocab, _LEAN_VOCAB_CHUNK * widen)
     dc_sums = width * f.hidden * 4 if f.rows > rows else 0
     return gradient_bytes(f) + rows * width * f.element_size + f.rows * f.hidden * 4 + dc_sums
 

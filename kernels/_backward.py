@@ -79,8 +79,8 @@ from . import _forward, _launch, _products
 from ._tile import logit_tile, softmax_grad
 
 # Hopper (H100 / H200); the interpreter's tiny blocks keep the CPU tests fast.  vocab_chunk: columns of one G block
-# (engineering log v11: 4096 against 2048 / 8192) for a row chunk of g_block_rows rows or more; a chunk of fewer
-# rows gets a block that many times wider (the same bytes), so a small N takes fewer vocabulary steps: at N 4096 on
+# (engineering log v11: 4096 against 2048 / 8192) for N of g_block_rows rows or more; a smaller N (one row chunk)
+# gets a block that many times wider (the same bytes), so it takes fewer vocabulary steps: at N 4096 on
 # GPT-2's head the lean path was host-bound, 7.7 ms of launches for 2.5 ms of kernels (engineering log v14).
 # g_block_rows 0: never wider (the interpreter; tests set it).
 _TUNING = {
@@ -91,10 +91,12 @@ _TUNING = {
 }
 
 
-def vocab_chunk_width(vocab_chunk: int, g_block_rows: int, row_chunk: int, vocab: int) -> int:
-    """Columns of one G block: ``vocab_chunk``, times ``g_block_rows // row_chunk`` where the row chunk is shorter
-    (a block of the same bytes), at most V.  (``cce_inductor.paths.lean_peak`` models the same width.)"""
-    widen = max(1, g_block_rows // max(row_chunk, 1)) if g_block_rows else 1
+def vocab_chunk_width(vocab_chunk: int, g_block_rows: int, rows: int, row_chunk: int, vocab: int) -> int:
+    """Columns of one G block: ``vocab_chunk``, times ``g_block_rows // rows`` where all ``rows`` fit in one row
+    chunk shorter than ``g_block_rows`` (a block of the same bytes), at most V.  Several row chunks (a
+    ``backward_row_chunk`` chosen to bound memory) keep the narrow block: a wider one would grow dC's fp32 chunk sums.
+    (``cce_inductor.paths.lean_peak`` models the same width.)"""
+    widen = max(1, g_block_rows // max(rows, 1)) if g_block_rows and rows <= row_chunk else 1
     return min(vocab, vocab_chunk * widen)
 
 
@@ -285,7 +287,7 @@ def backward(e, c, targets, bias, lse, grad_rows, *, softcap, ignore_index, opti
     every_row = grad_lse is not None or grad_entropy is not None
     counted = torch.ones_like(targets, dtype=torch.bool) if every_row else targets != ignore_index
     row_chunk = min(n, options.backward_row_chunk or n)
-    vocab_chunk = vocab_chunk_width(tune["vocab_chunk"], tune["g_block_rows"], row_chunk, v)
+    vocab_chunk = vocab_chunk_width(tune["vocab_chunk"], tune["g_block_rows"], n, row_chunk, v)
     sixteen_bit = e.dtype in (torch.bfloat16, torch.float16)
     split_g = options.exact and sixteen_bit  # fp32 inputs: G is fp32 already
     # Triton products (``_products``: skip the ignored rows) where the tensor-memory accelerator can read C

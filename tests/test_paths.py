@@ -93,6 +93,21 @@ def test_memory_model_matches_the_measured_peaks():
         assert abs(paths.balanced_peak(facts, 2**30) / mib / balanced_mb - 1) < 0.03
 
 
+def test_lean_g_block_widens_for_a_small_n_only():
+    """The lean backward's G block (kernels/_backward.py): 8192 x 4096 entries; a smaller N in one row chunk gets the
+    same bytes in a wider block (fewer vocabulary steps); a backward_row_chunk below N keeps it narrow (the user
+    bounds memory: a wider block would grow dC's fp32 chunk sums)."""
+    gemma = _facts("gemma2", 4096)
+    d, v, b = gemma.hidden, gemma.vocab, 2
+    fixed = paths.gradient_bytes(gemma) + 4096 * d * 4  # gradients + dE in fp32
+    assert paths.lean_peak(gemma) == fixed + 4096 * 8192 * b  # N 4096: twice the width
+    assert paths.lean_peak(gemma, backward_row_chunk=1024) == fixed + 1024 * 4096 * b + 4096 * d * 4
+    big = _facts("gemma2", 8192)
+    assert paths.lean_peak(big) - paths.gradient_bytes(big) - 8192 * d * 4 == 8192 * 4096 * b
+    assert paths.lean_peak(_facts("gpt2", 256)) == (paths.gradient_bytes(_facts("gpt2", 256)) + 256 * 768 * 4
+                                                   + 256 * 50257 * b)  # at most V wide
+
+
 @pytest.mark.parametrize("facts_kw, reason", [
     (dict(reduction="none"), "reduction='none'"),
     (dict(per_row_outputs=True), "per-row outputs"),

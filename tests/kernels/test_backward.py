@@ -121,14 +121,16 @@ def test_backward_is_reproducible_and_chunking_invariant(device, products, monke
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_short_row_chunks_get_wider_vocabulary_blocks(device, monkeypatch):
-    """Fewer rows than ``g_block_rows``: the G block widens to the same bytes (fewer vocabulary steps, fewer
-    launches), down to one block over all of V; the gradients are the narrow blocks' to fp32 rounding, with and
-    without several row chunks.  The memory model (``cce_inductor.paths.lean_peak``) assumes the GPU tuning's
-    widths."""
+    """Fewer rows than ``g_block_rows`` in one row chunk: the G block widens to the same bytes (fewer vocabulary
+    steps, fewer launches), up to one block over all of V; the gradients are the narrow blocks' to fp32 rounding;
+    several row chunks keep the narrow block.  The memory model (``cce_inductor.paths.lean_peak``) assumes the GPU
+    tuning's widths."""
     device_ok(device)
-    assert _backward.vocab_chunk_width(48, 0, 10, 1000) == 48
-    assert _backward.vocab_chunk_width(48, 64, 20, 1000) == 144  # 64 // 20 = 3 blocks' width
-    assert _backward.vocab_chunk_width(48, 64, 2, 1000) == 1000  # at most V
+    assert _backward.vocab_chunk_width(48, 0, 10, 10, 1000) == 48
+    assert _backward.vocab_chunk_width(48, 64, 20, 20, 1000) == 144  # 64 // 20 = 3 blocks' width
+    assert _backward.vocab_chunk_width(48, 64, 2, 8192, 1000) == 1000  # at most V
+    # several row chunks (backward_row_chunk set to bound memory): narrow, or dC's fp32 chunk sums would grow
+    assert _backward.vocab_chunk_width(48, 64, 20, 8, 1000) == 48
     gpu = _backward._TUNING["gpu"]
     assert (paths._LEAN_VOCAB_CHUNK, paths._LEAN_G_BLOCK_ROWS) == (gpu["vocab_chunk"], gpu["g_block_rows"])
     e, c, targets, b = make_kernel_inputs(20, 170, 24, torch.float32, device, ignore_frac=0.2, bias=True, seed=3)
@@ -144,7 +146,7 @@ def test_short_row_chunks_get_wider_vocabulary_blocks(device, monkeypatch):
 
     for row_chunk in (0, 8):
         narrow = grads(0, row_chunk)
-        for g_block_rows in (64, 1 << 12):  # blocks 3 (or 8) times wider; one block over all of V
+        for g_block_rows in (64, 1 << 12):  # one row chunk: blocks 3 times wider, one over all of V; 8-row chunks: narrow
             for x, y in zip(grads(g_block_rows, row_chunk), narrow):
                 assert rel(x, y) < 1e-6
 
