@@ -268,9 +268,43 @@ def fmt(x, spec=".2f"):
     return "" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)
 
 
+def finish_args(ap, args, name, hint="--tiny"):
+    """The arguments every driver script shares: --out's default (``$OUT/<name>[_tiny].jsonl``), and a clear error
+    where a GPU run is asked for on a machine without CUDA (``hint``: the flags of the script's CPU run)."""
+    args.out = args.out or default_out(f"{name}_tiny" if args.tiny else name)
+    if args.device == "cuda" and not torch.cuda.is_available() and not args.report:
+        ap.error(f"no CUDA device: use {hint} for a CPU run of the harness")
+    return args
+
+
 def main(argv, parse_args, worker, driver):
     """A benchmark script's entry: its arguments parsed, then its worker (one head / model in a fresh process) or
     the driver that starts the workers."""
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
     return worker(args) if args.worker else driver(args, argv)
+
+
+def fp32_reference_grads(e, c, t, ignore_index=-100, chunk=1024):
+    """(dE, dC) of the mean cross-entropy from fp32 logits (true fp32 matmuls, no TF32), chunked over rows: the
+    reference the benchmarks' gradient errors are measured against (torch.compile's included)."""
+    prev = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        c32 = c.float()
+        count = (t != ignore_index).sum().clamp(min=1).float()
+        de = torch.empty(e.shape, dtype=torch.float32, device=e.device)
+        dc = torch.zeros(c.shape, dtype=torch.float32, device=e.device)
+        for s in range(0, e.shape[0], chunk):
+            e32, tt = e[s:s + chunk].float(), t[s:s + chunk]
+            grad = torch.softmax(e32 @ c32.T, -1)
+            vv = tt != ignore_index
+            grad[vv.nonzero()[:, 0], tt[vv]] -= 1.0
+            grad *= (vv.float() / count)[:, None]
+            de[s:s + chunk] = grad @ c32
+            dc += grad.T @ e32
+            del grad
+        return de, dc
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = prev
+

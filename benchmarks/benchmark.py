@@ -83,6 +83,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _common as C  # noqa: E402  (benchmarks/_common.py: the fp32 reference gradients)
 import real_text  # noqa: E402  (benchmarks/real_text.py: the `real` regime's head, the softmax statistics)
 
 SHAPES = {  # name: (D, V)
@@ -434,31 +435,6 @@ def measure(fn, e, c, t, mode, args):
     return result
 
 
-def fp32_reference_grads(e, c, t, chunk=1024):
-    """Mean-reduced cross-entropy gradients from fp32 logits (true fp32 matmuls), chunked over rows."""
-    prev = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = False
-    try:
-        c32 = c.float()
-        valid = t != IGNORE
-        count = valid.sum().clamp(min=1).float()
-        de = torch.empty(e.shape, dtype=torch.float32, device=e.device)
-        dc = torch.zeros(c.shape, dtype=torch.float32, device=e.device)
-        for s in range(0, e.shape[0], chunk):
-            e32 = e[s:s + chunk].float()
-            grad = torch.softmax(e32 @ c32.T, -1)
-            tt = t[s:s + chunk]
-            vv = tt != IGNORE
-            grad[vv.nonzero()[:, 0], tt[vv]] -= 1.0
-            grad *= (vv.float() / count)[:, None]
-            de[s:s + chunk] = grad @ c32
-            dc += grad.T @ e32
-            del grad
-        return de, dc
-    finally:
-        torch.backends.cuda.matmul.allow_tf32 = prev
-
-
 def rel(a, b):
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
@@ -483,7 +459,7 @@ def sweep(args, base_options):
         n, d, v = e.shape[0], e.shape[1], c.shape[0]
         stats = regime_stats(e, c, t, args.stats_rows)
         _print_case(shape, n, d, v, regime, stats, meta, tag="## sweep")
-        ref = fp32_reference_grads(e, c, t) if args.check else None
+        ref = C.fp32_reference_grads(e, c, t, IGNORE) if args.check else None
         mm = bench(lambda: e @ c.T, args)
         print(f"  matmul {mm:.2f} ms", flush=True)
         valid = t != IGNORE
@@ -648,7 +624,7 @@ def run_methods(args, base_options):
         stats = regime_stats(e, c, t, args.stats_rows)
         _print_case(shape, n, d, v, regime, stats, meta)
         cases.append(dict(shape=shape, n=n, d=d, v=v, regime=regime, stats=stats, real_text=meta))
-        ref = fp32_reference_grads(e, c, t) if args.check else None
+        ref = C.fp32_reference_grads(e, c, t, IGNORE) if args.check else None
         results = {}
         for mode in args.modes.split(","):
             for m in args.methods.split(","):

@@ -378,12 +378,9 @@ def parse_args(argv):
     args.seq = args.seq or (64 if args.tiny else 2048)
     args.steps = args.steps or (1 if args.tiny else 5)
     args.static = args.batch_shapes == "static"
-    args.out = args.out or C.default_out("full_depth_tiny" if args.tiny else "full_depth")
     if args.budget_s is None:
         args.budget_s = 0 if args.tiny else 500
-    if args.device == "cuda" and not torch.cuda.is_available() and not args.report:
-        ap.error("no CUDA device: use --tiny for a CPU run of the harness")
-    return args
+    return C.finish_args(ap, args, "full_depth")
 
 
 if __name__ == "__main__":

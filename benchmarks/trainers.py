@@ -388,12 +388,9 @@ def parse_args(argv):
         [2**i for i in range(top.bit_length()) if 2**i <= top]
     args.seq, args.steps = args.seq or (64 if args.tiny else 2048), args.steps or (3 if args.tiny else 10)
     args.warmup = min(args.warmup if args.warmup is not None else (1 if args.tiny else 2), args.steps - 1)
-    args.out = args.out or C.default_out("trainers_tiny" if args.tiny else "trainers")
     args.deadline = (0 if args.device == "cpu" else 480) if args.deadline is None else args.deadline
     args.deadline = float(args.until or 0) if args.worker else args.deadline
-    if args.device == "cuda" and not torch.cuda.is_available() and not args.report:
-        ap.error("no CUDA device: use --device cpu --tiny for a CPU run of the harness")
-    return args
+    return C.finish_args(ap, args, "trainers", hint="--device cpu --tiny")
 
 
 if __name__ == "__main__":

@@ -110,29 +110,6 @@ def make_data(n, d, v, ignore_pct, device, seed):
     return e32.bfloat16().contiguous(), c32.bfloat16().contiguous(), t
 
 
-def fp32_reference_grads(e, c, t, chunk=1024):
-    """Mean-loss gradients from fp32 logits (no TF32), chunked over rows; returned on the CPU."""
-    prev = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = False
-    try:
-        c32 = c.float()
-        count = (t != IGNORE).sum().clamp(min=1).float()
-        de = torch.empty(e.shape, dtype=torch.float32, device=e.device)
-        dc = torch.zeros(c.shape, dtype=torch.float32, device=e.device)
-        for s in range(0, e.shape[0], chunk):
-            e32, tt = e[s:s + chunk].float(), t[s:s + chunk]
-            grad = torch.softmax(e32 @ c32.T, -1)
-            vv = tt != IGNORE
-            grad[vv.nonzero()[:, 0], tt[vv]] -= 1.0
-            grad *= (vv.float() / count)[:, None]
-            de[s:s + chunk] = grad @ c32
-            dc += grad.T @ e32
-            del grad
-        return de.cpu(), dc.cpu()
-    finally:
-        torch.backends.cuda.matmul.allow_tf32 = prev
-
-
 def rel(a, ref, chunk=4096):
     """||a - ref|| / ||ref|| (ref on the CPU), a block of rows at a time."""
     num = den = 0.0
@@ -307,7 +284,7 @@ def worker(args):
             began = time.time()
             try:
                 e, c, t = make_data(n, d, v, ign, args.device, args.seed)
-                ref = fp32_reference_grads(e, c, t)
+                ref = [x.cpu() for x in C.fp32_reference_grads(e, c, t, IGNORE)]
                 mm_ms = C.bench(lambda: e @ c.T, args.device, args.reps)
             except Exception as exc:  # noqa: BLE001 - every method of these cases gets the error; next N goes on
                 for shapes in cases:
@@ -471,12 +448,9 @@ def parse_args(argv):
     unknown = set(args.methods) - set(BASE) - set(C.METHODS) - {"trl", "liger", "apple_cce"}
     if unknown:
         ap.error(f"unknown methods {sorted(unknown)}")
-    args.out = args.out or C.default_out("vocab_grid_tiny" if args.tiny else "vocab_grid")
     if args.budget_s is None:
         args.budget_s = 0 if args.tiny else 500
-    if args.device == "cuda" and not torch.cuda.is_available() and not args.report:
-        ap.error("no CUDA device: use --tiny for a CPU run of the harness")
-    return args
+    return C.finish_args(ap, args, "vocab_grid")
 
 
 if __name__ == "__main__":
