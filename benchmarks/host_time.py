@@ -1,0 +1,169 @@
+"""Where a small head's time goes on the host: a compiled fused call against its kernels called directly.
+
+At small N (GPT-2's head, N 4096) a fused fwd+bwd takes longer on the host than its kernels take on the GPU, so the
+wall time is the host's. This prints, per way of calling the same head (bf16, LM-like sizes, random data):
+
+    host ms   the Python side of one fwd+bwd step, steps issued back to back (nothing waits for the GPU)
+    wall ms   the same steps, until the GPU is done (host-bound when equal to host ms)
+
+for torch.compile, the pass with each path forced (balanced in one chunk: a 4 GiB scratch), the default, the op
+called eagerly (``cce_inductor.linear_cross_entropy``), and the kernels' launch helpers called directly
+(``kernels._balanced.loss_and_grads``; ``kernels._forward.forward`` + ``kernels._backward.backward``). Then the
+lean compiled step cut into segments by timestamps taken where the op enters and leaves ``_dispatch`` (median us):
+the layers around the kernels' launch helpers (Dynamo, AOTAutograd, the custom op, the op's own checks and row
+losses) against the helpers themselves. ``--trace DIR`` also writes a torch.profiler trace of 4 lean steps.
+
+Reproduce (CUDA):  python benchmarks/host_time.py [--n 4096 --d 768 --v 50257] [--out results.json]
+Measured (H200 host of the device pool, torch 2.11, Triton 3.6, 2026-11-25; engineering log v15): torch.compile
+0.81 ms host / 2.22 ms wall; the lean path through the pass 5.18 / 5.18 (host-bound), its kernels called directly
+2.67 / 2.67; balanced in one chunk 1.55 / 2.07. benchmarks/results/2026-11-25_h200_host-time_v15.{json,txt}.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [os.path.dirname(HERE)]
+from cce_inductor.kernels import _backward, _balanced, _forward
+
+import cce_inductor
+from cce_inductor import CCEOptions, _dispatch
+
+
+def fresh_loss(tag):
+    """A new function per method: two backends compiling one code object would share Dynamo's cache."""
+    scope = {"F": F}
+    exec(f"def loss_{tag}(e, c, t):\n    return F.cross_entropy(F.linear(e, c).float(), t, ignore_index=-100)\n",
+         scope)
+    return scope[f"loss_{tag}"]
+
+
+def host_and_wall(step, reps=30):
+    for _ in range(5):
+        step()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        step()
+    t1 = time.perf_counter()
+    torch.cuda.synchronize()
+    t2 = time.perf_counter()
+    return {"host_ms": 1e3 * (t1 - t0) / reps, "wall_ms": 1e3 * (t2 - t0) / reps}
+
+
+def timeline(step, reps=20):
+    """Median microseconds between the timestamps of a step: its start, the op's entries into / exits from
+    ``_dispatch.forward`` / ``_dispatch.backward`` (the kernels' launch helpers), the forward's return and the
+    backward's."""
+    marks = []
+
+    def stamp(name, fn):
+        def wrapped(*args, **kwargs):
+            marks.append((name + " in", time.perf_counter()))
+            out = fn(*args, **kwargs)
+            marks.append((name + " out", time.perf_counter()))
+            return out
+        return wrapped
+
+    saved = _dispatch.forward, _dispatch.backward
+    _dispatch.forward, _dispatch.backward = stamp("kernels fwd", saved[0]), stamp("kernels bwd", saved[1])
+    try:
+        torch.cuda.synchronize()
+        for _ in range(reps):
+            marks.append(("step", time.perf_counter()))
+            step(marks)
+        torch.cuda.synchronize()
+    finally:
+        _dispatch.forward, _dispatch.backward = saved
+    segments = {}
+    for (a, ta), (b, tb) in zip(marks, marks[1:]):
+        if b != "step":
+            segments.setdefault(f"{a} -> {b}", []).append(1e6 * (tb - ta))
+    return {k: sorted(v)[len(v) // 2] for k, v in segments.items()}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--n", type=int, default=4096)
+    ap.add_argument("--d", type=int, default=768)
+    ap.add_argument("--v", type=int, default=50257)
+    ap.add_argument("--out", default=None, help="JSON results (default: print only)")
+    ap.add_argument("--trace", default=None, help="directory for a torch.profiler trace of the lean steps")
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    n, d, v, dev = args.n, args.d, args.v, "cuda"
+    e = (torch.randn(n, d, device=dev) * 0.5).to(torch.bfloat16).requires_grad_()
+    c = (torch.randn(v, d, device=dev) * 0.05).to(torch.bfloat16).requires_grad_()
+    t = torch.randint(0, v, (n,), device=dev)
+
+    def train_step(fn):
+        def step(marks=None):
+            loss = fn(e, c, t)
+            if marks is not None:
+                marks.append(("forward returned", time.perf_counter()))
+            loss.backward()
+            if marks is not None:
+                marks.append(("backward returned", time.perf_counter()))
+            e.grad = c.grad = None
+        return step
+
+    results = {}
+    methods = {"torch.compile": None, "lean": {"path": "lean"},
+               "balanced, one chunk": {"path": "balanced", "scratch_mb": 4096}, "default": {}}
+    lean_step = None
+    for i, (name, kw) in enumerate(methods.items()):
+        torch._dynamo.reset()
+        fn = fresh_loss(i)
+        compiled = torch.compile(fn) if kw is None else torch.compile(fn, backend=cce_inductor.make_backend(**kw))
+        step = train_step(compiled)
+        results[name] = host_and_wall(step)
+        if name == "lean":
+            lean_step = step
+            results["lean timeline (us)"] = timeline(step)
+    opts = {"lean": CCEOptions(path="lean"), "balanced": CCEOptions(path="balanced", scratch_mb=4096)}
+    for path, opt in opts.items():
+        results[f"eager op, {path}"] = host_and_wall(
+            train_step(lambda e_, c_, t_, opt=opt: cce_inductor.linear_cross_entropy(e_, c_, t_, options=opt)))
+    ed, cd = e.detach(), c.detach()
+    results["kernels directly, balanced"] = host_and_wall(lambda: _balanced.loss_and_grads(
+        ed, cd, t, None, softcap=None, ignore_index=-100, reduction="mean", chunk_rows=n))
+    lse = _forward.forward(ed, cd, t, None, softcap=None, ignore_index=-100)[0]
+    grad_rows = torch.full((n,), 1.0 / n, device=dev)
+
+    def lean_kernels():
+        _forward.forward(ed, cd, t, None, softcap=None, ignore_index=-100)
+        _backward.backward(ed, cd, t, None, lse, grad_rows, softcap=None, ignore_index=-100, options=CCEOptions(),
+                           need_e=True, need_c=True, need_bias=False)
+    results["kernels directly, lean"] = host_and_wall(lean_kernels)
+    if args.trace:
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(4):
+                lean_step()
+            torch.cuda.synchronize()
+        os.makedirs(args.trace, exist_ok=True)
+        prof.export_chrome_trace(os.path.join(args.trace, "lean_steps.json"))
+    device = f"{torch.cuda.get_device_name()}, torch {torch.__version__}"
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"device": device, "n": n, "d": d, "v": v, "results": results}, f, indent=1)
+    print(f"# {device}; N {n}, D {d}, V {v}, bf16")
+    print(f"{'way of calling':28s} {'host ms':>8s} {'wall ms':>8s}")
+    for name, r in results.items():
+        if "host_ms" in r:
+            print(f"{name:28s} {r['host_ms']:8.2f} {r['wall_ms']:8.2f}")
+    print("lean, compiled, one step (median us):")
+    for seg, us in results["lean timeline (us)"].items():
+        print(f"  {seg:40s} {us:8.0f}")
+
+
+if __name__ == "__main__":
+    main()
