@@ -96,6 +96,21 @@ def bench(fn, device, reps=2, grad_to_none=None):
     return statistics.median(times)
 
 
+def host_and_wall_ms(fn, reps=30, warmup=5):
+    """``(host ms, wall ms)`` per call of ``fn`` on CUDA, calls issued back to back: the time until the last call
+    returns on the host, and until the GPU has finished it (equal where the host is the limit)."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    t1 = time.perf_counter()
+    torch.cuda.synchronize()
+    t2 = time.perf_counter()
+    return 1e3 * (t1 - t0) / reps, 1e3 * (t2 - t0) / reps
+
+
 def free(device):
     import gc
 

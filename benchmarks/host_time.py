@@ -14,9 +14,9 @@ the layers around the kernels' launch helpers (Dynamo, AOTAutograd, the custom o
 losses) against the helpers themselves. ``--trace DIR`` also writes a torch.profiler trace of 4 lean steps.
 
 Reproduce (CUDA):  python benchmarks/host_time.py [--n 4096 --d 768 --v 50257] [--out results.json]
-Measured (H200 host of the device pool, torch 2.11, Triton 3.6, 2026-11-25; engineering log v15): torch.compile
-0.81 ms host / 2.22 ms wall; the lean path through the pass 5.18 / 5.18 (host-bound), its kernels called directly
-2.67 / 2.67; balanced in one chunk 1.55 / 2.07. benchmarks/results/2026-11-25_h200_host-time_v15.{json,txt}.
+Measured (an H200 host of the device pool, torch 2.11, Triton 3.6, 2026-11-25; engineering log v15): torch.compile
+1.03 ms host / 2.23 ms wall; the lean path through the pass 4.32 / 4.34 (host-bound), its kernels' launch helpers
+called directly 2.89 / 2.90; balanced in one chunk 2.08 / 2.16. benchmarks/results/2026-11-25_h200_host-time_v15.*
 """
 from __future__ import annotations
 
@@ -30,11 +30,12 @@ import torch
 import torch.nn.functional as F
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:0] = [os.path.dirname(HERE)]
-from cce_inductor.kernels import _backward, _balanced, _forward
+sys.path[:0] = [HERE, os.path.dirname(HERE)]
+import _common as C  # noqa: E402  (benchmarks/ on the path first)
 
-import cce_inductor
-from cce_inductor import CCEOptions, _dispatch
+import cce_inductor  # noqa: E402
+from cce_inductor import CCEOptions, _dispatch  # noqa: E402
+from cce_inductor.kernels import _backward, _balanced, _forward  # noqa: E402
 
 
 def fresh_loss(tag):
@@ -45,17 +46,9 @@ def fresh_loss(tag):
     return scope[f"loss_{tag}"]
 
 
-def host_and_wall(step, reps=30):
-    for _ in range(5):
-        step()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(reps):
-        step()
-    t1 = time.perf_counter()
-    torch.cuda.synchronize()
-    t2 = time.perf_counter()
-    return {"host_ms": 1e3 * (t1 - t0) / reps, "wall_ms": 1e3 * (t2 - t0) / reps}
+def host_and_wall(step):
+    host_ms, wall_ms = C.host_and_wall_ms(step)
+    return {"host_ms": host_ms, "wall_ms": wall_ms}
 
 
 def timeline(step, reps=20):

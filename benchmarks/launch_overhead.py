@@ -13,26 +13,23 @@ Measured (H100 hosts of the device pool, torch 2.11, Triton 3.6, 2026-11-25): a 
 launch with 26 arguments 87 us, the lean backward ~170 us of host time per vocabulary chunk (its recompute kernel
 has 33 runtime arguments): benchmarks/results/2026-11-25_h100_launch-overhead_v14.txt.
 """
-import time
+import os
+import sys
 
 import torch
 import triton
 import triton.language as tl
 
-from cce_inductor import CCEOptions
-from cce_inductor.kernels import _backward, _forward, _launch
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [HERE, os.path.dirname(HERE)]
+import _common as C  # noqa: E402  (benchmarks/ on the path first)
+
+from cce_inductor import CCEOptions  # noqa: E402
+from cce_inductor.kernels import _backward, _forward, _launch  # noqa: E402
 
 
 def host_us(fn, reps=300):
-    for _ in range(20):
-        fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(reps):
-        fn()
-    t1 = time.perf_counter()
-    torch.cuda.synchronize()
-    return 1e6 * (t1 - t0) / reps
+    return 1e3 * C.host_and_wall_ms(fn, reps=reps, warmup=20)[0]
 
 
 @triton.jit
