@@ -96,6 +96,18 @@ def bench(fn, device, reps=2, grad_to_none=None):
     return statistics.median(times)
 
 
+def fresh_loss(tag, ignore_index=-100):
+    """``F.cross_entropy(F.linear(e, c).float(), t)`` as a new function with its own code object: Dynamo caches
+    compiled code per code object, so two methods compiling one function would share it."""
+    import torch.nn.functional as F
+
+    src = (f"def loss_{tag}(e, c, t):\n"
+           f"    return F.cross_entropy(F.linear(e, c).float(), t, ignore_index={ignore_index})\n")
+    scope = {"F": F}
+    exec(compile(src, f"<benchmark loss_{tag}>", "exec"), scope)
+    return scope[f"loss_{tag}"]
+
+
 def host_and_wall_ms(fn, reps=30, warmup=5):
     """``(host ms, wall ms)`` per call of ``fn`` on CUDA, calls issued back to back: the time until the last call
     returns on the host, and until the GPU has finished it (equal where the host is the limit)."""

@@ -27,7 +27,6 @@ import sys
 import time
 
 import torch
-import torch.nn.functional as F
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [HERE, os.path.dirname(HERE)]
@@ -36,14 +35,6 @@ import _common as C  # noqa: E402  (benchmarks/ on the path first)
 import cce_inductor  # noqa: E402
 from cce_inductor import CCEOptions, _dispatch  # noqa: E402
 from cce_inductor.kernels import _backward, _balanced, _forward  # noqa: E402
-
-
-def fresh_loss(tag):
-    """A new function per method: two backends compiling one code object would share Dynamo's cache."""
-    scope = {"F": F}
-    exec(f"def loss_{tag}(e, c, t):\n    return F.cross_entropy(F.linear(e, c).float(), t, ignore_index=-100)\n",
-         scope)
-    return scope[f"loss_{tag}"]
 
 
 def host_and_wall(step):
@@ -113,7 +104,7 @@ def main():
     lean_step = None
     for i, (name, kw) in enumerate(methods.items()):
         torch._dynamo.reset()
-        fn = fresh_loss(i)
+        fn = C.fresh_loss(i)
         compiled = torch.compile(fn) if kw is None else torch.compile(fn, backend=cce_inductor.make_backend(**kw))
         step = train_step(compiled)
         results[name] = host_and_wall(step)

@@ -123,15 +123,6 @@ def rel(a, ref, chunk=4096):
 # ------------------------------------------------------------------------------------------------------------
 # methods
 # ------------------------------------------------------------------------------------------------------------
-def fresh_loss(tag):
-    """A new function object with its own code object (Dynamo caches compiled code per code object)."""
-    src = (f"def loss_{tag}(e, c, t):\n"
-           f"    return F.cross_entropy(F.linear(e, c).float(), t, ignore_index={IGNORE})\n")
-    ns = {"F": F}
-    exec(compile(src, f"<vocab_grid loss_{tag}>", "exec"), ns)
-    return ns[f"loss_{tag}"]
-
-
 def find_peers(device):
     """({name: loss fn}, [notes]) for the peers that import (and run on this device)."""
     peers, notes = {}, []
@@ -182,7 +173,7 @@ def find_peers(device):
 def build(name, backends, peers, dynamic, tag):
     if name in peers:
         return peers[name]
-    fn = fresh_loss(tag)
+    fn = C.fresh_loss(tag, IGNORE)
     if name == "compile":
         return torch.compile(fn, dynamic=dynamic)
     import cce_inductor
