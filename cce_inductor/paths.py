@@ -49,6 +49,12 @@ _COMPILE_SHARE = 0.5
 _GRADIENT_FACTOR = 1.15
 # Below this many rows a chunk loop is not worth it (and the scratch would be tiny): lean.
 _MIN_BALANCED_ROWS = 256
+# Below this many multiply-adds per logits product (N V D), a lean fwd + bwd on the kernels waits on the host's
+# launch work (~25 Triton / cuBLAS launches and the layers around the op: ~3.5-7 ms per step on the device pool's
+# hosts), not on the GPU: GPT-2's head at N 4096 (1.6e11) measured 1.3-2.3x torch.compile's time across processes on
+# an H100 and 1.96x on an H200, GPT-2 medium's (2.1e11) 1.5-2.1x; Qwen2.5-0.5B's (5.6e11, GPU-bound) 1.20x
+# (engineering log v15 / v16). stats() says so where the default keeps such a head on the lean path.
+_HOST_BOUND_MACS = 3e11
 
 
 @dataclasses.dataclass(frozen=True)
@@ -188,7 +194,7 @@ def choose(f: HeadFacts, path: str = "auto", scratch_mb: int = 0, backward_row_c
     return PathChoice("lean", f"lean path: the balanced path's est. peak {_mib(need)} (dC summed in fp32, "
                               f"{_mib(4 * f.vocab * f.hidden)}) exceeds the budget {_mib(limit)} (half of "
                               f"torch.compile's est. {_mib(compile_peak(f))}); four matmuls where torch.compile does "
-                              f"three (~1.3-1.5x its time on the head){over}")
+                              f"three (~1.3-1.5x its time on the head){over}{_host_bound_note(f)}")
 
 
 def scratch_for(f: HeadFacts, scratch_mb: int = 0) -> int:
@@ -208,6 +214,14 @@ def _fat_note(f: HeadFacts, scratch: int) -> str:
         return (f"; est. peak {_mib(peak)} is above torch.compile's {_mib(compile_bytes)} (dC summed in fp32: "
                 "path='auto' would take the lean path here)")
     return ""
+
+
+def _host_bound_note(f: HeadFacts) -> str:
+    macs = f.rows * f.vocab * f.hidden
+    if not f.kernels or macs >= _HOST_BOUND_MACS:
+        return ""
+    return (f"; at this size ({macs:.1e} multiply-adds per logits product) the step waits on the host's launch work, "
+            "not the GPU: up to ~2x torch.compile's time (GPT-2's head at N 4096: 1.3-2.3x on H100 / H200 hosts)")
 
 
 def _lean_cost_note(f: HeadFacts, backward_row_chunk: int) -> str:

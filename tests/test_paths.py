@@ -79,6 +79,18 @@ def test_lean_over_budget_is_said():
     assert choice.path == "lean" and "over the budget too" in choice.reason, choice.reason
 
 
+def test_host_bound_small_heads_are_said():
+    """A small head on the lean path waits on the host (GPT-2's at N 4096: 1.3-2.3x torch.compile's time, engineering
+    log v16): stats() says so there, and not where the GPU is the limit or the chunked path runs."""
+    for head, n in (("gpt2", 4096), ("gpt2-medium", 4096)):
+        choice = paths.choose(_facts(head, n))
+        assert choice.path == "lean" and "waits on the host" in choice.reason, choice.reason
+    for head, n in (("qwen25-0.5b", 4096), ("gemma2", 8192), ("llama2", 8192)):
+        choice = paths.choose(_facts(head, n))
+        assert choice.path == "lean" and "host" not in choice.reason, choice.reason
+    assert "host" not in paths.choose(_facts("gpt2", 4096, kernels=False)).reason
+
+
 def test_memory_model_matches_the_measured_peaks():
     """The estimates against peaks measured on an H100 (bf16, N 8192; benchmarks/results, v12 and this session's
     quick run): within 3% where the kernels' own buffers are modelled (the CUDA caching allocator rounds)."""
