@@ -220,8 +220,9 @@ def _host_bound_note(f: HeadFacts) -> str:
     macs = f.rows * f.vocab * f.hidden
     if not f.kernels or macs >= _HOST_BOUND_MACS:
         return ""
-    return (f"; at this size ({macs:.1e} multiply-adds per logits product) the step waits on the host's launch work, "
-            "not the GPU: up to ~2x torch.compile's time (GPT-2's head at N 4096: 1.3-2.3x on H100 / H200 hosts)")
+    return (f"; at this size ({macs:.1e} multiply-adds per logits product) the step likely waits on the host's "
+            "launch work, not the GPU: up to ~2x torch.compile's time (GPT-2's head at N 4096: 1.3-2.3x on H100 / "
+            "H200 hosts)")
 
 
 def _lean_cost_note(f: HeadFacts, backward_row_chunk: int) -> str:
