@@ -39,7 +39,6 @@ import sys
 import time
 import types
 
-HERE = os.path.dirname(os.path.abspath(__file__))
 IGNORE_INDEX = -100
 
 
@@ -48,31 +47,27 @@ def build(flavor: str, layers: int, device: str, seq: int, method: str, compile_
     import torch
     from torchtitan.components.loss import ChunkedLossWrapper, CrossEntropyLoss
     from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
-    from torchtitan.distributed.parallel_dims import ParallelDims
+    from torchtitan.distributed import parallel_dims as dims_module
+    from torchtitan.distributed.activation_checkpoint import SelectiveAC
+    from torchtitan.models.common.attention import ScaledDotProductAttention
     from torchtitan.models.llama3 import model_registry, parallelize_llama
 
-    if device == "cpu":  # torchtitan assumes an accelerator for its meshes; a CPU smoke run makes them CPU meshes
-        import torchtitan.distributed.parallel_dims as dims_module
-
-        dims_module.device_type = "cpu"
-    spec = model_registry(flavor)
-    config = spec.model
+    config = model_registry(flavor).model
     if layers:
         config.layers = config.layers[:layers]
-    if device == "cpu":  # FlexAttention has no backward on the CPU
-        from torchtitan.models.common.attention import ScaledDotProductAttention
-
-        for layer in config.layers:
+    if device == "cpu":
+        dims_module.device_type = "cpu"  # torchtitan assumes an accelerator for its meshes
+        for layer in config.layers:  # FlexAttention has no backward on the CPU
             layer.attention.inner_attention = ScaledDotProductAttention.Config()
     parallelism = ParallelismConfig()
     training = TrainingConfig(seq_len=seq, mixed_precision_param="bfloat16")
     compile_config = CompileConfig(enable=compile_model, components=["model", "loss"])
-    parallel_dims = ParallelDims.from_config(parallelism, world_size=1)
+    parallel_dims = dims_module.ParallelDims.from_config(parallelism, world_size=1)
     config.update_from_config(config=types.SimpleNamespace(parallelism=parallelism))
     with torch.device("meta"):
         model = config.build()
     model = parallelize_llama(model, parallel_dims=parallel_dims, training=training, parallelism=parallelism,
-                              compile_config=compile_config, ac_config=_selective_ac(),
+                              compile_config=compile_config, ac_config=SelectiveAC.Config(),  # llama3_8b()'s
                               dump_folder="/tmp/torchtitan_step")
     model.to_empty(device=device)
     with torch.no_grad():
@@ -89,13 +84,6 @@ def build(flavor: str, layers: int, device: str, seq: int, method: str, compile_
     model._skip_lm_head = True
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4)
     return model, loss_fn, optimizer, config.vocab_size
-
-
-def _selective_ac():
-    """torchtitan's selective activation checkpointing (``llama3_8b()``'s)."""
-    from torchtitan.distributed.activation_checkpoint import SelectiveAC
-
-    return SelectiveAC.Config()
 
 
 def worker(args) -> dict:

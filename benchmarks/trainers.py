@@ -20,7 +20,7 @@ that would end past 480 s, a worker still running then is killed, its batch unre
 
 Measured: one setting takes 40-100 s of compile per method and batch (H100 / H200; stock Trainer, Qwen2.5-0.5B,
 batch 4: first step 66.6 s on an H100), so one 10-minute call holds ~4-6 (method, batch) pairs: pass --batches.
-Results: docs/performance.md, "Trainers at real size" (H200, 2026-11-25). On a machine without
+Results: docs/performance.md, "Trainers at real size" (H200 and H100, 2026-11-25). On a machine without
 `datasets` (the device's), TRL needs it and its pure dependencies as wheels on PYTHONPATH (pyarrow, numpy and
 huggingface_hub are there already), e.g. the cp312 wheels of datasets 4.7.0, dill, multiprocess, xxhash, fsspec,
 pandas, python-dateutil, tzdata, aiohttp and its small dependencies:

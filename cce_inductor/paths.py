@@ -166,7 +166,8 @@ def choose(f: HeadFacts, path: str = "auto", scratch_mb: int = 0, backward_row_c
     ``scratch_mb``: the balanced path's scratch (0: sized here); a ``scratch_mb`` with ``path="auto"`` asks for the
     balanced path, as it did before the automatic choice existed."""
     if path == "lean":
-        return PathChoice("lean", "lean path (forced: path='lean')" + _lean_cost_note(f, backward_row_chunk))
+        return PathChoice("lean", "lean path (forced: path='lean')" + _lean_cost_note(f, backward_row_chunk)
+                          + _host_bound_note(f))
     why_not = lean_only_reason(f)
     if why_not is not None:
         note = "" if path == "auto" and not scratch_mb else " (a balanced path was asked for)"

@@ -89,6 +89,9 @@ def test_host_bound_small_heads_are_said():
         choice = paths.choose(_facts(head, n))
         assert choice.path == "lean" and "host" not in choice.reason, choice.reason
     assert "host" not in paths.choose(_facts("gpt2", 4096, kernels=False)).reason
+    # a forced lean path says it too
+    assert "waits on the host" in paths.choose(_facts("gpt2", 4096), path="lean").reason
+    assert "host" not in paths.choose(_facts("gemma2", 8192), path="lean").reason
 
 
 def test_memory_model_matches_the_measured_peaks():
