@@ -8,6 +8,8 @@ does; AdamW; trained through torchtitan's own ``Trainer._forward_backward_body``
 
     stock   ChunkedLossWrapper(CrossEntropyLoss)   torchtitan's default for language models (its head in eager chunks)
     cce     CCELoss                               cce_inductor.integrations.torchtitan: head + loss as one fused op
+    plain   CrossEntropyLoss                      the model's head, then torchtitan's compiled loss on the logits
+                                                  (no chunks: the baseline where ChunkedLossWrapper fails, below)
 
 Data: random tokens and labels (5% set to -100), sequences of --seq. Per batch size: the median step time (forward,
 backward, optimizer) after --warmup steps, tokens/s, peak GB (``torch.cuda.max_memory_allocated``), each step's loss.
@@ -42,9 +44,29 @@ import types
 IGNORE_INDEX = -100
 
 
+def _older_torch_shim() -> bool:
+    """torchtitan 0.3.0 imports ``torch.distributed.fsdp.DataParallelMeshDims`` (torch >= 2.12) at module level and
+    passes one to ``fully_shard`` under its default ``spmd_backend="spmd_types"``. On an older torch (the device's
+    2.11) a stand-in class lets it import, and the caller picks the ``"partial_dtensor"`` backend, which never builds
+    one (one rank: FSDP2 only installs the mixed-precision policy either way). True where the shim was needed."""
+    import torch.distributed.fsdp as fsdp
+
+    if hasattr(fsdp, "DataParallelMeshDims"):
+        return False
+
+    class DataParallelMeshDims:  # never instantiated on the partial_dtensor backend
+        def __init__(self, *args, **kwargs):
+            raise RuntimeError("DataParallelMeshDims needs torch >= 2.12")
+
+    fsdp.DataParallelMeshDims = DataParallelMeshDims
+    return True
+
+
 def build(flavor: str, layers: int, device: str, seq: int, method: str, compile_model: bool):
     """The model (parallelised, initialised), the loss and the optimizer, as torchtitan's Trainer builds them."""
     import torch
+
+    older_torch = _older_torch_shim()
     from torchtitan.components.loss import ChunkedLossWrapper, CrossEntropyLoss
     from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
     from torchtitan.distributed import parallel_dims as dims_module
@@ -57,9 +79,11 @@ def build(flavor: str, layers: int, device: str, seq: int, method: str, compile_
         config.layers = config.layers[:layers]
     if device == "cpu":
         dims_module.device_type = "cpu"  # torchtitan assumes an accelerator for its meshes
-        for layer in config.layers:  # FlexAttention has no backward on the CPU
-            layer.attention.inner_attention = ScaledDotProductAttention.Config()
-    parallelism = ParallelismConfig()
+    # torchtitan's SDPA attention (causal), not its FlexAttention: that reads the block masks torchtitan's dataloader
+    # builds from document boundaries (and has no backward on the CPU); the loss head is the same either way
+    for layer in config.layers:
+        layer.attention.inner_attention = ScaledDotProductAttention.Config()
+    parallelism = ParallelismConfig(spmd_backend="partial_dtensor") if older_torch else ParallelismConfig()
     training = TrainingConfig(seq_len=seq, mixed_precision_param="bfloat16")
     compile_config = CompileConfig(enable=compile_model, components=["model", "loss"])
     parallel_dims = dims_module.ParallelDims.from_config(parallelism, world_size=1)
@@ -73,15 +97,19 @@ def build(flavor: str, layers: int, device: str, seq: int, method: str, compile_
     with torch.no_grad():
         model.init_weights(buffer_device=None)
     model.train()
-    if method == "stock":
-        loss_config = ChunkedLossWrapper.Config(loss_fn=CrossEntropyLoss.Config(global_vocab_size=config.vocab_size))
+    if method == "plain":  # the model's own head, then the (compiled) loss on the logits
+        loss_fn = CrossEntropyLoss.Config(global_vocab_size=config.vocab_size).build(compile_config=compile_config)
     else:
-        from cce_inductor.integrations.torchtitan import CCELoss
+        if method == "stock":
+            loss_config = ChunkedLossWrapper.Config(
+                loss_fn=CrossEntropyLoss.Config(global_vocab_size=config.vocab_size))
+        else:
+            from cce_inductor.integrations.torchtitan import CCELoss
 
-        loss_config = CCELoss.Config()
-    loss_fn = loss_config.build(compile_config=compile_config)
-    loss_fn.set_lm_head(model.lm_head)
-    model._skip_lm_head = True
+            loss_config = CCELoss.Config()
+        loss_fn = loss_config.build(compile_config=compile_config)
+        loss_fn.set_lm_head(model.lm_head)
+        model._skip_lm_head = True
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4)
     return model, loss_fn, optimizer, config.vocab_size
 
@@ -95,6 +123,7 @@ def worker(args) -> dict:
     dist.init_process_group("nccl" if args.device == "cuda" else "gloo", rank=0, world_size=1)
     if args.device == "cuda":
         torch.cuda.set_device(0)
+    _older_torch_shim()
     from torchtitan.trainer import Trainer
 
     import cce_inductor
@@ -187,8 +216,9 @@ def main():
                 with open(args.out, "a") as f:
                     f.write(json.dumps(row) + "\n")
             print(_line(row), flush=True)
-    stock = {r["batch"]: r for r in rows if r["method"] == "stock" and "step_ms" in r}
-    print("\n| batch | method | step ms | tokens/s | peak GB | x stock time | x stock peak | loss rel. diff |")
+    baseline = args.methods.split(",")[0]  # the ratios' denominator: the first method named
+    stock = {r["batch"]: r for r in rows if r["method"] == baseline and "step_ms" in r}
+    print(f"\n| batch | method | step ms | tokens/s | peak GB | x {baseline} time | x {baseline} peak | loss rel. diff |")
     print("|---|---|---|---|---|---|---|---|")
     for r in rows:
         if "step_ms" not in r:
