@@ -11,6 +11,9 @@ does; AdamW; trained through torchtitan's own ``Trainer._forward_backward_body``
     plain   CrossEntropyLoss                      the model's head, then torchtitan's compiled loss on the logits
                                                   (no chunks: the baseline where ChunkedLossWrapper fails, below)
 
+The ratios are against the first method of ``--methods``. Attention: torchtitan's SDPA (causal) on every device,
+in place of the FlexAttention of its llama3 flavours, whose block masks its dataloader builds.
+
 Data: random tokens and labels (5% set to -100), sequences of --seq. Per batch size: the median step time (forward,
 backward, optimizer) after --warmup steps, tokens/s, peak GB (``torch.cuda.max_memory_allocated``), each step's loss.
 One worker process per (method, batch): fresh Dynamo state, every compile from scratch.
@@ -25,10 +28,13 @@ tensorboard, tensorboard-data-server, absl-py, protobuf, markdown, werkzeug, ein
 ``.whl-datasets/``):
 
     python -m pip install -q --no-index --no-deps --target /tmp/site .whl-titan/*.whl .whl-datasets/*.whl
-    PYTHONPATH=/tmp/site python benchmarks/torchtitan_step.py --batches 1,2,4 --out $OUT/torchtitan.jsonl
+    PYTHONPATH=/tmp/site python benchmarks/torchtitan_step.py --methods plain,cce,stock --batches 1,2,4,8 \
+        --out $OUT/torchtitan.jsonl
     python benchmarks/torchtitan_step.py --device cpu --tiny          # CPU smoke: the debug model, 2 layers, ~30 s
 
-Not run on a GPU yet (written 2026-11-25, smoke-tested on CPU; engineering log v16).
+Run on an H100 and an H200 with torch 2.11 (2026-11-25, engineering log v17; ``benchmarks/results/*torchtitan*_v17*``):
+there torchtitan 0.3.0 needs ``_older_torch_shim`` below, and its ``ChunkedLossWrapper`` (``stock``) fails in its
+backward, so ``plain`` is the baseline; on torch >= 2.12 neither applies.
 """
 from __future__ import annotations
 
