@@ -224,8 +224,9 @@ def _fat_note(f: HeadFacts, scratch: int) -> str:
 def _balanced_instead_note(f: HeadFacts) -> str:
     """Where the default keeps a head lean for memory, the way to trade memory for time instead: the balanced path
     with the largest scratch (at most 1 GiB) that keeps its estimated peak under 0.9x torch.compile's (clearly
-    leaner, with room for the estimates' error), as a ``scratch_mb`` to set (measured at N 8192 on the H100, forced balanced: 1.02-1.11x torch.compile's time at 0.66-0.93x its peak
-    on V 65535, V 100352, Gemma-2, Gemma-3, against the lean path's 1.24-1.40x)."""
+    leaner, with room for the estimates' error), as a ``scratch_mb`` to set. Measured at N 8192 on the H100, forced
+    balanced: 1.02-1.11x torch.compile's time at 0.66-0.93x its peak on V 65535, V 100352, Gemma-2 and Gemma-3,
+    against the lean path's 1.24-1.40x."""
     scratch = balanced_scratch(f, limit=int(_CLEARLY_LEANER * compile_peak(f))) // 2**20 * 2**20
     if scratch < 2**20:
         return ""
