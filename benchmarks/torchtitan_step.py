@@ -50,29 +50,27 @@ import types
 IGNORE_INDEX = -100
 
 
-def _older_torch_shim() -> bool:
-    """torchtitan 0.3.0 imports ``torch.distributed.fsdp.DataParallelMeshDims`` (torch >= 2.12) at module level and
-    passes one to ``fully_shard`` under its default ``spmd_backend="spmd_types"``. On an older torch (the device's
-    2.11) a stand-in class lets it import, and the caller picks the ``"partial_dtensor"`` backend, which never builds
-    one (one rank: FSDP2 only installs the mixed-precision policy either way). True where the shim was needed."""
+def _older_torch_shim() -> None:
+    """torchtitan 0.3.0 imports ``torch.distributed.fsdp.DataParallelMeshDims`` (torch >= 2.12) at module level. On an
+    older torch (the device's 2.11) a stand-in class lets it import; on one rank torchtitan never builds one (the
+    stand-in raises if it did), so its default SPMD backend runs unchanged. Idempotent."""
     import torch.distributed.fsdp as fsdp
 
     if hasattr(fsdp, "DataParallelMeshDims"):
-        return False
+        return
 
-    class DataParallelMeshDims:  # never instantiated on the partial_dtensor backend
+    class DataParallelMeshDims:  # never instantiated on one rank
         def __init__(self, *args, **kwargs):
             raise RuntimeError("DataParallelMeshDims needs torch >= 2.12")
 
     fsdp.DataParallelMeshDims = DataParallelMeshDims
-    return True
 
 
 def build(flavor: str, layers: int, device: str, seq: int, method: str, compile_model: bool):
     """The model (parallelised, initialised), the loss and the optimizer, as torchtitan's Trainer builds them."""
     import torch
 
-    older_torch = _older_torch_shim()
+    _older_torch_shim()
     from torchtitan.components.loss import ChunkedLossWrapper, CrossEntropyLoss
     from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
     from torchtitan.distributed import parallel_dims as dims_module
@@ -89,7 +87,7 @@ def build(flavor: str, layers: int, device: str, seq: int, method: str, compile_
     # builds from document boundaries (and has no backward on the CPU); the loss head is the same either way
     for layer in config.layers:
         layer.attention.inner_attention = ScaledDotProductAttention.Config()
-    parallelism = ParallelismConfig(spmd_backend="partial_dtensor") if older_torch else ParallelismConfig()
+    parallelism = ParallelismConfig()
     training = TrainingConfig(seq_len=seq, mixed_precision_param="bfloat16")
     compile_config = CompileConfig(enable=compile_model, components=["model", "loss"])
     parallel_dims = dims_module.ParallelDims.from_config(parallelism, world_size=1)
