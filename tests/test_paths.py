@@ -109,13 +109,9 @@ def test_lean_for_memory_says_how_to_trade_it_for_time():
         forced = paths.choose(facts, scratch_mb=mb)
         assert forced.path == "balanced" and forced.scratch_bytes == mb * 2**20
         assert paths.balanced_peak(facts, forced.scratch_bytes) <= 0.9 * paths.compile_peak(facts)
-        assert f"{_mib_of(paths.balanced_peak(facts, forced.scratch_bytes))} MiB" in choice.reason
+        assert f"est. peak {paths._mib(paths.balanced_peak(facts, forced.scratch_bytes))}" in choice.reason
     for facts in (_facts("llama3", 8192), _facts("llama2", 8192), _facts("gemma2", 8192, kernels=False)):
         assert "scratch_mb=" not in paths.choose(facts).reason
-
-
-def _mib_of(n):
-    return f"{n / 2**20:.0f}"
 
 
 def test_memory_model_matches_the_measured_peaks():
