@@ -19,8 +19,9 @@ import torch
 
 # make_backend keywords per method. CCEOptions.path ("auto" | "lean" | "balanced") is being added; until it is
 # there, lean / balanced fall back to the scratch_mb spelling of the same choice (see resolve_methods).
-METHODS = {"default": {}, "lean": {"path": "lean"}, "balanced": {"path": "balanced"}}
-FALLBACK = {"lean": {"scratch_mb": 0}, "balanced": {"scratch_mb": 1024}}
+METHODS = {"default": {}, "lean": {"path": "lean"}, "balanced": {"path": "balanced"},
+           "rowskip": {"path": "lean", "products": "triton"}}
+FALLBACK = {"lean": {"scratch_mb": 0}, "balanced": {"scratch_mb": 1024}, "rowskip": {"products": "triton"}}
 
 
 def resolve_methods(names=None, quiet=False):

@@ -26,6 +26,8 @@ torch._dynamo.reset() before each method of each case):
     default / lean / balanced   torch.compile(loss, backend=cce_inductor.make_backend(**METHODS[name])) with
               METHODS = {"default": {}, "lean": {"path": "lean"}, "balanced": {"path": "balanced"}}; without a
               CCEOptions.path field, lean / balanced are {"scratch_mb": 0} / {"scratch_mb": 1024} (printed at start)
+    rowskip   make_backend(path="lean", products="triton"): the lean path whose dE / dC products skip the ignored
+              rows (Triton products reading the device-side count), for the ignored-target cells against TRL
     peers     when importable (otherwise noted in the output and skipped), called eagerly, static cases only:
               trl       trl.kernels.chunked_logprob.ChunkedLogProbFunction as TRL's SFT calls it (valid rows only,
                         outputs log_probs, entropy, is_top1, TRL's chunk size); loss = mean over valid rows of -logprob
@@ -55,6 +57,10 @@ command line, the methods' keywords, the peers found):
     error         what failed (OutOfMemoryError, NOT REWRITTEN, ...)
 The markdown table printed last has one row per case x method (latest result per key in --out).
 
+--dtype fp32 (default bf16): e and c in fp32 (no autocast), the loss as written; --matmul-precision high sets
+torch.set_float32_matmul_precision("high") (TF32 for fp32 matmuls: torch.compile's cuBLAS products and, since
+2026-11-26, the kernels' own) in every worker. The reference stays fp32 logits with IEEE products, so for fp32 inputs
+errors below ~1e-6 are not resolved (the TF32 errors, ~1e-3, are). Rows carry both; --resume keys on them.
 --tiny: CPU, heads tiny2003 / tiny2048 (D 64), N 256, two reps, perf_counter timing, no memory figures.
 --profile: for the default method, one fwd+bwd under torch.profiler: device time per kernel (top 10 + other).
 """
@@ -79,6 +85,7 @@ HEADS = {  # name: (D, V)
     "gemma3": (2560, 262208), "deepseek-v3": (7168, 129280), "mistral-nemo": (5120, 131072),
 }
 TINY_HEADS = {"tiny2003": (64, 2003), "tiny2048": (64, 2048)}
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 IGNORE = -100
 BASE = ("matmul", "compile")
 FWD_TOO = ("matmul", "compile", "default")  # methods also timed forward-only
@@ -89,8 +96,8 @@ COLUMNS = ("head", "d", "v", "n", "ignore_pct", "shapes", "method", "pick", "fwd
 # ------------------------------------------------------------------------------------------------------------
 # data and reference
 # ------------------------------------------------------------------------------------------------------------
-def make_data(n, d, v, ignore_pct, device, seed):
-    """The "lm" regime: ``(e bf16, c bf16, targets)``."""
+def make_data(n, d, v, ignore_pct, device, seed, dtype=torch.bfloat16):
+    """The "lm" regime: ``(e, c, targets)``, e and c in ``dtype``."""
     g = torch.Generator(device=device).manual_seed(seed)
     c32 = F.normalize(torch.randn(v, d, device=device, generator=g), dim=1)
     popularity = torch.empty(v, device=device)
@@ -107,7 +114,7 @@ def make_data(n, d, v, ignore_pct, device, seed):
     t = toks.gather(1, pick[:, None])[:, 0]
     drop = torch.randperm(n, device=device, generator=g)[: round(n * ignore_pct / 100)]
     t[drop] = IGNORE
-    return e32.bfloat16().contiguous(), c32.bfloat16().contiguous(), t
+    return e32.to(dtype).contiguous(), c32.to(dtype).contiguous(), t
 
 
 def rel(a, ref, chunk=4096):
@@ -235,7 +242,8 @@ def measure(fn, e, c, t, args, dynamic, ref, is_cce, fwd, profile):
 # worker: one head
 # ------------------------------------------------------------------------------------------------------------
 def case_key(r):
-    return (r["head"], r["n"], r["ignore_pct"], r["shapes"])
+    return (r["head"], r["n"], r["ignore_pct"], r["shapes"], r.get("dtype") or "bf16",
+            r.get("matmul_precision") or "highest")
 
 
 def method_names(args, backends, peers):
@@ -253,8 +261,13 @@ def finished(rows, names, peers):
             if all(m in got for m in names if m not in peers or k[3] == "static")}
 
 
+def case_of(args, head, n, ign, shapes):
+    return (head, n, ign, shapes, args.dtype, args.matmul_precision)
+
+
 def worker(args):
     C.setup_compile()
+    torch.set_float32_matmul_precision(args.matmul_precision)
     d, v = {**HEADS, **TINY_HEADS}[args.head]
     backends = C.resolve_methods([m for m in args.methods if m in C.METHODS], quiet=True)
     peers, notes = find_peers(args.device)
@@ -266,7 +279,7 @@ def worker(args):
     slowest, bad = 0.0, 0
     for n in args.n:
         for ign in args.ignore:
-            cases = [s for s in args.shapes if (args.head, n, ign, s) not in done]
+            cases = [s for s in args.shapes if case_of(args, args.head, n, ign, s) not in done]
             if not cases:
                 continue
             if C.past_deadline(args.deadline, 1.2 * slowest):
@@ -274,7 +287,7 @@ def worker(args):
                 return 0
             began = time.time()
             try:
-                e, c, t = make_data(n, d, v, ign, args.device, args.seed)
+                e, c, t = make_data(n, d, v, ign, args.device, args.seed, DTYPES[args.dtype])
                 ref = [x.cpu() for x in C.fp32_reference_grads(e, c, t, IGNORE)]
                 mm_ms = C.bench(lambda: e @ c.T, args.device, args.reps)
             except Exception as exc:  # noqa: BLE001 - every method of these cases gets the error; next N goes on
@@ -282,6 +295,7 @@ def worker(args):
                     for name in names:
                         C.append_row(args.out, dict(dict.fromkeys(COLUMNS), kind="row", head=args.head, d=d, v=v,
                                                     n=n, ignore_pct=ign, shapes=shapes, method=name,
+                                                    dtype=args.dtype, matmul_precision=args.matmul_precision,
                                                     error=f"data: {C.err_text(exc)}"))
                 print(f"# {args.head} N={n} ignore={ign}%: data / reference FAILED: {C.err_text(exc)}", flush=True)
                 e = c = t = ref = None
@@ -299,9 +313,10 @@ def worker(args):
                         print(f"# {args.head}: deadline: stopping in N={n} ignore={ign}% {shapes}", flush=True)
                         return 0
                     row = dict(dict.fromkeys(COLUMNS), kind="row", head=args.head, d=d, v=v, n=n, ignore_pct=ign,
-                               shapes=shapes, method=name, lower_bound_mb=(n * d + v * d) * 2 / 2**20)
+                               shapes=shapes, method=name, dtype=args.dtype, matmul_precision=args.matmul_precision,
+                               lower_bound_mb=(n * d + v * d) * e.element_size() / 2**20)
                     t0 = time.time()
-                    if name == "matmul":
+                    if name == "matmul":  # (for fp32: at the worker's matmul precision)
                         row["fwd_ms"] = mm_ms
                     else:
                         torch._dynamo.reset()
@@ -386,11 +401,12 @@ def driver(args, argv):
     names = method_names(args, backends, peers)
     def wanted(r):
         return r["head"] in args.heads and r["method"] in names + ["*"] and (r["n"] is None or (
-            r["n"] in args.n and r["ignore_pct"] in args.ignore and r["shapes"] in args.shapes))
+            r["n"] in args.n and r["ignore_pct"] in args.ignore and r["shapes"] in args.shapes
+            and case_key(r)[4:] == (args.dtype, args.matmul_precision)))
     rows = [r for r in C.latest(C.read_rows(args.out), lambda r: (*case_key(r), r["method"])) if wanted(r)]
     done = finished(rows, names, peers)
-    todo = [(h, n, i, s) for h in args.heads for n in args.n for i in args.ignore for s in args.shapes
-            if (h, n, i, s) not in done]
+    todo = [case_of(args, h, n, i, s) for h in args.heads for n in args.n for i in args.ignore for s in args.shapes
+            if case_of(args, h, n, i, s) not in done]
     bad = [r for r in rows if "NOT REWRITTEN" in str(r.get("error", ""))]
     print()
     if notes:
@@ -418,6 +434,9 @@ def parse_args(argv):
     ap.add_argument("--reps", type=int, default=2, help="CPU timing repetitions (CUDA: do_bench decides)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--profile", action="store_true", help="per-kernel breakdown of the default method's fwd+bwd")
+    ap.add_argument("--dtype", default="bf16", choices=sorted(DTYPES), help="e and c's dtype (default bf16)")
+    ap.add_argument("--matmul-precision", default="highest", choices=["highest", "high"],
+                    help="torch.set_float32_matmul_precision in the workers (fp32 products: IEEE or TF32)")
     ap.add_argument("--tiny", action="store_true", help="CPU smoke run of the harness")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--head", default=None, help=argparse.SUPPRESS)

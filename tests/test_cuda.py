@@ -13,8 +13,9 @@ Run on a GPU machine (skipped elsewhere):
 
 Tolerances (each comparison is against eager PyTorch on the same device and inputs):
 
-* fp32 (``FP32``): the kernels use IEEE fp32 products (no TF32, ``kernels/_launch.py: dot_precision``) and
-  cuBLAS runs fp32 matmuls in fp32 by default; what is left is summation order and atomics, ~1e-6 relative,
+* fp32 (``FP32``): at torch's default matmul precision ("highest") the kernels use IEEE fp32 products
+  (``kernels/_launch.py: dot_precision``; TF32 only where the user allows it for cuBLAS too, tested against
+  torch.compile's own error) and cuBLAS runs fp32 matmuls in fp32; what is left is summation order, ~1e-6 relative,
   so 1e-4 on the loss and 1e-4 relative L2 on the gradients leaves two orders of magnitude of margin.
 * bf16 (``BF16``): eager rounds the logits (and, without an upcast, the loss) to bf16 (8 bits of mantissa,
   relative step 2^-8 = 3.9e-3) while the op keeps them in fp32; the gradients are rounded to bf16 on both
@@ -41,7 +42,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import cce_inductor
-from tests.support.compare import assert_same_run, assert_same_values, run
+from tests.support.compare import assert_same_run, assert_same_values, rel_l2, run
 from tests.support.inputs import make_cuda_inputs
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -414,6 +415,33 @@ def test_enable_max_autotune():
     finally:
         cce_inductor.disable()
     assert_rewritten(1)
+
+
+@pytest.mark.parametrize("path", ["lean", "balanced"])
+def test_fp32_with_tf32_matmuls_within_compiles_error(path):
+    """fp32 inputs where the user allowed TF32 for matmuls (``set_float32_matmul_precision("high")``, what torch's
+    own warning suggests): the kernels' fp32 products follow it (``kernels/_launch.py: dot_precision``) as
+    torch.compile's cuBLAS matmuls do, instead of running on the CUDA cores. Against an fp64 reference, the loss and
+    gradients stay within torch.compile's own error at the same setting (TF32's 10-bit inputs dominate both; the
+    25% covers summation order)."""
+    args = make_cuda_inputs((4, 512), d=256, v=8003, dtype=torch.float32)
+    reference = [a.detach().double().requires_grad_() if a.is_floating_point() else a for a in args]
+    want = run(make_fn(), reference)
+    before = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("high")
+    try:
+        torch._dynamo.reset()
+        stock = run(torch.compile(make_fn(), fullgraph=True), args)
+        torch._dynamo.reset()
+        cce_inductor.reset_stats()
+        got = run(torch.compile(make_fn(), backend=cce_inductor.make_backend(path=path), fullgraph=True), args)
+    finally:
+        torch.set_float32_matmul_precision(before)
+    assert_rewritten(1)
+    assert [s["path"] for s in cce_inductor.stats()["sites"] if s["rewritten"]] == [path]
+    for name, g, s, w in zip(("loss", "dE", "dC"), [got[0], *got[1]], [stock[0], *stock[1]], [want[0], *want[1]]):
+        ours, theirs = rel_l2(g, w.to(g.dtype)), rel_l2(s, w.to(s.dtype))
+        assert ours <= 1.25 * theirs + 1e-7, (name, ours, theirs)
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -1,6 +1,34 @@
 """Tests of the kernels' host-side launch helpers (``kernels/_launch.py``)."""
 
+import pytest
+import torch
+
 from cce_inductor.kernels import _launch
+
+
+@pytest.fixture
+def restore_matmul_precision():
+    before = torch.get_float32_matmul_precision()
+    yield
+    torch.set_float32_matmul_precision(before)
+
+
+@pytest.mark.parametrize(("precision", "fp32_dots"), [("highest", "ieee"), ("high", "tf32"), ("medium", "tf32")])
+def test_fp32_dots_follow_torchs_matmul_precision(restore_matmul_precision, precision, fp32_dots):
+    """fp32 operands are multiplied as torch's CUDA matmuls are: IEEE at "highest" (the default), TF32 where the
+    user allowed it for cuBLAS, so a fp32 loss is not run on the CUDA cores while torch.compile's matmuls of it run
+    on the tensor cores. 16-bit operands are unaffected."""
+    torch.set_float32_matmul_precision(precision)
+    assert _launch.dot_precision(torch.float32) == fp32_dots
+    assert _launch.dot_precision(torch.bfloat16) == _launch.dot_precision(torch.float16) == "tf32"
+
+
+def test_fp32_dots_follow_the_cuda_matmul_flag(restore_matmul_precision):
+    """The per-backend switch decides, as it does for cuBLAS (``torch.backends.cuda.matmul``)."""
+    torch.backends.cuda.matmul.allow_tf32 = True
+    assert _launch.dot_precision(torch.float32) == "tf32"
+    torch.backends.cuda.matmul.allow_tf32 = False
+    assert _launch.dot_precision(torch.float32) == "ieee"
 
 
 def test_pipeline_depth_fits_shared_memory():
