@@ -1,16 +1,17 @@
 """Train a Hugging Face ``LlamaForCausalLM`` with the cce_inductor backend, its code unchanged.
 
-The model is built from a config (random weights, nothing downloaded) and compiled with
-``cce_inductor.make_backend(drop_logits=True)``: a Hugging Face causal LM returns its logits next to the loss, and
-the pass can drop them only with that opt-in (without it the site is left alone and ``stats()`` says why). The
-compiled model then returns a ``cce_inductor.DroppedLogits`` placeholder in ``outputs.logits``: its shape and dtype
-can be read, any other use raises. The same switch as an environment variable: ``CCE_INDUCTOR=1
-CCE_INDUCTOR_DROP_LOGITS=1 python train.py`` with a plain ``torch.compile(model)``.
+The model is built from a config (random weights, nothing downloaded) and compiled with ``cce_inductor.backend``.
+A Hugging Face causal LM returns its logits next to the loss; the compiled model returns them as a
+``cce_inductor.LazyLogits`` (the default, ``lazy_logits``): no ``N x V`` logits in the training step, and the real
+values, computed from the hidden states the first time something reads them. This example reads them once, after
+training, for a token accuracy, and checks them against the uncompiled model's. The same switch for a plain
+``torch.compile(model)``: ``CCE_INDUCTOR=1 python train.py``.
 
     python examples/hf_llama.py --device cpu            # tiny config, ~1 minute on 2 CPU cores
     python examples/hf_llama.py --device cuda --vocab 128256 --hidden 1024 --layers 2 --seq 2048
 
-Prints the loss per step (one fixed batch, memorised: it falls from ln(V)), ``cce_inductor.stats()["summary"]`` and what ``outputs.logits`` now is.
+Prints the loss per step (one fixed batch, memorised: it falls from ln(V)), ``cce_inductor.stats()["summary"]``, what
+``outputs.logits`` is, and the token accuracy read from it.
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ def main(argv=None) -> None:
     # one fixed batch of random tokens, so that the loss visibly falls below ln(V) as the model memorises it
     input_ids = torch.randint(0, args.vocab, (args.batch, args.seq), device=device)
 
-    compiled = torch.compile(model, backend=cce_inductor.make_backend(drop_logits=True))
+    compiled = torch.compile(model, backend=cce_inductor.backend)
     cce_inductor.reset_stats()
     for step in range(args.steps):
         outputs = compiled(input_ids=input_ids, labels=input_ids)  # the model shifts the labels itself
@@ -63,6 +64,16 @@ def main(argv=None) -> None:
         print("(a warm start: Inductor's cache served the graph compiled by an earlier run, so the pass did not run "
               "again; the fused op's count shows the cached graph uses it)")
     print(f"outputs.logits is a {type(outputs.logits).__name__} of shape {tuple(outputs.logits.shape)}")
+
+    # one more forward, its logits read before any optimizer step (a weight changed in place in between would make
+    # the read raise instead of giving other numbers than the graph's)
+    outputs = compiled(input_ids=input_ids, labels=input_ids)
+    with torch.no_grad():
+        predicted = outputs.logits[:, :-1].argmax(-1)  # the first read computes the values
+        accuracy = (predicted == input_ids[:, 1:]).float().mean().item()
+        eager_logits = model(input_ids=input_ids).logits
+    print(f"token accuracy from the lazy logits: {accuracy:.3f}; largest difference from the uncompiled model's "
+          f"logits: {(outputs.logits.float() - eager_logits.float()).abs().max().item():.1e}")
 
 
 if __name__ == "__main__":
