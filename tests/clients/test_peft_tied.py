@@ -40,10 +40,10 @@ CASES = {
     # tied embeddings: the head's weight is the embedding's
     "gpt2-tied": lambda: tiny_model("gpt2"),
     "gemma-tied": lambda: tiny_model("gemma"),
-    # LoRA with activation checkpointing of the layers (two, so that one recomputes into the next)
+    # LoRA with the Trainer's activation checkpointing of the layers (two of them)
     "llama-lora-checkpointing": lambda: _lora(tiny_model("llama", num_hidden_layers=2)),
 }
-TRAINING_ARGS = {"llama-lora-checkpointing": {"gradient_checkpointing": True}}
+TRAINING_ARGS = {"llama-lora-checkpointing": {"activation_checkpointing": True}}
 
 
 @pytest.mark.slow
@@ -61,7 +61,7 @@ def test_rewritten_and_equal_to_stock(case, tmp_path, request):
         assert not model.get_output_embeddings().weight.requires_grad
     got = _train(model, tmp_path, "cce", **TRAINING_ARGS.get(case, {}))
     if case.endswith("checkpointing"):
-        assert model.base_model.model.model.gradient_checkpointing  # the Trainer turned it on
+        assert model.base_model.model.is_activation_checkpointing  # the Trainer turned it on
     stats = cce_inductor.stats()
     assert stats["rewritten"] == 1 and not stats["reasons"], stats
     assert stats["executions"]["linear_cross_entropy"] == 3, stats
