@@ -1,8 +1,8 @@
 """PEFT LoRA (frozen head, adapters on the attention; also with the Trainer's activation checkpointing, the usual
 LoRA recipe) and tied embeddings (GPT-2, Gemma) under transformers' ``Trainer`` with ``torch_compile=True``, the
-user's code unchanged: with the pass on (``cce_inductor.enable()``, what
-``CCE_INDUCTOR=1`` does at ``import torch``) the loss site is rewritten (``stats()``), and every logged loss and grad
-norm equals the stock ``torch.compile`` run's."""
+user's code unchanged: with the pass on (``cce_inductor.enable()``, what ``CCE_INDUCTOR=1`` does at ``import
+torch``) the loss site is rewritten (``stats()``), and every logged loss and grad norm equals the stock
+``torch.compile`` run's."""
 
 from __future__ import annotations
 
