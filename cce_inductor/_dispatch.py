@@ -45,15 +45,21 @@ def lse_dtype(device: torch.device, dtype: torch.dtype) -> torch.dtype:
 _UNKNOWN_ROWS = 8192
 
 
+def size_hint(value) -> Optional[int]:
+    """An int size as it is; a symbolic one's hint (the size it was traced with), None where it has none."""
+    if isinstance(value, int):
+        return value
+    hint = getattr(getattr(value, "node", None), "hint", None)  # a SymInt
+    return int(hint) if hint is not None else None
+
+
 def head_facts(rows, hidden, vocab, dtype: torch.dtype, device: torch.device, reduction: str, *, needs_grad: bool,
                **more) -> paths.HeadFacts:
     """What :func:`cce_inductor.paths.choose` reads of a head; ``more``: its other fields. Sizes may be symbolic (a
     site compiled with a dynamic batch): their hint, the size the site was compiled for, stands in."""
     def size(value) -> int:
-        if isinstance(value, int):
-            return value
-        hint = getattr(getattr(value, "node", None), "hint", None)  # a SymInt
-        return int(hint) if hint is not None else _UNKNOWN_ROWS
+        hint = size_hint(value)
+        return hint if hint is not None else _UNKNOWN_ROWS
 
     return paths.HeadFacts(
         rows=size(rows), hidden=size(hidden), vocab=size(vocab), element_size=dtype.itemsize,

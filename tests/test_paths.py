@@ -302,11 +302,14 @@ def test_pass_takes_the_balanced_path_and_matches_eager(setting, no_inductor_cac
     # (dynamic=True: Dynamo may restart its analysis after calling the backend once: the site is then seen twice)
     assert {s["path"] for s in stats["sites"]} == {"balanced"}, stats["sites"]
     assert "balanced path (asked for by scratch_mb=1; 1 MiB scratch)" in stats["sites"][0]["reason"]
+    assert ("symbolic" in stats["sites"][0]["reason"]) == (setting == "dynamic")
     assert f"({len(stats['sites'])} on the balanced path)" in stats["summary"]
     torch.testing.assert_close(loss, want_loss, rtol=1e-5, atol=1e-6)
     for mine, theirs in zip(grads, want):
         assert rel_l2(mine, theirs) < 1e-5
     if setting == "dynamic":  # another batch size reuses the dynamic graph
+        assert all("the batch is symbolic: chosen for 21 rows (the batch it was traced with)" in s["reason"]
+                   for s in stats["sites"]), stats["sites"]
         ids2, labels2 = _data(b=5, t=4, seed=1)
         want_loss2, want2 = _eager_run(model, ids2, labels2)
         compiled = torch.compile(model, backend=cce_inductor.make_backend(BALANCED), dynamic=True)
