@@ -3,24 +3,19 @@ process, from the repository root, and each says that its loss was rewritten and
 
 from __future__ import annotations
 
-import os
 import re
-import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from tests.support.processes import run_python, subprocess_env
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _run(argv: list[str], tmp_path: Path) -> str:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("CCE_INDUCTOR")}
-    env["TORCHINDUCTOR_CACHE_DIR"] = str(tmp_path / "inductor")  # a cold cache: the pass runs, the summary counts
-    proc = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    return proc.stdout
+def _run(args: list[str], tmp_path: Path) -> str:
+    # Inductor's caches off: the pass runs in every example, so its summary counts the site
+    return run_python(args, subprocess_env(tmp_path / "inductor"), ROOT, timeout=600).stdout
 
 
 def _close(text: str, pattern: str) -> tuple[float, float]:
@@ -31,14 +26,14 @@ def _close(text: str, pattern: str) -> tuple[float, float]:
 
 @pytest.mark.slow
 def test_train_tiny_lm(tmp_path):
-    out = _run([sys.executable, "examples/train_tiny_lm.py", "--device", "cpu"], tmp_path)
+    out = _run(["examples/train_tiny_lm.py", "--device", "cpu"], tmp_path)
     assert "rewrote 1 of 1 loss sites" in out, out
 
 
 @pytest.mark.slow
 def test_hf_llama(tmp_path):
     pytest.importorskip("transformers", reason="transformers is not installed (pip install -e '.[test]')")
-    out = _run([sys.executable, "examples/hf_llama.py", "--device", "cpu"], tmp_path)
+    out = _run(["examples/hf_llama.py", "--device", "cpu"], tmp_path)
     assert "rewrote 1 of 1 loss sites" in out and "outputs.logits is a LazyLogits" in out, out
     losses = [float(x) for x in re.findall(r"step \d+ +loss ([0-9.]+)", out)]
     assert len(losses) == 8 and losses[-1] < losses[0], out  # it memorises its one batch
@@ -48,7 +43,7 @@ def test_hf_llama(tmp_path):
 
 @pytest.mark.slow
 def test_rl_grpo(tmp_path):
-    out = _run([sys.executable, "examples/rl_grpo.py", "--device", "cpu"], tmp_path)
+    out = _run(["examples/rl_grpo.py", "--device", "cpu"], tmp_path)
     assert "rewrote 1 of 1 loss sites" in out, out
     ours, eager = _close(out, r"loss ([+-]?[0-9.]+) vs ([+-]?[0-9.]+)")
     assert abs(ours - eager) <= 1e-5 * max(1.0, abs(eager)), out
@@ -57,11 +52,9 @@ def test_rl_grpo(tmp_path):
 
 @pytest.mark.slow
 def test_distributed(tmp_path):
-    torchrun = shutil.which("torchrun", path=os.path.dirname(sys.executable)) or shutil.which("torchrun")
-    if torchrun is None:
-        pytest.skip("torchrun is not on PATH")
-    out = _run([torchrun, "--standalone", "--nproc-per-node", "2", "examples/distributed.py", "--device", "cpu"],
-               tmp_path)
+    # torchrun, as the README launches it (python -m torch.distributed.run is the same entry point)
+    out = _run(["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "examples/distributed.py",
+                "--device", "cpu"], tmp_path)
     assert out.count("rewrote 1 of 1 loss sites") == 2, out  # DDP: each rank
     for rank in (0, 1):
         ours, whole = _close(out, rf"\[tp\] rank {rank}: .* loss ([0-9.]+) \(F.cross_entropy on the whole head: "
