@@ -51,7 +51,7 @@ import triton
 import triton.language as tl
 
 from . import _launch
-from ._tile import logit_tile, tanh
+from ._tile import logit_tile, round_to_tf32, tanh
 
 # Hopper (H100 / H200); the interpreter's tiny blocks keep the CPU tests fast.
 # target_rows / target_block_d: _target_logit_kernel's rows and D step per program.
@@ -156,6 +156,7 @@ def _fold_argmax(best, best_index, logits, cols, ROUND: tl.constexpr):
 def _target_logit_kernel(
     E, C, Bias, Targets, TargetLogit, N, V, D, stride_en, stride_ed, stride_cv, stride_cd, softcap, ignore_index,
     HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    DOT_PRECISION: tl.constexpr = "ieee",
 ):
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     in_range = rows < N
@@ -171,6 +172,9 @@ def _target_logit_kernel(
         mask = hit[:, None] & (d < D)[None, :]
         e_blk = tl.load(e_rows[:, None] + (d * stride_ed)[None, :], mask=mask, other=0.0).to(tl.float32)
         c_blk = tl.load(c_rows[:, None] + (d * stride_cd)[None, :], mask=mask, other=0.0).to(tl.float32)
+        if DOT_PRECISION == "tf32_rn":  # the operands the tiles' TF32 dots see (their products are exact in fp32)
+            e_blk = round_to_tf32(e_blk)
+            c_blk = round_to_tf32(c_blk)
         acc += tl.sum(e_blk * c_blk, axis=1)
     if HAS_BIAS:
         acc += tl.load(Bias + target, mask=hit, other=0.0).to(tl.float32)
@@ -258,7 +262,7 @@ def target_logits(e, c, targets, bias, *, softcap, ignore_index, out=None):
         e, c, bias if bias is not None else e, targets, out, n, c.shape[0], d,
         e.stride(0), e.stride(1), c.stride(0), c.stride(1), float(softcap) if softcap is not None else 1.0,
         ignore_index, HAS_BIAS=bias is not None, HAS_SOFTCAP=softcap is not None, BLOCK_N=block_n, BLOCK_D=block_d,
-        num_warps=4,
+        DOT_PRECISION=_launch.dot_precision(e.dtype), num_warps=4,
     )
     return out
 

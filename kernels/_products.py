@@ -52,6 +52,7 @@ import triton
 import triton.language as tl
 
 from . import _launch
+from ._tile import dot
 
 # Hopper (H100 / H200); the interpreter's tiny blocks keep the CPU tests fast.
 _TUNING = {
@@ -94,10 +95,7 @@ def _grad_e_kernel(
     for k0 in range(0, width, BLOCK_K):
         a = g_desc.load([pid_m * BLOCK_M, k0])
         b = c_desc.load([k0, pid_n * BLOCK_N])
-        if UPCAST:
-            a = a.to(tl.float32)
-            b = b.to(tl.float32)
-        acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+        acc = dot(a, b, acc, UPCAST, DOT_PRECISION)
     if ACCUMULATE:
         acc += tl.load(out_ptrs, mask=out_mask, other=0.0)
     tl.store(out_ptrs, acc, mask=out_mask)
@@ -116,10 +114,7 @@ def _grad_c_kernel(
     for k0 in range(0, tl.load(NumCounted), BLOCK_K):
         a = g_desc.load([k0, pid_m * BLOCK_M])
         b = e_desc.load([k0, pid_n * BLOCK_N])
-        if UPCAST:
-            a = a.to(tl.float32)
-            b = b.to(tl.float32)
-        acc = tl.dot(tl.trans(a), b, acc, input_precision=DOT_PRECISION)
+        acc = dot(tl.trans(a), b, acc, UPCAST, DOT_PRECISION)
     acc += tl.load(IgnoredPoison)
     vocab = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)

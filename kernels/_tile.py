@@ -7,7 +7,7 @@ For a block of ``BLOCK_N`` rows (row indices ``rows``, int64) and ``BLOCK_V`` vo
     logits[n, v] = softcap * tanh(raw[n, v] / softcap)       (or raw when there is no softcap)
 
 computed as a loop over ``BLOCK_D`` chunks of the hidden dimension with an fp32 accumulator
-(``tl.dot`` on the input dtype, fp32 accumulation; fp32 inputs use "ieee" precision).  Rows and
+(``tl.dot`` on the input dtype, fp32 accumulation; fp32 inputs as ``_launch.dot_precision`` says).  Rows and
 vocabulary ids are clamped, never masked, inside the loop: padded rows / columns read real memory and
 are masked by the caller afterwards, which keeps the inner loop free of row/column masks.  All offsets
 are int64 so ``V * D`` and ``N * D`` may exceed 2**31.
@@ -31,12 +31,34 @@ def tanh(x):
 
 
 @triton.jit
-def _dot_step(acc, e_blk, c_blk, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """``acc + e_blk @ c_blk^T`` in fp32 (operands upcast first under the interpreter: see ``_launch``)."""
+def round_to_tf32(x):
+    """fp32 -> the nearest TF32 value (10 mantissa bits; ties away from zero, as PTX's ``cvt.rna.tf32.f32``): add
+    half of TF32's unit in the last place to the bit pattern, clear the 13 bits TF32 drops. NaN stays NaN (a
+    payload in the top mantissa bits would carry into the sign); a value past TF32's largest rounds to inf."""
+    bits = x.to(tl.uint32, bitcast=True)
+    rounded = ((bits + 0x1000) & 0xFFFFE000).to(tl.float32, bitcast=True)
+    return tl.where(x == x, rounded, x)
+
+
+@triton.jit
+def dot(a, b, acc, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """``acc + a @ b`` in fp32 for every kernel here. ``DOT_PRECISION`` as ``_launch.dot_precision`` gives it:
+    "tf32_rn" rounds fp32 operands to the nearest TF32 value first and multiplies in TF32 (``tl.dot``'s "tf32"
+    alone hands the tensor cores the fp32 bits, which keep the top 10 mantissa bits: rounding toward zero, a bias
+    that pulls every logit toward 0); 16-bit operands are upcast under the interpreter (see ``_launch``)."""
     if UPCAST:
-        e_blk = e_blk.to(tl.float32)
-        c_blk = c_blk.to(tl.float32)
-    return tl.dot(e_blk, tl.trans(c_blk), acc, input_precision=DOT_PRECISION)
+        a = a.to(tl.float32)
+        b = b.to(tl.float32)
+    if DOT_PRECISION == "tf32_rn":
+        return tl.dot(round_to_tf32(a), round_to_tf32(b), acc, input_precision="tf32")
+    else:
+        return tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+
+
+@triton.jit
+def _dot_step(acc, e_blk, c_blk, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """``acc + e_blk @ c_blk^T`` in fp32."""
+    return dot(e_blk, tl.trans(c_blk), acc, UPCAST, DOT_PRECISION)
 
 
 @triton.jit

@@ -13,11 +13,12 @@ def restore_matmul_precision():
     torch.set_float32_matmul_precision(before)
 
 
-@pytest.mark.parametrize(("precision", "fp32_dots"), [("highest", "ieee"), ("high", "tf32"), ("medium", "tf32")])
+@pytest.mark.parametrize(("precision", "fp32_dots"), [("highest", "ieee"), ("high", "tf32_rn"), ("medium", "tf32_rn")])
 def test_fp32_dots_follow_torchs_matmul_precision(restore_matmul_precision, precision, fp32_dots):
-    """fp32 operands are multiplied as torch's CUDA matmuls are: IEEE at "highest" (the default), TF32 where the
-    user allowed it for cuBLAS, so a fp32 loss is not run on the CUDA cores while torch.compile's matmuls of it run
-    on the tensor cores. 16-bit operands are unaffected."""
+    """fp32 operands are multiplied as torch's CUDA matmuls are: IEEE at "highest" (the default), TF32 with the
+    operands rounded to nearest (as cuBLAS rounds them) where the user allowed TF32 for cuBLAS, so a fp32 loss is
+    not run on the CUDA cores while torch.compile's matmuls of it run on the tensor cores. 16-bit operands are
+    unaffected."""
     torch.set_float32_matmul_precision(precision)
     assert _launch.dot_precision(torch.float32) == fp32_dots
     assert _launch.dot_precision(torch.bfloat16) == _launch.dot_precision(torch.float16) == "tf32"
@@ -26,17 +27,21 @@ def test_fp32_dots_follow_torchs_matmul_precision(restore_matmul_precision, prec
 def test_fp32_dots_follow_the_cuda_matmul_flag(restore_matmul_precision):
     """The per-backend switch decides, as it does for cuBLAS (``torch.backends.cuda.matmul``)."""
     torch.backends.cuda.matmul.allow_tf32 = True
-    assert _launch.dot_precision(torch.float32) == "tf32"
+    assert _launch.dot_precision(torch.float32) == "tf32_rn"
     torch.backends.cuda.matmul.allow_tf32 = False
     assert _launch.dot_precision(torch.float32) == "ieee"
 
 
 def test_pipeline_depth_fits_shared_memory():
     """fp32 operands take twice the shared memory of 16-bit ones: the backward recompute's default depth (4 stages
-    of 128 x 64 + 256 x 64 tiles) fits in bf16 but would need 288 KB in fp32 (seen failing on an H200), so it is
-    lowered there."""
+    of 128 x 64 + 256 x 64 tiles) fits in bf16 but not in fp32, where the pipeline keeps a buffer pair per stage
+    (TF32 dots: 3 stages asked for 3 x 96 KB on an H100; IEEE dots: 4 stages asked for 288 KB on an H200), so it
+    is lowered there to double buffering."""
     fit_num_stages = _launch.fit_num_stages
-    assert fit_num_stages(4, 128, 256, 64, 2) == 4
-    assert fit_num_stages(4, 128, 256, 64, 4) == 3
-    assert fit_num_stages(3, 128, 256, 64, 4) == 3
+    assert fit_num_stages(4, 128, 256, 64, 2) == 4  # the 16-bit tunings keep their depth
+    assert fit_num_stages(3, 128, 256, 64, 2) == 3
+    assert fit_num_stages(4, 128, 128, 64, 2) == 4
+    assert fit_num_stages(4, 128, 256, 64, 4) == 2
+    assert fit_num_stages(3, 128, 256, 64, 4) == 2
+    assert fit_num_stages(4, 128, 128, 64, 4) == 3  # the Triton products' tiles in fp32: 3 x 64 KB
     assert fit_num_stages(2, 512, 512, 256, 4) == 2  # never below double buffering
