@@ -56,12 +56,6 @@ def dot(a, b, acc, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr):
 
 
 @triton.jit
-def _dot_step(acc, e_blk, c_blk, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """``acc + e_blk @ c_blk^T`` in fp32."""
-    return dot(e_blk, tl.trans(c_blk), acc, UPCAST, DOT_PRECISION)
-
-
-@triton.jit
 def logit_tile(
     E, C, Bias, rows, vocab_ids, row0, col0, D,
     stride_en, stride_ed, stride_cv, stride_cd,
@@ -73,7 +67,7 @@ def logit_tile(
     acc = tl.zeros((BLOCK_N, BLOCK_V), dtype=tl.float32)
     if TMA:
         for d0 in range(0, D, BLOCK_D):
-            acc = _dot_step(acc, E.load([row0, d0]), C.load([col0, d0]), UPCAST, DOT_PRECISION)
+            acc = dot(E.load([row0, d0]), tl.trans(C.load([col0, d0])), acc, UPCAST, DOT_PRECISION)
     else:
         # 1-D row pointers, offset per step: a 2-D pointer tile carried through the loop held ~190 registers
         e_rows = E + rows * stride_en
@@ -88,7 +82,7 @@ def logit_tile(
                 d_mask = (d < D)[None, :]
                 e_blk = tl.load(e_rows[:, None] + (d * stride_ed)[None, :], mask=d_mask, other=0.0)
                 c_blk = tl.load(c_rows[:, None] + (d * stride_cd)[None, :], mask=d_mask, other=0.0)
-            acc = _dot_step(acc, e_blk, c_blk, UPCAST, DOT_PRECISION)
+            acc = dot(e_blk, tl.trans(c_blk), acc, UPCAST, DOT_PRECISION)
     if HAS_BIAS:
         acc += tl.load(Bias + vocab_ids).to(tl.float32)[None, :]
     if HAS_SOFTCAP:
