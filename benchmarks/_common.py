@@ -20,8 +20,9 @@ import torch
 # make_backend keywords per method. CCEOptions.path ("auto" | "lean" | "balanced") is being added; until it is
 # there, lean / balanced fall back to the scratch_mb spelling of the same choice (see resolve_methods).
 METHODS = {"default": {}, "lean": {"path": "lean"}, "balanced": {"path": "balanced"},
-           "rowskip": {"path": "lean", "products": "triton"}}
-FALLBACK = {"lean": {"scratch_mb": 0}, "balanced": {"scratch_mb": 1024}, "rowskip": {"products": "triton"}}
+           "rowskip": {"path": "lean", "products": "triton"}, "lean_cublas": {"path": "lean", "products": "cublas"}}
+FALLBACK = {"lean": {"scratch_mb": 0}, "balanced": {"scratch_mb": 1024}, "rowskip": {"products": "triton"},
+            "lean_cublas": {"products": "cublas"}}
 
 
 def resolve_methods(names=None, quiet=False):

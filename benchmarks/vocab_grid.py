@@ -28,6 +28,8 @@ torch._dynamo.reset() before each method of each case):
               CCEOptions.path field, lean / balanced are {"scratch_mb": 0} / {"scratch_mb": 1024} (printed at start)
     rowskip   make_backend(path="lean", products="triton"): the lean path whose dE / dC products skip the ignored
               rows (Triton products reading the device-side count), for the ignored-target cells against TRL
+    lean_cublas  make_backend(path="lean", products="cublas"): the lean path with cuBLAS products on every call (the
+              default's products="auto" takes the row-skipping ones after a call with >= 20% ignored targets)
     peers     when importable (otherwise noted in the output and skipped), called eagerly, static cases only:
               trl       trl.kernels.chunked_logprob.ChunkedLogProbFunction as TRL's SFT calls it (valid rows only,
                         outputs log_probs, entropy, is_top1, TRL's chunk size); loss = mean over valid rows of -logprob

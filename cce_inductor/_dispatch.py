@@ -10,13 +10,14 @@ term (a vocabulary shard sees the targets that other shards hold that way).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Optional
 
 import torch
 from torch import Tensor
 
-from . import _chunked, _loss, paths
+from . import _chunked, _counted_share, _loss, diagnostics, paths
 
 _KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -88,17 +89,30 @@ def backward(e: Tensor, c: Tensor, targets: Tensor, bias: Optional[Tensor], lse:
              mean_logit: Optional[Tensor] = None):
     """``(dE | None, dC | None, dbias | None)`` in the inputs' dtypes; ``grad_rows`` is 0 at ignored rows;
     ``options`` a :class:`cce_inductor.CCEOptions` (the kernels read ``exact``, ``products``,
-    ``backward_row_chunk``)."""
+    ``backward_row_chunk``); ``products="auto"`` is decided here, per call, from the share of rows an earlier call
+    of this head counted (:mod:`cce_inductor._counted_share`)."""
     if uses_kernels(e.device, e.dtype) and e.shape[0] > 0:
-        return triton_kernels().backward(
+        kernels = triton_kernels()
+        share = _counted_share.of_head(e.device, c.shape[0], c.shape[1])
+        products = _counted_share.products(options.products, share.latest(),
+                                           row_skipping_ok=kernels.row_skipping_ok(e, c, options))
+        diagnostics.count_products(products)
+        return kernels.backward(
             e, c, targets, bias, lse.float(), grad_rows.float(), softcap=softcap, ignore_index=ignore_index,
-            options=options, need_e=need_e, need_c=need_c, need_bias=need_bias, label_smoothing=label_smoothing,
-            grad_lse=grad_lse, grad_entropy=grad_entropy, mean_logit=mean_logit,
+            options=_with_products(options, products), need_e=need_e, need_c=need_c, need_bias=need_bias,
+            label_smoothing=label_smoothing, grad_lse=grad_lse, grad_entropy=grad_entropy, mean_logit=mean_logit,
+            observe_counted=share.observe if options.products == "auto" else None,
         )
     return _chunked.backward(
         e, c, targets, bias, lse, grad_rows, softcap=softcap, need_e=need_e, need_c=need_c, need_bias=need_bias,
         label_smoothing=label_smoothing, grad_lse=grad_lse, grad_entropy=grad_entropy, mean_logit=mean_logit,
     )
+
+
+@functools.lru_cache(maxsize=None)
+def _with_products(options, products: str):
+    """``options`` with ``products`` decided (cached: options are frozen, and a backward should not rebuild them)."""
+    return options if options.products == products else dataclasses.replace(options, products=products)
 
 
 def loss_and_grads(e: Tensor, c: Tensor, targets: Tensor, bias: Optional[Tensor], *, softcap: Optional[float],

@@ -5,7 +5,8 @@ be seen to use them).
     >>> cce_inductor.stats()
     {'graphs': 1, 'rewritten': 0, 'skipped': 1,
      'reasons': {'logits escape the compiled region (...); set CCE_INDUCTOR_DROP_LOGITS=1 ...': 1}, 'sites': [...],
-     'executions': {'linear_cross_entropy': 0, 'vocab_parallel': 0}, 'summary': '...'}
+     'executions': {'linear_cross_entropy': 0, 'vocab_parallel': 0},
+     'backward_products': {'cublas': 0, 'row_skipping': 0}, 'summary': '...'}
 """
 
 from __future__ import annotations
@@ -39,6 +40,16 @@ _graphs = 0
 _executions = collections.Counter({"linear_cross_entropy": 0, "vocab_parallel": 0})
 
 
+# The lean backward's dE / dC products per CUDA backward call (``CCEOptions.products``; "auto" decides per call:
+# cce_inductor/_counted_share.py): cuBLAS, or the row-skipping Triton products.
+_products = collections.Counter({"cublas": 0, "row_skipping": 0})
+
+
+def count_products(products: str) -> None:
+    with _lock:
+        _products["row_skipping" if products == "triton" else "cublas"] += 1
+
+
 def count_execution(op: str) -> None:
     with _lock:
         _executions[op] += 1
@@ -66,6 +77,7 @@ def stats() -> dict[str, Any]:
         sites = list(_sites)
         graphs = _graphs
         executions = dict(_executions)
+        products = dict(_products)
     reasons = collections.Counter(site.reason for site in sites if not site.rewritten)
     rewritten = sum(site.rewritten for site in sites)
     return {
@@ -75,6 +87,7 @@ def stats() -> dict[str, Any]:
         "reasons": dict(reasons),
         "sites": [dataclasses.asdict(site) for site in sites],
         "executions": executions,
+        "backward_products": products,
         "summary": _summary(graphs, rewritten, reasons, sum(executions.values()),
                             sum(site.path == "balanced" for site in sites)),
     }
@@ -106,3 +119,5 @@ def reset_stats() -> None:
         _graphs = 0
         for op in _executions:
             _executions[op] = 0
+        for kind in _products:
+            _products[kind] = 0

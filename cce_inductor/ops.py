@@ -416,7 +416,8 @@ def linear_cross_entropy(
     need = (e.requires_grad, c.requires_grad, bias is not None and bias.requires_grad)
     facts = _dispatch.head_facts(math.prod(e.shape[:-1]), e.shape[-1], c.shape[0], e.dtype, e.device, reduction,
                                  needs_grad=torch.is_grad_enabled() and any(need))
-    if paths.choose(facts, options.path, options.scratch_mb, options.backward_row_chunk).path == "balanced":
+    if paths.choose(facts, options.path, options.scratch_mb, options.backward_row_chunk,
+                    options.products).path == "balanced":
         loss, _, _, _ = linear_cross_entropy_with_grads_op(
             e.reshape(-1, e.shape[-1]), c, targets.reshape(-1).long(), bias,
             None if softcap is None else float(softcap), int(ignore_index), reduction, float(label_smoothing),

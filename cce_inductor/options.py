@@ -30,7 +30,7 @@ _RETIRED_ENV = {
     "CCE_INDUCTOR_VOCAB_SORT": "vocabulary sorting was retired with gradient filtering",
 }
 
-Products = Literal["cublas", "triton"]
+Products = Literal["auto", "cublas", "triton"]
 PathName = Literal["auto", "lean", "balanced"]
 
 
@@ -51,9 +51,13 @@ class CCEOptions:
     exact: the CUDA backward carries the softmax gradient into its products as two 16-bit halves and sums dC in
         fp32: gradients at the rounding floor of the output dtype, for ~1.6x the backward's time.
         Environment: ``CCE_INDUCTOR_EXACT=1``.
-    products: who computes the CUDA backward's dE / dC products. ``"cublas"`` (default) is fastest on full
-        batches; ``"triton"`` skips rows whose target is ``ignore_index`` (prompt-masked SFT, padding), faster
-        from about 25% ignored targets on. Ignored with ``exact``. Environment: ``CCE_INDUCTOR_PRODUCTS``.
+    products: who computes the CUDA lean backward's dE / dC products. ``"auto"`` (default) decides per call:
+        the row-skipping Triton products where an earlier call of the same head had at least 20% of its targets
+        ignored (prompt-masked SFT, padding), else cuBLAS; read without waiting on the device
+        (``cce_inductor/_counted_share.py``), counted in ``stats()['backward_products']``. ``"cublas"`` multiplies
+        every row (fastest on full batches; bits that do not depend on earlier calls); ``"triton"`` always skips
+        the ignored rows (faster from about 20% ignored targets on). Ignored with ``exact``. Environment:
+        ``CCE_INDUCTOR_PRODUCTS``.
     backward_row_chunk: rows per block of the CUDA lean backward: bounds its gradient block (one 16-bit
         ``row_chunk x 4096`` block) whatever the batch; dE is summed in fp32 (``N x D x 4`` bytes) and, past one
         row chunk, each vocabulary chunk of dC too, so every gradient is rounded once. 0 takes all rows in one
@@ -73,7 +77,7 @@ class CCEOptions:
 
     drop_logits: bool = False
     exact: bool = False
-    products: Products = "cublas"
+    products: Products = "auto"
     backward_row_chunk: int = 8192
     path: PathName = "auto"
     scratch_mb: int = 0
@@ -83,8 +87,8 @@ class CCEOptions:
         for name in ("drop_logits", "exact", "lazy_logits"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
-        if self.products not in ("cublas", "triton"):
-            raise ValueError(f"products must be 'cublas' or 'triton', got {self.products!r}")
+        if self.products not in ("auto", "cublas", "triton"):
+            raise ValueError(f"products must be 'auto', 'cublas' or 'triton', got {self.products!r}")
         if isinstance(self.backward_row_chunk, bool) or not isinstance(self.backward_row_chunk, int):
             raise TypeError(f"backward_row_chunk must be an int, got {self.backward_row_chunk!r}")
         if self.backward_row_chunk < 0:

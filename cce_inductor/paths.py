@@ -164,10 +164,24 @@ def lean_only_reason(f: HeadFacts) -> Optional[str]:
     return None
 
 
-def choose(f: HeadFacts, path: str = "auto", scratch_mb: int = 0, backward_row_chunk: int = 8192) -> PathChoice:
+def choose(f: HeadFacts, path: str = "auto", scratch_mb: int = 0, backward_row_chunk: int = 8192,
+           products: str = "auto") -> PathChoice:
     """The path for a site (module docstring). ``path``: ``"auto"``, or a forced ``"lean"`` / ``"balanced"``;
     ``scratch_mb``: the balanced path's scratch (0: sized here); a ``scratch_mb`` with ``path="auto"`` asks for the
-    balanced path, as it did before the automatic choice existed."""
+    balanced path, as it did before the automatic choice existed. ``products``: ``CCEOptions.products``, which the
+    lean path's record explains where it is decided per call."""
+    choice = _choose(f, path, scratch_mb, backward_row_chunk)
+    if choice.path == "lean" and f.kernels and f.needs_grad and products == "auto":
+        return dataclasses.replace(choice, reason=choice.reason + _PRODUCTS_NOTE)
+    return choice
+
+
+# cce_inductor/_counted_share.py
+_PRODUCTS_NOTE = ("; its backward's products: cuBLAS, or row-skipping ones on calls after one with >= 20% of the "
+                  "targets ignored (stats()['backward_products'])")
+
+
+def _choose(f: HeadFacts, path: str, scratch_mb: int, backward_row_chunk: int) -> PathChoice:
     if path == "lean":
         return PathChoice("lean", "lean path (forced: path='lean')" + _lean_cost_note(f, backward_row_chunk)
                           + _host_bound_note(f))

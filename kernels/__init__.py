@@ -6,8 +6,9 @@ Interface used by the custom op and the vocabulary-parallel loss:
   -> RowStats(lse, target_logit, logit_sum | None, mean_logit | None)`` (``mean_logit``: the softmax-weighted mean
   logit of each row; the entropy is ``lse - mean_logit``)
 * ``backward(e, c, targets, bias, lse, grad_rows, *, softcap, ignore_index, options, need_e, need_c, need_bias,
-  label_smoothing=0.0, grad_lse=None, grad_entropy=None, mean_logit=None) -> (dE | None, dC | None, dbias | None)``;
-  ``options`` is a :class:`cce_inductor.CCEOptions`
+  label_smoothing=0.0, grad_lse=None, grad_entropy=None, mean_logit=None, observe_counted=None)
+  -> (dE | None, dC | None, dbias | None)``; ``options`` is a :class:`cce_inductor.CCEOptions`
+* ``row_skipping_ok(e, c, options) -> bool``: whether ``products="triton"`` can skip rows for these operands
 * ``loss_and_grads(e, c, targets, bias, *, softcap, ignore_index, reduction, label_smoothing=0.0, chunk_rows,
   need_e=True, need_c=True, need_bias=True) -> LossAndGrads(loss, dE | None, dC | None, dbias | None)``: the balanced
   path (mean / sum losses whose head needs gradients): the gradients computed with the loss, ``chunk_rows`` rows at a
@@ -24,9 +25,9 @@ ignored rows, ``options.products="triton"``), ``_tile`` (the logit tile and soft
 kernels), ``_launch`` (host-side helpers: device facts, row compaction).
 No host synchronisation: ignored rows are compacted on the device and the kernels read the count.
 """
-from ._backward import backward
+from ._backward import backward, row_skipping_ok
 from ._balanced import LossAndGrads, loss_and_grads
 from ._forward import forward
 from ._launch import INTERPRET
 
-__all__ = ["forward", "backward", "loss_and_grads", "LossAndGrads", "INTERPRET"]
+__all__ = ["forward", "backward", "row_skipping_ok", "loss_and_grads", "LossAndGrads", "INTERPRET"]

@@ -263,14 +263,22 @@ def _block(buffer: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
     return buffer[: rows * cols].view(rows, cols)
 
 
+def row_skipping_ok(e: torch.Tensor, c: torch.Tensor, options) -> bool:
+    """Whether ``products="triton"`` runs the row-skipping products for these operands: not in 16-bit exact mode
+    (G in two halves), and C and E rows that the tensor-memory accelerator can read."""
+    split_g = options.exact and e.dtype in (torch.bfloat16, torch.float16)
+    return not split_g and _launch.tma_ok(c) and (e.shape[1] * e.element_size()) % 16 == 0
+
+
 def backward(e, c, targets, bias, lse, grad_rows, *, softcap, ignore_index, options, need_e, need_c, need_bias,
-             label_smoothing=0.0, grad_lse=None, grad_entropy=None, mean_logit=None):
+             label_smoothing=0.0, grad_lse=None, grad_entropy=None, mean_logit=None, observe_counted=None):
     """Launch helper: ``(dE | None, dC | None, dbias | None)``; ``grad_rows`` fp32, 0 at ignored rows.  Rows whose
     target is ``ignore_index`` are skipped by the recompute (and by the Triton products) unless ``grad_lse`` (the
     upstream gradient of every row's lse, fp32) or ``grad_entropy`` (that of every row's entropy, with the forward's
     ``mean_logit``) is given; a target outside ``[0, V)`` (a vocabulary shard's code for
     "another shard's") counts, with no one-hot term.  ``options``: a :class:`cce_inductor.CCEOptions` (``exact``,
-    ``products``, ``backward_row_chunk``)."""
+    ``products``, ``backward_row_chunk``; ``"auto"`` products are cuBLAS here: the op decides them per call).
+    ``observe_counted``: called with the first row chunk's device-side count of counted rows and its rows."""
     tune = _launch.tuning(_TUNING)
     n, d = e.shape
     v = c.shape[0]
@@ -291,8 +299,7 @@ def backward(e, c, targets, bias, lse, grad_rows, *, softcap, ignore_index, opti
     sixteen_bit = e.dtype in (torch.bfloat16, torch.float16)
     split_g = options.exact and sixteen_bit  # fp32 inputs: G is fp32 already
     # Triton products (``_products``: skip the ignored rows) where the tensor-memory accelerator can read C
-    triton_products = (options.products == "triton" and not split_g
-                       and _launch.tma_ok(c) and (d * e.element_size()) % 16 == 0)
+    triton_products = options.products == "triton" and row_skipping_ok(e, c, options)
     # 16-bit products with fp32 results where cuBLAS has them; where no such product exists (the CPU interpreter)
     # 16-bit operands are upcast.
     fp32_out = sixteen_bit and _launch.fp32_out_mm_available(device)
@@ -330,6 +337,8 @@ def backward(e, c, targets, bias, lse, grad_rows, *, softcap, ignore_index, opti
                            compact=(triton_products and need_c) or use_tma, tma=use_tma,
                            poison_sum=triton_products and need_c)
               for r0 in range(0, n, row_chunk)]
+    if observe_counted is not None:
+        observe_counted(chunks[0].num_counted, chunks[0].rows)
 
     # per row chunk, the recompute's row-indexed arguments (sliced once here, not once per vocabulary chunk: the
     # host's launch work is what a small N waits on)

@@ -236,7 +236,8 @@ def choose_path(site: Site, options: CCEOptions, *, per_row_outputs: bool = Fals
         logits.shape[0], hidden.shape[-1], logits.shape[-1], site.compute_dtype, hidden.device, site.reduction,
         needs_grad=requires_grad(site.cross_entropy), lse_reused=bool(site.lse_users), per_row_outputs=per_row_outputs,
     )
-    choice = paths.choose(facts, options.path, options.scratch_mb, options.backward_row_chunk)
+    choice = paths.choose(facts, options.path, options.scratch_mb, options.backward_row_chunk,
+                          options.products)
     if isinstance(logits.shape[0], int):
         return choice
     # a symbolic batch: the path holds for every batch this graph serves, the estimates were made at one of them

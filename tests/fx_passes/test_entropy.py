@@ -43,7 +43,7 @@ def forward(self, L_hidden_ : torch.Tensor, L_weight_ : torch.Tensor):
     new_zeros = mul_1.new_zeros(getitem, dtype = torch.int64)
     flatten = mul_1.flatten(0, -2)
     flatten_1 = new_zeros.flatten()
-    linear_cross_entropy_default = torch.ops.cce_inductor.linear_cross_entropy.default(flatten, l_weight_, flatten_1, None, None, -9223372036854775808, 'none', 0.0, 'exact=False;products=cublas;backward_row_chunk=8192;path=auto;scratch_mb=0', False, True)
+    linear_cross_entropy_default = torch.ops.cce_inductor.linear_cross_entropy.default(flatten, l_weight_, flatten_1, None, None, -9223372036854775808, 'none', 0.0, 'exact=False;products=auto;backward_row_chunk=8192;path=auto;scratch_mb=0', False, True)
     getitem_1 = linear_cross_entropy_default[2]
     view = getitem_1.view(getitem)
     mean = view.mean()
@@ -86,7 +86,7 @@ def forward(self, L_hidden_ : torch.Tensor, L_weight_ : torch.Tensor):
         self.assertEqual(after.count("linear_cross_entropy.default("), 1)
         self.assertNotIn("log_softmax", after)
         self.assertNotIn("cat(", after)
-        self.assertIn("-9223372036854775808, 'none', 0.0, 'exact=False;products=cublas;backward_row_chunk=8192;path=auto;scratch_mb=0', "
+        self.assertIn("-9223372036854775808, 'none', 0.0, 'exact=False;products=auto;backward_row_chunk=8192;path=auto;scratch_mb=0', "
                       "False, True)", after)
         reason = cce_inductor.stats()["sites"][0]["reason"]
         self.assertIn("entropy and token log-probs", reason)

@@ -47,7 +47,7 @@ def forward(self, L_hidden_ : torch.Tensor, L_labels_ : torch.Tensor, L_weight_ 
     l_hidden_ = L_hidden_
     l_labels_ = L_labels_
     l_weight_ = L_weight_
-    linear_cross_entropy_default = torch.ops.cce_inductor.linear_cross_entropy.default(l_hidden_, l_weight_, l_labels_, None, None, -100, 'mean', 0.0, 'exact=False;products=cublas;backward_row_chunk=8192;path=auto;scratch_mb=0', False, False)
+    linear_cross_entropy_default = torch.ops.cce_inductor.linear_cross_entropy.default(l_hidden_, l_weight_, l_labels_, None, None, -100, 'mean', 0.0, 'exact=False;products=auto;backward_row_chunk=8192;path=auto;scratch_mb=0', False, False)
     getitem = linear_cross_entropy_default[0]
     return (getitem,)""")
 
@@ -65,7 +65,7 @@ def forward(self, L_head_parameters_bias_ : torch.nn.parameter.Parameter, L_head
     l_head_parameters_weight_ = L_head_parameters_weight_
     l_hidden_ = L_hidden_
     l_labels_ = L_labels_
-    linear_cross_entropy_default = torch.ops.cce_inductor.linear_cross_entropy.default(l_hidden_, l_head_parameters_weight_, l_labels_, l_head_parameters_bias_, None, -100, 'mean', 0.0, 'exact=False;products=cublas;backward_row_chunk=8192;path=auto;scratch_mb=0', False, False)
+    linear_cross_entropy_default = torch.ops.cce_inductor.linear_cross_entropy.default(l_hidden_, l_head_parameters_weight_, l_labels_, l_head_parameters_bias_, None, -100, 'mean', 0.0, 'exact=False;products=auto;backward_row_chunk=8192;path=auto;scratch_mb=0', False, False)
     getitem = linear_cross_entropy_default[0]
     return (getitem,)""")
 
@@ -95,7 +95,7 @@ def forward(self, L_hidden_ : torch.Tensor, L_labels_ : torch.Tensor, L_weight_ 
     l_weight_ = L_weight_
     view_1 = l_labels_.view(-1)
     reshape = l_hidden_.reshape(-1, 16)
-    linear_cross_entropy_default = torch.ops.cce_inductor.linear_cross_entropy.default(reshape, l_weight_, view_1, None, None, -100, 'mean', 0.0, 'exact=False;products=cublas;backward_row_chunk=8192;path=auto;scratch_mb=0', False, False)
+    linear_cross_entropy_default = torch.ops.cce_inductor.linear_cross_entropy.default(reshape, l_weight_, view_1, None, None, -100, 'mean', 0.0, 'exact=False;products=auto;backward_row_chunk=8192;path=auto;scratch_mb=0', False, False)
     getitem = linear_cross_entropy_default[0]
     return (getitem,)""")
 
@@ -115,10 +115,10 @@ def forward(self, L_hidden_ : torch.Tensor, L_labels_ : torch.Tensor, L_weight_ 
     l_labels_ = L_labels_
     l_weight_ = L_weight_
     l_weight_t_ = L_weight_t_
-    linear_cross_entropy_default = torch.ops.cce_inductor.linear_cross_entropy.default(l_hidden_, l_weight_, l_labels_, None, None, -100, 'mean', 0.0, 'exact=False;products=cublas;backward_row_chunk=8192;path=auto;scratch_mb=0', False, False)
+    linear_cross_entropy_default = torch.ops.cce_inductor.linear_cross_entropy.default(l_hidden_, l_weight_, l_labels_, None, None, -100, 'mean', 0.0, 'exact=False;products=auto;backward_row_chunk=8192;path=auto;scratch_mb=0', False, False)
     getitem = linear_cross_entropy_default[0]
     t_1 = l_weight_t_.t()
-    linear_cross_entropy_default_1 = torch.ops.cce_inductor.linear_cross_entropy.default(l_hidden_, t_1, l_labels_, None, None, -100, 'sum', 0.0, 'exact=False;products=cublas;backward_row_chunk=8192;path=auto;scratch_mb=0', False, False)
+    linear_cross_entropy_default_1 = torch.ops.cce_inductor.linear_cross_entropy.default(l_hidden_, t_1, l_labels_, None, None, -100, 'sum', 0.0, 'exact=False;products=auto;backward_row_chunk=8192;path=auto;scratch_mb=0', False, False)
     getitem_1 = linear_cross_entropy_default_1[0]
     add = getitem + getitem_1
     return (add,)""")
@@ -140,7 +140,7 @@ def forward(self, L_hidden_ : torch.Tensor, L_labels_ : torch.Tensor, L_weight_ 
     float_1 = to.float()
     flatten_1 = l_labels_.flatten()
     flatten_2 = l_hidden_.flatten(0, 1)
-    linear_cross_entropy_default = torch.ops.cce_inductor.linear_cross_entropy.default(flatten_2, float_1, flatten_1, None, None, -100, 'mean', 0.0, 'exact=False;products=cublas;backward_row_chunk=8192;path=auto;scratch_mb=0', False, False)
+    linear_cross_entropy_default = torch.ops.cce_inductor.linear_cross_entropy.default(flatten_2, float_1, flatten_1, None, None, -100, 'mean', 0.0, 'exact=False;products=auto;backward_row_chunk=8192;path=auto;scratch_mb=0', False, False)
     getitem = linear_cross_entropy_default[0]
     return (getitem,)""")
 
@@ -161,7 +161,7 @@ def forward(self, L_hidden_ : torch.Tensor, L_labels_ : torch.Tensor, L_weight_ 
     l_weight_ = L_weight_
     view_1 = l_labels_.view(-1)
     reshape = l_hidden_.reshape(-1, 16)
-    linear_cross_entropy_default = torch.ops.cce_inductor.linear_cross_entropy.default(reshape, l_weight_, view_1, None, None, -100, 'mean', 0.0, 'exact=False;products=cublas;backward_row_chunk=8192;path=auto;scratch_mb=0', False, False)
+    linear_cross_entropy_default = torch.ops.cce_inductor.linear_cross_entropy.default(reshape, l_weight_, view_1, None, None, -100, 'mean', 0.0, 'exact=False;products=auto;backward_row_chunk=8192;path=auto;scratch_mb=0', False, False)
     getitem = linear_cross_entropy_default[0]
     return (getitem,)""")
 
@@ -178,7 +178,7 @@ def forward(self, L_hidden_ : torch.Tensor, L_labels_ : torch.Tensor, L_weight_ 
     l_hidden_ = L_hidden_
     l_labels_ = L_labels_
     l_weight_ = L_weight_
-    linear_cross_entropy_default = torch.ops.cce_inductor.linear_cross_entropy.default(l_hidden_, l_weight_, l_labels_, None, None, -100, 'mean', 0.0, 'exact=False;products=cublas;backward_row_chunk=8192;path=auto;scratch_mb=0', False, False)
+    linear_cross_entropy_default = torch.ops.cce_inductor.linear_cross_entropy.default(l_hidden_, l_weight_, l_labels_, None, None, -100, 'mean', 0.0, 'exact=False;products=auto;backward_row_chunk=8192;path=auto;scratch_mb=0', False, False)
     getitem = linear_cross_entropy_default[0]
     to = getitem.to(torch.bfloat16)
     return (to,)""")
@@ -213,7 +213,7 @@ def forward(self, L_hidden_ : torch.Tensor, L_labels_ : torch.Tensor, L_weight_ 
     l_weight_ = L_weight_
     view_1 = l_labels_.view(-1)
     reshape = l_hidden_.reshape(-1, 16)
-    linear_cross_entropy_default = torch.ops.cce_inductor.linear_cross_entropy.default(reshape, l_weight_, view_1, None, 3.0, -100, 'mean', 0.0, 'exact=False;products=cublas;backward_row_chunk=8192;path=auto;scratch_mb=0', False, False)
+    linear_cross_entropy_default = torch.ops.cce_inductor.linear_cross_entropy.default(reshape, l_weight_, view_1, None, 3.0, -100, 'mean', 0.0, 'exact=False;products=auto;backward_row_chunk=8192;path=auto;scratch_mb=0', False, False)
     getitem = linear_cross_entropy_default[0]
     return (getitem,)""")
 
@@ -234,7 +234,7 @@ def forward(self, L_hidden_ : torch.Tensor, L_labels_ : torch.Tensor, L_weight_ 
     l_weight_ = L_weight_
     view_1 = l_labels_.view(-1)
     reshape = l_hidden_.reshape(-1, 16)
-    linear_cross_entropy_default = torch.ops.cce_inductor.linear_cross_entropy.default(reshape, l_weight_, view_1, None, 2.5, -100, 'mean', 0.0, 'exact=False;products=cublas;backward_row_chunk=8192;path=auto;scratch_mb=0', False, False)
+    linear_cross_entropy_default = torch.ops.cce_inductor.linear_cross_entropy.default(reshape, l_weight_, view_1, None, 2.5, -100, 'mean', 0.0, 'exact=False;products=auto;backward_row_chunk=8192;path=auto;scratch_mb=0', False, False)
     getitem = linear_cross_entropy_default[0]
     return (getitem,)""")
 
@@ -258,7 +258,7 @@ def forward(self, L_head_parameters_bias_ : torch.nn.parameter.Parameter, L_head
     mul_2 = l_hidden_ * 0.125
     reshape = mul_2.reshape(-1, 16)
     mul_3 = l_head_parameters_bias_ * 0.125
-    linear_cross_entropy_default = torch.ops.cce_inductor.linear_cross_entropy.default(reshape, l_head_parameters_weight_, view_1, mul_3, 3.0, -100, 'mean', 0.0, 'exact=False;products=cublas;backward_row_chunk=8192;path=auto;scratch_mb=0', False, False)
+    linear_cross_entropy_default = torch.ops.cce_inductor.linear_cross_entropy.default(reshape, l_head_parameters_weight_, view_1, mul_3, 3.0, -100, 'mean', 0.0, 'exact=False;products=auto;backward_row_chunk=8192;path=auto;scratch_mb=0', False, False)
     getitem = linear_cross_entropy_default[0]
     return (getitem,)""")
 
@@ -296,7 +296,7 @@ def forward(self, L_hidden_ : torch.Tensor, L_labels_ : torch.Tensor, L_weight_ 
     view_1 = shift_labels.view(-1)
     getitem_2 = l_hidden_[(Ellipsis, slice(None, -1, None), slice(None, None, None))]
     reshape = getitem_2.reshape(-1, 16)
-    linear_cross_entropy_default = torch.ops.cce_inductor.linear_cross_entropy.default(reshape, l_weight_, view_1, None, None, -100, 'mean', 0.0, 'exact=False;products=cublas;backward_row_chunk=8192;path=auto;scratch_mb=0', False, False)
+    linear_cross_entropy_default = torch.ops.cce_inductor.linear_cross_entropy.default(reshape, l_weight_, view_1, None, None, -100, 'mean', 0.0, 'exact=False;products=auto;backward_row_chunk=8192;path=auto;scratch_mb=0', False, False)
     getitem_3 = linear_cross_entropy_default[0]
     return (getitem_3,)""")
 
@@ -338,7 +338,7 @@ def forward(self, L_hidden_ : torch.Tensor, L_labels_ : torch.Tensor, L_num_item
     shift_labels = getitem.contiguous()
     view_1 = shift_labels.view(-1)
     reshape = l_hidden_.reshape(-1, 16)
-    linear_cross_entropy_default = torch.ops.cce_inductor.linear_cross_entropy.default(reshape, l_weight_, view_1, None, None, -100, 'sum', 0.0, 'exact=False;products=cublas;backward_row_chunk=8192;path=auto;scratch_mb=0', False, False)
+    linear_cross_entropy_default = torch.ops.cce_inductor.linear_cross_entropy.default(reshape, l_weight_, view_1, None, None, -100, 'sum', 0.0, 'exact=False;products=auto;backward_row_chunk=8192;path=auto;scratch_mb=0', False, False)
     getitem_1 = linear_cross_entropy_default[0]
     truediv = getitem_1 / l_num_items_in_batch_
     return (truediv,)""")
@@ -361,7 +361,7 @@ def forward(self, L_hidden_ : torch.Tensor, L_labels_ : torch.Tensor, L_weight_ 
     l_weight_ = L_weight_
     view_1 = l_labels_.view(-1)
     reshape = l_hidden_.reshape(-1, 16)
-    linear_cross_entropy_default = torch.ops.cce_inductor.linear_cross_entropy.default(reshape, l_weight_, view_1, None, 4.0, 3, 'sum', 0.1, 'exact=False;products=cublas;backward_row_chunk=8192;path=auto;scratch_mb=0', False, False)
+    linear_cross_entropy_default = torch.ops.cce_inductor.linear_cross_entropy.default(reshape, l_weight_, view_1, None, 4.0, 3, 'sum', 0.1, 'exact=False;products=auto;backward_row_chunk=8192;path=auto;scratch_mb=0', False, False)
     getitem = linear_cross_entropy_default[0]
     return (getitem,)""")
         for reduction, eps in (("mean", 0.25), ("none", 1.0)):
@@ -387,7 +387,7 @@ def forward(self, L_hidden_ : torch.Tensor, L_labels_ : torch.Tensor, L_weight_ 
     l_weight_ = L_weight_
     view_1 = l_labels_.view(-1)
     reshape = l_hidden_.reshape(-1, 16)
-    linear_cross_entropy_default = torch.ops.cce_inductor.linear_cross_entropy.default(reshape, l_weight_, view_1, None, None, -100, 'mean', 0.0, 'exact=False;products=cublas;backward_row_chunk=8192;path=auto;scratch_mb=0', True, False)
+    linear_cross_entropy_default = torch.ops.cce_inductor.linear_cross_entropy.default(reshape, l_weight_, view_1, None, None, -100, 'mean', 0.0, 'exact=False;products=auto;backward_row_chunk=8192;path=auto;scratch_mb=0', True, False)
     getitem = linear_cross_entropy_default[1]
     getitem_1 = linear_cross_entropy_default[0]
     z_squared = getitem.pow(2)
@@ -444,7 +444,7 @@ def forward(self, L_hidden_ : torch.Tensor, L_labels_ : torch.Tensor, L_weight_ 
     reshape_11 = chunk_4.reshape(-1, 16)
     cat = torch.cat([reshape_8, reshape_9, reshape_10, reshape_11], 0)
     cat_1 = torch.cat([labels_chunk, labels_chunk_1, labels_chunk_2, labels_chunk_3], 0)
-    linear_cross_entropy_default = torch.ops.cce_inductor.linear_cross_entropy.default(cat, l_weight_, cat_1, None, None, -100, 'none', 0.0, 'exact=False;products=cublas;backward_row_chunk=8192;path=auto;scratch_mb=0', False, False)
+    linear_cross_entropy_default = torch.ops.cce_inductor.linear_cross_entropy.default(cat, l_weight_, cat_1, None, None, -100, 'none', 0.0, 'exact=False;products=auto;backward_row_chunk=8192;path=auto;scratch_mb=0', False, False)
     getitem_8 = linear_cross_entropy_default[0]
     split = torch.functional.split(getitem_8, [4, 4, 4, 4])
     getitem_9 = split[0]
@@ -490,7 +490,7 @@ def forward(self, L_hidden_ : torch.Tensor, L_labels_ : torch.Tensor, L_weight_ 
     l_hidden_ = L_hidden_
     l_labels_ = L_labels_
     l_weight_ = L_weight_
-    linear_cross_entropy_default = torch.ops.cce_inductor.linear_cross_entropy.default(l_hidden_, l_weight_, l_labels_, None, None, 0, 'mean', 0.0, 'exact=False;products=cublas;backward_row_chunk=8192;path=auto;scratch_mb=0', False, False)
+    linear_cross_entropy_default = torch.ops.cce_inductor.linear_cross_entropy.default(l_hidden_, l_weight_, l_labels_, None, None, 0, 'mean', 0.0, 'exact=False;products=auto;backward_row_chunk=8192;path=auto;scratch_mb=0', False, False)
     getitem = linear_cross_entropy_default[0]
     return (getitem,)""")
 
@@ -510,7 +510,7 @@ def forward(self, L_head_parameters_bias_ : torch.nn.parameter.Parameter, L_head
     l_labels_ = L_labels_
     view_1 = l_labels_.view(-1)
     reshape = l_hidden_.reshape(-1, 16)
-    linear_cross_entropy_default = torch.ops.cce_inductor.linear_cross_entropy.default(reshape, l_head_parameters_weight_, view_1, l_head_parameters_bias_, None, -100, 'none', 0.0, 'exact=False;products=cublas;backward_row_chunk=8192;path=auto;scratch_mb=0', False, False)
+    linear_cross_entropy_default = torch.ops.cce_inductor.linear_cross_entropy.default(reshape, l_head_parameters_weight_, view_1, l_head_parameters_bias_, None, -100, 'none', 0.0, 'exact=False;products=auto;backward_row_chunk=8192;path=auto;scratch_mb=0', False, False)
     getitem = linear_cross_entropy_default[0]
     view_2 = getitem.view(2, 5)
     sum_1 = view_2.sum(dim = 1)
@@ -544,11 +544,11 @@ def forward(self, L_heads_modules_0_parameters_weight_ : torch.nn.parameter.Para
     l_heads_modules_2_parameters_weight_ = L_heads_modules_2_parameters_weight_
     l_hidden_ = L_hidden_
     l_labels_ = L_labels_
-    linear_cross_entropy_default = torch.ops.cce_inductor.linear_cross_entropy.default(l_hidden_, l_heads_modules_0_parameters_weight_, l_labels_, None, None, -100, 'mean', 0.0, 'exact=False;products=cublas;backward_row_chunk=8192;path=auto;scratch_mb=0', False, False)
+    linear_cross_entropy_default = torch.ops.cce_inductor.linear_cross_entropy.default(l_hidden_, l_heads_modules_0_parameters_weight_, l_labels_, None, None, -100, 'mean', 0.0, 'exact=False;products=auto;backward_row_chunk=8192;path=auto;scratch_mb=0', False, False)
     getitem = linear_cross_entropy_default[0]
-    linear_cross_entropy_default_1 = torch.ops.cce_inductor.linear_cross_entropy.default(l_hidden_, l_heads_modules_1_parameters_weight_, l_labels_, None, None, -100, 'mean', 0.0, 'exact=False;products=cublas;backward_row_chunk=8192;path=auto;scratch_mb=0', False, False)
+    linear_cross_entropy_default_1 = torch.ops.cce_inductor.linear_cross_entropy.default(l_hidden_, l_heads_modules_1_parameters_weight_, l_labels_, None, None, -100, 'mean', 0.0, 'exact=False;products=auto;backward_row_chunk=8192;path=auto;scratch_mb=0', False, False)
     getitem_1 = linear_cross_entropy_default_1[0]
-    linear_cross_entropy_default_2 = torch.ops.cce_inductor.linear_cross_entropy.default(l_hidden_, l_heads_modules_2_parameters_weight_, l_labels_, None, None, -100, 'mean', 0.0, 'exact=False;products=cublas;backward_row_chunk=8192;path=auto;scratch_mb=0', False, False)
+    linear_cross_entropy_default_2 = torch.ops.cce_inductor.linear_cross_entropy.default(l_hidden_, l_heads_modules_2_parameters_weight_, l_labels_, None, None, -100, 'mean', 0.0, 'exact=False;products=auto;backward_row_chunk=8192;path=auto;scratch_mb=0', False, False)
     getitem_2 = linear_cross_entropy_default_2[0]
     value = 0 + getitem
     value_1 = value + getitem_1
@@ -602,7 +602,7 @@ def forward(self, L_hidden_ : torch.Tensor, L_labels_ : torch.Tensor, L_weight_ 
     l_weight_ = L_weight_
     view_1 = l_labels_.view(-1)
     reshape = l_hidden_.reshape(-1, 16)
-    linear_cross_entropy_default = torch.ops.cce_inductor.linear_cross_entropy.default(reshape, l_weight_, view_1, None, None, -100, 'mean', 0.0, 'exact=False;products=cublas;backward_row_chunk=8192;path=auto;scratch_mb=0', False, False)
+    linear_cross_entropy_default = torch.ops.cce_inductor.linear_cross_entropy.default(reshape, l_weight_, view_1, None, None, -100, 'mean', 0.0, 'exact=False;products=auto;backward_row_chunk=8192;path=auto;scratch_mb=0', False, False)
     getitem = linear_cross_entropy_default[0]
     dropped_logits_default = torch.ops.cce_inductor.dropped_logits.default(view_1, [2, 5, 37], torch.float32)
     return (getitem, dropped_logits_default)""")

@@ -56,7 +56,7 @@ def forward(self, L_advantages_ : torch.Tensor, L_hidden_ : torch.Tensor, L_ids_
     squeeze_1 = unsqueeze.squeeze(-1)
     flatten = getitem_4.flatten(0, -2)
     flatten_1 = squeeze_1.flatten()
-    linear_cross_entropy_default = torch.ops.cce_inductor.linear_cross_entropy.default(flatten, l_weight_, flatten_1, None, None, -9223372036854775808, 'none', 0.0, 'exact=False;products=cublas;backward_row_chunk=8192;path=auto;scratch_mb=0', False, False)
+    linear_cross_entropy_default = torch.ops.cce_inductor.linear_cross_entropy.default(flatten, l_weight_, flatten_1, None, None, -9223372036854775808, 'none', 0.0, 'exact=False;products=auto;backward_row_chunk=8192;path=auto;scratch_mb=0', False, False)
     getitem_5 = linear_cross_entropy_default[0]
     neg_1 = -getitem_5
     view_as = neg_1.view_as(squeeze_1)
@@ -114,7 +114,7 @@ def forward(self, L_hidden_ : torch.Tensor, L_ids_ : torch.Tensor, L_weight_ : t
     squeeze_1 = unsqueeze.squeeze(-1)
     flatten = getitem_4.flatten(0, -2)
     flatten_1 = squeeze_1.flatten()
-    linear_cross_entropy_default = torch.ops.cce_inductor.linear_cross_entropy.default(flatten, l_weight_, flatten_1, None, None, -9223372036854775808, 'none', 0.0, 'exact=False;products=cublas;backward_row_chunk=8192;path=auto;scratch_mb=0', False, False)
+    linear_cross_entropy_default = torch.ops.cce_inductor.linear_cross_entropy.default(flatten, l_weight_, flatten_1, None, None, -9223372036854775808, 'none', 0.0, 'exact=False;products=auto;backward_row_chunk=8192;path=auto;scratch_mb=0', False, False)
     getitem_5 = linear_cross_entropy_default[0]
     neg = -getitem_5
     view_as = neg.view_as(squeeze_1)

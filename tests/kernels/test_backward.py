@@ -250,3 +250,22 @@ def test_gpu_no_host_sync():
             run_kernels(e, c, targets, b, g, softcap=30.0, opts=opts)
     finally:
         torch.cuda.set_sync_debug_mode(0)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_backward_reports_the_counted_rows_of_its_first_row_chunk(device, monkeypatch):
+    """``observe_counted`` (how the op learns a head's share of counted rows without waiting: ``_counted_share``)
+    gets the first row chunk's device-side count and its rows."""
+    device_ok(device)
+    e, c, targets, _ = make_kernel_inputs(48, 150, 32, torch.bfloat16, device, ignore_frac=0.5, bias=False)
+    targets[:16] = 3  # the first row chunk (16 rows) counts all its rows, the rest are mixed
+    seen = []
+    K.backward(e, c, targets, None, torch.zeros(48, device=device), mean_grad_rows(targets), softcap=None,
+               ignore_index=IGNORE, options=CCEOptions(backward_row_chunk=16), need_e=True, need_c=True,
+               need_bias=False, observe_counted=lambda count, rows: seen.append((int(count.reshape(-1)[0]), rows)))
+    assert seen == [(16, 16)]
+    seen.clear()
+    K.backward(e, c, targets, None, torch.zeros(48, device=device), mean_grad_rows(targets), softcap=None,
+               ignore_index=IGNORE, options=CCEOptions(), need_e=True, need_c=True, need_bias=False,
+               observe_counted=lambda count, rows: seen.append((int(count.reshape(-1)[0]), rows)))
+    assert seen == [(int((targets != IGNORE).sum()), 48)]

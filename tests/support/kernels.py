@@ -33,7 +33,7 @@ DEFAULT_TOL = 1e-2
 EXACT_TOL = 2e-3
 LSE_TOL = 1e-5
 # the default options, the Triton products, exact mode
-OPTION_SETS = {"cublas": CCEOptions(), "triton": CCEOptions(products="triton"), "exact": CCEOptions(exact=True)}
+OPTION_SETS = {"cublas": CCEOptions(products="cublas"), "triton": CCEOptions(products="triton"), "exact": CCEOptions(exact=True)}
 TUNING_KEY = "interpret" if K.INTERPRET else "gpu"  # the block sizes the kernels use here
 
 requires_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")

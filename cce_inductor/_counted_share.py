@@ -1,0 +1,96 @@
+"""The share of a head's rows that count, seen on earlier calls: how the lean backward picks its products.
+
+The lean backward's dE / dC products are either cuBLAS GEMMs, sized on the host and so multiplying every row, or
+the row-skipping Triton GEMMs of ``kernels/_products.py``, which read the device-side count of counted rows (target
+not ``ignore_index``) and skip the rest. Which is faster depends on that count (H200, bf16, N 8192, fwd + bwd against
+torch.compile's, engineering log v19):
+
+    head        ignored   cuBLAS products   row-skipping products
+    Gemma-2     0% / 50%  1.34x / 1.01x     1.46x / 0.80x
+    Llama-3     0% / 50%  1.40x / 1.03x     1.52x / 0.80x
+
+(both linear in the ignored share to within the noise: break-even at 17-19% ignored, v7 measured 20-25%). The host
+cannot read the count of this call without waiting for the device, which the op never does. It reads the count of
+an *earlier* call of the same head instead: each backward enqueues a copy of its count into pinned host memory and
+records an event; a later call reads the copies whose events have completed (``Event.query``, which does not wait).
+Training repeats a head with similar batches, so the last completed count predicts the next one well; where it
+does not, the cost is a slower product for one call, never a different result beyond rounding. The first call of
+a head, one under CUDA graph capture that has no earlier count, and runs with
+``torch.use_deterministic_algorithms(True)`` (whose bits must not depend on when a copy completed) take cuBLAS.
+``stats()['backward_products']`` counts what ran.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+from typing import Optional
+
+import torch
+
+# Row-skipping products where at most this share of an earlier call's rows counted (at least 20% ignored).
+ROW_SKIPPING_AT_MOST = 0.8
+# Copies in flight per head; more are not enqueued (a host running many calls ahead of the device).
+_MAX_PENDING = 8
+
+
+class CountedShare:
+    """One head's counted share: the latest that the device has delivered, read without waiting."""
+
+    def __init__(self) -> None:
+        self._pending: collections.deque = collections.deque()  # (pinned int32 (1,), rows, event)
+        self._latest: Optional[float] = None
+        self._lock = threading.Lock()
+
+    def observe(self, num_counted: torch.Tensor, rows: int) -> None:
+        """Record this call's count (a 1-element int32 tensor on the head's device) out of ``rows`` rows."""
+        if rows <= 0:
+            return
+        if num_counted.device.type != "cuda":  # the host owns it: nothing to wait for
+            with self._lock:
+                self._latest = int(num_counted.reshape(-1)[0]) / rows
+            return
+        if torch.cuda.is_current_stream_capturing():  # a copy captured into a graph would land on replays only
+            return
+        with self._lock:
+            if len(self._pending) >= _MAX_PENDING:
+                return
+            host = torch.empty((1,), dtype=torch.int32, pin_memory=True)
+            host.copy_(num_counted.reshape(1), non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(num_counted.device))
+            self._pending.append((host, rows, event))
+
+    def latest(self) -> Optional[float]:
+        """The share of the most recent call whose count has reached the host (None before the first)."""
+        with self._lock:
+            while self._pending and self._pending[0][2].query():
+                host, rows, _ = self._pending.popleft()
+                self._latest = int(host[0]) / rows
+            return self._latest
+
+
+_heads: dict[tuple, CountedShare] = {}
+_heads_lock = threading.Lock()
+
+
+def of_head(device: torch.device, vocab: int, hidden: int) -> CountedShare:
+    """The counted share of the head ``(vocab, hidden)`` on ``device`` (one per head shape: sites of one shape that
+    see different batches share it, which costs time at worst)."""
+    key = (device.type, device.index, vocab, hidden)
+    with _heads_lock:
+        share = _heads.get(key)
+        if share is None:
+            share = _heads[key] = CountedShare()
+        return share
+
+
+def products(asked: str, share: Optional[float], *, row_skipping_ok: bool) -> str:
+    """``"cublas"`` or ``"triton"`` for one backward: ``asked`` (``CCEOptions.products``) unless it is ``"auto"``;
+    then row-skipping products where they can run (``row_skipping_ok``: not exact mode, C readable by the
+    tensor-memory accelerator) and an earlier call counted at most ``ROW_SKIPPING_AT_MOST`` of its rows."""
+    if asked != "auto":
+        return asked
+    if not row_skipping_ok or share is None or torch.are_deterministic_algorithms_enabled():
+        return "cublas"
+    return "triton" if share <= ROW_SKIPPING_AT_MOST else "cublas"

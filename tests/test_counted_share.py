@@ -1,0 +1,112 @@
+"""Tests of ``cce_inductor/_counted_share.py``: how the lean backward picks its products per call, from the share of
+rows an earlier call of the same head counted, read without waiting on the device.
+
+* the choice as a table (forced options pass through; no earlier count, exact mode / unaligned operands and
+  deterministic algorithms take cuBLAS; the threshold);
+* counts of CPU tensors are read at once, one record per head shape;
+* on CUDA: the first backward of a head takes cuBLAS, the next ones the row-skipping products where half the targets
+  are ignored, with the forced options' own results, no host synchronisation, and ``stats()`` counts them.
+"""
+
+import pytest
+import torch
+
+import cce_inductor
+from cce_inductor import CCEOptions, _counted_share, paths
+from tests.support.inputs import make_kernel_inputs
+
+AT_MOST = _counted_share.ROW_SKIPPING_AT_MOST
+
+
+@pytest.mark.parametrize("asked, share, ok, chosen", [
+    ("cublas", 0.1, True, "cublas"),  # forced: whatever was seen
+    ("triton", 1.0, True, "triton"),
+    ("triton", None, False, "triton"),  # (the kernels fall back themselves where they cannot skip rows)
+    ("auto", None, True, "cublas"),  # the head's first call: nothing seen yet
+    ("auto", 0.5, True, "triton"),
+    ("auto", AT_MOST, True, "triton"),
+    ("auto", AT_MOST + 0.01, True, "cublas"),
+    ("auto", 1.0, True, "cublas"),
+    ("auto", 0.0, False, "cublas"),  # exact mode, or C / E rows the tensor-memory accelerator cannot read
+])
+def test_products_table(asked, share, ok, chosen):
+    assert _counted_share.products(asked, share, row_skipping_ok=ok) == chosen
+
+
+def test_deterministic_algorithms_take_cublas():
+    """Bits that must not depend on when an earlier call's count reached the host: cuBLAS every call."""
+    was = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        assert _counted_share.products("auto", 0.1, row_skipping_ok=True) == "cublas"
+        assert _counted_share.products("triton", 0.1, row_skipping_ok=True) == "triton"  # forced stays forced
+    finally:
+        torch.use_deterministic_algorithms(was)
+
+
+def test_cpu_counts_are_read_at_once():
+    share = _counted_share.CountedShare()
+    assert share.latest() is None
+    share.observe(torch.tensor([3], dtype=torch.int32), 12)
+    assert share.latest() == 0.25
+    share.observe(torch.tensor([12], dtype=torch.int32), 12)
+    assert share.latest() == 1.0
+    share.observe(torch.tensor([0], dtype=torch.int32), 0)  # no rows: nothing to learn
+    assert share.latest() == 1.0
+
+
+def test_one_record_per_head_shape():
+    cpu = torch.device("cpu")
+    first = _counted_share.of_head(cpu, 1001, 64)
+    assert _counted_share.of_head(cpu, 1001, 64) is first
+    assert _counted_share.of_head(cpu, 1002, 64) is not first
+    assert _counted_share.of_head(cpu, 1001, 32) is not first
+
+
+def test_options_default_and_validation():
+    assert CCEOptions().products == "auto"
+    assert CCEOptions.decode(CCEOptions(products="cublas").encode()).products == "cublas"
+    with pytest.raises(ValueError, match="'auto', 'cublas' or 'triton'"):
+        CCEOptions(products="cutlass")
+
+
+def test_lean_record_says_how_products_are_chosen():
+    gemma2 = paths.HeadFacts(rows=8192, hidden=2304, vocab=256000, element_size=2, kernels=True, reduction="mean",
+                             needs_grad=True)
+    assert "row-skipping" in paths.choose(gemma2).reason
+    assert "row-skipping" not in paths.choose(gemma2, products="cublas").reason
+    assert "row-skipping" not in paths.choose(gemma2, path="balanced").reason
+    no_grad = paths.HeadFacts(**{**gemma2.__dict__, "needs_grad": False})
+    assert "row-skipping" not in paths.choose(no_grad).reason  # no backward
+    cpu = paths.HeadFacts(**{**gemma2.__dict__, "kernels": False})
+    assert "row-skipping" not in paths.choose(cpu).reason  # the chunked path has no such products
+
+
+def _grads(e, c, targets, options):
+    e, c = e.detach().requires_grad_(), c.detach().requires_grad_()
+    loss = cce_inductor.linear_cross_entropy(e, c, targets, options=CCEOptions(path="lean", **options))
+    loss.backward()
+    return loss.detach(), e.grad, c.grad
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("ignore_frac, later", [(0.5, "row_skipping"), (0.0, "cublas")])
+def test_cuda_auto_follows_the_earlier_calls_share(ignore_frac, later):
+    # a head shape of its own, so that no other test's calls were seen first
+    e, c, targets, _ = make_kernel_inputs(1024, 8192 + 64 * (ignore_frac > 0), 256, torch.bfloat16, "cuda",
+                                          ignore_frac=ignore_frac, bias=False)
+    forced = {kind: _grads(e, c, targets, {"products": kind}) for kind in ("cublas", "triton")}
+    cce_inductor.reset_stats()
+    first = _grads(e, c, targets, {})
+    torch.cuda.synchronize()  # (the test's own wait: the op's read of the count never waits)
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        second = _grads(e, c, targets, {})
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert cce_inductor.stats()["backward_products"] == {"cublas": 1 + (later == "cublas"),
+                                                        "row_skipping": int(later == "row_skipping")}
+    for got, want in ((first, forced["cublas"]), (second, forced["cublas" if later == "cublas" else "triton"])):
+        for a, b in zip(got, want):
+            assert torch.equal(a, b)  # each kernel set is bitwise reproducible
