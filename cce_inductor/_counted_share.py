@@ -64,6 +64,10 @@ class CountedShare:
     def latest(self) -> Optional[float]:
         """The share of the most recent call whose count has reached the host (None before the first)."""
         with self._lock:
+            # no event query while a CUDA graph is captured: the capture would fail on it (an unsafe call in
+            # cudaStreamCaptureModeGlobal); the share read before the capture stands
+            if self._pending and torch.cuda.is_current_stream_capturing():
+                return self._latest
             while self._pending and self._pending[0][2].query():
                 host, rows, _ = self._pending.popleft()
                 self._latest = int(host[0]) / rows
