@@ -94,14 +94,16 @@ def backward(e: Tensor, c: Tensor, targets: Tensor, bias: Optional[Tensor], lse:
     if uses_kernels(e.device, e.dtype) and e.shape[0] > 0:
         kernels = triton_kernels()
         share = _counted_share.of_head(e.device, c.shape[0], c.shape[1])
+        # with a gradient for every row's lse / entropy every row counts: nothing to skip, nothing to learn
+        every_row = grad_lse is not None or grad_entropy is not None
         products = _counted_share.products(options.products, share.latest(),
-                                           row_skipping_ok=kernels.row_skipping_ok(e, c, options))
+                                           row_skipping_ok=kernels.row_skipping_ok(e, c, options) and not every_row)
         diagnostics.count_products(products)
         return kernels.backward(
             e, c, targets, bias, lse.float(), grad_rows.float(), softcap=softcap, ignore_index=ignore_index,
             options=_with_products(options, products), need_e=need_e, need_c=need_c, need_bias=need_bias,
             label_smoothing=label_smoothing, grad_lse=grad_lse, grad_entropy=grad_entropy, mean_logit=mean_logit,
-            observe_counted=share.observe if options.products == "auto" else None,
+            observe_counted=share.observe if options.products == "auto" and not every_row else None,
         )
     return _chunked.backward(
         e, c, targets, bias, lse, grad_rows, softcap=softcap, need_e=need_e, need_c=need_c, need_bias=need_bias,

@@ -110,3 +110,26 @@ def test_cuda_auto_follows_the_earlier_calls_share(ignore_frac, later):
     for got, want in ((first, forced["cublas"]), (second, forced["cublas" if later == "cublas" else "triton"])):
         for a, b in zip(got, want):
             assert torch.equal(a, b)  # each kernel set is bitwise reproducible
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_every_row_calls_take_cublas_and_teach_nothing():
+    """A backward with a gradient for every row's log-sum-exp (a z-loss, per-token log-probs) counts every row: it
+    takes cuBLAS whatever was seen, and leaves the head's share to the calls that can skip rows."""
+    from cce_inductor import _dispatch
+
+    e, c, targets, _ = make_kernel_inputs(1024, 8192 + 128, 256, torch.bfloat16, "cuda", ignore_frac=0.5, bias=False)
+    share = _counted_share.of_head(e.device, c.shape[0], c.shape[1])
+    share.observe(torch.tensor([256], dtype=torch.int32, device="cuda"), 1024)
+    torch.cuda.synchronize()
+    assert share.latest() == 0.25
+    lse = torch.zeros(1024, device="cuda")
+    cce_inductor.reset_stats()
+    for grad_lse in (torch.ones(1024, device="cuda"), None):
+        _dispatch.backward(e, c, targets, None, lse, torch.full((1024,), 1e-3, device="cuda"), softcap=None,
+                           ignore_index=-100, options=CCEOptions(), need_e=True, need_c=True, need_bias=False,
+                           grad_lse=grad_lse)
+        torch.cuda.synchronize()
+    assert cce_inductor.stats()["backward_products"] == {"cublas": 1, "row_skipping": 1}
+    assert share.latest() == float((targets != -100).sum()) / 1024  # the second call's count, not the first's 1.0
