@@ -96,9 +96,9 @@ def backward(e: Tensor, c: Tensor, targets: Tensor, bias: Optional[Tensor], lse:
         share = _counted_share.of_head(e.device, c.shape[0], c.shape[1])
         # with a gradient for every row's lse / entropy every row counts: nothing to skip, nothing to learn
         every_row = grad_lse is not None or grad_entropy is not None
-        products = _counted_share.products(options.products, share.latest(),
-                                           row_skipping_ok=kernels.row_skipping_ok(e, c, options) and not every_row)
-        diagnostics.count_products(products)
+        can_skip = kernels.row_skipping_ok(e, c, options)  # (else even a forced "triton" runs cuBLAS)
+        products = _counted_share.products(options.products, share.latest(), row_skipping_ok=can_skip and not every_row)
+        diagnostics.count_products(products if can_skip else "cublas")
         return kernels.backward(
             e, c, targets, bias, lse.float(), grad_rows.float(), softcap=softcap, ignore_index=ignore_index,
             options=_with_products(options, products), need_e=need_e, need_c=need_c, need_bias=need_bias,
