@@ -28,8 +28,8 @@ from typing import Optional
 
 import torch
 
-# Row-skipping products where at most this share of an earlier call's rows counted (at least 20% ignored).
-ROW_SKIPPING_AT_MOST = 0.8
+# The counted-prefix products where at most this share of an earlier call's rows counted (at least 10% ignored).
+COUNTED_PREFIX_AT_MOST = 0.9
 # Copies in flight per head; more are not enqueued (a host running many calls ahead of the device).
 _MAX_PENDING = 8
 
@@ -90,11 +90,12 @@ def of_head(device: torch.device, vocab: int, hidden: int) -> CountedShare:
 
 
 def products(asked: str, share: Optional[float], *, row_skipping_ok: bool) -> str:
-    """``"cublas"`` or ``"triton"`` for one backward: ``asked`` (``CCEOptions.products``) unless it is ``"auto"``;
-    then row-skipping products where they can run (``row_skipping_ok``: not exact mode, C readable by the
-    tensor-memory accelerator) and an earlier call counted at most ``ROW_SKIPPING_AT_MOST`` of its rows."""
+    """``"cublas"``, ``"triton"`` or ``"counted_prefix"`` for one backward: ``asked`` (``CCEOptions.products``)
+    unless it is ``"auto"``; then the counted-prefix products where the row-skipping kernels can run
+    (``row_skipping_ok``: not exact mode, C readable by the tensor-memory accelerator) and an earlier call counted at
+    most ``COUNTED_PREFIX_AT_MOST`` of its rows, else cuBLAS over every row."""
     if asked != "auto":
         return asked
     if not row_skipping_ok or share is None or torch.are_deterministic_algorithms_enabled():
         return "cublas"
-    return "triton" if share <= ROW_SKIPPING_AT_MOST else "cublas"
+    return "counted_prefix" if share <= COUNTED_PREFIX_AT_MOST else "cublas"

@@ -6,7 +6,7 @@ be seen to use them).
     {'graphs': 1, 'rewritten': 0, 'skipped': 1,
      'reasons': {'logits escape the compiled region (...); set CCE_INDUCTOR_DROP_LOGITS=1 ...': 1}, 'sites': [...],
      'executions': {'linear_cross_entropy': 0, 'vocab_parallel': 0},
-     'backward_products': {'cublas': 0, 'row_skipping': 0}, 'summary': '...'}
+     'backward_products': {'cublas': 0, 'row_skipping': 0, 'counted_prefix': 0}, 'summary': '...'}
 """
 
 from __future__ import annotations
@@ -41,13 +41,14 @@ _executions = collections.Counter({"linear_cross_entropy": 0, "vocab_parallel": 
 
 
 # The lean backward's dE / dC products per CUDA backward call (``CCEOptions.products``; "auto" decides per call:
-# cce_inductor/_counted_share.py): cuBLAS, or the row-skipping Triton products.
-_products = collections.Counter({"cublas": 0, "row_skipping": 0})
+# cce_inductor/_counted_share.py): cuBLAS over every row, the row-skipping Triton products, or cuBLAS over the
+# counted prefix of the compacted rows with the row-skipping products past it.
+_products = collections.Counter({"cublas": 0, "row_skipping": 0, "counted_prefix": 0})
 
 
 def count_products(products: str) -> None:
     with _lock:
-        _products["row_skipping" if products == "triton" else "cublas"] += 1
+        _products["row_skipping" if products == "triton" else products] += 1
 
 
 def count_execution(op: str) -> None:

@@ -177,8 +177,8 @@ def choose(f: HeadFacts, path: str = "auto", scratch_mb: int = 0, backward_row_c
 
 
 # cce_inductor/_counted_share.py
-_PRODUCTS_NOTE = ("; its backward's products: cuBLAS, or row-skipping ones on calls after one with >= 20% of the "
-                  "targets ignored (stats()['backward_products'])")
+_PRODUCTS_NOTE = ("; its backward's products: cuBLAS over every row, or over the counted rows only on calls after "
+                  "one with >= 10% of the targets ignored (stats()['backward_products'])")
 
 
 def _choose(f: HeadFacts, path: str, scratch_mb: int, backward_row_chunk: int) -> PathChoice:

@@ -258,6 +258,63 @@ class _RowChunk(NamedTuple):
         return cls(r0, rows, e_rows, row_order, num_counted, row_poison, e_compact, e_op, ignored_poison)
 
 
+class _PrefixTail(NamedTuple):
+    """One row chunk's split of its compacted rows: cuBLAS multiplies positions ``[0, h)``, the row-skipping Triton
+    products ``[h, rows)`` (sized by ``tail_counted``, the counted positions past h: 0 where the hint held)."""
+
+    h: int
+    tail_counted: Optional[torch.Tensor]  # int32 (1,), on the device
+    tail_poison: Optional[torch.Tensor]  # per tail position, the poison of its row (dE of ignored positions)
+    tail_ids: Optional[torch.Tensor]  # 0 .. rows - h - 1: the tail's dE rows are its own positions
+
+    @classmethod
+    def of(cls, chunk: "_RowChunk", h: int):
+        if h >= chunk.rows:
+            return cls(chunk.rows, None, None, None)
+        tail_counted = torch.clamp(chunk.num_counted - h, min=0)
+        tail_poison = chunk.row_poison[chunk.row_order[h:]]
+        tail_ids = torch.arange(chunk.rows - h, device=chunk.row_order.device)
+        return cls(h, tail_counted, tail_poison, tail_ids)
+
+    def products(self, grad, c_chunk, chunk, de_rows, dc_chunk, dc32, *, upcast, first_vocab, first_rows,
+                 **out_dtype):
+        """dE rows (compacted order, fp32) and dC of one G block (compacted rows). dC: where ``dc_chunk`` is the
+        16-bit output (one row chunk), cuBLAS sums its prefix in ``dc32`` and the tail adds it and writes
+        ``dc_chunk``, one rounding; where it is ``dc32`` itself (several row chunks), both add to it."""
+        h, has_tail = self.h, self.tail_counted is not None
+        grad_mm = grad.float() if upcast else grad
+        if de_rows is not None:
+            _launch.product_into(de_rows[:h], grad_mm[:h], c_chunk, accumulate=not first_vocab, vocab_dim="k",
+                                 **out_dtype)
+            if has_tail:
+                _products.grad_e(grad[h:], c_chunk if not upcast else c_chunk.to(grad.dtype), de_rows[h:],
+                                 self.tail_ids, self.tail_counted, self.tail_poison, accumulate=not first_vocab)
+        if dc_chunk is None:
+            return
+        ec = chunk.e_compact.float() if upcast else chunk.e_compact
+        sums_in_dc = dc_chunk.dtype == torch.float32 and dc_chunk.data_ptr() == dc32.data_ptr()
+        if not has_tail and not sums_in_dc:  # the whole chunk by cuBLAS: written once
+            if upcast:
+                dc_chunk.copy_(grad_mm.T @ ec)
+            else:
+                _launch.product_into(dc_chunk, grad_mm.T, ec, accumulate=False, vocab_dim="m")
+            return
+        _launch.product_into(dc32, grad_mm[:h].T, ec[:h], accumulate=sums_in_dc and not first_rows, vocab_dim="m",
+                             **({} if upcast else out_dtype))
+        if has_tail:
+            _products.grad_c(grad[h:], chunk.e_compact[h:], dc_chunk, self.tail_counted, chunk.ignored_poison,
+                             accumulate=True, acc_in=dc32)
+        elif not sums_in_dc:
+            dc_chunk.copy_(dc32)
+
+
+def _uncompact_rows(out: torch.Tensor, compact32: torch.Tensor, row_order: torch.Tensor, step: int = 2048) -> None:
+    """``out[row_order[p]] = compact32[p]`` (rounded to ``out``'s dtype), ``step`` rows at a time (a small
+    temporary)."""
+    for p0 in range(0, out.shape[0], step):
+        out.index_copy_(0, row_order[p0 : p0 + step], compact32[p0 : p0 + step].to(out.dtype))
+
+
 def _block(buffer: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
     """A contiguous ``rows x cols`` view at the start of a flat scratch buffer (last chunks are narrower)."""
     return buffer[: rows * cols].view(rows, cols)
@@ -270,15 +327,25 @@ def row_skipping_ok(e: torch.Tensor, c: torch.Tensor, options) -> bool:
     return not split_g and _launch.tma_ok(c) and (e.shape[1] * e.element_size()) % 16 == 0
 
 
+def counted_prefix(counted_hint: float, rows: int, block: int = 128) -> int:
+    """The compacted rows cuBLAS multiplies where an earlier call counted ``counted_hint`` of its rows: that share of
+    ``rows``, rounded up to whole ``block``-row tiles, at most ``rows``."""
+    return min(rows, -(-int(counted_hint * rows + 0.999999) // block) * block)
+
+
 def backward(e, c, targets, bias, lse, grad_rows, *, softcap, ignore_index, options, need_e, need_c, need_bias,
-             label_smoothing=0.0, grad_lse=None, grad_entropy=None, mean_logit=None, observe_counted=None):
+             label_smoothing=0.0, grad_lse=None, grad_entropy=None, mean_logit=None, observe_counted=None,
+             counted_hint=None):
     """Launch helper: ``(dE | None, dC | None, dbias | None)``; ``grad_rows`` fp32, 0 at ignored rows.  Rows whose
     target is ``ignore_index`` are skipped by the recompute (and by the Triton products) unless ``grad_lse`` (the
     upstream gradient of every row's lse, fp32) or ``grad_entropy`` (that of every row's entropy, with the forward's
     ``mean_logit``) is given; a target outside ``[0, V)`` (a vocabulary shard's code for
     "another shard's") counts, with no one-hot term.  ``options``: a :class:`cce_inductor.CCEOptions` (``exact``,
     ``products``, ``backward_row_chunk``; ``"auto"`` products are cuBLAS here: the op decides them per call).
-    ``observe_counted``: called with the first row chunk's device-side count of counted rows and its rows."""
+    ``observe_counted``: called with the first row chunk's device-side count of counted rows and its rows.
+    ``counted_hint`` (cuBLAS products; an earlier call's share of counted rows): cuBLAS multiplies only the first
+    :func:`counted_prefix` rows of each compacted row chunk, the row-skipping Triton products the rest (past the
+    prefix: nothing, where this call counts no more rows than the hint)."""
     tune = _launch.tuning(_TUNING)
     n, d = e.shape
     v = c.shape[0]
@@ -300,6 +367,10 @@ def backward(e, c, targets, bias, lse, grad_rows, *, softcap, ignore_index, opti
     split_g = options.exact and sixteen_bit  # fp32 inputs: G is fp32 already
     # Triton products (``_products``: skip the ignored rows) where the tensor-memory accelerator can read C
     triton_products = options.products == "triton" and row_skipping_ok(e, c, options)
+    # cuBLAS over a counted prefix of the compacted rows, the Triton products over the rest (dE in compacted order)
+    first_chunk_rows = min(n, options.backward_row_chunk or n)
+    prefix = (counted_hint is not None and not triton_products and row_skipping_ok(e, c, options)
+              and counted_prefix(counted_hint, first_chunk_rows, tune["block_n"]) < first_chunk_rows)
     # 16-bit products with fp32 results where cuBLAS has them; where no such product exists (the CPU interpreter)
     # 16-bit operands are upcast.
     fp32_out = sixteen_bit and _launch.fp32_out_mm_available(device)
@@ -314,8 +385,10 @@ def backward(e, c, targets, bias, lse, grad_rows, *, softcap, ignore_index, opti
     # dE in fp32 until every vocabulary chunk has added to it; dC of one vocabulary chunk in fp32 where several row
     # chunks (or exact mode's two halves) add to it: each gradient is rounded once, whatever N
     de32 = torch.empty((n, d), dtype=torch.float32, device=device) if need_e else None
+    # (the counted-prefix products sum cuBLAS's part there too, and the tail writes dC from it)
+    dc_sums_fp32 = need_c and (split_g or several_row_chunks)
     dc32 = torch.empty((vocab_chunk, d), dtype=torch.float32, device=device) \
-        if need_c and (split_g or several_row_chunks) else None
+        if dc_sums_fp32 or (need_c and prefix) else None
     lse = lse.contiguous()
     grad_rows = grad_rows.to(torch.float32).contiguous()
     grad_lse = None if grad_lse is None else grad_lse.to(torch.float32).contiguous()
@@ -333,10 +406,13 @@ def backward(e, c, targets, bias, lse, grad_rows, *, softcap, ignore_index, opti
     programs = _launch.num_sms(device)  # a persistent grid: one program per multiprocessor
     c_op = _launch.descriptor(c, [block_v, block_d]) if use_tma else c
     num_stages = _launch.fit_num_stages(tune["num_stages"], block_n, block_v, block_d, e.element_size())
+    compact_g = triton_products or prefix
     chunks = [_RowChunk.of(e, counted, r0, min(row_chunk, n - r0), weight_poison, de_out, block_n, block_d,
-                           compact=(triton_products and need_c) or use_tma, tma=use_tma,
-                           poison_sum=triton_products and need_c)
+                           compact=(compact_g and need_c) or use_tma, tma=use_tma,
+                           poison_sum=compact_g and need_c)
               for r0 in range(0, n, row_chunk)]
+    tails = [_PrefixTail.of(chunk, counted_prefix(counted_hint, chunk.rows, block_n)) for chunk in chunks] \
+        if prefix else None
     if observe_counted is not None:
         observe_counted(chunks[0].num_counted, chunks[0].rows)
 
@@ -349,7 +425,7 @@ def backward(e, c, targets, bias, lse, grad_rows, *, softcap, ignore_index, opti
         for r0 in (chunk.r0 for chunk in chunks)
     ]
     flags = dict(HAS_BIAS=bias is not None, HAS_SOFTCAP=softcap is not None, HAS_LSE_GRAD=grad_lse is not None,
-                 HAS_ENTROPY_GRAD=grad_entropy is not None, COMPACT_G=triton_products, TMA=use_tma,
+                 HAS_ENTROPY_GRAD=grad_entropy is not None, COMPACT_G=compact_g, TMA=use_tma,
                  SPLIT_G=split_g, UPCAST=_launch.upcast_dots(e.dtype), DOT_PRECISION=_launch.dot_precision(e.dtype),
                  EVEN_D=(d % block_d == 0), BLOCK_N=block_n, BLOCK_V=block_v, BLOCK_D=block_d,
                  num_warps=tune["num_warps"], num_stages=num_stages)
@@ -361,7 +437,7 @@ def backward(e, c, targets, bias, lse, grad_rows, *, softcap, ignore_index, opti
         c_chunk = c[v0 : v0 + width]
         c_chunk_mm = c_chunk.float() if upcast else c_chunk
         # where this vocabulary chunk's dC is summed: straight into dC (one row chunk, one product), else in fp32
-        dc_sum = dc32[:width] if dc32 is not None else (dc_out[v0 : v0 + width] if need_c else None)
+        dc_sum = dc32[:width] if dc_sums_fp32 else (dc_out[v0 : v0 + width] if need_c else None)
         for k, chunk in enumerate(chunks):
             r0, rows = chunk.r0, chunk.rows
             grad = _block(g_buf, rows, g_row_pitch)[:, :width]
@@ -386,6 +462,11 @@ def backward(e, c, targets, bias, lse, grad_rows, *, softcap, ignore_index, opti
                     _products.grad_c(grad, chunk.e_compact, dc_sum, chunk.num_counted, chunk.ignored_poison,
                                      accumulate=k > 0)
                 continue
+            if prefix:
+                tails[k].products(grad, c_chunk_mm, chunk, de_rows, dc_sum if need_c else None,
+                                  dc32[:width] if need_c else None, upcast=upcast, first_vocab=v0 == 0,
+                                  first_rows=k == 0, **out_dtype)
+                continue
             grad_mm = grad.float() if upcast else grad
             e_rows_mm = chunk.e_rows.float() if upcast else chunk.e_rows
             halves = (grad_mm, (grad_lo.float() if upcast else grad_lo)) if split_g else (grad_mm,)
@@ -402,8 +483,12 @@ def backward(e, c, targets, bias, lse, grad_rows, *, softcap, ignore_index, opti
                     else:
                         _launch.product_into(dc_sum, half.T, e_rows_mm, accumulate=k > 0 or h > 0, vocab_dim="m",
                                              **fp32_sum)
-        if need_c and dc32 is not None:
+        if dc_sums_fp32:
             dc_out[v0 : v0 + width] = dc_sum
-    if need_e:
+    if need_e and prefix:
+        for chunk in chunks:  # dE was summed in each chunk's compacted order
+            _uncompact_rows(de_out[chunk.r0 : chunk.r0 + chunk.rows], de32[chunk.r0 : chunk.r0 + chunk.rows],
+                            chunk.row_order)
+    elif need_e:
         de_out.copy_(de32)
     return de_out, dc_out, (dbias32.to(bias.dtype) if need_bias else None)

@@ -48,6 +48,8 @@ rows cost 0.49-0.54x of 0 % (cuBLAS products: 0.67-0.72x), 0 % ignored costs 5-1
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import triton
 import triton.language as tl
@@ -104,12 +106,13 @@ def _grad_e_kernel(
 
 @triton.jit
 def _grad_c_kernel(
-    g_desc, e_desc, DC, NumCounted, IgnoredPoison, width, D, stride_dc,
+    g_desc, e_desc, DC, AccIn, NumCounted, IgnoredPoison, width, D, stride_dc, stride_acc,
     ACCUMULATE: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
-    """``DC[chunk] (+)= G[:K'].T @ Ec[:K'] + ignored_poison`` (descriptors over G and Ec); the K loop runs
-    unmasked to the count rounded up to ``BLOCK_K`` (module docstring)."""
+    """``DC[chunk] = (AccIn[chunk] +) G[:K'].T @ Ec[:K'] + ignored_poison`` (descriptors over G and Ec; AccIn is DC
+    itself, or the fp32 sums of a product over earlier rows); the K loop runs unmasked to the count rounded up to
+    ``BLOCK_K`` (module docstring)."""
     pid_m, pid_n = _grouped_tile(tl.program_id(0), tl.cdiv(width, BLOCK_M), tl.cdiv(D, BLOCK_N), GROUP_M)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, tl.load(NumCounted), BLOCK_K):
@@ -122,7 +125,8 @@ def _grad_c_kernel(
     out_mask = (vocab < width)[:, None] & (cols < D)[None, :]
     out_ptrs = DC + vocab.to(tl.int64)[:, None] * stride_dc + cols[None, :]
     if ACCUMULATE:
-        acc += tl.load(out_ptrs, mask=out_mask, other=0.0).to(tl.float32)
+        acc_ptrs = AccIn + vocab.to(tl.int64)[:, None] * stride_acc + cols[None, :]
+        acc += tl.load(acc_ptrs, mask=out_mask, other=0.0).to(tl.float32)
     tl.store(out_ptrs, acc.to(DC.dtype.element_ty), mask=out_mask)
 
 
@@ -156,10 +160,11 @@ def grad_e(grad: torch.Tensor, c_chunk: torch.Tensor, de32: torch.Tensor, row_or
 
 
 def grad_c(grad: torch.Tensor, e_compact: torch.Tensor, dc_chunk: torch.Tensor, num_counted: torch.Tensor,
-           ignored_poison: torch.Tensor, *, accumulate: bool) -> None:
+           ignored_poison: torch.Tensor, *, accumulate: bool, acc_in: Optional[torch.Tensor] = None) -> None:
     """Launch helper: ``dc_chunk (+)= grad[:K'].T @ e_compact[:K'] + ignored_poison``, K' from the device-side
     count; ``e_compact = e_rows[row_order]``; ``grad`` and ``e_compact`` pass :func:`_launch.tma_ok`; ``dc_chunk``
-    (width x D, contiguous rows) in the input dtype."""
+    (width x D, contiguous rows) in the input dtype or fp32. ``acc_in`` (with ``accumulate``): the fp32 sums added
+    instead of ``dc_chunk``'s own values (the cuBLAS product over the rows before ``grad``'s, one rounding in all)."""
     width = grad.shape[1]
     d = e_compact.shape[1]
     launch = _launch_args(grad.element_size())
@@ -167,10 +172,11 @@ def grad_c(grad: torch.Tensor, e_compact: torch.Tensor, dc_chunk: torch.Tensor, 
     # The interpreter rounds fp32 -> 16-bit stores toward zero (the GPU to nearest even): there the kernel
     # writes fp32 and torch rounds.
     out = dc_chunk.float() if _launch.INTERPRET and dc_chunk.dtype != torch.float32 else dc_chunk
+    acc_in = out if acc_in is None else acc_in
     grid = (triton.cdiv(width, bm) * triton.cdiv(d, bn),)
     _grad_c_kernel[grid](
         _launch.descriptor(grad, [bk, bm]), _launch.descriptor(e_compact, [bk, bn]),
-        out, num_counted, ignored_poison, width, d, out.stride(0),
+        out, acc_in, num_counted, ignored_poison, width, d, out.stride(0), acc_in.stride(0),
         ACCUMULATE=accumulate, **_dot_flags(grad.dtype), **launch,
     )
     if out is not dc_chunk:

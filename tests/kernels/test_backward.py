@@ -151,7 +151,7 @@ def test_short_row_chunks_get_wider_vocabulary_blocks(device, monkeypatch):
                 assert rel(x, y) < 1e-6
 
 
-@pytest.mark.parametrize("products", ["cublas", "triton"])
+@pytest.mark.parametrize("products", ["cublas", "triton", "prefix"])
 @pytest.mark.parametrize("device", DEVICES)
 def test_backward_skips_ignored_rows_keeps_eager_nan_pattern(device, products):
     """The backward's recompute skips whole row blocks of ignored rows (compacted on the device) and partly
@@ -166,6 +166,10 @@ def test_backward_skips_ignored_rows_keeps_eager_nan_pattern(device, products):
     g = mean_grad_rows(targets)
 
     def grads(e_in, c_in, targets=targets, g=g):
+        if products == "prefix":  # cuBLAS over a prefix shorter than the counted rows, the Triton tail the rest
+            lse, *_ = K.forward(e_in, c_in, targets, b, softcap=None, ignore_index=IGNORE)
+            return K.backward(e_in, c_in, targets, b, lse, g, softcap=None, ignore_index=IGNORE, options=CCEOptions(),
+                              need_e=True, need_c=True, need_bias=True, counted_hint=0.3)
         return run_kernels(e_in, c_in, targets, b, g, softcap=None, opts=CCEOptions(products=products))[2]
 
     got = grads(e, c)
@@ -269,3 +273,39 @@ def test_backward_reports_the_counted_rows_of_its_first_row_chunk(device, monkey
                ignore_index=IGNORE, options=CCEOptions(), need_e=True, need_c=True, need_bias=False,
                observe_counted=lambda count, rows: seen.append((int(count.reshape(-1)[0]), rows)))
     assert seen == [(int((targets != IGNORE).sum()), 48)]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_counted_prefix_products_match_for_any_hint(device, monkeypatch):
+    """``counted_hint`` (an earlier call's share of counted rows): cuBLAS multiplies a prefix of the compacted rows,
+    the row-skipping Triton products the rest. Whatever the hint (none counted, fewer than this call's counted rows,
+    about as many, nearly all), with one or several row chunks and narrow vocabulary chunks, the gradients are the
+    fp64 reference's to fp32 rounding (fp32 inputs) and within the default tolerance in bf16; a repeated call is
+    bitwise equal."""
+    device_ok(device)
+    assert _backward.counted_prefix(0.5, 100, 16) == 64 and _backward.counted_prefix(0.0, 100, 16) == 0
+    assert _backward.counted_prefix(1.0, 100, 16) == 100 and _backward.counted_prefix(0.31, 100, 16) == 32
+    e, c, targets, b = make_kernel_inputs(70, 170, 24, torch.float32, device, ignore_frac=0.5, bias=True, seed=5)
+    g = mean_grad_rows(targets)
+    lse, *_ = K.forward(e, c, targets, b, softcap=20.0, ignore_index=IGNORE)
+    e16, c16, b16 = e.bfloat16(), c.bfloat16(), b.bfloat16()
+    lse16, *_ = K.forward(e16, c16, targets, b16, softcap=20.0, ignore_index=IGNORE)
+    _, _, *ref32 = reference(e, c, targets, b, g, 20.0)
+    _, _, *ref16 = reference(e16, c16, targets, b16, g, 20.0)
+    monkeypatch.setitem(_backward._TUNING[TUNING_KEY], "vocab_chunk", 40)  # several vocabulary chunks, a short last
+
+    def grads(hint, row_chunk, sixteen=False):
+        args = (e16, c16, targets, b16, lse16) if sixteen else (e, c, targets, b, lse)
+        return K.backward(*args, g, softcap=20.0, ignore_index=IGNORE, options=CCEOptions(backward_row_chunk=row_chunk),
+                          need_e=True, need_c=True, need_bias=True, counted_hint=hint)
+
+    for hint in (0.0, 0.2, 0.5, 0.9):
+        for row_chunk in (0, 33):
+            got = grads(hint, row_chunk)
+            for x, ref in zip(got, ref32):
+                assert rel(x, ref) < 1e-5, (hint, row_chunk)
+            for x, y in zip(got, grads(hint, row_chunk)):
+                assert torch.equal(x, y)
+            for x, ref in zip(grads(hint, row_chunk, sixteen=True), ref16):
+                assert x.dtype == torch.bfloat16
+                check_grad(x, ref, False)
