@@ -1,23 +1,25 @@
-"""The share of a head's rows that count, seen on earlier calls: how the lean backward picks its products.
+"""The share of a head's rows that count, seen on earlier calls: how the lean backward sizes its products.
 
-The lean backward's dE / dC products are either cuBLAS GEMMs, sized on the host and so multiplying every row, or
-the row-skipping Triton GEMMs of ``kernels/_products.py``, which read the device-side count of counted rows (target
-not ``ignore_index``) and skip the rest. Which is faster depends on that count (H200, bf16, N 8192, fwd + bwd against
-torch.compile's, engineering log v19):
+The lean backward's dE / dC products are cuBLAS GEMMs, sized on the host, so they multiply every row: the zeros of
+rows whose target is ``ignore_index`` too. The Triton GEMMs of ``kernels/_products.py`` read the device-side count
+of counted rows and skip the rest, but at 75-80% of cuBLAS's speed (H200, bf16, N 8192, fwd + bwd against
+torch.compile's, engineering log v19 / v20):
 
-    head        ignored   cuBLAS products   row-skipping products
-    Gemma-2     0% / 50%  1.34x / 1.01x     1.46x / 0.80x
-    Llama-3     0% / 50%  1.40x / 1.03x     1.52x / 0.80x
+    head        ignored   cuBLAS products   row-skipping products   counted prefix (this module's default)
+    Gemma-2     0% / 50%  1.31x / 0.97x     1.45x / 0.78x           1.31x / 0.74x
+    Llama-3     0% / 50%  1.41x / 1.04x     1.55x / 0.79x           1.37x / 0.77x
 
-(both linear in the ignored share to within the noise: break-even at 17-19% ignored, v7 measured 20-25%). The host
-cannot read the count of this call without waiting for the device, which the op never does. It reads the count of
-an *earlier* call of the same head instead: each backward enqueues a copy of its count into pinned host memory and
-records an event; a later call reads the copies whose events have completed (``Event.query``, which does not wait).
-Training repeats a head with similar batches, so the last completed count predicts the next one well; where it
-does not, the cost is a slower product for one call, never a different result beyond rounding. The first call of
-a head, one under CUDA graph capture that has no earlier count, and runs with
-``torch.use_deterministic_algorithms(True)`` (whose bits must not depend on when a copy completed) take cuBLAS.
-``stats()['backward_products']`` counts what ran.
+The host cannot read the count of this call without waiting for the device, which the op never does. It reads the
+count of an *earlier* call of the same head instead: each backward enqueues a copy of its count into pinned host
+memory and records an event; a later call reads the copies whose events have completed (``Event.query``, which does
+not wait). Where that share is at most ``COUNTED_PREFIX_AT_MOST``, the backward multiplies with cuBLAS only the first
+rows of the compacted batch (counted rows first), as many as the earlier share of this call's rows (whole 128-row
+tiles), and runs the row-skipping Triton products over the rows past them, which do nothing unless this call counts
+more rows than the earlier one (``kernels/_backward.py``, ``counted_hint``). So a share that mispredicts costs time
+(the rows past the prefix at the Triton products' speed), never a different result beyond rounding. The first call
+of a head, a call under CUDA graph capture that has no earlier count, and runs with
+``torch.use_deterministic_algorithms(True)`` (whose bits must not depend on when a copy completed) multiply every row
+with cuBLAS. ``stats()['backward_products']`` counts what ran.
 """
 
 from __future__ import annotations

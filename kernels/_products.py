@@ -1,6 +1,6 @@
 """Gradient products of the dense backward over compacted rows: dE and dC of one G block, in Triton, sized by
-a device-side row count.  Chosen per call by ``products="auto"`` (the default) where an earlier call of the head
-had at least 20% of its targets ignored (``cce_inductor/_counted_share.py``), or always by ``products="triton"``.
+a device-side row count.  Always with ``products="triton"``; with ``products="auto"`` (the default) over the rows
+past the cuBLAS products' counted prefix (``_backward``, ``counted_hint``; ``cce_inductor/_counted_share.py``).
 
 The backward (``_backward``) holds the softmax gradient of one (row chunk x vocabulary chunk)
 block, G, with the chunk's rows in *compacted* order: position p of G is local row ``row_order[p]``, and the
@@ -44,7 +44,7 @@ Measured (H200, bf16, 8192 x 2048 blocks; ``benchmarks/bench_dense_parts.py``): 
 0.136, dC 0.142-0.146 vs cuBLAS mm 0.100 at D = 2304; at D = 4096 dE 0.29-0.30 vs 0.22, dC 0.20 vs 0.18.  With
 half the rows ignored the Triton products take about 55 % of that, cuBLAS the same.  Whole op: 50 % ignored
 rows cost 0.49-0.54x of 0 % (cuBLAS products: 0.67-0.72x), 0 % ignored costs 5-16 % more; break-even at roughly
-20-25 % ignored rows (``docs/engineering-log.md``, v7; v20: 17-19 %), hence the per-call choice.
+20-25 % ignored rows (``docs/engineering-log.md``, v7; v20: 17-19 %); hence the counted prefix by default.
 """
 from __future__ import annotations
 
