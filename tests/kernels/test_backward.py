@@ -299,6 +299,14 @@ def test_counted_prefix_products_match_for_any_hint(device, monkeypatch):
         return K.backward(*args, g, softcap=20.0, ignore_index=IGNORE, options=CCEOptions(backward_row_chunk=row_chunk),
                           need_e=True, need_c=True, need_bias=True, counted_hint=hint)
 
+    # one gradient only: the other's buffers are never touched
+    for need_e, need_c in ((False, True), (True, False)):
+        de, dc, db = K.backward(e, c, targets, b, lse, g, softcap=20.0, ignore_index=IGNORE, options=CCEOptions(),
+                                need_e=need_e, need_c=need_c, need_bias=True, counted_hint=0.2)
+        assert (de is None) != need_e and (dc is None) != need_c
+        for x, ref in zip((de, dc, db), ref32):
+            if x is not None:
+                assert rel(x, ref) < 1e-5, (need_e, need_c)
     for hint in (0.0, 0.2, 0.5, 0.9):
         for row_chunk in (0, 33):
             got = grads(hint, row_chunk)
