@@ -79,6 +79,7 @@ products, as eager PyTorch does for the logits' gradient.  No atomics, so the re
 """
 from __future__ import annotations
 
+import math
 from typing import NamedTuple, Optional
 
 import torch
@@ -302,20 +303,14 @@ class _PrefixTail(NamedTuple):
         if dc_chunk is None:
             return
         ec = chunk.e_compact.float() if upcast else chunk.e_compact
-        sums_in_dc = dc_chunk.dtype == torch.float32 and dc_chunk.data_ptr() == dc32.data_ptr()
-        if not has_tail and not sums_in_dc:  # the whole chunk by cuBLAS: written once
-            if upcast:
-                dc_chunk.copy_(grad_mm.T @ ec)
-            else:
-                _launch.product_into(dc_chunk, grad_mm.T, ec, accumulate=False, vocab_dim="m")
-            return
+        sums_in_dc = dc_chunk.data_ptr() == dc32.data_ptr()
         _launch.product_into(dc32, grad_mm[:h].T, ec[:h], accumulate=sums_in_dc and not first_rows, vocab_dim="m",
-                             **({} if upcast else out_dtype))
+                             **out_dtype)
+        # (a chunk without a tail is one of several row chunks, h being shorter than the first: its sums stay in
+        # dc32, which the caller rounds once into dC)
         if has_tail:
             _products.grad_c(grad[h:], chunk.e_compact[h:], dc_chunk, self.tail_counted, chunk.ignored_poison,
                              accumulate=True, acc_in=dc32)
-        elif not sums_in_dc:
-            dc_chunk.copy_(dc32)
 
 
 def _uncompact_rows(out: torch.Tensor, compact32: torch.Tensor, row_order: torch.Tensor, step: int = 2048) -> None:
@@ -340,7 +335,7 @@ def row_skipping_ok(e: torch.Tensor, c: torch.Tensor, options) -> bool:
 def counted_prefix(counted_hint: float, rows: int, block: int = 128) -> int:
     """The compacted rows cuBLAS multiplies where an earlier call counted ``counted_hint`` of its rows: that share of
     ``rows``, rounded up to whole ``block``-row tiles, at most ``rows``."""
-    return min(rows, -(-int(counted_hint * rows + 0.999999) // block) * block)
+    return min(rows, -(-math.ceil(counted_hint * rows) // block) * block)
 
 
 def backward(e, c, targets, bias, lse, grad_rows, *, softcap, ignore_index, options, need_e, need_c, need_bias,
@@ -376,10 +371,11 @@ def backward(e, c, targets, bias, lse, grad_rows, *, softcap, ignore_index, opti
     sixteen_bit = e.dtype in (torch.bfloat16, torch.float16)
     split_g = options.exact and sixteen_bit  # fp32 inputs: G is fp32 already
     # Triton products (``_products``: skip the ignored rows) where the tensor-memory accelerator can read C
-    triton_products = options.products == "triton" and row_skipping_ok(e, c, options)
+    can_skip = row_skipping_ok(e, c, options)
+    triton_products = options.products == "triton" and can_skip
     # cuBLAS over a counted prefix of the compacted rows, the Triton products over the rest (dE in compacted order)
     first_chunk_rows = min(n, options.backward_row_chunk or n)
-    prefix = (counted_hint is not None and not triton_products and row_skipping_ok(e, c, options)
+    prefix = (counted_hint is not None and not triton_products and can_skip
               and counted_prefix(counted_hint, first_chunk_rows, tune["block_n"]) < first_chunk_rows)
     # 16-bit products with fp32 results where cuBLAS has them; where no such product exists (the CPU interpreter)
     # 16-bit operands are upcast.
