@@ -67,14 +67,17 @@ def main():
                 _products._TUNING["gpu"] = {**saved, **dict(zip(PROD_KEYS, map(int, spec.split(","))))}
                 try:
                     de32.zero_()
-                    _products.grad_e(grad, c_chunk, de32, row_order, num_counted, poison, accumulate=True)
+                    _products.grad_products(grad, num_counted, c_chunk=c_chunk, de32=de32, row_order=row_order,
+                                            row_poison=poison, accumulate_e=True)
                     err_de = ((de32[row_order[:k]] - ref_de).norm() / ref_de.norm()).item()
-                    _products.grad_c(grad_k, e_compact, dc, num_counted, ignored_zero, accumulate=False)
+                    _products.grad_products(grad_k, num_counted, e_compact=e_compact, dc_chunk=dc,
+                                            ignored_poison=ignored_zero)
                     err_dc = ((dc.float() - ref_dc).norm() / ref_dc.norm()).item()
-                    t_e = ms(lambda: _products.grad_e(grad, c_chunk, de32, row_order, num_counted, poison,
-                                                      accumulate=True))
-                    t_c = ms(lambda: _products.grad_c(grad_k, e_compact, dc, num_counted, ignored_zero,
-                                                      accumulate=False))
+                    t_e = ms(lambda: _products.grad_products(grad, num_counted, c_chunk=c_chunk, de32=de32,
+                                                             row_order=row_order, row_poison=poison,
+                                                             accumulate_e=True))
+                    t_c = ms(lambda: _products.grad_products(grad_k, num_counted, e_compact=e_compact, dc_chunk=dc,
+                                                             ignored_poison=ignored_zero))
                 except Exception as exc:  # noqa: BLE001
                     print(f"{shape} {spec} FAILED {type(exc).__name__}: {str(exc)[:200]}", flush=True)
                     continue

@@ -16,7 +16,11 @@ not wait). Where that share is at most ``COUNTED_PREFIX_AT_MOST``, the backward 
 rows of the compacted batch (counted rows first), as many as the earlier share of this call's rows (whole 128-row
 tiles), and runs the row-skipping Triton products over the rows past them, which do nothing unless this call counts
 more rows than the earlier one (``kernels/_backward.py``, ``counted_hint``). So a share that mispredicts costs time
-(the rows past the prefix at the Triton products' speed), never a different result beyond rounding. The first call
+(the rows past the prefix at the Triton products' speed), never a different result beyond rounding. Where the
+earlier call counted at most ``ROW_SKIPPING_AT_MOST`` of its rows, the row-skipping products run alone, over G
+blocks made wider by the same share (``kernels/_backward.py``, ``row_skipping_widen``): at so few counted rows the
+prefix's cuBLAS products save less than its fixed costs (an fp32 pass over dC, two more launches per vocabulary
+chunk, which left the backward waiting on the host: engineering log v21). The first call
 of a head, a call under CUDA graph capture that has no earlier count, and runs with
 ``torch.use_deterministic_algorithms(True)`` (whose bits must not depend on when a copy completed) multiply every row
 with cuBLAS. ``stats()['backward_products']`` counts what ran.
@@ -32,6 +36,9 @@ import torch
 
 # The counted-prefix products where at most this share of an earlier call's rows counted (at least 10% ignored).
 COUNTED_PREFIX_AT_MOST = 0.9
+# The row-skipping products alone where at most this share counted (at least 60% ignored): at 75% ignored on
+# Gemma-2's head (H100, N 8192) they took 20.8 ms fwd + bwd against the counted prefix's 35.5 (engineering log v21).
+ROW_SKIPPING_AT_MOST = 0.4
 # Copies in flight per head; more are not enqueued (a host running many calls ahead of the device).
 _MAX_PENDING = 8
 
@@ -95,9 +102,12 @@ def products(asked: str, share: Optional[float], *, row_skipping_ok: bool) -> st
     """``"cublas"``, ``"triton"`` or ``"counted_prefix"`` for one backward: ``asked`` (``CCEOptions.products``)
     unless it is ``"auto"``; then the counted-prefix products where the row-skipping kernels can run
     (``row_skipping_ok``: not exact mode, C readable by the tensor-memory accelerator) and an earlier call counted at
-    most ``COUNTED_PREFIX_AT_MOST`` of its rows, else cuBLAS over every row."""
+    most ``COUNTED_PREFIX_AT_MOST`` of its rows, the row-skipping products alone (``"triton"``) where it counted at
+    most ``ROW_SKIPPING_AT_MOST``, else cuBLAS over every row."""
     if asked != "auto":
         return asked
     if not row_skipping_ok or share is None or torch.are_deterministic_algorithms_enabled():
         return "cublas"
+    if share <= ROW_SKIPPING_AT_MOST:
+        return "triton"
     return "counted_prefix" if share <= COUNTED_PREFIX_AT_MOST else "cublas"

@@ -62,7 +62,14 @@ once, but for the first vocabulary chunk's write of the ignored rows' dE). dE is
 put back in row order at the end; cuBLAS sums each vocabulary chunk's dC in fp32 (``vocab_chunk x D x 4`` bytes, 38
 MB at D 2304) and the tail kernel adds its rows and writes the 16-bit chunk, one rounding. H200, bf16, N 8192, 50%
 ignored (engineering log v20): 0.74x / 0.77x torch.compile's fwd+bwd on Gemma-2 / Llama-3 against 0.97x / 1.04x
-with cuBLAS over every row and 0.77x / 0.80x with the row-skipping products alone.
+with cuBLAS over every row and 0.77x / 0.80x with the row-skipping products alone.  With compacted G (the
+counted prefix, the Triton products) the recompute stores ignored positions only as far as a product reads them
+(the counted rows' row blocks and the prefix), unless a bias gradient sums all of G's rows.
+
+Row-skipping products after a call that counted at most 40% of its rows (``products="auto"``; the counted prefix's
+cuBLAS products are then no faster than the Triton ones, and its fp32 dC pass and two more launches per vocabulary
+chunk cost more: ``cce_inductor/_counted_share.py``): ``counted_hint`` widens the G block of a single row chunk
+(:func:`row_skipping_widen`), so fewer vocabulary chunks cost the host fewer launches.
 
 With TMA (16-bit inputs, ``_forward.tma_operands``) the recompute reads its E tiles from a compacted copy of each
 chunk's rows, which lives in those rows of the dE output until dE is written there at the end, so it costs no
@@ -102,20 +109,37 @@ _TUNING = {
 }
 
 
-def vocab_chunk_width(vocab_chunk: int, g_block_rows: int, rows: int, row_chunk: int, vocab: int) -> int:
+def vocab_chunk_width(vocab_chunk: int, g_block_rows: int, rows: int, row_chunk: int, vocab: int,
+                      widen: int = 1) -> int:
     """Columns of one G block: ``vocab_chunk``, times ``g_block_rows // rows`` where all ``rows`` fit in one row
-    chunk shorter than ``g_block_rows`` (a block of the same bytes), at most V.  Several row chunks (a
-    ``backward_row_chunk`` chosen to bound memory) keep the narrow block: a wider one would grow dC's fp32 chunk sums.
-    (``cce_inductor.paths.lean_peak`` models the same width.)"""
-    widen = max(1, g_block_rows // max(rows, 1)) if g_block_rows and rows <= row_chunk else 1
-    return min(vocab, vocab_chunk * widen)
+    chunk shorter than ``g_block_rows`` (a block of the same bytes), times ``widen`` where they are one row chunk
+    (:func:`row_skipping_widen`), at most V.  Several row chunks (a ``backward_row_chunk`` chosen to bound memory)
+    keep the narrow block: a wider one would grow dC's fp32 chunk sums.  (``cce_inductor.paths.lean_peak`` models
+    the width without ``widen``.)"""
+    if rows > row_chunk:
+        return min(vocab, vocab_chunk)
+    small = max(1, g_block_rows // max(rows, 1)) if g_block_rows else 1
+    return min(vocab, vocab_chunk * small * widen)
+
+
+# Row-skipping products after a call that counted few rows: G blocks up to this many times wider.
+_MAX_WIDEN = 4
+
+
+def row_skipping_widen(counted_hint: float) -> int:
+    """How many times wider the row-skipping products' G block is made where an earlier call counted
+    ``counted_hint`` of its rows: ``floor(0.5 / hint)``, 1 to ``_MAX_WIDEN``, so that the block's counted entries stay
+    within half of a narrow block's.  Each vocabulary chunk costs the host a few launches whatever its counted rows:
+    at 75% ignored the narrow blocks left the backward waiting on the host (Gemma-2's head, H100: 0.49x torch.compile
+    with the row-skipping products, engineering log v21).  Memory: ``widen - 1`` more G blocks (64 MB each at N 8192)."""
+    return max(1, min(_MAX_WIDEN, int(0.5 / max(counted_hint, 1e-6))))
 
 
 @triton.jit
 def _recompute_grad_kernel(
     E, C, Bias, Lse, GradRows, GradLse, GradEntropy, MeanLogit, Targets, TargetLogit, RowOrder, NumCounted,
     RowPoison, G, GLo,
-    n_rows, width, vocab_start, V, D,
+    n_rows, stored_rows, width, vocab_start, V, D,
     stride_en, stride_ed, stride_cv, stride_cd, stride_g, softcap, target_weight, uniform,
     HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_LSE_GRAD: tl.constexpr, HAS_ENTROPY_GRAD: tl.constexpr,
     COMPACT_G: tl.constexpr, TMA: tl.constexpr,
@@ -130,7 +154,9 @@ def _recompute_grad_kernel(
 
     A persistent grid, one program per multiprocessor: the block's tiles, row blocks outer, are dealt round-robin
     to the programs, first the tiles of row blocks that hold counted rows (their number from the device-side count),
-    then those of ignored rows only, which store G's value there without computing logits.  (One program per tile
+    then those of ignored rows only, which store G's value there without computing logits, up to ``stored_rows``
+    positions (the products past the counted rows read no further: compacted G without a bias gradient; every row
+    otherwise).  (One program per tile
     took 2-3% longer on the H100: launch and tail; Triton's loop flattening, which would overlap a tile's gradient
     with the next tile's loads, left the D loop unpipelined here, +50%: engineering log v12.)"""
     pid = tl.program_id(0)
@@ -149,7 +175,7 @@ def _recompute_grad_kernel(
     # G of an ignored row: 0, or NaN where eager's 0 * NaN puts it: everywhere in a row with a NaN logit (its
     # log-sum-exp is NaN), i.e. where that row of E, or any of C / bias, is not finite.
     first = pid + tl.maximum(tl.cdiv(counted_tiles - pid, num_programs), 0) * num_programs
-    for tile in range(first, tl.cdiv(n_rows, BLOCK_N) * vblocks, num_programs):
+    for tile in range(first, tl.cdiv(stored_rows, BLOCK_N) * vblocks, num_programs):
         pos, in_chunk, rows, cols, g_rows, mask = _tile_rows(
             RowOrder, tile // vblocks, tile % vblocks, n_rows, width, stride_g, COMPACT_G, BLOCK_N, BLOCK_V)
         g_offs = g_rows[:, None] + cols[None, :]
@@ -297,20 +323,19 @@ class _PrefixTail(NamedTuple):
         if de_rows is not None:
             _launch.product_into(de_rows[:h], grad_mm[:h], c_chunk, accumulate=not first_vocab, vocab_dim="k",
                                  **out_dtype)
-            if has_tail:
-                _products.grad_e(grad[h:], c_chunk if not upcast else c_chunk.to(grad.dtype), de_rows[h:],
-                                 self.tail_ids, self.tail_counted, self.tail_poison, accumulate=not first_vocab)
-        if dc_chunk is None:
-            return
-        ec = chunk.e_compact.float() if upcast else chunk.e_compact
-        sums_in_dc = dc_chunk.data_ptr() == dc32.data_ptr()
-        _launch.product_into(dc32, grad_mm[:h].T, ec[:h], accumulate=sums_in_dc and not first_rows, vocab_dim="m",
-                             **out_dtype)
-        # (a chunk without a tail is one of several row chunks, h being shorter than the first: its sums stay in
+        if dc_chunk is not None:
+            ec = chunk.e_compact.float() if upcast else chunk.e_compact
+            sums_in_dc = dc_chunk.data_ptr() == dc32.data_ptr()
+            _launch.product_into(dc32, grad_mm[:h].T, ec[:h], accumulate=sums_in_dc and not first_rows,
+                                 vocab_dim="m", **out_dtype)
+        # (a chunk without a tail is one of several row chunks, h being shorter than the first: its dC sums stay in
         # dc32, which the caller rounds once into dC)
-        if has_tail:
-            _products.grad_c(grad[h:], chunk.e_compact[h:], dc_chunk, self.tail_counted, chunk.ignored_poison,
-                             accumulate=True, acc_in=dc32)
+        if has_tail:  # both tails in one launch, after the cuBLAS products (the dC tail adds to their dc32 sums)
+            _products.grad_products(
+                grad[h:], self.tail_counted, c_chunk=c_chunk if not upcast else c_chunk.to(grad.dtype),
+                de32=None if de_rows is None else de_rows[h:], row_order=self.tail_ids, row_poison=self.tail_poison,
+                accumulate_e=not first_vocab, e_compact=None if dc_chunk is None else chunk.e_compact[h:],
+                dc_chunk=dc_chunk, ignored_poison=chunk.ignored_poison, accumulate_c=True, acc_in=dc32)
 
 
 def _uncompact_rows(out: torch.Tensor, compact32: torch.Tensor, row_order: torch.Tensor, step: int = 2048) -> None:
@@ -350,7 +375,8 @@ def backward(e, c, targets, bias, lse, grad_rows, *, softcap, ignore_index, opti
     ``observe_counted``: called with the first row chunk's device-side count of counted rows and its rows.
     ``counted_hint`` (cuBLAS products; an earlier call's share of counted rows): cuBLAS multiplies only the first
     :func:`counted_prefix` rows of each compacted row chunk, the row-skipping Triton products the rest (past the
-    prefix: nothing, where this call counts no more rows than the hint)."""
+    prefix: nothing, where this call counts no more rows than the hint); with the Triton products, the G block of a
+    single row chunk is :func:`row_skipping_widen` times wider."""
     tune = _launch.tuning(_TUNING)
     n, d = e.shape
     v = c.shape[0]
@@ -367,12 +393,13 @@ def backward(e, c, targets, bias, lse, grad_rows, *, softcap, ignore_index, opti
     every_row = grad_lse is not None or grad_entropy is not None
     counted = torch.ones_like(targets, dtype=torch.bool) if every_row else targets != ignore_index
     row_chunk = min(n, options.backward_row_chunk or n)
-    vocab_chunk = vocab_chunk_width(tune["vocab_chunk"], tune["g_block_rows"], n, row_chunk, v)
     sixteen_bit = e.dtype in (torch.bfloat16, torch.float16)
     split_g = options.exact and sixteen_bit  # fp32 inputs: G is fp32 already
     # Triton products (``_products``: skip the ignored rows) where the tensor-memory accelerator can read C
     can_skip = row_skipping_ok(e, c, options)
     triton_products = options.products == "triton" and can_skip
+    widen = row_skipping_widen(counted_hint) if triton_products and counted_hint is not None else 1
+    vocab_chunk = vocab_chunk_width(tune["vocab_chunk"], tune["g_block_rows"], n, row_chunk, v, widen)
     # cuBLAS over a counted prefix of the compacted rows, the Triton products over the rest (dE in compacted order)
     first_chunk_rows = min(n, options.backward_row_chunk or n)
     prefix = (counted_hint is not None and not triton_products and can_skip
@@ -421,6 +448,11 @@ def backward(e, c, targets, bias, lse, grad_rows, *, softcap, ignore_index, opti
         if prefix else None
     if observe_counted is not None:
         observe_counted(chunks[0].num_counted, chunks[0].rows)
+    # G's positions that some product reads: every row for cuBLAS over every row and for the bias gradient (a sum
+    # over G's rows); in compacted order, the counted rows' blocks (the recompute stores those whole) and the
+    # cuBLAS prefix
+    stored_rows = [chunk.rows if not compact_g or need_bias else (tails[k].h if prefix else 0)
+                   for k, chunk in enumerate(chunks)]
 
     # per row chunk, the recompute's row-indexed arguments (sliced once here, not once per vocabulary chunk: the
     # host's launch work is what a small N waits on)
@@ -451,7 +483,7 @@ def backward(e, c, targets, bias, lse, grad_rows, *, softcap, ignore_index, opti
             tiles = triton.cdiv(rows, block_n) * triton.cdiv(width, block_v)
             _recompute_grad_kernel[(min(tiles, programs),)](
                 chunk.e_op, c_op, bias_or_lse, *chunk_rows_args[k], chunk.row_order, chunk.num_counted,
-                chunk.row_poison, grad, grad_lo, rows, width, v0, v, d,
+                chunk.row_poison, grad, grad_lo, rows, stored_rows[k], width, v0, v, d,
                 e.stride(0), e.stride(1), c.stride(0), c.stride(1), grad.stride(0), *label_weights,
                 EVEN_TILE=(rows % block_n == 0 and width % block_v == 0), **flags,
             )
@@ -461,12 +493,10 @@ def backward(e, c, targets, bias, lse, grad_rows, *, softcap, ignore_index, opti
                     dbias32[v0 : v0 + width] += grad_lo.sum(dim=0, dtype=torch.float32)
             de_rows = de32[r0 : r0 + rows] if need_e else None
             if triton_products:
-                if need_e:
-                    _products.grad_e(grad, c_chunk, de_rows, chunk.row_order, chunk.num_counted, chunk.row_poison,
-                                     accumulate=v0 > 0)
-                if need_c:
-                    _products.grad_c(grad, chunk.e_compact, dc_sum, chunk.num_counted, chunk.ignored_poison,
-                                     accumulate=k > 0)
+                _products.grad_products(grad, chunk.num_counted, c_chunk=c_chunk, de32=de_rows,
+                                        row_order=chunk.row_order, row_poison=chunk.row_poison, accumulate_e=v0 > 0,
+                                        e_compact=chunk.e_compact, dc_chunk=dc_sum, ignored_poison=chunk.ignored_poison,
+                                        accumulate_c=k > 0)
                 continue
             if prefix:
                 tails[k].products(grad, c_chunk_mm, chunk, de_rows, dc_sum if need_c else None,

@@ -1,6 +1,7 @@
 """Gradient products of the dense backward over compacted rows: dE and dC of one G block, in Triton, sized by
 a device-side row count.  Always with ``products="triton"``; with ``products="auto"`` (the default) over the rows
-past the cuBLAS products' counted prefix (``_backward``, ``counted_hint``; ``cce_inductor/_counted_share.py``).
+past the cuBLAS products' counted prefix, or alone after a call that counted at most 40% of its rows (``_backward``,
+``counted_hint``; ``cce_inductor/_counted_share.py``).
 
 The backward (``_backward``) holds the softmax gradient of one (row chunk x vocabulary chunk)
 block, G, with the chunk's rows in *compacted* order: position p of G is local row ``row_order[p]``, and the
@@ -30,10 +31,14 @@ Tiled GEMMs with a ``BLOCK_M x BLOCK_N`` fp32 accumulator and a K loop in ``BLOC
 an edge give 0), programs ordered in groups of ``GROUP_M`` row blocks so that consecutive programs share
 operand tiles in L2 (Triton's matmul tutorial):
 
-    _grad_e_kernel   grid cdiv(rows, BLOCK_M) * cdiv(D, BLOCK_N)    M = positions, N = D, K = width
-                     a row block past K (ignored rows only) computes nothing; rows scattered through row_order
-    _grad_c_kernel   grid cdiv(width, BLOCK_M) * cdiv(D, BLOCK_N)   M = vocabulary, N = D, K = positions < K'
-                     the A tile is a G tile transposed in shared memory
+    dE tiles   cdiv(rows, BLOCK_M) * cdiv(D, BLOCK_N)    M = positions, N = D, K = width
+               a row block past K (ignored rows only) computes nothing; rows scattered through row_order
+    dC tiles   cdiv(width, BLOCK_M) * cdiv(D, BLOCK_N)   M = vocabulary, N = D, K = positions < K'
+               the A tile is a G tile transposed in shared memory
+
+One launch (``_grad_products_kernel``) takes both: its first programs the dE tiles, the rest the dC tiles (the two
+products read the same G and write disjoint outputs; one launch per vocabulary chunk instead of two, where the
+backward at >= 50% ignored rows waited on the host's launch work: engineering log v20).
 
 Descriptors need 16-byte aligned bases and row strides (:func:`_launch.tma_ok`): the caller pads G's row pitch and falls
 back to cuBLAS products for a C that is not aligned.  Ec is a compacted copy of the chunk's rows of E (one
@@ -76,13 +81,13 @@ def _grouped_tile(pid, num_m, num_n, GROUP_M: tl.constexpr):
 
 
 @triton.jit
-def _grad_e_kernel(
-    g_desc, c_desc, DE, RowOrder, NumCounted, RowPoison, n_rows, width, D, stride_de,
+def _grad_e_tile(
+    pid, g_desc, c_desc, DE, RowOrder, NumCounted, RowPoison, n_rows, width, D, stride_de,
     ACCUMULATE: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
-    """``DE[row_order[p]] (+)= G[p] @ C[chunk]`` (descriptors over G and the C chunk)."""
-    pid_m, pid_n = _grouped_tile(tl.program_id(0), tl.cdiv(n_rows, BLOCK_M), tl.cdiv(D, BLOCK_N), GROUP_M)
+    """``DE[row_order[p]] (+)= G[p] @ C[chunk]`` for tile ``pid`` (descriptors over G and the C chunk)."""
+    pid_m, pid_n = _grouped_tile(pid, tl.cdiv(n_rows, BLOCK_M), tl.cdiv(D, BLOCK_N), GROUP_M)
     pos = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     in_chunk = pos < n_rows
     rows = tl.load(RowOrder + pos, mask=in_chunk, other=0).to(tl.int64)
@@ -93,27 +98,27 @@ def _grad_e_kernel(
         if not ACCUMULATE:
             poison = tl.load(RowPoison + rows, mask=in_chunk, other=0.0)
             tl.store(out_ptrs, poison[:, None] + tl.zeros((BLOCK_M, BLOCK_N), tl.float32), mask=out_mask)
-        return
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, width, BLOCK_K):
-        a = g_desc.load([pid_m * BLOCK_M, k0])
-        b = c_desc.load([k0, pid_n * BLOCK_N])
-        acc = dot(a, b, acc, UPCAST, DOT_PRECISION)
-    if ACCUMULATE:
-        acc += tl.load(out_ptrs, mask=out_mask, other=0.0)
-    tl.store(out_ptrs, acc, mask=out_mask)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, width, BLOCK_K):
+            a = g_desc.load([pid_m * BLOCK_M, k0])
+            b = c_desc.load([k0, pid_n * BLOCK_N])
+            acc = dot(a, b, acc, UPCAST, DOT_PRECISION)
+        if ACCUMULATE:
+            acc += tl.load(out_ptrs, mask=out_mask, other=0.0)
+        tl.store(out_ptrs, acc, mask=out_mask)
 
 
 @triton.jit
-def _grad_c_kernel(
-    g_desc, e_desc, DC, AccIn, NumCounted, IgnoredPoison, width, D, stride_dc, stride_acc,
+def _grad_c_tile(
+    pid, g_desc, e_desc, DC, AccIn, NumCounted, IgnoredPoison, width, D, stride_dc, stride_acc,
     ACCUMULATE: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
-    """``DC[chunk] = (AccIn[chunk] +) G[:K'].T @ Ec[:K'] + ignored_poison`` (descriptors over G and Ec; AccIn is DC
-    itself, or the fp32 sums of a product over earlier rows); the K loop runs unmasked to the count rounded up to
-    ``BLOCK_K`` (module docstring)."""
-    pid_m, pid_n = _grouped_tile(tl.program_id(0), tl.cdiv(width, BLOCK_M), tl.cdiv(D, BLOCK_N), GROUP_M)
+    """``DC[chunk] = (AccIn[chunk] +) G[:K'].T @ Ec[:K'] + ignored_poison`` for tile ``pid`` (descriptors over G
+    and Ec; AccIn is DC itself, or the fp32 sums of a product over earlier rows); the K loop runs unmasked to the
+    count rounded up to ``BLOCK_K`` (module docstring)."""
+    pid_m, pid_n = _grouped_tile(pid, tl.cdiv(width, BLOCK_M), tl.cdiv(D, BLOCK_N), GROUP_M)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, tl.load(NumCounted), BLOCK_K):
         a = g_desc.load([k0, pid_m * BLOCK_M])
@@ -130,6 +135,28 @@ def _grad_c_kernel(
     tl.store(out_ptrs, acc.to(DC.dtype.element_ty), mask=out_mask)
 
 
+@triton.jit
+def _grad_products_kernel(
+    ge_desc, c_desc, DE, RowOrder, RowPoison, gc_desc, e_desc, DC, AccIn, IgnoredPoison, NumCounted,
+    n_rows, width, D, stride_de, stride_dc, stride_acc, e_tiles,
+    HAS_E: tl.constexpr, HAS_C: tl.constexpr, ACCUMULATE_E: tl.constexpr, ACCUMULATE_C: tl.constexpr,
+    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    """dE's tiles (programs ``[0, e_tiles)``) and dC's (the rest) of one G block in one launch: the two products
+    read the same G and write disjoint outputs, and one launch is one host call fewer per vocabulary chunk (the
+    backward at >= 50% ignored rows waited on the host's launches: engineering log v20)."""
+    pid = tl.program_id(0)
+    if pid < e_tiles:
+        if HAS_E:
+            _grad_e_tile(pid, ge_desc, c_desc, DE, RowOrder, NumCounted, RowPoison, n_rows, width, D, stride_de,
+                         ACCUMULATE_E, UPCAST, DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M)
+    else:
+        if HAS_C:
+            _grad_c_tile(pid - e_tiles, gc_desc, e_desc, DC, AccIn, NumCounted, IgnoredPoison, width, D, stride_dc,
+                         stride_acc, ACCUMULATE_C, UPCAST, DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M)
+
+
 def _launch_args(element_size: int):
     launch = dict(_launch.tuning(_TUNING))
     # fit_num_stages sizes one (rows x K) + (cols x K) operand pair per stage, the same bytes as here
@@ -142,42 +169,47 @@ def _dot_flags(dtype: torch.dtype):
     return dict(UPCAST=_launch.upcast_dots(dtype), DOT_PRECISION=_launch.dot_precision(dtype))
 
 
-def grad_e(grad: torch.Tensor, c_chunk: torch.Tensor, de32: torch.Tensor, row_order: torch.Tensor,
-           num_counted: torch.Tensor, row_poison: torch.Tensor, *, accumulate: bool) -> None:
-    """Launch helper: ``de32[row_order[p]] (+)= grad[p] @ c_chunk`` for the row blocks holding counted positions;
-    the other rows get ``row_poison`` on the first chunk (``accumulate=False``).  ``grad`` (rows x width) and
-    ``c_chunk`` (width x D) share the input dtype and pass :func:`_launch.tma_ok`; ``de32`` is fp32 (rows x D)."""
+def grad_products(grad: torch.Tensor, num_counted: torch.Tensor, *, c_chunk: Optional[torch.Tensor] = None,
+                  de32: Optional[torch.Tensor] = None, row_order: Optional[torch.Tensor] = None,
+                  row_poison: Optional[torch.Tensor] = None, accumulate_e: bool = False,
+                  e_compact: Optional[torch.Tensor] = None, dc_chunk: Optional[torch.Tensor] = None,
+                  ignored_poison: Optional[torch.Tensor] = None, accumulate_c: bool = False,
+                  acc_in: Optional[torch.Tensor] = None) -> None:
+    """Launch helper, one launch for dE and / or dC of one G block (``grad``: rows x width, compacted rows;
+    ``num_counted``: the device-side count K).  dE where ``de32`` is given: ``de32[row_order[p]] (+)= grad[p] @
+    c_chunk`` for the row blocks holding counted positions, the other rows get ``row_poison`` on the first chunk
+    (``accumulate_e=False``); ``de32`` fp32 (rows x D).  dC where ``dc_chunk`` is given: ``dc_chunk (+)=
+    grad[:K'].T @ e_compact[:K'] + ignored_poison`` (``e_compact = e_rows[row_order]``); ``dc_chunk`` (width x D,
+    contiguous rows) in the input dtype or fp32; ``acc_in`` (with ``accumulate_c``): the fp32 sums added instead of
+    ``dc_chunk``'s own values (the cuBLAS product over the rows before ``grad``'s, one rounding in all).  ``grad``,
+    ``c_chunk`` and ``e_compact`` share the input dtype and pass :func:`_launch.tma_ok`."""
     rows, width = grad.shape
-    d = c_chunk.shape[1]
+    has_e, has_c = de32 is not None, dc_chunk is not None
+    if not (has_e or has_c):
+        return
+    d = (c_chunk if has_e else e_compact).shape[1]
     launch = _launch_args(grad.element_size())
     bm, bn, bk = launch["BLOCK_M"], launch["BLOCK_N"], launch["BLOCK_K"]
-    grid = (triton.cdiv(rows, bm) * triton.cdiv(d, bn),)
-    _grad_e_kernel[grid](
-        _launch.descriptor(grad, [bm, bk]), _launch.descriptor(c_chunk, [bk, bn]),
-        de32, row_order, num_counted, row_poison, rows, width, d, de32.stride(0),
-        ACCUMULATE=accumulate, **_dot_flags(grad.dtype), **launch,
+    e_tiles = triton.cdiv(rows, bm) * triton.cdiv(d, bn) if has_e else 0
+    c_tiles = triton.cdiv(width, bm) * triton.cdiv(d, bn) if has_c else 0
+    if has_e:
+        ge_desc, c_desc = _launch.descriptor(grad, [bm, bk]), _launch.descriptor(c_chunk, [bk, bn])
+    if has_c:
+        gc_desc, e_desc = _launch.descriptor(grad, [bk, bm]), _launch.descriptor(e_compact, [bk, bn])
+        # The interpreter rounds fp32 -> 16-bit stores toward zero (the GPU to nearest even): there the kernel
+        # writes fp32 and torch rounds.
+        out = dc_chunk.float() if _launch.INTERPRET and dc_chunk.dtype != torch.float32 else dc_chunk
+        acc_in = out if acc_in is None else acc_in
+    # (an absent product's arguments repeat the other's: the kernel never reads them)
+    _grad_products_kernel[(e_tiles + c_tiles,)](
+        ge_desc if has_e else gc_desc, c_desc if has_e else e_desc, de32 if has_e else out,
+        row_order if has_e else num_counted, row_poison if has_e else ignored_poison,
+        gc_desc if has_c else ge_desc, e_desc if has_c else c_desc, out if has_c else de32,
+        acc_in if has_c else de32, ignored_poison if has_c else row_poison, num_counted,
+        rows, width, d, de32.stride(0) if has_e else 0, out.stride(0) if has_c else 0,
+        acc_in.stride(0) if has_c else 0, e_tiles,
+        HAS_E=has_e, HAS_C=has_c, ACCUMULATE_E=accumulate_e, ACCUMULATE_C=accumulate_c, **_dot_flags(grad.dtype),
+        **launch,
     )
-
-
-def grad_c(grad: torch.Tensor, e_compact: torch.Tensor, dc_chunk: torch.Tensor, num_counted: torch.Tensor,
-           ignored_poison: torch.Tensor, *, accumulate: bool, acc_in: Optional[torch.Tensor] = None) -> None:
-    """Launch helper: ``dc_chunk (+)= grad[:K'].T @ e_compact[:K'] + ignored_poison``, K' from the device-side
-    count; ``e_compact = e_rows[row_order]``; ``grad`` and ``e_compact`` pass :func:`_launch.tma_ok`; ``dc_chunk``
-    (width x D, contiguous rows) in the input dtype or fp32. ``acc_in`` (with ``accumulate``): the fp32 sums added
-    instead of ``dc_chunk``'s own values (the cuBLAS product over the rows before ``grad``'s, one rounding in all)."""
-    width = grad.shape[1]
-    d = e_compact.shape[1]
-    launch = _launch_args(grad.element_size())
-    bm, bn, bk = launch["BLOCK_M"], launch["BLOCK_N"], launch["BLOCK_K"]
-    # The interpreter rounds fp32 -> 16-bit stores toward zero (the GPU to nearest even): there the kernel
-    # writes fp32 and torch rounds.
-    out = dc_chunk.float() if _launch.INTERPRET and dc_chunk.dtype != torch.float32 else dc_chunk
-    acc_in = out if acc_in is None else acc_in
-    grid = (triton.cdiv(width, bm) * triton.cdiv(d, bn),)
-    _grad_c_kernel[grid](
-        _launch.descriptor(grad, [bk, bm]), _launch.descriptor(e_compact, [bk, bn]),
-        out, acc_in, num_counted, ignored_poison, width, d, out.stride(0), acc_in.stride(0),
-        ACCUMULATE=accumulate, **_dot_flags(grad.dtype), **launch,
-    )
-    if out is not dc_chunk:
+    if has_c and out is not dc_chunk:
         dc_chunk.copy_(out)

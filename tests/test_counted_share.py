@@ -5,7 +5,8 @@ rows an earlier call of the same head counted, read without waiting on the devic
   deterministic algorithms take cuBLAS; the threshold);
 * counts of CPU tensors are read at once, one record per head shape;
 * on CUDA: the first backward of a head takes cuBLAS, the next ones the counted-prefix products where half the targets
-  are ignored (cuBLAS over the counted rows, no host synchronisation), within the forced options' tolerance of each
+  are ignored (cuBLAS over the counted rows, no host synchronisation) and the row-skipping products alone where three
+  quarters are, within the forced options' tolerance of each
   other, and ``stats()`` counts them; a backward where every row counts takes cuBLAS and teaches nothing.
 """
 
@@ -17,6 +18,7 @@ from cce_inductor import CCEOptions, _counted_share, paths
 from tests.support.inputs import make_kernel_inputs
 
 AT_MOST = _counted_share.COUNTED_PREFIX_AT_MOST
+ROW_SKIPPING = _counted_share.ROW_SKIPPING_AT_MOST
 
 
 @pytest.mark.parametrize("asked, share, ok, chosen", [
@@ -24,7 +26,9 @@ AT_MOST = _counted_share.COUNTED_PREFIX_AT_MOST
     ("triton", 1.0, True, "triton"),
     ("triton", None, False, "triton"),  # (the kernels fall back themselves where they cannot skip rows)
     ("auto", None, True, "cublas"),  # the head's first call: nothing seen yet
-    ("auto", 0.0, True, "counted_prefix"),  # every row ignored: the prefix is empty
+    ("auto", 0.0, True, "triton"),  # every row ignored: the row-skipping products skip every row
+    ("auto", ROW_SKIPPING, True, "triton"),
+    ("auto", ROW_SKIPPING + 0.01, True, "counted_prefix"),
     ("auto", 0.5, True, "counted_prefix"),
     ("auto", AT_MOST, True, "counted_prefix"),
     ("auto", AT_MOST + 0.01, True, "cublas"),
@@ -93,11 +97,12 @@ def _grads(e, c, targets, options):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("ignore_frac, later", [(0.5, "counted_prefix"), (0.0, "cublas")])
+@pytest.mark.parametrize("ignore_frac, later", [(0.5, "counted_prefix"), (0.75, "row_skipping"), (0.0, "cublas")])
 def test_cuda_auto_follows_the_earlier_calls_share(ignore_frac, later):
     # a head shape of its own, so that no other test's calls were seen first
-    e, c, targets, _ = make_kernel_inputs(1024, 8192 + 64 * (ignore_frac > 0), 256, torch.bfloat16, "cuda",
-                                          ignore_frac=ignore_frac, bias=False)
+    vocab = 8192 + {0.0: 0, 0.5: 64, 0.75: 192}[ignore_frac]
+    e, c, targets, _ = make_kernel_inputs(1024, vocab, 256, torch.bfloat16, "cuda", ignore_frac=ignore_frac,
+                                          bias=False)
     forced = {kind: _grads(e, c, targets, {"products": kind}) for kind in ("cublas", "triton")}
     cce_inductor.reset_stats()
     first = _grads(e, c, targets, {})
@@ -108,7 +113,7 @@ def test_cuda_auto_follows_the_earlier_calls_share(ignore_frac, later):
     finally:
         torch.cuda.set_sync_debug_mode(0)
     counts = cce_inductor.stats()["backward_products"]
-    assert counts == {"cublas": 1 + 2 * (later == "cublas"), "row_skipping": 0,
+    assert counts == {"cublas": 1 + 2 * (later == "cublas"), "row_skipping": 2 * (later == "row_skipping"),
                       "counted_prefix": 2 * (later == "counted_prefix")}, counts
     for x, y in zip(first, forced["cublas"]):
         assert torch.equal(x, y)  # the first call: cuBLAS products, bitwise
@@ -137,5 +142,5 @@ def test_cuda_every_row_calls_take_cublas_and_teach_nothing():
                            ignore_index=-100, options=CCEOptions(), need_e=True, need_c=True, need_bias=False,
                            grad_lse=grad_lse)
         torch.cuda.synchronize()
-    assert cce_inductor.stats()["backward_products"] == {"cublas": 1, "row_skipping": 0, "counted_prefix": 1}
+    assert cce_inductor.stats()["backward_products"] == {"cublas": 1, "row_skipping": 1, "counted_prefix": 0}
     assert share.latest() == float((targets != -100).sum()) / 1024  # the second call's count, not the first's 1.0

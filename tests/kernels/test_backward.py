@@ -191,6 +191,47 @@ def test_backward_skips_ignored_rows_keeps_eager_nan_pattern(device, products):
     assert de.isnan().all() and dc.isnan().all() and db.isnan().all()
 
 
+@pytest.mark.parametrize("need_bias", [False, True])
+@pytest.mark.parametrize("device", DEVICES)
+def test_products_read_only_the_g_positions_stored(device, need_bias, monkeypatch):
+    """With G in compacted order (the Triton products, the counted prefix), the recompute stores ignored positions
+    only as far as some product reads them: the counted rows' row blocks and the cuBLAS prefix (every row where a
+    bias gradient sums G's rows, and for cuBLAS over every row).  G's buffer is filled with NaN before each block,
+    so a product reading an unstored position would put NaN into dE / dC: the gradients stay the fp64 reference's,
+    whatever the products and the hint (a prefix shorter and longer than the counted rows, the row-skipping
+    products' widened blocks)."""
+    device_ok(device)
+    n, v, d = 90, 170, 24
+    e, c, targets, b = make_kernel_inputs(n, v, d, torch.float32, device, bias=True, seed=3)
+    targets[5:80] = IGNORE  # 15 counted rows: one row block counted, the others ignored only (blocks of 16)
+    g = mean_grad_rows(targets)
+    bias = b if need_bias else None
+    lse, *_ = K.forward(e, c, targets, bias, softcap=None, ignore_index=IGNORE)
+    _, _, *ref = reference(e, c, targets, bias, g, None)
+    monkeypatch.setitem(_backward._TUNING[TUNING_KEY], "vocab_chunk", 48)  # several vocabulary chunks
+    block = _backward._block
+    monkeypatch.setattr(_backward, "_block", lambda buf, rows, cols: block(buf.fill_(float("nan")), rows, cols))
+    for products, hint in (("cublas", None), ("triton", None), ("triton", 0.1), ("cublas", 0.0), ("cublas", 0.1),
+                           ("cublas", 0.5)):
+        got = K.backward(e, c, targets, bias, lse, g, softcap=None, ignore_index=IGNORE,
+                         options=CCEOptions(products=products), need_e=True, need_c=True, need_bias=need_bias,
+                         counted_hint=hint)
+        for x, r in zip(got, ref):
+            if r is not None:
+                assert rel(x, r) < 1e-5, (products, hint)
+
+
+def test_row_skipping_widen_and_block_width():
+    """The row-skipping products' G block after a call that counted ``hint`` of its rows: ``floor(0.5 / hint)``
+    times wider, 1 to 4 times; only where the rows are one row chunk, and at most V."""
+    assert [_backward.row_skipping_widen(h) for h in (1.0, 0.4, 0.25, 0.17, 0.1, 0.0)] == [1, 1, 2, 2, 4, 4]
+    width = _backward.vocab_chunk_width
+    assert width(4096, 8192, 8192, 8192, 256000, 2) == 8192
+    assert width(4096, 8192, 4096, 8192, 256000, 2) == 16384  # a short batch's widening too
+    assert width(4096, 8192, 16384, 8192, 256000, 4) == 4096  # several row chunks: narrow
+    assert width(4096, 8192, 8192, 8192, 10000, 4) == 10000
+
+
 # ----------------------------------------------------------------------------------------------------
 # GPU set: real LM-head shapes (skipped without CUDA)
 # ----------------------------------------------------------------------------------------------------

@@ -12,10 +12,15 @@ from tests.support.kernels import DEVICES, TRITON_CASES, Case, case_id, check_ca
 
 
 def _count_triton_products(monkeypatch):
+    """The products each ``_products.grad_products`` launch computes ("grad_e" / "grad_c"), as they are called."""
     calls = []
-    for name in ("grad_e", "grad_c"):
-        original = getattr(_products, name)
-        monkeypatch.setattr(_products, name, lambda *a, _f=original, _n=name, **k: calls.append(_n) or _f(*a, **k))
+    original = _products.grad_products
+
+    def counted(*args, **kwargs):
+        calls.extend(name for name, out in (("grad_e", "de32"), ("grad_c", "dc_chunk")) if kwargs.get(out) is not None)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(_products, "grad_products", counted)
     return calls
 
 
@@ -41,7 +46,6 @@ def test_triton_products_fall_back_to_cublas(device, monkeypatch):
     def refuse(*args, **kwargs):
         pytest.fail("Triton product where the cuBLAS ones were due")
 
-    monkeypatch.setattr(_products, "grad_e", refuse)
-    monkeypatch.setattr(_products, "grad_c", refuse)
+    monkeypatch.setattr(_products, "grad_products", refuse)
     check_case(Case(torch.bfloat16, 30, 70, 12, None, True, 0.3, "default"), device, products="triton")
     check_case(Case(torch.bfloat16, 30, 70, 16, 15.0, True, 0.3, "exact"), device, products="triton")
