@@ -29,7 +29,8 @@ torch._dynamo.reset() before each method of each case):
     rowskip   make_backend(path="lean", products="triton"): the lean path whose dE / dC products skip the ignored
               rows (Triton products reading the device-side count), for the ignored-target cells against TRL
     lean_cublas  make_backend(path="lean", products="cublas"): the lean path with cuBLAS products on every call (the
-              default's products="auto" takes the row-skipping ones after a call with >= 20% ignored targets)
+              default's products="auto" takes the counted prefix after a call with >= 10% ignored targets, the
+              row-skipping products alone after one with >= 60%)
     peers     when importable (otherwise noted in the output and skipped), called eagerly, static cases only:
               trl       trl.kernels.chunked_logprob.ChunkedLogProbFunction as TRL's SFT calls it (valid rows only,
                         outputs log_probs, entropy, is_top1, TRL's chunk size); loss = mean over valid rows of -logprob
@@ -40,7 +41,9 @@ first with N-64 rows (forward + backward), then with N (Dynamo's automatic dynam
 
 Data ("lm" regime): c Gaussian with unit-norm rows; each row of e a sum of 48 plausible tokens' vectors with
 weights 14 - log(rank) drawn from a Zipf popularity; its target sampled from them; --ignore P sets P% of the
-targets (random rows) to -100. Seeded (--seed).
+targets (random rows) to -100. Seeded (--seed). --ignore-spread S: the timed calls cycle through 8 target sets whose
+ignored shares are spread over P +- S % (a batch whose prompt share moves from step to step; errors are those of the
+first set, at P %); the cce methods' rows then carry stats()['backward_products'] (which products each call took).
 
 Columns (JSON lines in --out; the first line of each run is a header: device, torch / triton versions, date,
 command line, the methods' keywords, the peers found):
@@ -69,6 +72,7 @@ errors below ~1e-6 are not resolved (the TF32 errors, ~1e-3, are). Rows carry bo
 from __future__ import annotations
 
 import argparse
+import itertools
 import math
 import os
 import sys
@@ -92,14 +96,17 @@ IGNORE = -100
 BASE = ("matmul", "compile")
 FWD_TOO = ("matmul", "compile", "default")  # methods also timed forward-only
 COLUMNS = ("head", "d", "v", "n", "ignore_pct", "shapes", "method", "pick", "fwd_ms", "fwdbwd_ms", "peak_mb",
-           "x_compile_ms", "x_compile_mb", "err_de", "err_dc", "lower_bound_mb", "error")
+           "x_compile_ms", "x_compile_mb", "err_de", "err_dc", "lower_bound_mb", "error", "ignore_spread",
+           "backward_products")
 
 
 # ------------------------------------------------------------------------------------------------------------
 # data and reference
 # ------------------------------------------------------------------------------------------------------------
-def make_data(n, d, v, ignore_pct, device, seed, dtype=torch.bfloat16):
-    """The "lm" regime: ``(e, c, targets)``, e and c in ``dtype``."""
+def make_data(n, d, v, ignore_pct, device, seed, dtype=torch.bfloat16, spread=0, variants=8):
+    """The "lm" regime: ``(e, c, targets)``, e and c in ``dtype``; with ``spread``, ``targets`` is a list of
+    ``variants`` target tensors whose ignored shares are spread evenly over ``ignore_pct +- spread`` %, the first
+    at ``ignore_pct`` (a batch whose prompt share moves from step to step)."""
     g = torch.Generator(device=device).manual_seed(seed)
     c32 = F.normalize(torch.randn(v, d, device=device, generator=g), dim=1)
     popularity = torch.empty(v, device=device)
@@ -114,9 +121,13 @@ def make_data(n, d, v, ignore_pct, device, seed, dtype=torch.bfloat16):
         e32 += alpha[:, j:j + 1] * c32[toks[:, j]]
     pick = torch.multinomial(torch.softmax(alpha, -1), 1, generator=g)[:, 0]
     t = toks.gather(1, pick[:, None])[:, 0]
-    drop = torch.randperm(n, device=device, generator=g)[: round(n * ignore_pct / 100)]
-    t[drop] = IGNORE
-    return e32.to(dtype).contiguous(), c32.to(dtype).contiguous(), t
+    shares = [ignore_pct] + [ignore_pct - spread + 2 * spread * j / (variants - 2) for j in range(variants - 1)] \
+        if spread else [ignore_pct]
+    ts = []
+    for pct in shares:
+        drop = torch.randperm(n, device=device, generator=g)[: round(n * max(0.0, min(100.0, pct)) / 100)]
+        ts.append(t.clone().index_fill_(0, drop, IGNORE))
+    return e32.to(dtype).contiguous(), c32.to(dtype).contiguous(), (ts if spread else ts[0])
 
 
 def rel(a, ref, chunk=4096):
@@ -197,9 +208,14 @@ def measure(fn, e, c, t, args, dynamic, ref, is_cce, fwd, profile):
     dev, r = args.device, {}
     e.requires_grad_(True)
     c.requires_grad_(True)
+    variants = itertools.cycle(t) if isinstance(t, list) else None  # --ignore-spread: each timed call the next
+    t = t[0] if isinstance(t, list) else t
 
     def step(ee=e, cc=c, tt=t):
         fn(ee, cc, tt).backward()
+
+    def timed_step():
+        step(tt=next(variants) if variants is not None else t)
     try:
         cce_inductor.reset_stats()
         if dynamic:  # as a trainer whose lengths vary: a first shape, then N (the automatic-dynamic recompile)
@@ -223,7 +239,9 @@ def measure(fn, e, c, t, args, dynamic, ref, is_cce, fwd, profile):
             r["peak_mb"] = (torch.cuda.max_memory_allocated() - base) / 2**20
         r["err_de"], r["err_dc"] = rel(e.grad, ref[0]), rel(c.grad, ref[1])
         e.grad = c.grad = None
-        r["fwdbwd_ms"] = C.bench(step, dev, args.reps, grad_to_none=[e, c])
+        r["fwdbwd_ms"] = C.bench(timed_step, dev, args.reps, grad_to_none=[e, c])
+        if is_cce:  # the lean backward's products per call, every call so far (cce_inductor/_counted_share.py)
+            r["backward_products"] = cce_inductor.stats()["backward_products"]
         if profile:
             e.grad = c.grad = None
             r["kernels"] = C.kernel_breakdown(step, dev)
@@ -245,7 +263,7 @@ def measure(fn, e, c, t, args, dynamic, ref, is_cce, fwd, profile):
 # ------------------------------------------------------------------------------------------------------------
 def case_key(r):
     return (r["head"], r["n"], r["ignore_pct"], r["shapes"], r.get("dtype") or "bf16",
-            r.get("matmul_precision") or "highest")
+            r.get("matmul_precision") or "highest", r.get("ignore_spread") or 0)
 
 
 def method_names(args, backends, peers):
@@ -264,7 +282,7 @@ def finished(rows, names, peers):
 
 
 def case_of(args, head, n, ign, shapes):
-    return (head, n, ign, shapes, args.dtype, args.matmul_precision)
+    return (head, n, ign, shapes, args.dtype, args.matmul_precision, args.ignore_spread)
 
 
 def worker(args):
@@ -289,8 +307,8 @@ def worker(args):
                 return 0
             began = time.time()
             try:
-                e, c, t = make_data(n, d, v, ign, args.device, args.seed, DTYPES[args.dtype])
-                ref = [x.cpu() for x in C.fp32_reference_grads(e, c, t, IGNORE)]
+                e, c, t = make_data(n, d, v, ign, args.device, args.seed, DTYPES[args.dtype], args.ignore_spread)
+                ref = [x.cpu() for x in C.fp32_reference_grads(e, c, t[0] if args.ignore_spread else t, IGNORE)]
                 mm_ms = C.bench(lambda: e @ c.T, args.device, args.reps)
             except Exception as exc:  # noqa: BLE001 - every method of these cases gets the error; next N goes on
                 for shapes in cases:
@@ -316,7 +334,8 @@ def worker(args):
                         return 0
                     row = dict(dict.fromkeys(COLUMNS), kind="row", head=args.head, d=d, v=v, n=n, ignore_pct=ign,
                                shapes=shapes, method=name, dtype=args.dtype, matmul_precision=args.matmul_precision,
-                               lower_bound_mb=(n * d + v * d) * e.element_size() / 2**20)
+                               lower_bound_mb=(n * d + v * d) * e.element_size() / 2**20,
+                               ignore_spread=args.ignore_spread)
                     t0 = time.time()
                     if name == "matmul":  # (for fp32: at the worker's matmul precision)
                         row["fwd_ms"] = mm_ms
@@ -359,7 +378,8 @@ def print_row(r):
 
     def x(ratio):
         return f"({ratio:.2f}x)" if ratio else "       "
-    line = (f"  {r['head']} N={r['n']} ign={r['ignore_pct']}% {r['shapes']:7s} {r['method']:10s} "
+    spread = f"+-{r['ignore_spread']}" if r.get("ignore_spread") else ""
+    line = (f"  {r['head']} N={r['n']} ign={r['ignore_pct']}{spread}% {r['shapes']:7s} {r['method']:10s} "
             f"fwd {f(r.get('fwd_ms')):>8s} fwd+bwd {f(r.get('fwdbwd_ms')):>8s} ms {x(r.get('x_compile_ms'))} "
             f"peak {f(r.get('peak_mb'), '.0f'):>7s} MB {x(r.get('x_compile_mb'))} "
             f"err dE {f(r.get('err_de'), '.2e')} dC {f(r.get('err_dc'), '.2e')} {r.get('pick') or ''}")
@@ -373,7 +393,8 @@ def print_row(r):
 # ------------------------------------------------------------------------------------------------------------
 def table(rows):
     f = C.fmt
-    body = [(r["head"], r["n"], r["ignore_pct"], r["shapes"], r["method"],
+    body = [(r["head"], r["n"], f"{r['ignore_pct']}" + (f"+-{r['ignore_spread']}" if r.get("ignore_spread") else ""),
+             r["shapes"], r["method"],
              f(r.get("fwdbwd_ms")) or (f(r.get("fwd_ms")) + " (fwd)" if r.get("fwd_ms") else ""),
              f(r.get("x_compile_ms")), f(r.get("peak_mb"), ".0f"), f(r.get("x_compile_mb")),
              f(r.get("err_de"), ".1e"), f(r.get("err_dc"), ".1e"),
@@ -404,7 +425,7 @@ def driver(args, argv):
     def wanted(r):
         return r["head"] in args.heads and r["method"] in names + ["*"] and (r["n"] is None or (
             r["n"] in args.n and r["ignore_pct"] in args.ignore and r["shapes"] in args.shapes
-            and case_key(r)[4:] == (args.dtype, args.matmul_precision)))
+            and case_key(r)[4:] == (args.dtype, args.matmul_precision, args.ignore_spread)))
     rows = [r for r in C.latest(C.read_rows(args.out), lambda r: (*case_key(r), r["method"])) if wanted(r)]
     done = finished(rows, names, peers)
     todo = [case_of(args, h, n, i, s) for h in args.heads for n in args.n for i in args.ignore for s in args.shapes
@@ -435,6 +456,8 @@ def parse_args(argv):
     ap.add_argument("--budget-s", type=float, default=None, help="seconds for the whole command (default 500)")
     ap.add_argument("--reps", type=int, default=2, help="CPU timing repetitions (CUDA: do_bench decides)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--ignore-spread", type=int, default=0,
+                    help="timed calls cycle through 8 target sets whose ignored %% spread over --ignore +- this")
     ap.add_argument("--profile", action="store_true", help="per-kernel breakdown of the default method's fwd+bwd")
     ap.add_argument("--dtype", default="bf16", choices=sorted(DTYPES), help="e and c's dtype (default bf16)")
     ap.add_argument("--matmul-precision", default="highest", choices=["highest", "high"],
