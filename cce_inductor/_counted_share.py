@@ -10,15 +10,15 @@ torch.compile's, engineering log v19 / v20):
     Llama-3     0% / 50%  1.41x / 1.04x     1.55x / 0.79x           1.37x / 0.77x
 
 The host cannot read the count of this call without waiting for the device, which the op never does. It reads the
-count of an *earlier* call of the same head instead: each backward enqueues a copy of its count into pinned host
+count of *earlier* calls of the same head instead: each backward enqueues a copy of its count into pinned host
 memory and records an event; a later call reads the copies whose events have completed (``Event.query``, which does
-not wait). Where that share is at most ``COUNTED_PREFIX_AT_MOST``, the backward multiplies with cuBLAS only the first
-rows of the compacted batch (counted rows first), as many as the earlier share of this call's rows (whole 128-row
-tiles), and runs the row-skipping Triton products over the rows past them, which do nothing unless this call counts
+not wait), and keeps the last few shares (:class:`Seen`: their median and a low quantile). Where the median share is
+at most ``COUNTED_PREFIX_AT_MOST``, the backward multiplies with cuBLAS only the first rows of the compacted batch
+(counted rows first), as many as the low quantile's share of this call's rows (whole 128-row tiles), and runs the row-skipping Triton products over the rows past them, which do nothing unless this call counts
 more rows than the earlier one (``kernels/_backward.py``, ``counted_hint``). So a share that mispredicts costs time
 (the rows past the prefix at the Triton products' speed), never a different result beyond rounding. Where the
-earlier call counted at most ``ROW_SKIPPING_AT_MOST`` of its rows, the row-skipping products run alone, over G
-blocks made wider by the same share (``kernels/_backward.py``, ``row_skipping_widen``): at so few counted rows the
+earlier calls' median share is at most ``ROW_SKIPPING_AT_MOST``, the row-skipping products run alone, over G
+blocks made wider by that share (``kernels/_backward.py``, ``row_skipping_widen``): at so few counted rows the
 prefix's cuBLAS products save less than its fixed costs (an fp32 pass over dC, two more launches per vocabulary
 chunk, which left the backward waiting on the host: engineering log v21). The first call
 of a head, a call under CUDA graph capture that has no earlier count, and runs with
@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import collections
 import threading
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -41,6 +41,22 @@ COUNTED_PREFIX_AT_MOST = 0.9
 ROW_SKIPPING_AT_MOST = 0.4
 # Copies in flight per head; more are not enqueued (a host running many calls ahead of the device).
 _MAX_PENDING = 8
+# Delivered shares kept per head: the choice reads their median, the prefix their low quantile (below).
+_HISTORY = 8
+
+
+class Seen(NamedTuple):
+    """What the earlier calls of a head counted: ``typical``, the median share of counted rows (which products, how
+    wide the row-skipping products' G blocks); ``low``, a low quantile (how many rows the counted prefix's cuBLAS
+    products multiply). A prefix too long multiplies ignored rows' zeros at cuBLAS's full cost per row; one too
+    short leaves counted rows to the Triton products, which cost ~1.25x cuBLAS per row, so ~0.25x more: the
+    cheapest prefix over a spread of shares is their 20th percentile (the newsvendor's ratio 0.25 / 1.25). A batch
+    whose share moves from call to call (Gemma-2's head, H100, shares 25-75%, each call the one before's
+    successor in a cycle) cost 0.85x torch.compile's time with the latest share alone, against 0.73x at a fixed
+    50% (engineering log v21)."""
+
+    typical: float
+    low: float
 
 
 class CountedShare:
@@ -48,7 +64,7 @@ class CountedShare:
 
     def __init__(self) -> None:
         self._pending: collections.deque = collections.deque()  # (pinned int32 (1,), rows, event)
-        self._latest: Optional[float] = None
+        self._history: collections.deque = collections.deque(maxlen=_HISTORY)  # delivered shares, oldest first
         self._lock = threading.Lock()
 
     def observe(self, num_counted: torch.Tensor, rows: int) -> None:
@@ -57,7 +73,7 @@ class CountedShare:
             return
         if num_counted.device.type != "cuda":  # the host owns it: nothing to wait for
             with self._lock:
-                self._latest = int(num_counted.reshape(-1)[0]) / rows
+                self._history.append(int(num_counted.reshape(-1)[0]) / rows)
             return
         if torch.cuda.is_current_stream_capturing():  # a copy captured into a graph would land on replays only
             return
@@ -70,17 +86,30 @@ class CountedShare:
             event.record(torch.cuda.current_stream(num_counted.device))
             self._pending.append((host, rows, event))
 
+    def _collect(self) -> None:
+        """Move the copies whose events have completed into the history (under the lock)."""
+        # no event query while a CUDA graph is captured: the capture would fail on it (an unsafe call in
+        # cudaStreamCaptureModeGlobal); the shares read before the capture stand
+        if self._pending and torch.cuda.is_current_stream_capturing():
+            return
+        while self._pending and self._pending[0][2].query():
+            host, rows, _ = self._pending.popleft()
+            self._history.append(int(host[0]) / rows)
+
     def latest(self) -> Optional[float]:
         """The share of the most recent call whose count has reached the host (None before the first)."""
         with self._lock:
-            # no event query while a CUDA graph is captured: the capture would fail on it (an unsafe call in
-            # cudaStreamCaptureModeGlobal); the share read before the capture stands
-            if self._pending and torch.cuda.is_current_stream_capturing():
-                return self._latest
-            while self._pending and self._pending[0][2].query():
-                host, rows, _ = self._pending.popleft()
-                self._latest = int(host[0]) / rows
-            return self._latest
+            self._collect()
+            return self._history[-1] if self._history else None
+
+    def seen(self) -> Optional[Seen]:
+        """The median and the 20th percentile of the last ``_HISTORY`` delivered shares (None before the first)."""
+        with self._lock:
+            self._collect()
+            if not self._history:
+                return None
+            ordered = sorted(self._history)
+            return Seen(typical=ordered[(len(ordered) - 1) // 2], low=ordered[len(ordered) // 5])
 
 
 _heads: dict[tuple, CountedShare] = {}
@@ -101,9 +130,9 @@ def of_head(device: torch.device, vocab: int, hidden: int) -> CountedShare:
 def products(asked: str, share: Optional[float], *, row_skipping_ok: bool) -> str:
     """``"cublas"``, ``"triton"`` or ``"counted_prefix"`` for one backward: ``asked`` (``CCEOptions.products``)
     unless it is ``"auto"``; then the counted-prefix products where the row-skipping kernels can run
-    (``row_skipping_ok``: not exact mode, C readable by the tensor-memory accelerator) and an earlier call counted at
-    most ``COUNTED_PREFIX_AT_MOST`` of its rows, the row-skipping products alone (``"triton"``) where it counted at
-    most ``ROW_SKIPPING_AT_MOST``, else cuBLAS over every row."""
+    (``row_skipping_ok``: not exact mode, C readable by the tensor-memory accelerator) and earlier calls counted
+    ``share`` (their median, :class:`Seen`) of at most ``COUNTED_PREFIX_AT_MOST`` of their rows, the row-skipping
+    products alone (``"triton"``) at most ``ROW_SKIPPING_AT_MOST``, else cuBLAS over every row."""
     if asked != "auto":
         return asked
     if not row_skipping_ok or share is None or torch.are_deterministic_algorithms_enabled():

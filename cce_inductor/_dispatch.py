@@ -97,18 +97,21 @@ def backward(e: Tensor, c: Tensor, targets: Tensor, bias: Optional[Tensor], lse:
         # with a gradient for every row's lse / entropy every row counts: nothing to skip, nothing to learn
         every_row = grad_lse is not None or grad_entropy is not None
         can_skip = kernels.row_skipping_ok(e, c, options)  # (else even a forced "triton" runs cuBLAS)
-        seen = share.latest()
-        products = _counted_share.products(options.products, seen, row_skipping_ok=can_skip and not every_row)
+        seen = share.seen()
+        products = _counted_share.products(options.products, seen and seen.typical,
+                                           row_skipping_ok=can_skip and not every_row)
         diagnostics.count_products(products if can_skip else "cublas")
         prefix = products == "counted_prefix"
-        # the earlier share sizes the prefix, or the row-skipping products' G blocks where "auto" chose them
-        hinted = prefix or (products == "triton" and options.products == "auto")
+        # the earlier shares size the prefix (their low quantile), or the row-skipping products' G blocks (their
+        # median) where "auto" chose them
+        hint = (seen.low if prefix else seen.typical) \
+            if prefix or (products == "triton" and options.products == "auto") else None
         return kernels.backward(
             e, c, targets, bias, lse.float(), grad_rows.float(), softcap=softcap, ignore_index=ignore_index,
             options=_with_products(options, "cublas" if prefix else products), need_e=need_e, need_c=need_c,
             need_bias=need_bias, label_smoothing=label_smoothing, grad_lse=grad_lse, grad_entropy=grad_entropy,
             mean_logit=mean_logit, observe_counted=share.observe if options.products == "auto" and not every_row
-            else None, counted_hint=seen if hinted else None,
+            else None, counted_hint=hint,
         )
     return _chunked.backward(
         e, c, targets, bias, lse, grad_rows, softcap=softcap, need_e=need_e, need_c=need_c, need_bias=need_bias,
