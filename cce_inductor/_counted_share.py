@@ -2,28 +2,30 @@
 
 The lean backward's dE / dC products are cuBLAS GEMMs, sized on the host, so they multiply every row: the zeros of
 rows whose target is ``ignore_index`` too. The Triton GEMMs of ``kernels/_products.py`` read the device-side count
-of counted rows and skip the rest, but at 75-80% of cuBLAS's speed (H200, bf16, N 8192, fwd + bwd against
-torch.compile's, engineering log v19 / v20):
+of counted rows and skip the rest, at ~75-80% of cuBLAS's speed per row. The host cannot read the count of this
+call without waiting for the device, which the op never does. It reads the counts of *earlier* calls of the same
+head instead: each backward enqueues a copy of its count into pinned host memory and records an event; a later
+call reads the copies whose events have completed (``Event.query``, which does not wait) and keeps the last
+``_HISTORY`` shares (:class:`Seen`: their median and their 20th percentile). From those, per call:
 
-    head        ignored   cuBLAS products   row-skipping products   counted prefix (this module's default)
-    Gemma-2     0% / 50%  1.31x / 0.97x     1.45x / 0.78x           1.31x / 0.74x
-    Llama-3     0% / 50%  1.41x / 1.04x     1.55x / 0.79x           1.37x / 0.77x
+    median share of counted rows       products                                          (products())
+    > COUNTED_PREFIX_AT_MOST (0.9)     cuBLAS over every row
+    <= 0.9                             the counted prefix: cuBLAS over the first rows of the compacted batch
+                                       (counted rows first), the 20th percentile's share of this call's rows in
+                                       whole 128-row tiles, the row-skipping products over the rows past them
+                                       (which do nothing unless this call counts more)
+    <= ROW_SKIPPING_AT_MOST (0.4),     the row-skipping products alone, G blocks made wider by the median share
+    or <= 0.6 while the share moves    (``kernels/_backward.py``, ``row_skipping_widen``)
 
-The host cannot read the count of this call without waiting for the device, which the op never does. It reads the
-count of *earlier* calls of the same head instead: each backward enqueues a copy of its count into pinned host
-memory and records an event; a later call reads the copies whose events have completed (``Event.query``, which does
-not wait), and keeps the last few shares (:class:`Seen`: their median and a low quantile). Where the median share is
-at most ``COUNTED_PREFIX_AT_MOST``, the backward multiplies with cuBLAS only the first rows of the compacted batch
-(counted rows first), as many as the low quantile's share of this call's rows (whole 128-row tiles), and runs the row-skipping Triton products over the rows past them, which do nothing unless this call counts
-more rows than the earlier one (``kernels/_backward.py``, ``counted_hint``). So a share that mispredicts costs time
-(the rows past the prefix at the Triton products' speed), never a different result beyond rounding. Where the
-earlier calls' median share is at most ``ROW_SKIPPING_AT_MOST``, the row-skipping products run alone, over G
-blocks made wider by that share (``kernels/_backward.py``, ``row_skipping_widen``): at so few counted rows the
-prefix's cuBLAS products save less than its fixed costs (an fp32 pass over dC, two more launches per vocabulary
-chunk, which left the backward waiting on the host: engineering log v21). The first call
-of a head, a call under CUDA graph capture that has no earlier count, and runs with
-``torch.use_deterministic_algorithms(True)`` (whose bits must not depend on when a copy completed) multiply every row
-with cuBLAS. ``stats()['backward_products']`` counts what ran.
+Why (engineering log v20 / v21; bf16, N 8192, fwd + bwd against torch.compile's in the same process): at 50%
+ignored the counted prefix measured 0.74-0.77x torch.compile's time (cuBLAS over every row 0.97-1.04x, the
+row-skipping products 0.75-0.80x); at 75% ignored its host work per vocabulary chunk (four launches whatever the
+rows) left it waiting on the host, 0.84x against 0.39-0.41x for the widened row-skipping products; and where the
+share moves from call to call (25-75% in turn) its prefix mispredicts and its calls with few counted rows wait on
+the host (Llama-3's head: 0.88-1.03x against the row-skipping products' 0.86-0.88x). A share that mispredicts costs
+time, never a different result beyond rounding. The first call of a head, a call under CUDA graph capture that has
+no earlier count, and runs with ``torch.use_deterministic_algorithms(True)`` (whose bits must not depend on when a
+copy completed) multiply every row with cuBLAS. ``stats()['backward_products']`` counts what ran.
 """
 
 from __future__ import annotations
@@ -39,6 +41,12 @@ COUNTED_PREFIX_AT_MOST = 0.9
 # The row-skipping products alone where at most this share counted (at least 60% ignored): at 75% ignored on
 # Gemma-2's head (H100, N 8192) they took 20.8 ms fwd + bwd against the counted prefix's 35.5 (engineering log v21).
 ROW_SKIPPING_AT_MOST = 0.4
+# ... and up to this share where the share moves from call to call (the last shares' median and low quantile more
+# than STEADY_SPREAD apart): the counted prefix's host work per vocabulary chunk is fixed, so its calls with few
+# counted rows wait on the host, and its prefix mispredicts (Llama-3's head, H100, shares 25-75% in turn: 38.1 /
+# 32.8 ms with the counted prefix, 32.4 / 32.1 with the row-skipping products; engineering log v21).
+MOVING_ROW_SKIPPING_AT_MOST = 0.6
+STEADY_SPREAD = 0.1
 # Copies in flight per head; more are not enqueued (a host running many calls ahead of the device).
 _MAX_PENDING = 8
 # Delivered shares kept per head: the choice reads their median, the prefix their low quantile (below).
@@ -50,10 +58,9 @@ class Seen(NamedTuple):
     wide the row-skipping products' G blocks); ``low``, a low quantile (how many rows the counted prefix's cuBLAS
     products multiply). A prefix too long multiplies ignored rows' zeros at cuBLAS's full cost per row; one too
     short leaves counted rows to the Triton products, which cost ~1.25x cuBLAS per row, so ~0.25x more: the
-    cheapest prefix over a spread of shares is their 20th percentile (the newsvendor's ratio 0.25 / 1.25). A batch
-    whose share moves from call to call (Gemma-2's head, H100, shares 25-75%, each call the one before's
-    successor in a cycle) cost 0.85x torch.compile's time with the latest share alone, against 0.73x at a fixed
-    50% (engineering log v21)."""
+    cheapest prefix over a spread of shares is their 20th percentile (the newsvendor's ratio 0.25 / 1.25). (Gemma-2's
+    head, H100, shares 25-75% in turn: 0.85x torch.compile's time with the prefix sized by the latest share, 0.82x
+    by this quantile; 0.73x at a steady 50%: engineering log v21.)"""
 
     typical: float
     low: float
@@ -127,16 +134,18 @@ def of_head(device: torch.device, vocab: int, hidden: int) -> CountedShare:
         return share
 
 
-def products(asked: str, share: Optional[float], *, row_skipping_ok: bool) -> str:
+def products(asked: str, seen: Optional[Seen], *, row_skipping_ok: bool) -> str:
     """``"cublas"``, ``"triton"`` or ``"counted_prefix"`` for one backward: ``asked`` (``CCEOptions.products``)
-    unless it is ``"auto"``; then the counted-prefix products where the row-skipping kernels can run
-    (``row_skipping_ok``: not exact mode, C readable by the tensor-memory accelerator) and earlier calls counted
-    ``share`` (their median, :class:`Seen`) of at most ``COUNTED_PREFIX_AT_MOST`` of their rows, the row-skipping
-    products alone (``"triton"``) at most ``ROW_SKIPPING_AT_MOST``, else cuBLAS over every row."""
+    unless it is ``"auto"``; then, where the row-skipping kernels can run (``row_skipping_ok``: not exact mode, C
+    readable by the tensor-memory accelerator), from what earlier calls counted (``seen``): the row-skipping
+    products alone (``"triton"``) where their median share is at most ``ROW_SKIPPING_AT_MOST``, or at most
+    ``MOVING_ROW_SKIPPING_AT_MOST`` while the share moves (median and low quantile more than ``STEADY_SPREAD``
+    apart); the counted prefix up to ``COUNTED_PREFIX_AT_MOST``; else cuBLAS over every row."""
     if asked != "auto":
         return asked
-    if not row_skipping_ok or share is None or torch.are_deterministic_algorithms_enabled():
+    if not row_skipping_ok or seen is None or torch.are_deterministic_algorithms_enabled():
         return "cublas"
-    if share <= ROW_SKIPPING_AT_MOST:
+    moving = seen.typical - seen.low > STEADY_SPREAD
+    if seen.typical <= (MOVING_ROW_SKIPPING_AT_MOST if moving else ROW_SKIPPING_AT_MOST):
         return "triton"
-    return "counted_prefix" if share <= COUNTED_PREFIX_AT_MOST else "cublas"
+    return "counted_prefix" if seen.typical <= COUNTED_PREFIX_AT_MOST else "cublas"

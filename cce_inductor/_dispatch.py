@@ -98,8 +98,7 @@ def backward(e: Tensor, c: Tensor, targets: Tensor, bias: Optional[Tensor], lse:
         every_row = grad_lse is not None or grad_entropy is not None
         can_skip = kernels.row_skipping_ok(e, c, options)  # (else even a forced "triton" runs cuBLAS)
         seen = share.seen()
-        products = _counted_share.products(options.products, seen and seen.typical,
-                                           row_skipping_ok=can_skip and not every_row)
+        products = _counted_share.products(options.products, seen, row_skipping_ok=can_skip and not every_row)
         diagnostics.count_products(products if can_skip else "cublas")
         prefix = products == "counted_prefix"
         # the earlier shares size the prefix (their low quantile), or the row-skipping products' G blocks (their

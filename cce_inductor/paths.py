@@ -180,8 +180,8 @@ def choose(f: HeadFacts, path: str = "auto", scratch_mb: int = 0, backward_row_c
 
 # cce_inductor/_counted_share.py
 _PRODUCTS_NOTE = ("; its backward's products: cuBLAS over every row, or over the counted rows only on calls after "
-                  "one with >= 10% of the targets ignored (cuBLAS; the row-skipping Triton products alone after one "
-                  "with >= 60%) (stats()['backward_products'])")
+                  "ones with >= 10% of the targets ignored (cuBLAS; the row-skipping Triton products alone where >= "
+                  "60% are ignored, or >= 40% and the share moves) (stats()['backward_products'])")
 
 
 def _choose(f: HeadFacts, path: str, scratch_mb: int, backward_row_chunk: int) -> PathChoice:

@@ -19,24 +19,37 @@ from tests.support.inputs import make_kernel_inputs
 
 AT_MOST = _counted_share.COUNTED_PREFIX_AT_MOST
 ROW_SKIPPING = _counted_share.ROW_SKIPPING_AT_MOST
+MOVING = _counted_share.MOVING_ROW_SKIPPING_AT_MOST
 
 
-@pytest.mark.parametrize("asked, share, ok, chosen", [
-    ("cublas", 0.1, True, "cublas"),  # forced: whatever was seen
-    ("triton", 1.0, True, "triton"),
+def _steady(share):
+    return _counted_share.Seen(typical=share, low=share)
+
+
+def _moving(share):
+    return _counted_share.Seen(typical=share, low=share - _counted_share.STEADY_SPREAD - 0.05)
+
+
+@pytest.mark.parametrize("asked, seen, ok, chosen", [
+    ("cublas", _steady(0.1), True, "cublas"),  # forced: whatever was seen
+    ("triton", _steady(1.0), True, "triton"),
     ("triton", None, False, "triton"),  # (the kernels fall back themselves where they cannot skip rows)
     ("auto", None, True, "cublas"),  # the head's first call: nothing seen yet
-    ("auto", 0.0, True, "triton"),  # every row ignored: the row-skipping products skip every row
-    ("auto", ROW_SKIPPING, True, "triton"),
-    ("auto", ROW_SKIPPING + 0.01, True, "counted_prefix"),
-    ("auto", 0.5, True, "counted_prefix"),
-    ("auto", AT_MOST, True, "counted_prefix"),
-    ("auto", AT_MOST + 0.01, True, "cublas"),
-    ("auto", 1.0, True, "cublas"),
-    ("auto", 0.0, False, "cublas"),  # exact mode, or C / E rows the tensor-memory accelerator cannot read
+    ("auto", _steady(0.0), True, "triton"),  # every row ignored: the row-skipping products skip every row
+    ("auto", _steady(ROW_SKIPPING), True, "triton"),
+    ("auto", _steady(ROW_SKIPPING + 0.01), True, "counted_prefix"),
+    ("auto", _moving(ROW_SKIPPING + 0.01), True, "triton"),  # a moving share: row skipping up to 0.6
+    ("auto", _moving(MOVING), True, "triton"),
+    ("auto", _moving(MOVING + 0.01), True, "counted_prefix"),
+    ("auto", _steady(0.5), True, "counted_prefix"),
+    ("auto", _steady(AT_MOST), True, "counted_prefix"),
+    ("auto", _moving(AT_MOST), True, "counted_prefix"),
+    ("auto", _steady(AT_MOST + 0.01), True, "cublas"),
+    ("auto", _steady(1.0), True, "cublas"),
+    ("auto", _steady(0.0), False, "cublas"),  # exact mode, or C / E rows the tensor-memory accelerator cannot read
 ])
-def test_products_table(asked, share, ok, chosen):
-    assert _counted_share.products(asked, share, row_skipping_ok=ok) == chosen
+def test_products_table(asked, seen, ok, chosen):
+    assert _counted_share.products(asked, seen, row_skipping_ok=ok) == chosen
 
 
 def test_deterministic_algorithms_take_cublas():
@@ -44,8 +57,8 @@ def test_deterministic_algorithms_take_cublas():
     was = torch.are_deterministic_algorithms_enabled()
     torch.use_deterministic_algorithms(True)
     try:
-        assert _counted_share.products("auto", 0.1, row_skipping_ok=True) == "cublas"
-        assert _counted_share.products("triton", 0.1, row_skipping_ok=True) == "triton"  # forced stays forced
+        assert _counted_share.products("auto", _steady(0.1), row_skipping_ok=True) == "cublas"
+        assert _counted_share.products("triton", _steady(0.1), row_skipping_ok=True) == "triton"  # forced stays
     finally:
         torch.use_deterministic_algorithms(was)
 
