@@ -156,9 +156,9 @@ def _recompute_grad_kernel(
     to the programs, first the tiles of row blocks that hold counted rows (their number from the device-side count),
     then those of ignored rows only, which store G's value there without computing logits, up to ``stored_rows``
     positions (the products past the counted rows read no further: compacted G without a bias gradient; every row
-    otherwise).  (One program per tile
-    took 2-3% longer on the H100: launch and tail; Triton's loop flattening, which would overlap a tile's gradient
-    with the next tile's loads, left the D loop unpipelined here, +50%: engineering log v12.)"""
+    otherwise).  (One program per tile took 2-3% longer on the H100: launch and tail; Triton's loop flattening,
+    which would overlap a tile's gradient with the next tile's loads, left the D loop unpipelined here, +50%:
+    engineering log v12.)"""
     pid = tl.program_id(0)
     num_programs = tl.num_programs(0)
     vblocks = tl.cdiv(width, BLOCK_V)
@@ -449,8 +449,9 @@ def backward(e, c, targets, bias, lse, grad_rows, *, softcap, ignore_index, opti
     if observe_counted is not None:
         observe_counted(chunks[0].num_counted, chunks[0].rows)
     # G's positions that some product reads: every row for cuBLAS over every row and for the bias gradient (a sum
-    # over G's rows); in compacted order, the counted rows' blocks (the recompute stores those whole) and the
-    # cuBLAS prefix
+    # over G's rows); in compacted order, the counted rows' blocks (the recompute stores those whole; the Triton
+    # products read whole blocks and K steps that divide them: tests/kernels/test_backward.py checks the tunings)
+    # and the cuBLAS prefix
     stored_rows = [chunk.rows if not compact_g or need_bias else (tails[k].h if prefix else 0)
                    for k, chunk in enumerate(chunks)]
 

@@ -232,6 +232,17 @@ def test_row_skipping_widen_and_block_width():
     assert width(4096, 8192, 8192, 8192, 10000, 4) == 10000
 
 
+def test_products_read_g_in_blocks_the_recompute_stores_whole():
+    """The recompute stores the counted rows' G in whole ``block_n``-row blocks and no ignored position past them
+    (compacted G): the Triton products' row blocks (``BLOCK_M``) and K steps (``BLOCK_K``) must divide ``block_n``, so
+    that they read no position past the last stored block, on the GPU tuning as under the interpreter."""
+    from cce_inductor.kernels import _products
+
+    for key, tune in _backward._TUNING.items():
+        prod = _products._TUNING[key]
+        assert tune["block_n"] % prod["BLOCK_M"] == 0 and tune["block_n"] % prod["BLOCK_K"] == 0, key
+
+
 # ----------------------------------------------------------------------------------------------------
 # GPU set: real LM-head shapes (skipped without CUDA)
 # ----------------------------------------------------------------------------------------------------
