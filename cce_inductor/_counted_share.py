@@ -67,7 +67,8 @@ class Seen(NamedTuple):
 
 
 class CountedShare:
-    """One head's counted share: the latest that the device has delivered, read without waiting."""
+    """One head's counted shares: the last ``_HISTORY`` that the device has delivered, read without waiting (one low
+    outlier, e.g. a short final batch, moves neither the median nor the 20th percentile of eight)."""
 
     def __init__(self) -> None:
         self._pending: collections.deque = collections.deque()  # (pinned int32 (1,), rows, event)
