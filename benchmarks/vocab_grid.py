@@ -43,7 +43,8 @@ Data ("lm" regime): c Gaussian with unit-norm rows; each row of e a sum of 48 pl
 weights 14 - log(rank) drawn from a Zipf popularity; its target sampled from them; --ignore P sets P% of the
 targets (random rows) to -100. Seeded (--seed). --ignore-spread S: each timed call runs 8 target sets in turn whose
 ignored shares are spread over P +- S % (a batch whose prompt share moves from step to step), fwd+bwd_ms is its time
-over 8 (errors are those of the first set, at P %); the cce methods' rows then carry stats()['backward_products'] (which products each call took).
+over 8 (errors are those of the first set, at P %). The cce methods' rows carry stats()['backward_products'] (which
+products the calls took).
 
 Columns (JSON lines in --out; the first line of each run is a header: device, torch / triton versions, date,
 command line, the methods' keywords, the peers found):

@@ -103,8 +103,11 @@ def backward(e: Tensor, c: Tensor, targets: Tensor, bias: Optional[Tensor], lse:
         prefix = products == "counted_prefix"
         # the earlier shares size the prefix (their low quantile), or the row-skipping products' G blocks (their
         # median) where "auto" chose them
-        hint = (seen.low if prefix else seen.typical) \
-            if prefix or (products == "triton" and options.products == "auto") else None
+        hint = None
+        if prefix:
+            hint = seen.low
+        elif products == "triton" and options.products == "auto":
+            hint = seen.typical
         return kernels.backward(
             e, c, targets, bias, lse.float(), grad_rows.float(), softcap=softcap, ignore_index=ignore_index,
             options=_with_products(options, "cublas" if prefix else products), need_e=need_e, need_c=need_c,

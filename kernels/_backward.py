@@ -131,7 +131,8 @@ def row_skipping_widen(counted_hint: float) -> int:
     ``counted_hint`` of its rows: ``floor(0.5 / hint)``, 1 to ``_MAX_WIDEN``, so that the block's counted entries stay
     within half of a narrow block's.  Each vocabulary chunk costs the host a few launches whatever its counted rows:
     at 75% ignored the narrow blocks left the backward waiting on the host (Gemma-2's head, H100: 0.49x torch.compile
-    with the row-skipping products, engineering log v21).  Memory: ``widen - 1`` more G blocks (64 MB each at N 8192)."""
+    with the row-skipping products, engineering log v21).  Memory: ``widen - 1`` more G blocks (64 MB each at N
+    8192)."""
     return max(1, min(_MAX_WIDEN, int(0.5 / max(counted_hint, 1e-6))))
 
 
@@ -401,9 +402,8 @@ def backward(e, c, targets, bias, lse, grad_rows, *, softcap, ignore_index, opti
     widen = row_skipping_widen(counted_hint) if triton_products and counted_hint is not None else 1
     vocab_chunk = vocab_chunk_width(tune["vocab_chunk"], tune["g_block_rows"], n, row_chunk, v, widen)
     # cuBLAS over a counted prefix of the compacted rows, the Triton products over the rest (dE in compacted order)
-    first_chunk_rows = min(n, options.backward_row_chunk or n)
     prefix = (counted_hint is not None and not triton_products and can_skip
-              and counted_prefix(counted_hint, first_chunk_rows, tune["block_n"]) < first_chunk_rows)
+              and counted_prefix(counted_hint, row_chunk, tune["block_n"]) < row_chunk)
     # 16-bit products with fp32 results where cuBLAS has them; where no such product exists (the CPU interpreter)
     # 16-bit operands are upcast.
     fp32_out = sixteen_bit and _launch.fp32_out_mm_available(device)

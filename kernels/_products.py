@@ -200,14 +200,14 @@ def grad_products(grad: torch.Tensor, num_counted: torch.Tensor, *, c_chunk: Opt
         # writes fp32 and torch rounds.
         out = dc_chunk.float() if _launch.INTERPRET and dc_chunk.dtype != torch.float32 else dc_chunk
         acc_in = out if acc_in is None else acc_in
-    # (an absent product's arguments repeat the other's: the kernel never reads them)
+    e_args = (ge_desc, c_desc, de32, row_order, row_poison) if has_e else None
+    c_args = (gc_desc, e_desc, out, acc_in, ignored_poison) if has_c else None
+    # (an absent product's arguments repeat the other's tensors: the kernel never reads them)
+    e_args = e_args or (c_args[0], c_args[1], c_args[2], num_counted, c_args[4])
+    c_args = c_args or (e_args[0], e_args[1], e_args[2], e_args[2], e_args[4])
     _grad_products_kernel[(e_tiles + c_tiles,)](
-        ge_desc if has_e else gc_desc, c_desc if has_e else e_desc, de32 if has_e else out,
-        row_order if has_e else num_counted, row_poison if has_e else ignored_poison,
-        gc_desc if has_c else ge_desc, e_desc if has_c else c_desc, out if has_c else de32,
-        acc_in if has_c else de32, ignored_poison if has_c else row_poison, num_counted,
-        rows, width, d, de32.stride(0) if has_e else 0, out.stride(0) if has_c else 0,
-        acc_in.stride(0) if has_c else 0, e_tiles,
+        *e_args, *c_args, num_counted, rows, width, d, e_args[2].stride(0), c_args[2].stride(0),
+        c_args[3].stride(0), e_tiles,
         HAS_E=has_e, HAS_C=has_c, ACCUMULATE_E=accumulate_e, ACCUMULATE_C=accumulate_c, **_dot_flags(grad.dtype),
         **launch,
     )
