@@ -14,8 +14,8 @@ call reads the copies whose events have completed (``Event.query``, which does n
                                        (counted rows first), the 20th percentile's share of this call's rows in
                                        whole 128-row tiles, the row-skipping products over the rows past them
                                        (which do nothing unless this call counts more)
-    <= ROW_SKIPPING_AT_MOST (0.4),     the row-skipping products alone, G blocks made wider by the median share
-    or <= 0.6 while the share moves    (``kernels/_backward.py``, ``row_skipping_widen``)
+    <= ROW_SKIPPING_AT_MOST (0.4),     the row-skipping products alone, G blocks made wider by the 20th
+    or <= 0.6 while the share moves    percentile's share (``kernels/_backward.py``, ``row_skipping_widen``)
 
 Why (engineering log v20 / v21; bf16, N 8192, fwd + bwd against torch.compile's in the same process): at 50%
 ignored the counted prefix measured 0.74-0.77x torch.compile's time (cuBLAS over every row 0.97-1.04x, the
@@ -54,9 +54,9 @@ _HISTORY = 8
 
 
 class Seen(NamedTuple):
-    """What the earlier calls of a head counted: ``typical``, the median share of counted rows (which products, how
-    wide the row-skipping products' G blocks); ``low``, a low quantile (how many rows the counted prefix's cuBLAS
-    products multiply). A prefix too long multiplies ignored rows' zeros at cuBLAS's full cost per row; one too
+    """What the earlier calls of a head counted: ``typical``, the median share of counted rows (which products);
+    ``low``, a low quantile (how many rows the counted prefix's cuBLAS products multiply; how wide the row-skipping
+    products' G blocks, whose calls with fewest counted rows wait on the host). A prefix too long multiplies ignored rows' zeros at cuBLAS's full cost per row; one too
     short leaves counted rows to the Triton products, which cost ~1.25x cuBLAS per row, so ~0.25x more: the
     cheapest prefix over a spread of shares is their 20th percentile (the newsvendor's ratio 0.25 / 1.25). (Gemma-2's
     head, H100, shares 25-75% in turn: 0.85x torch.compile's time with the prefix sized by the latest share, 0.82x

@@ -101,13 +101,10 @@ def backward(e: Tensor, c: Tensor, targets: Tensor, bias: Optional[Tensor], lse:
         products = _counted_share.products(options.products, seen, row_skipping_ok=can_skip and not every_row)
         diagnostics.count_products(products if can_skip else "cublas")
         prefix = products == "counted_prefix"
-        # the earlier shares size the prefix (their low quantile), or the row-skipping products' G blocks (their
-        # median) where "auto" chose them
-        hint = None
-        if prefix:
-            hint = seen.low
-        elif products == "triton" and options.products == "auto":
-            hint = seen.typical
+        # the earlier shares' low quantile sizes the prefix, or the row-skipping products' G blocks where "auto"
+        # chose them (the calls that count fewest rows are the ones that wait on the host)
+        auto_row_skipping = products == "triton" and options.products == "auto"
+        hint = seen.low if prefix or auto_row_skipping else None
         return kernels.backward(
             e, c, targets, bias, lse.float(), grad_rows.float(), softcap=softcap, ignore_index=ignore_index,
             options=_with_products(options, "cublas" if prefix else products), need_e=need_e, need_c=need_c,

@@ -68,8 +68,9 @@ counted prefix, the Triton products) the recompute stores ignored positions only
 
 Row-skipping products after a call that counted at most 40% of its rows (``products="auto"``; the counted prefix's
 cuBLAS products are then no faster than the Triton ones, and its fp32 dC pass and two more launches per vocabulary
-chunk cost more: ``cce_inductor/_counted_share.py``): ``counted_hint`` widens the G block of a single row chunk
-(:func:`row_skipping_widen`), so fewer vocabulary chunks cost the host fewer launches.
+chunk cost more: ``cce_inductor/_counted_share.py``): ``counted_hint`` (the low quantile of the earlier shares)
+widens the G block of a single row chunk (:func:`row_skipping_widen`), so fewer vocabulary chunks cost the host fewer
+launches.
 
 With TMA (16-bit inputs, ``_forward.tma_operands``) the recompute reads its E tiles from a compacted copy of each
 chunk's rows, which lives in those rows of the dE output until dE is written there at the end, so it costs no
@@ -127,13 +128,14 @@ _MAX_WIDEN = 4
 
 
 def row_skipping_widen(counted_hint: float) -> int:
-    """How many times wider the row-skipping products' G block is made where an earlier call counted
-    ``counted_hint`` of its rows: ``floor(0.5 / hint)``, 1 to ``_MAX_WIDEN``, so that the block's counted entries stay
-    within half of a narrow block's.  Each vocabulary chunk costs the host a few launches whatever its counted rows:
-    at 75% ignored the narrow blocks left the backward waiting on the host (Gemma-2's head, H100: 0.49x torch.compile
-    with the row-skipping products, engineering log v21).  Memory: ``widen - 1`` more G blocks (64 MB each at N
-    8192)."""
-    return max(1, min(_MAX_WIDEN, int(0.5 / max(counted_hint, 1e-6))))
+    """How many times wider the row-skipping products' G block is made where the earlier calls of the head counted
+    as little as ``counted_hint`` of their rows (``products="auto"`` passes their low quantile): ``ceil(0.5 / hint)``,
+    1 to ``_MAX_WIDEN``, so that a block holds at least half a narrow block's counted entries.  Each vocabulary chunk
+    costs the host a few launches whatever its counted rows, so the calls that count fewest rows wait on the host:
+    at 75% ignored the narrow blocks left the backward host-bound (Gemma-2's head, H100: 0.49x torch.compile's time
+    with them, 0.39x twice as wide), and where the share moves over 25-75% ignored, blocks twice as wide took 0.77x
+    against 0.80x (engineering log v21, v22).  Memory: ``widen - 1`` more G blocks (64 MB each at N 8192)."""
+    return max(1, min(_MAX_WIDEN, math.ceil(0.5 / max(counted_hint, 1e-6) - 1e-9)))
 
 
 @triton.jit

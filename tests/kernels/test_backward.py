@@ -211,8 +211,8 @@ def test_products_read_only_the_g_positions_stored(device, need_bias, monkeypatc
     monkeypatch.setitem(_backward._TUNING[TUNING_KEY], "vocab_chunk", 48)  # several vocabulary chunks
     block = _backward._block
     monkeypatch.setattr(_backward, "_block", lambda buf, rows, cols: block(buf.fill_(float("nan")), rows, cols))
-    for products, hint in (("cublas", None), ("triton", None), ("triton", 0.1), ("cublas", 0.0), ("cublas", 0.1),
-                           ("cublas", 0.5)):
+    for products, hint in (("cublas", None), ("triton", None), ("triton", 0.1), ("triton", 0.3), ("cublas", 0.0),
+                           ("cublas", 0.1), ("cublas", 0.5)):
         got = K.backward(e, c, targets, bias, lse, g, softcap=None, ignore_index=IGNORE,
                          options=CCEOptions(products=products), need_e=True, need_c=True, need_bias=need_bias,
                          counted_hint=hint)
@@ -222,9 +222,11 @@ def test_products_read_only_the_g_positions_stored(device, need_bias, monkeypatc
 
 
 def test_row_skipping_widen_and_block_width():
-    """The row-skipping products' G block after a call that counted ``hint`` of its rows: ``floor(0.5 / hint)``
-    times wider, 1 to 4 times; only where the rows are one row chunk, and at most V."""
-    assert [_backward.row_skipping_widen(h) for h in (1.0, 0.4, 0.25, 0.17, 0.1, 0.0)] == [1, 1, 2, 2, 4, 4]
+    """The row-skipping products' G block after calls that counted as little as ``hint`` of their rows:
+    ``ceil(0.5 / hint)`` times wider (at least half a narrow block's counted entries), 1 to 4 times; only where the
+    rows are one row chunk, and at most V."""
+    hints = (1.0, 0.5, 0.4, 1 / 3, 0.25, 0.17, 0.125, 0.1, 0.0)
+    assert [_backward.row_skipping_widen(h) for h in hints] == [1, 1, 2, 2, 2, 3, 4, 4, 4]
     width = _backward.vocab_chunk_width
     assert width(4096, 8192, 8192, 8192, 256000, 2) == 8192
     assert width(4096, 8192, 4096, 8192, 256000, 2) == 16384  # a short batch's widening too
