@@ -4,11 +4,15 @@ rows an earlier call of the same head counted, read without waiting on the devic
 * the choice as a table (forced options pass through; no earlier count, exact mode / unaligned operands and
   deterministic algorithms take cuBLAS; the threshold);
 * counts of CPU tensors are read at once, one record per head shape;
+* what the op hands the kernels (stubbed, on the CPU): the products, and the low quantile that sizes the counted
+  prefix or widens the row-skipping products' blocks;
 * on CUDA: the first backward of a head takes cuBLAS, the next ones the counted-prefix products where half the targets
   are ignored (cuBLAS over the counted rows, no host synchronisation) and the row-skipping products alone where three
   quarters are, within the forced options' tolerance of each
   other, and ``stats()`` counts them; a backward where every row counts takes cuBLAS and teaches nothing.
 """
+
+import itertools
 
 import pytest
 import torch
@@ -88,6 +92,48 @@ def test_seen_is_the_median_and_a_low_quantile_of_the_last_shares():
     share.observe(torch.tensor([5], dtype=torch.int32), 100)
     share.observe(torch.tensor([5], dtype=torch.int32), 100)
     assert share.seen() == (0.6, 0.05)
+
+
+@pytest.mark.parametrize("asked, shares, every_row, products, hint", [
+    ("auto", [0.5] * 8, False, "cublas", 0.5),  # the counted prefix: cuBLAS over the low quantile's rows
+    ("auto", [0.5, 0.75, 0.25, 0.33, 0.42, 0.5, 0.58, 0.67], False, "triton", 0.33),  # moving: the light calls size
+    ("auto", [0.25] * 8, False, "triton", 0.25),  # the row-skipping products' blocks (the 20th percentile)
+    ("auto", [1.0] * 8, False, "cublas", None),  # every row counted: no prefix
+    ("triton", [0.25] * 8, False, "triton", None),  # forced: the narrow blocks, nothing sized by earlier calls
+    ("auto", [0.25] * 8, True, "cublas", None),  # a gradient for every row's lse: every row counts
+])
+def test_dispatch_passes_the_kernels_what_the_earlier_calls_counted(monkeypatch, asked, shares, every_row, products,
+                                                                     hint):
+    """``_dispatch.backward`` with the kernels stubbed (CPU): the products it hands them, and the hint, the 20th
+    percentile of the head's last shares, that sizes the counted prefix or widens the row-skipping products' G blocks
+    (``kernels/_backward.py``, ``row_skipping_widen``), and whether the call's own count is recorded."""
+    from types import SimpleNamespace
+
+    from cce_inductor import _dispatch
+
+    vocab = next(_fresh_vocab)  # a head shape of its own per case: no other call's shares
+    head = _counted_share.of_head(torch.device("cpu"), vocab, 16)
+    for s in shares:
+        head.observe(torch.tensor([round(100 * s)], dtype=torch.int32), 100)
+    got = {}
+
+    def backward(*args, options, counted_hint, observe_counted, **kwargs):
+        got.update(products=options.products, hint=counted_hint, observes=observe_counted is not None)
+        return None, None, None
+
+    kernels = SimpleNamespace(row_skipping_ok=lambda e, c, options: True, backward=backward)
+    monkeypatch.setattr(_dispatch, "uses_kernels", lambda device, dtype: True)
+    monkeypatch.setattr(_dispatch, "triton_kernels", lambda: kernels)
+    e, c, t = torch.zeros(4, 16), torch.zeros(vocab, 16), torch.zeros(4, dtype=torch.long)
+    _dispatch.backward(e, c, t, None, torch.zeros(4), torch.zeros(4), softcap=None, ignore_index=-100,
+                       options=CCEOptions(products=asked), need_e=True, need_c=True, need_bias=False,
+                       grad_lse=torch.zeros(4) if every_row else None)
+    assert got["products"] == products
+    assert got["hint"] == (None if hint is None else pytest.approx(hint))
+    assert got["observes"] == (asked == "auto" and not every_row)
+
+
+_fresh_vocab = itertools.count(7001)
 
 
 def test_one_record_per_head_shape():
