@@ -94,10 +94,14 @@ def test_seen_is_the_median_and_a_low_quantile_of_the_last_shares():
     assert share.seen() == (0.6, 0.05)
 
 
+_fresh_vocab = itertools.count(7001)  # head shapes no other test uses
+
+
 @pytest.mark.parametrize("asked, shares, every_row, products, hint", [
     ("auto", [0.5] * 8, False, "cublas", 0.5),  # the counted prefix: cuBLAS over the low quantile's rows
-    ("auto", [0.5, 0.75, 0.25, 0.33, 0.42, 0.5, 0.58, 0.67], False, "triton", 0.33),  # moving: the light calls size
-    ("auto", [0.25] * 8, False, "triton", 0.25),  # the row-skipping products' blocks (the 20th percentile)
+    # a moving share: the row-skipping products, their blocks widened by the 20th percentile (the light calls)
+    ("auto", [0.5, 0.75, 0.25, 0.33, 0.42, 0.5, 0.58, 0.67], False, "triton", 0.33),
+    ("auto", [0.25] * 8, False, "triton", 0.25),
     ("auto", [1.0] * 8, False, "cublas", None),  # every row counted: no prefix
     ("triton", [0.25] * 8, False, "triton", None),  # forced: the narrow blocks, nothing sized by earlier calls
     ("auto", [0.25] * 8, True, "cublas", None),  # a gradient for every row's lse: every row counts
@@ -111,7 +115,7 @@ def test_dispatch_passes_the_kernels_what_the_earlier_calls_counted(monkeypatch,
 
     from cce_inductor import _dispatch
 
-    vocab = next(_fresh_vocab)  # a head shape of its own per case: no other call's shares
+    vocab = next(_fresh_vocab)  # a head shape of its own per case: no other call's shares seen
     head = _counted_share.of_head(torch.device("cpu"), vocab, 16)
     for s in shares:
         head.observe(torch.tensor([round(100 * s)], dtype=torch.int32), 100)
@@ -131,9 +135,6 @@ def test_dispatch_passes_the_kernels_what_the_earlier_calls_counted(monkeypatch,
     assert got["products"] == products
     assert got["hint"] == (None if hint is None else pytest.approx(hint))
     assert got["observes"] == (asked == "auto" and not every_row)
-
-
-_fresh_vocab = itertools.count(7001)
 
 
 def test_one_record_per_head_shape():
