@@ -58,10 +58,9 @@ class Seen(NamedTuple):
     ``low``, a low quantile (how many rows the counted prefix's cuBLAS products multiply; how wide the row-skipping
     products' G blocks, whose calls with fewest counted rows wait on the host). A prefix too long multiplies ignored
     rows' zeros at cuBLAS's full cost per row; one too short leaves counted rows to the Triton products, which cost
-    ~1.25x cuBLAS per row, so ~0.25x more: the
-    cheapest prefix over a spread of shares is their 20th percentile (the newsvendor's ratio 0.25 / 1.25). (Gemma-2's
-    head, H100, shares 25-75% in turn: 0.85x torch.compile's time with the prefix sized by the latest share, 0.82x
-    by this quantile; 0.73x at a steady 50%: engineering log v21.)"""
+    ~1.25x cuBLAS per row, so ~0.25x more: the cheapest prefix over a spread of shares is their 20th percentile (the
+    newsvendor's ratio 0.25 / 1.25). (Gemma-2's head, H100, shares 25-75% in turn: 0.85x torch.compile's time with
+    the prefix sized by the latest share, 0.82x by this quantile; 0.73x at a steady 50%: engineering log v21.)"""
 
     typical: float
     low: float

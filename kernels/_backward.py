@@ -136,7 +136,7 @@ def row_skipping_widen(counted_hint: float) -> int:
     torch.compile's time with them, 0.39x twice as wide), and where the share moves over 25-75% ignored, blocks
     twice as wide took 0.77x against 0.80x (engineering log v21, v22).  Memory: ``widen - 1`` more G blocks (64 MB
     each at N 8192)."""
-    return max(1, min(_MAX_WIDEN, math.ceil(0.5 / max(counted_hint, 1e-6) - 1e-9)))
+    return max(1, min(_MAX_WIDEN, math.ceil(0.5 / max(counted_hint, 1e-6))))
 
 
 @triton.jit
