@@ -201,15 +201,19 @@ def test_products_read_only_the_g_positions_stored(device, need_bias, monkeypatc
     whatever the products and the hint (a prefix shorter and longer than the counted rows, the row-skipping
     products' widened blocks)."""
     device_ok(device)
-    n, v, d = 90, 170, 24
+    tuning = _backward._TUNING[TUNING_KEY]
+    # several vocabulary chunks, the 4x widened blocks too: chunks one block_v wide and no small-N widening (the
+    # interpreter's block_v 32: blocks of 32, 64, 128 of V 170; a GPU's 256: 256 .. 1024 of V 2600)
+    monkeypatch.setitem(tuning, "vocab_chunk", tuning["block_v"])
+    monkeypatch.setitem(tuning, "g_block_rows", 0)
+    n, v, d = (300, 2600, 64) if TUNING_KEY == "gpu" else (90, 170, 24)
     e, c, targets, b = make_kernel_inputs(n, v, d, torch.float32, device, bias=True, seed=3)
-    targets[5:80] = IGNORE  # 15 counted rows: one row block counted, the others ignored only (blocks of 16)
+    assert _backward.vocab_chunk_width(tuning["vocab_chunk"], 0, n, n, v, widen=4) < v  # 4x: two chunks or more
+    targets[5:n - 10] = IGNORE  # 15 counted rows: one row block counted, the others ignored only
     g = mean_grad_rows(targets)
     bias = b if need_bias else None
     lse, *_ = K.forward(e, c, targets, bias, softcap=None, ignore_index=IGNORE)
     _, _, *ref = reference(e, c, targets, bias, g, None)
-    # several vocabulary chunks under the interpreter, the 4x widened blocks too (32, 64, 128 of V 170)
-    monkeypatch.setitem(_backward._TUNING[TUNING_KEY], "vocab_chunk", 32)
     block = _backward._block
     monkeypatch.setattr(_backward, "_block", lambda buf, rows, cols: block(buf.fill_(float("nan")), rows, cols))
     for products, hint in (("cublas", None), ("triton", None), ("triton", 0.1), ("triton", 0.3), ("cublas", 0.0),

@@ -1,0 +1,45 @@
+"""(session 20) Where does the counted prefix stop paying? 5 / 10 / 20 % ignored, the products forced to cuBLAS over
+every row or to the counted prefix by moving COUNTED_PREFIX_AT_MOST; same process per head, compile as the bar."""
+import json, os, sys, torch
+sys.path[:0] = ["benchmarks", "."]
+import _common as C
+import vocab_grid as VG
+import cce_inductor
+from cce_inductor import _counted_share as S
+out = open(os.path.join(os.environ.get("OUT", "."), "threshold_probe.jsonl"), "a")
+heads = {"gemma2": (2304, 256000), "llama3": (4096, 128256), "qwen05": (896, 151936)}
+dev = torch.cuda.get_device_name()
+for head in os.environ.get("HEADS", "gemma2,llama3").split(","):
+    d, v = heads[head]
+    n = 8192
+    e, c, _ = VG.make_data(n, d, v, 0, "cuda", 0)
+    cases = {p: VG.make_data(n, d, v, p, "cuda", 0)[2] for p in (5, 10, 20)}
+    e.requires_grad_(True); c.requires_grad_(True)
+    fns = {}
+    for i, m in enumerate(("compile", "default")):
+        torch._dynamo.reset()
+        f = C.fresh_loss(f"{head}{i}", -100)
+        fns[m] = torch.compile(f) if m == "compile" else torch.compile(f, backend=cce_inductor.make_backend())
+    for pct, t in cases.items():
+        for m, at_most in (("compile", None), ("cublas", 0.0), ("prefix", 0.999), ("cublas", 0.0), ("prefix", 0.999)):
+            fn = fns["compile" if m == "compile" else "default"]
+            if at_most is not None:
+                S.COUNTED_PREFIX_AT_MOST = at_most
+            def timed():
+                e.grad = c.grad = None
+                fn(e, c, t).backward()
+            for _ in range(10):
+                timed()
+            before = dict(cce_inductor.stats()["backward_products"])
+            torch.cuda.synchronize(); torch.cuda.reset_peak_memory_stats(); base = torch.cuda.memory_allocated()
+            timed(); torch.cuda.synchronize()
+            peak = (torch.cuda.max_memory_allocated() - base) / 2**20
+            host, wall = C.host_and_wall_ms(timed, reps=5, warmup=1)
+            ms = C.bench(timed, "cuda", grad_to_none=[e, c])
+            after = cce_inductor.stats()["backward_products"]
+            ran = {k: after[k] - before.get(k, 0) for k in after if after[k] != before.get(k, 0)}
+            row = dict(device=dev, head=head, ignored_pct=pct, method=m, at_most=at_most, ms=round(ms, 2),
+                       peak_mb=round(peak), host_ms=round(host, 2), wall_ms=round(wall, 2), products_ran=ran)
+            print(json.dumps(row), flush=True); out.write(json.dumps(row) + "\n"); out.flush()
+    S.COUNTED_PREFIX_AT_MOST = 0.9
+    del e, c, fns; C.free("cuda")
