@@ -281,13 +281,16 @@ def linear_cross_entropy_with_grads_op(
     need_e: bool,
     need_c: bool,
     need_bias: bool,
+    returned_logits: bool,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Returns ``(loss, grad_e, grad_c, grad_bias)``: the loss (reduction "mean" or "sum") and its own gradients
     (upstream gradient 1) in the accumulation dtype (fp32; fp64 for fp64 inputs), a gradient not asked for an empty
     tensor. The autograd formula scales them by the loss's upstream gradient and rounds once to the inputs' dtypes,
     so the backward pass costs one elementwise pass per gradient. On CUDA the balanced kernels
-    (``kernels/_balanced.py``: row chunks of logits in a scratch of ``options.scratch_mb``); elsewhere the chunked
-    path's forward and backward back to back."""
+    (``kernels/_balanced.py``: row chunks of logits in a scratch of ``options.scratch_mb``, or sized here for the
+    rows of the call within the budget of ``cce_inductor.paths``); elsewhere the chunked path's forward and backward
+    back to back. ``returned_logits``: the site's graph also returns the logits (``paths.HeadFacts``), which raises
+    that budget as it raised it when the pass chose this path."""
     diagnostics.count_execution("linear_cross_entropy")
     if reduction not in ("mean", "sum"):
         raise ValueError(f"linear_cross_entropy_with_grads computes reductions 'mean' and 'sum', got {reduction!r}")
@@ -296,7 +299,8 @@ def linear_cross_entropy_with_grads_op(
         _checks.check_inputs(e, c, targets, bias)
         _checks.check_target_range(targets, c.shape[0], ignore_index)
         # the scratch for the rows this call really has (the site may have been compiled for another batch size)
-        facts = _dispatch.head_facts(*e.shape, c.shape[0], e.dtype, e.device, reduction, needs_grad=True)
+        facts = _dispatch.head_facts(*e.shape, c.shape[0], e.dtype, e.device, reduction, needs_grad=True,
+                                     returned_logits=returned_logits)
         scratch = paths.scratch_for(facts, CCEOptions.decode(options).scratch_mb)
         loss, grad_e, grad_c, grad_bias = _dispatch.loss_and_grads(
             e, c, targets, bias, softcap=softcap, ignore_index=ignore_index, reduction=reduction,
@@ -308,7 +312,8 @@ def linear_cross_entropy_with_grads_op(
 
 
 @linear_cross_entropy_with_grads_op.register_fake
-def _(e, c, targets, bias, softcap, ignore_index, reduction, label_smoothing, options, need_e, need_c, need_bias):
+def _(e, c, targets, bias, softcap, ignore_index, reduction, label_smoothing, options, need_e, need_c, need_bias,
+      returned_logits):
     _checks.check_inputs(e, c, targets, bias)
     acc = _chunked.accumulation_dtype(e.dtype)
     return (e.new_empty((), dtype=acc),) + tuple(
@@ -323,7 +328,7 @@ def _setup_context_with_grads(ctx, inputs, output) -> None:
     # no zero tensors for the gradient outputs' (absent) upstream gradients: dC's would be a V x D fp32 fill
     ctx.set_materialize_grads(False)
     ctx.save_for_backward(grad_e, grad_c, grad_bias)
-    ctx.computed = inputs[-3:]  # need_e, need_c, need_bias: which of them hold a gradient
+    ctx.computed = inputs[9:12]  # need_e, need_c, need_bias: which of them hold a gradient
     ctx.dtypes = (e.dtype, c.dtype, None if bias is None else bias.dtype)
 
 
@@ -337,7 +342,7 @@ def _backward_with_grads(ctx, grad_loss, *_):
     """``(grad_loss * saved).to(dtype)``: the product of the fp32 gradients, rounded once to the input's dtype, so
     the gradients carry one rounding whatever the upstream gradient (Inductor fuses this into one pass)."""
     if grad_loss is None:  # (grads are not materialised) nothing flows back into the loss
-        return (None,) * 12
+        return (None,) * 13
     saved = ctx.saved_tensors
     grads = []
     for needed, computed, grad, dtype in zip(
@@ -350,7 +355,7 @@ def _backward_with_grads(ctx, grad_loss, *_):
             )
         grads.append(_scaled(grad, grad_loss, dtype) if needed else None)
     grad_e, grad_c, grad_bias = grads
-    return (grad_e, grad_c, None, grad_bias) + (None,) * 8
+    return (grad_e, grad_c, None, grad_bias) + (None,) * 9
 
 
 linear_cross_entropy_with_grads_op.register_autograd(_backward_with_grads, setup_context=_setup_context_with_grads)
@@ -421,7 +426,7 @@ def linear_cross_entropy(
         loss, _, _, _ = linear_cross_entropy_with_grads_op(
             e.reshape(-1, e.shape[-1]), c, targets.reshape(-1).long(), bias,
             None if softcap is None else float(softcap), int(ignore_index), reduction, float(label_smoothing),
-            options.encode(), *need,
+            options.encode(), *need, False,
         )
         return loss
     loss, _, _ = linear_cross_entropy_op(

@@ -15,6 +15,10 @@ the measured peaks of ``benchmarks/`` (H100, bf16, N 8192: Gemma-2 5162 / 1300 /
 balanced, model 5161 / 1297 / 3483; Llama-3 3070 / 1259 / 3134, model 3070 / 1258 / 3198):
 
     torch.compile  N V b + V D b + N D b                 (the logits, saved for its backward, and the gradients)
+                   + N V b where the logits are also graph outputs (Hugging Face models return them): torch.compile
+                   of the same code must materialise and return them, the rewrite returns them lazily or drops them
+                   (measured at full depth, Gemma-2-2B, H100: torch.compile's head ~6-8 bytes per logit there,
+                   against the 2 modelled without them; engineering log v24)
     lean           (N + V) D b + R * W * b + N D 4 (+ W D 4 where N > R; R = min(N, backward_row_chunk),
                    W = min(V, 4096 * max(1, 8192 // N)) where R = N, else 4096: one G block of at most 8192 x 4096
                    entries; + W D 4 more on calls after one with >= 10% of the targets ignored: the fp32 dC sums of
@@ -29,7 +33,9 @@ The default (``path="auto"``) takes the fastest path whose peak fits the budget 
 1.15 x the gradients' own (N + V) D b)``: balanced where it fits (three matmuls), else lean (four matmuls, always
 within the budget's second term up to its fixed scratch). So the default never trades memory for speed past half
 of torch.compile's peak; where balanced does not fit (large V x D against N x V, e.g. N 8192 on Gemma-2's head:
-6 V D > N V / 2) the lean path's time is the price, and ``stats()`` says so. ``path="lean"`` / ``"balanced"``
+6 V D > N V / 2) the lean path's time is the price, and ``stats()`` says so. Where the graph also returns the
+logits (Hugging Face models), torch.compile's peak holds them twice, so the balanced path fits from fewer rows
+(Gemma-2's and Llama-3.2-1B's heads from 8192 rather than 16384). ``path="lean"`` / ``"balanced"``
 force a path; a forced balanced path fatter than torch.compile says so too.
 """
 
@@ -78,6 +84,7 @@ class HeadFacts:
     needs_grad: bool  # the loss needs gradients of the head's inputs
     lse_reused: bool = False  # the log-sum-exp is used beyond the loss (a z-loss)
     per_row_outputs: bool = False  # token log-probs, entropy, chunked heads fused with reduction "none"
+    returned_logits: bool = False  # the logits are graph outputs too (torch.compile keeps them; the rewrite does not)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,9 +95,11 @@ class PathChoice:
 
 
 def compile_peak(f: HeadFacts) -> int:
-    """torch.compile's peak for ``cross_entropy(linear(e, c).float(), t)`` (forward + backward), bytes."""
+    """torch.compile's peak for ``cross_entropy(linear(e, c).float(), t)`` (forward + backward), bytes, with the
+    logits it returns where the graph returns them (``f.returned_logits``)."""
     b = f.element_size
-    return f.rows * f.vocab * b + (f.vocab + f.rows) * f.hidden * b
+    logits = f.rows * f.vocab * b * (2 if f.returned_logits else 1)
+    return logits + (f.vocab + f.rows) * f.hidden * b
 
 
 def gradient_bytes(f: HeadFacts) -> int:
@@ -158,6 +167,11 @@ def _mib(n: int) -> str:
     return f"{n / 2**20:.0f} MiB"
 
 
+def _compile_estimate(f: HeadFacts) -> str:
+    returned = ", the logits it returns included" if f.returned_logits else ""
+    return f"{_mib(compile_peak(f))}{returned}"
+
+
 def lean_only_reason(f: HeadFacts) -> Optional[str]:
     """Why the balanced path cannot compute this loss at all (None where it can)."""
     if f.per_row_outputs or f.reduction not in ("mean", "sum"):
@@ -210,14 +224,14 @@ def _choose(f: HeadFacts, path: str, scratch_mb: int, backward_row_chunk: int) -
     if scratch:
         return PathChoice("balanced", f"balanced path: three matmuls, est. peak {_mib(balanced_peak(f, scratch))} "
                                       f"within the budget {_mib(limit)} (half of torch.compile's est. "
-                                      f"{_mib(compile_peak(f))}; {_mib(scratch)} scratch)", scratch)
+                                      f"{_compile_estimate(f)}; {_mib(scratch)} scratch)", scratch)
     need = balanced_peak(f, min(f.rows, _MIN_CHUNK_ROWS) * scratch_row_pitch(f.vocab) * f.element_size)
     lean = lean_peak(f, backward_row_chunk)
     over = "" if lean <= limit else (f"; the lean path's est. peak {_mib(lean)} is over the budget too (its G block "
                                      "and dE summed in fp32 against a small V x D), the least of the two")
     return PathChoice("lean", f"lean path: the balanced path's est. peak {_mib(need)} (dC summed in fp32, "
                               f"{_mib(4 * f.vocab * f.hidden)}) exceeds the budget {_mib(limit)} (half of "
-                              f"torch.compile's est. {_mib(compile_peak(f))}); four matmuls where torch.compile does "
+                              f"torch.compile's est. {_compile_estimate(f)}); four matmuls where torch.compile does "
                               f"three (~1.3-1.5x its time on the head){over}{_host_bound_note(f)}"
                               f"{_balanced_instead_note(f)}")
 
@@ -226,7 +240,7 @@ def scratch_for(f: HeadFacts, scratch_mb: int = 0) -> int:
     """The balanced path's scratch once it is taken: ``scratch_mb`` MiB where given, else what the budget leaves
     (:func:`balanced_scratch`), and where it leaves none (a forced path, or a batch larger than the one the site was
     compiled for) up to 1 GiB: the balanced path was chosen for speed. The op calls this at run time, with the real
-    N."""
+    N and the site's ``returned_logits``, so it reads the budget the choice read."""
     if scratch_mb:
         return scratch_mb * 2**20
     # past the budget (forced), the scratch that makes the balanced path fast: fewer chunks, fewer fp32 dC passes

@@ -401,7 +401,7 @@ def test_opcheck():
     e, c, t, b = make_balanced_inputs(9, 30, 8, torch.float32, bias=True)
     for reduction in ("mean", "sum"):
         args = (e.requires_grad_(), c.requires_grad_(), t, b.requires_grad_(), 4.0, IGNORE, reduction, 0.1,
-                BALANCED.encode(), True, True, True)
+                BALANCED.encode(), True, True, True, False)
         torch.library.opcheck(torch.ops.cce_inductor.linear_cross_entropy_with_grads.default, args)
 
 
@@ -409,13 +409,13 @@ def test_backward_scales_saved_gradients_and_refuses_missing_ones():
     e, c, t, _ = make_balanced_inputs(10, 30, 8, torch.float32)
     e.requires_grad_()
     loss, grad_e, grad_c, _ = torch.ops.cce_inductor.linear_cross_entropy_with_grads(
-        e, c, t, None, None, IGNORE, "sum", 0.0, BALANCED.encode(), True, False, False)
+        e, c, t, None, None, IGNORE, "sum", 0.0, BALANCED.encode(), True, False, False, False)
     assert grad_c.numel() == 0 and not grad_e.requires_grad
     (ge,) = torch.autograd.grad(loss * 2.0, [e])
     assert torch.equal(ge, grad_e * 2.0)
     # c requires grad but its gradient was not computed: loud, never a silent None / zero
     loss, *_ = torch.ops.cce_inductor.linear_cross_entropy_with_grads(
-        e, c.requires_grad_(), t, None, None, IGNORE, "sum", 0.0, BALANCED.encode(), True, False, False)
+        e, c.requires_grad_(), t, None, None, IGNORE, "sum", 0.0, BALANCED.encode(), True, False, False, False)
     with pytest.raises(RuntimeError, match="told not to compute"):
         torch.autograd.grad(loss, [c])
 

@@ -179,6 +179,30 @@ def test_scratch_at_run_time():
     assert paths.scratch_for(_facts("gpt2", 8192), scratch_mb=3) == 3 * 2**20
 
 
+@pytest.mark.parametrize("d, v, n, want", [
+    (2304, 256000, 8192, "balanced"),  # Gemma-2's head
+    (2048, 128256, 8192, "balanced"),  # Llama-3.2-1B's
+    (2304, 256000, 4096, "lean"),  # Gemma-2's at 4096 rows: the fp32 dC sums alone are over half of even that
+])
+def test_returned_logits_count_in_torch_compiles_peak(d, v, n, want):
+    """Where the graph also returns the logits (Hugging Face models), torch.compile of the same code materialises
+    them, N V b more (measured at full depth: ~6 bytes per logit, against the 2 modelled without them, Gemma-2-2B;
+    engineering log v24), and the rewrite does not (lazy or dropped logits). Half of that joins the budget: the
+    balanced path then fits from 8192 rows on Gemma-2's and Llama-3.2-1B's heads (lean without returned logits),
+    not from 4096 on Gemma-2's; stats() says what the estimate holds, and the op, sizing the scratch at run time
+    from the same facts, takes the scratch the choice named."""
+    base = dict(rows=n, hidden=d, vocab=v, element_size=2, kernels=True, reduction="mean", needs_grad=True)
+    plain, returned = paths.HeadFacts(**base), paths.HeadFacts(**base, returned_logits=True)
+    assert paths.compile_peak(returned) == paths.compile_peak(plain) + n * v * 2
+    assert paths.choose(plain).path == "lean"
+    choice = paths.choose(returned)
+    assert choice.path == want, choice.reason
+    assert "the logits it returns included" in choice.reason
+    if want == "balanced":
+        assert paths.balanced_peak(returned, choice.scratch_bytes) <= paths.budget(returned)
+        assert paths.scratch_for(returned) == choice.scratch_bytes > 0
+
+
 def test_chunk_rows():
     """Rows per balanced chunk: scratch rows are padded to a multiple of 64 elements (V 1000 -> 1024)."""
     assert paths.scratch_row_pitch(1000) == 1024 and paths.scratch_row_pitch(1024) == 1024
@@ -352,6 +376,53 @@ def test_pass_keeps_the_lean_path_where_the_balanced_one_does_not_apply(setting,
     torch.testing.assert_close(loss, want_loss.detach(), rtol=1e-5, atol=1e-6)
     for mine, theirs in zip(grads, want):
         assert rel_l2(mine, theirs) < 1e-5
+
+
+class HeadReturningLogits(Head):
+    """A Hugging Face model's shape: the loss and the logits both leave the compiled region."""
+
+    def forward(self, ids, labels):
+        logits = self.head(torch.tanh(self.proj(self.embed(ids))))
+        return F.cross_entropy(logits.float().view(-1, self.head.out_features), labels.view(-1)), logits
+
+
+@pytest.mark.parametrize("returns_logits", [True, False])
+def test_pass_tells_the_choice_and_the_op_whether_the_graph_returns_logits(returns_logits, monkeypatch,
+                                                                            no_inductor_caches):
+    """The facts the pass chooses from, and the ones the balanced op sizes its scratch from at run time, both say
+    whether the graph returns the logits (paths.HeadFacts.returned_logits); the results match eager, the returned
+    (lazy) logits included."""
+    seen = {"choose": [], "scratch": []}
+    choose, scratch_for = paths.choose, paths.scratch_for
+
+    def spy(name, fn):
+        return lambda facts, *args, **kwargs: seen[name].append(facts.returned_logits) or fn(facts, *args, **kwargs)
+
+    monkeypatch.setattr(paths, "choose", spy("choose", choose))
+    monkeypatch.setattr(paths, "scratch_for", spy("scratch", scratch_for))
+    torch.manual_seed(0)
+    model = HeadReturningLogits() if returns_logits else Head()
+    ids, labels = _data()
+    want = model(ids, labels)
+    want_loss, want_logits = want if returns_logits else (want, None)
+    params = [p for p in model.parameters() if p.requires_grad]
+    want_grads = torch.autograd.grad(want_loss, params)
+    cce_inductor.reset_stats()
+    compiled = torch.compile(model, backend=cce_inductor.make_backend(BALANCED))
+    compiled(ids, labels)  # compiles (the choice, and its forced path's scratch) and runs
+    compiled_seen = len(seen["scratch"])
+    got = compiled(ids, labels)  # runs only: the op's own call
+    loss, logits = got if returns_logits else (got, None)
+    stats = cce_inductor.stats()
+    assert [(s["rewritten"], s["path"]) for s in stats["sites"]] == [(True, "balanced")], stats["sites"]
+    assert ("returned logits computed on first use" in stats["sites"][0]["reason"]) == returns_logits
+    assert seen["choose"] and set(seen["choose"]) == {returns_logits}
+    assert set(seen["scratch"]) == {returns_logits} and seen["scratch"][compiled_seen:] == [returns_logits]
+    torch.testing.assert_close(loss, want_loss, rtol=1e-5, atol=1e-6)
+    for mine, theirs in zip(torch.autograd.grad(loss, params), want_grads):
+        assert rel_l2(mine, theirs) < 1e-5
+    if returns_logits:
+        torch.testing.assert_close(logits * 1, want_logits, rtol=1e-5, atol=1e-6)
 
 
 def test_per_row_sites_say_they_keep_the_lean_path(no_inductor_caches):

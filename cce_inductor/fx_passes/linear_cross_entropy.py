@@ -234,7 +234,7 @@ def _fused_loss(options: CCEOptions) -> EmitLoss:
             fused = graph.call_function(
                 torch.ops.cce_inductor.linear_cross_entropy_with_grads.default,
                 (rows, weight, targets, bias, site.softcap, site.ignore_index, site.reduction, site.label_smoothing,
-                 options.encode(), *need),
+                 options.encode(), *need, bool(site.escaping)),
             )  # fmt: skip
             return graph.call_function(operator.getitem, (fused, 0))
         fused = graph.call_function(

@@ -230,11 +230,14 @@ def describe_site(site: Site) -> str:
 def choose_path(site: Site, options: CCEOptions, *, per_row_outputs: bool = False) -> paths.PathChoice:
     """The path of this site (:func:`cce_inductor.paths.choose`) from the shapes Dynamo traced (a dynamic batch: the
     size it was traced with). What requires grad is known here: Dynamo traced the graph with it, and guards on it (the
-    loss itself: a head computed with grad whose loss is taken under no_grad needs no gradient)."""
+    loss itself: a head computed with grad whose loss is taken under no_grad needs no gradient). Logits the graph
+    returns (``site.escaping``) count in torch.compile's estimated peak: it must materialise them, the rewrite
+    returns them lazily or drops them."""
     logits, hidden = example_value(site.chain[-1]), example_value(site.hidden)
     facts = _dispatch.head_facts(
         logits.shape[0], hidden.shape[-1], logits.shape[-1], site.compute_dtype, hidden.device, site.reduction,
         needs_grad=requires_grad(site.cross_entropy), lse_reused=bool(site.lse_users), per_row_outputs=per_row_outputs,
+        returned_logits=bool(site.escaping),
     )
     choice = paths.choose(facts, options.path, options.scratch_mb, options.backward_row_chunk,
                           options.products)
