@@ -186,7 +186,7 @@ def test_scratch_at_run_time():
 ])
 def test_returned_logits_count_in_torch_compiles_peak(d, v, n, want):
     """Where the graph also returns the logits (Hugging Face models), torch.compile of the same code materialises
-    them, N V b more (measured at full depth: ~6 bytes per logit, against the 2 modelled without them, Gemma-2-2B;
+    them, N V b more (measured at full depth: ~6-8 bytes per logit, against the 2 modelled without them, Gemma-2-2B;
     engineering log v24), and the rewrite does not (lazy or dropped logits). Half of that joins the budget: the
     balanced path then fits from 8192 rows on Gemma-2's and Llama-3.2-1B's heads (lean without returned logits),
     not from 4096 on Gemma-2's; stats() says what the estimate holds, and the op, sizing the scratch at run time
