@@ -18,7 +18,7 @@ started that would end past it); re-run the SAME command with --resume until its
                                                               # --tiny --models gemma2-2b --ckpt off: ~2 min)
 
 Defaults: --methods compile,default (also lean, balanced: METHODS of _common.py, each with drop_logits=True)
---ckpt off,on --max-batch 256 --steps 5 --seq 2048 --batch-shapes dynamic; --out $OUT/full_depth.jsonl ($OUT
+--ckpt off,on --max-batch 256 --steps 5 --min-timed-s 2 --seq 2048 --batch-shapes dynamic; --out $OUT/full_depth.jsonl ($OUT
 unset: ./full_depth.jsonl); --budget-s 500 (no worker, and no batch, is started that would end past it).
 
 Methods: compile = torch.compile(model); default = torch.compile(model, backend=cce_inductor.make_backend(
@@ -36,7 +36,9 @@ Inductor's on-disk caches are off (force_disable_caches), so a first step always
 Columns (JSON lines; the first line of each run is a header: device, versions, date, command line):
     model, method, ckpt (off / on), batch, seq, tokens (batch * seq)
     first_step_s  the first step at this batch, wall clock, synchronised (its compile or recompile included)
-    step_ms       median over --steps further steps (forward, backward, optimizer step, zero_grad), synchronised
+    step_ms       median over the further steps (forward, backward, optimizer step, zero_grad), synchronised: at
+                  least --steps of them and as many more as --min-timed-s seconds take, up to 100
+                  (step_ms_all: each of them, in order)
     tokens_s      tokens / step_ms;  peak_gb  torch.cuda.max_memory_allocated() over those steps (parameters,
                   gradients, optimizer state, activations: everything), after reset_peak_memory_stats()
     pick, pick_reason  the path stats() reports for the loss site (cce methods);  loss  the last step's loss
@@ -205,13 +207,15 @@ def worker(args):
                     row["pick"], row["pick_reason"] = pick
                 if cuda:
                     torch.cuda.reset_peak_memory_stats()
-                times = []
-                for _ in range(args.steps):
+                times = []  # at least --steps steps and --min-timed-s seconds of them: a small model's step is
+                # host-bound and its host stalls for 2x now and then (v25), which the median of 4 does not outvote
+                while len(times) < args.steps or (sum(times) < 1e3 * args.min_timed_s and len(times) < 100):
                     t0 = time.perf_counter()
                     loss = step()
                     C.sync(dev)
                     times.append((time.perf_counter() - t0) * 1e3)
                 row["step_ms"] = statistics.median(times)
+                row["step_ms_all"] = [round(t, 2) for t in times]
                 row["tokens_s"] = b * args.seq / (row["step_ms"] / 1e3)
                 row["peak_gb"] = torch.cuda.max_memory_allocated() / 2**30 if cuda else None
                 row["loss"] = float(loss)
@@ -306,7 +310,7 @@ def driver(args, argv):
     if not args.report:
         C.append_row(args.out, C.header(args.device, dict(
             script="full_depth", models=args.models, methods=args.methods, backends=backends, ckpt=args.ckpt,
-            batches=args.batches, seq=args.seq, steps=args.steps, static=args.static,
+            batches=args.batches, seq=args.seq, steps=args.steps, min_timed_s=args.min_timed_s, static=args.static,
             configs={m: MODELS[m][1] for m in args.models}, tiny=args.tiny)))
     print(f"# results: {args.out}", flush=True)
     child_argv = C.strip_flags(argv, {"--models", "--methods", "--out", "--budget-s"}) + [
@@ -344,7 +348,9 @@ def parse_args(argv):
     ap.add_argument("--batches", default=None, help="batch sizes to try, in order (default 1,2,4,... --max-batch)")
     ap.add_argument("--max-batch", type=int, default=256)
     ap.add_argument("--seq", type=int, default=None, help="tokens per sequence (default 2048)")
-    ap.add_argument("--steps", type=int, default=None, help="timed steps per batch (default 5)")
+    ap.add_argument("--steps", type=int, default=None, help="timed steps per batch, at least (default 5)")
+    ap.add_argument("--min-timed-s", type=float, default=None,
+                    help="more timed steps until they add up to this many seconds, at most 100 (default 2; tiny 0)")
     ap.add_argument("--batch-shapes", choices=("dynamic", "static"), default="dynamic")
     ap.add_argument("--attn", default=None, help="attn_implementation for every model (default: per model)")
     ap.add_argument("--out", default=None, help="JSON lines, appended (default $OUT/full_depth.jsonl)")
@@ -377,6 +383,8 @@ def parse_args(argv):
         args.batches = [2**i for i in range(top.bit_length()) if 2**i <= top]
     args.seq = args.seq or (64 if args.tiny else 2048)
     args.steps = args.steps or (1 if args.tiny else 5)
+    if args.min_timed_s is None:
+        args.min_timed_s = 0.0 if args.tiny else 2.0
     args.static = args.batch_shapes == "static"
     if args.budget_s is None:
         args.budget_s = 0 if args.tiny else 500

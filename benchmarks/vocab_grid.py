@@ -68,7 +68,8 @@ torch.set_float32_matmul_precision("high") (TF32 for fp32 matmuls: torch.compile
 2026-11-26, the kernels' own) in every worker. The reference stays fp32 logits with IEEE products, so for fp32 inputs
 errors below ~1e-6 are not resolved (the TF32 errors, ~1e-3, are). Rows carry both; --resume keys on them.
 --tiny: CPU, heads tiny2003 / tiny2048 (D 64), N 256, two reps, perf_counter timing, no memory figures.
---profile: for the default method, one fwd+bwd under torch.profiler: device time per kernel (top 10 + other).
+--profile [M,...]: for the default method (or the methods listed), one fwd+bwd under torch.profiler: device time per
+kernel (top 10 + other).
 """
 from __future__ import annotations
 
@@ -349,7 +350,7 @@ def worker(args):
                         try:
                             fn = build(name, backends, peers, dynamic, f"{name}_{n}_{ign}_{shapes}")
                             row.update(measure(fn, e, c, t, args, dynamic, ref, name in backends,
-                                               fwd=name in FWD_TOO, profile=args.profile and name == "default"))
+                                               fwd=name in FWD_TOO, profile=name in args.profile))
                         except Exception as exc:  # noqa: BLE001 - recorded; the next method goes on
                             row["error"] = C.err_text(exc)
                             bad += "NOT REWRITTEN" in row["error"]
@@ -367,7 +368,7 @@ def worker(args):
                     C.append_row(args.out, row)
                     print_row(row)
                     if row.get("kernels"):
-                        C.print_breakdown(f"{args.head} N={n} {shapes} default fwd+bwd", row["kernels"])
+                        C.print_breakdown(f"{args.head} N={n} {shapes} {name} fwd+bwd", row["kernels"])
                     if name != "matmul" and fatal:
                         print("# the CUDA context is broken: this worker stops", flush=True)
                         return 3
@@ -462,7 +463,8 @@ def parse_args(argv):
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--ignore-spread", type=int, default=0,
                     help="time 8 target sets in turn whose ignored %% spread over --ignore +- this")
-    ap.add_argument("--profile", action="store_true", help="per-kernel breakdown of the default method's fwd+bwd")
+    ap.add_argument("--profile", nargs="?", const="default", default="",
+                    help="per-kernel breakdown of the fwd+bwd of the methods listed (flag alone: default)")
     ap.add_argument("--dtype", default="bf16", choices=sorted(DTYPES), help="e and c's dtype (default bf16)")
     ap.add_argument("--matmul-precision", default="highest", choices=["highest", "high"],
                     help="torch.set_float32_matmul_precision in the workers (fp32 products: IEEE or TF32)")
@@ -484,6 +486,7 @@ def parse_args(argv):
         ap.error("--shapes: static, dynamic")
     args.methods_raw = args.methods.split(",")
     args.methods = [m for m in args.methods_raw if m != "peers"]
+    args.profile = [m for m in args.profile.split(",") if m]
     unknown = set(args.methods) - set(BASE) - set(C.METHODS) - {"trl", "liger", "apple_cce"}
     if unknown:
         ap.error(f"unknown methods {sorted(unknown)}")
