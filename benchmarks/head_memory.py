@@ -1,0 +1,162 @@
+"""What is alive at the peak of one whole training step: the CUDA allocator's blocks at the step's highest point,
+the logits-sized ones named by the line of code that allocated them.
+
+Why: the default path's memory budget is half of torch.compile's estimated head peak (``paths.compile_peak``). On
+the vocabulary grid's loss-only code that estimate matches the measured peak (2 bytes per bf16 logit); in Hugging
+Face models at full depth torch.compile's step holds ~5.5-6.9 bytes per logit more than ours (engineering log v24,
+v25), and Inductor's partition saves one bf16 buffer for both the returned and the saved logits (a CPU probe, v25).
+This script finds which buffers make up the rest, so that the estimate can count what the graph proves.
+
+    python benchmarks/head_memory.py --model gemma2-2b --batch 2 --method compile
+    python benchmarks/head_memory.py --model gemma2-2b --batch 2 --method default --out $OUT/head_memory.jsonl
+
+One model, method and batch per process (built as ``full_depth.py`` builds it: config only, fp32 master weights,
+bf16 autocast, AdamW, seq 2048, labels = input_ids, checkpointing off unless --ckpt on, static shapes). Two steps
+compile and warm up; the third runs under ``torch.cuda.memory._record_memory_history``. The allocator's trace of
+that step is replayed: the peak is the highest sum of the blocks allocated during it (less those freed that were
+allocated before it), and every block alive at that moment of at least ``N V`` bytes (N = batch x seq rows, V the
+vocabulary: one byte per logit) is listed with its size in bytes per logit and the innermost Python line that
+allocated it (Inductor's generated code names its buffers there: ``buf12 = empty_strided_cuda((4096, 256000),
+...)``). One JSON line per run in --out: model, method, batch, rows, vocab, pick (the default's path), step_peak_gb
+(max_memory_allocated), trace_peak_gb (the replayed peak above the blocks allocated before the step), logit_blocks
+[{bytes, per_logit, where, line}], logit_bytes_per_logit (their sum over N V).
+CUDA only (the allocator's history); --tiny checks the harness on CPU without it (no blocks listed).
+"""
+from __future__ import annotations
+
+import argparse
+import linecache
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _common as C  # noqa: E402
+import full_depth as FD  # noqa: E402
+
+
+def peak_blocks(trace, min_bytes):
+    """Replay one device's allocator trace (``torch.cuda.memory._snapshot()["device_traces"][i]``): the peak of the
+    bytes allocated during the trace, and the blocks of at least ``min_bytes`` alive at it, largest first."""
+    live, cur, peak, at = {}, 0, 0, -1
+    for i, ev in enumerate(trace):
+        if ev["action"] == "alloc":
+            live[ev["addr"]] = ev
+            cur += ev["size"]
+            if cur > peak:
+                peak, at = cur, i
+        elif ev["action"] == "free_completed":
+            cur -= ev["size"]  # a block allocated before the trace lowers the sum too: it was part of the base
+            live.pop(ev["addr"], None)
+    live = {}
+    for ev in trace[: at + 1]:  # the set alive at the peak, by a second replay up to it
+        if ev["action"] == "alloc":
+            live[ev["addr"]] = ev
+        elif ev["action"] == "free_completed":
+            live.pop(ev["addr"], None)
+    big = sorted((ev for ev in live.values() if ev["size"] >= min_bytes), key=lambda ev: -ev["size"])
+    return peak, big
+
+
+def allocation_site(frames, depth=4):
+    """The innermost Python frames with a source line, innermost first (for Inductor's buffers the first is the
+    generated code's ``buf = empty_strided_cuda(...)``): ``(["file:line (function)", ...], source of the first)``."""
+    where, src = [], ""
+    for fr in frames:
+        name = fr.get("filename", "")
+        if name.endswith(".py") and fr.get("line", 0) > 0:
+            if not where:
+                src = linecache.getline(name, fr["line"]).strip()[:160]
+            where.append(f"{os.path.basename(name)}:{fr['line']} ({fr.get('name', '')})")
+            if len(where) == depth:
+                break
+    return where, src
+
+
+def run(args):
+    C.setup_compile()
+    backends = C.resolve_methods([args.method] if args.method in C.METHODS else [], quiet=True)
+    dev = args.device
+    model = FD.build_model(args.model, args)
+    if args.ckpt == "on":
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=dev == "cuda")
+    vocab = model.config.vocab_size
+    torch._dynamo.reset()
+    compiled = FD.compile_model(model, args.method, backends, True)
+    tokens = torch.randint(0, vocab, (args.batch, args.seq), device=dev,
+                           generator=torch.Generator(device=dev).manual_seed(args.seed))
+
+    def step():
+        with torch.autocast(dev, dtype=torch.bfloat16):
+            loss = compiled(input_ids=tokens, labels=tokens).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    import cce_inductor
+
+    cce_inductor.reset_stats()
+    for _ in range(2):
+        step()
+    C.sync(dev)
+    rows = args.batch * args.seq
+    row = dict(kind="row", model=args.model, method=args.method, ckpt=args.ckpt, batch=args.batch, seq=args.seq,
+               rows=rows, vocab=vocab, pick=None, pick_reason=None, logit_blocks=[])
+    if args.method != "compile":
+        row["pick"], row["pick_reason"] = C.site_pick(cce_inductor.stats())
+    if dev == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+        torch.cuda.memory._record_memory_history(max_entries=1_000_000, stacks="python")
+        step()
+        C.sync(dev)
+        snap = torch.cuda.memory._snapshot()
+        torch.cuda.memory._record_memory_history(enabled=None)
+        row["step_peak_gb"] = torch.cuda.max_memory_allocated() / 2**30
+        trace = snap["device_traces"][torch.cuda.current_device()]
+        peak, big = peak_blocks(trace, rows * vocab)
+        row["trace_peak_gb"] = peak / 2**30
+        for ev in big:
+            where, line = allocation_site(ev.get("frames", []))
+            row["logit_blocks"].append(dict(bytes=ev["size"], per_logit=round(ev["size"] / (rows * vocab), 3),
+                                            where=where, line=line))
+        row["logit_bytes_per_logit"] = round(sum(b["bytes"] for b in row["logit_blocks"]) / (rows * vocab), 3)
+    else:
+        step()
+    C.append_row(args.out, row)
+    print(f"{args.model} {args.method} batch {args.batch}: step peak {C.fmt(row.get('step_peak_gb'))} GB, "
+          f"trace peak {C.fmt(row.get('trace_peak_gb'))} GB, logits-sized blocks at the peak "
+          f"{row.get('logit_bytes_per_logit')} bytes per logit", flush=True)
+    for b in row["logit_blocks"]:
+        print(f"   {b['bytes'] / 2**30:7.3f} GB  {b['per_logit']:5.2f} B/logit  {b['line']}", flush=True)
+        print(f"       {' <- '.join(b['where'])}", flush=True)
+    return 0
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="gemma2-2b", help=f"one of {', '.join(FD.MODELS)}")
+    ap.add_argument("--method", default="compile", help="compile, default, lean or balanced")
+    ap.add_argument("--batch", type=int, default=2)
+    ap.add_argument("--seq", type=int, default=None, help="tokens per sequence (default 2048; tiny 64)")
+    ap.add_argument("--ckpt", default="off", choices=("off", "on"))
+    ap.add_argument("--attn", default=None, help="attn_implementation (default: per model)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default=None, help="JSON lines, appended (default $OUT/head_memory.jsonl)")
+    ap.add_argument("--tiny", action="store_true", help="CPU smoke run of the harness")
+    args = ap.parse_args(argv)
+    if args.model not in FD.MODELS:
+        ap.error(f"unknown model {args.model!r}")
+    if args.method != "compile" and args.method not in C.METHODS:
+        ap.error(f"unknown method {args.method!r}")
+    args.device = "cpu" if args.tiny else "cuda"
+    args.seq = args.seq or (64 if args.tiny else 2048)
+    args.out = args.out or C.default_out("head_memory")
+    C.append_row(args.out, C.header(args.device, dict(script="head_memory", model=args.model, method=args.method,
+                                                       batch=args.batch, seq=args.seq, ckpt=args.ckpt)))
+    return run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
