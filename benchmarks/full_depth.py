@@ -18,8 +18,9 @@ started that would end past it); re-run the SAME command with --resume until its
                                                               # --tiny --models gemma2-2b --ckpt off: ~2 min)
 
 Defaults: --methods compile,default (also lean, balanced: METHODS of _common.py, each with drop_logits=True)
---ckpt off,on --max-batch 256 --steps 5 --min-timed-s 2 --seq 2048 --batch-shapes dynamic; --out $OUT/full_depth.jsonl ($OUT
-unset: ./full_depth.jsonl); --budget-s 500 (no worker, and no batch, is started that would end past it).
+--ckpt off,on --max-batch 256 --steps 5 --min-timed-s 2 --seq 2048 --batch-shapes dynamic; --out
+$OUT/full_depth.jsonl ($OUT unset: ./full_depth.jsonl); --budget-s 500 (no worker, and no batch, is started that
+would end past it).
 
 Methods: compile = torch.compile(model); default = torch.compile(model, backend=cce_inductor.make_backend(
 drop_logits=True)) (HF models return their logits: the pass needs that opt-in); lean / balanced add METHODS'
@@ -128,6 +129,28 @@ def compile_model(model, method, backends, static):
                                                                                    **backends[method]))
 
 
+def enable_checkpointing(model):
+    """Non-reentrant activation checkpointing (transformers >= 5.x names it activation_checkpointing_enable; the
+    old name warns)."""
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
+def training_step(compiled, opt, tokens, device):
+    """One whole step as a trainer runs it: the forward under bf16 autocast, backward, AdamW, zero_grad; returns
+    the loss (detached)."""
+    def step():
+        with torch.autocast(device, dtype=torch.bfloat16):
+            loss = compiled(input_ids=tokens, labels=tokens).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss.detach()
+    return step
+
+
 # ------------------------------------------------------------------------------------------------------------
 # worker: one (model, method)
 # ------------------------------------------------------------------------------------------------------------
@@ -161,11 +184,8 @@ def worker(args):
             print_row(row)
             C.free(dev)
             continue
-        if ckpt == "on":  # transformers >= 5.x names it activation_checkpointing_enable (the old name warns)
-            if hasattr(model, "activation_checkpointing_enable"):
-                model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-            else:
-                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if ckpt == "on":
+            enable_checkpointing(model)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=cuda)
         vocab = model.config.vocab_size
         gen = torch.Generator(device=dev).manual_seed(args.seed)
@@ -184,13 +204,7 @@ def worker(args):
                 compiled = compile_model(model, args.method, backends, True)
             tokens = torch.randint(0, vocab, (b, args.seq), device=dev, generator=gen)
 
-            def step():
-                with torch.autocast(dev, dtype=torch.bfloat16):
-                    loss = compiled(input_ids=tokens, labels=tokens).loss
-                loss.backward()
-                opt.step()
-                opt.zero_grad(set_to_none=True)
-                return loss.detach()
+            step = training_step(compiled, opt, tokens, dev)
             failed, fatal = False, False
             try:
                 cce_inductor.reset_stats()

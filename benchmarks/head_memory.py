@@ -3,8 +3,8 @@ the logits-sized ones named by the line of code that allocated them.
 
 Why: the default path's memory budget is half of torch.compile's estimated head peak (``paths.compile_peak``). On
 the vocabulary grid's loss-only code that estimate matches the measured peak (2 bytes per bf16 logit); in Hugging
-Face models at full depth torch.compile's step holds ~5.5-6.9 bytes per logit more than ours (engineering log v24,
-v25), and Inductor's partition saves one bf16 buffer for both the returned and the saved logits (a CPU probe, v25).
+Face models at full depth torch.compile's head holds 5.5-7.4 bytes per logit (inferred from step peaks; engineering
+log v25), and Inductor's partition saves one bf16 buffer for both the returned and the saved logits (a CPU probe, v25).
 This script finds which buffers make up the rest, so that the estimate can count what the graph proves.
 
     python benchmarks/head_memory.py --model gemma2-2b --batch 2 --method compile
@@ -80,21 +80,14 @@ def run(args):
     dev = args.device
     model = FD.build_model(args.model, args)
     if args.ckpt == "on":
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        FD.enable_checkpointing(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=dev == "cuda")
     vocab = model.config.vocab_size
     torch._dynamo.reset()
     compiled = FD.compile_model(model, args.method, backends, True)
     tokens = torch.randint(0, vocab, (args.batch, args.seq), device=dev,
                            generator=torch.Generator(device=dev).manual_seed(args.seed))
-
-    def step():
-        with torch.autocast(dev, dtype=torch.bfloat16):
-            loss = compiled(input_ids=tokens, labels=tokens).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
+    step = FD.training_step(compiled, opt, tokens, dev)
     import cce_inductor
 
     cce_inductor.reset_stats()

@@ -84,7 +84,7 @@ class HeadFacts:
     needs_grad: bool  # the loss needs gradients of the head's inputs
     lse_reused: bool = False  # the log-sum-exp is used beyond the loss (a z-loss)
     per_row_outputs: bool = False  # token log-probs, entropy, chunked heads fused with reduction "none"
-    returned_logits: bool = False  # the logits are graph outputs too (torch.compile keeps them; the rewrite does not)
+    returned_logits: bool = False  # the logits are graph outputs too (torch.compile holds more; the rewrite does not)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,12 +94,19 @@ class PathChoice:
     scratch_bytes: int = 0  # the balanced path's scratch (0 for lean)
 
 
+# torch.compile's bytes per logit beyond the input's width where the graph also returns the logits (Hugging Face
+# models): their head held 5.5-7.4 bytes per bf16 logit at full depth (Llama-3.2-1B, GPT-2 medium, Qwen2.5-0.5B:
+# 5.5-6.1; Gemma-2-2B, softcapped: 6.2-7.4; H100 / H200, engineering log v25) against the loss-only code's 2;
+# modelled as one fp32 copy beside the logits (6 bytes for bf16, 8 for fp32).
+_RETURNED_LOGITS_EXTRA_BYTES = 4
+
+
 def compile_peak(f: HeadFacts) -> int:
-    """torch.compile's peak for ``cross_entropy(linear(e, c).float(), t)`` (forward + backward), bytes, with the
-    logits it returns where the graph returns them (``f.returned_logits``)."""
+    """torch.compile's peak for ``cross_entropy(linear(e, c).float(), t)`` (forward + backward), bytes, and more
+    where the graph returns the logits (``f.returned_logits``; ``_RETURNED_LOGITS_EXTRA_BYTES``)."""
     b = f.element_size
-    logits = f.rows * f.vocab * b * (2 if f.returned_logits else 1)
-    return logits + (f.vocab + f.rows) * f.hidden * b
+    per_logit = b + (_RETURNED_LOGITS_EXTRA_BYTES if f.returned_logits else 0)
+    return f.rows * f.vocab * per_logit + (f.vocab + f.rows) * f.hidden * b
 
 
 def gradient_bytes(f: HeadFacts) -> int:
@@ -168,7 +175,8 @@ def _mib(n: int) -> str:
 
 
 def _compile_estimate(f: HeadFacts) -> str:
-    returned = ", the logits it returns included" if f.returned_logits else ""
+    returned = (f", the logits it returns included: {f.element_size + _RETURNED_LOGITS_EXTRA_BYTES} bytes per logit"
+                if f.returned_logits else "")
     return f"{_mib(compile_peak(f))}{returned}"
 
 
