@@ -15,10 +15,10 @@ the measured peaks of ``benchmarks/`` (H100, bf16, N 8192: Gemma-2 5162 / 1300 /
 balanced, model 5161 / 1297 / 3483; Llama-3 3070 / 1259 / 3134, model 3070 / 1258 / 3198):
 
     torch.compile  N V b + V D b + N D b                 (the logits, saved for its backward, and the gradients)
-                   + N V b where the logits are also graph outputs (Hugging Face models return them): torch.compile
-                   of the same code must materialise and return them, the rewrite returns them lazily or drops them
-                   (measured at full depth, Gemma-2-2B, H100: torch.compile's head ~6-8 bytes per logit there,
-                   against the 2 modelled without them; engineering log v24)
+                   + N V 4 where the logits are also graph outputs (Hugging Face models return them; the rewrite
+                   returns them lazily or drops them): torch.compile's head held 5.5-7.4 bytes per bf16 logit there
+                   at full depth, against the loss-only code's 2, modelled as one fp32 copy more (a fit to those
+                   measurements, not a buffer the graph proves; engineering log v25)
     lean           (N + V) D b + R * W * b + N D 4 (+ W D 4 where N > R; R = min(N, backward_row_chunk),
                    W = min(V, 4096 * max(1, 8192 // N)) where R = N, else 4096: one G block of at most 8192 x 4096
                    entries; + W D 4 more on calls after one with >= 10% of the targets ignored: the fp32 dC sums of
@@ -34,8 +34,8 @@ The default (``path="auto"``) takes the fastest path whose peak fits the budget 
 within the budget's second term up to its fixed scratch). So the default never trades memory for speed past half
 of torch.compile's peak; where balanced does not fit (large V x D against N x V, e.g. N 8192 on Gemma-2's head:
 6 V D > N V / 2) the lean path's time is the price, and ``stats()`` says so. Where the graph also returns the
-logits (Hugging Face models), torch.compile's peak holds them twice, so the balanced path fits from fewer rows
-(Gemma-2's and Llama-3.2-1B's heads from 8192 rather than 16384). ``path="lean"`` / ``"balanced"``
+logits (Hugging Face models), torch.compile's peak holds more per logit, so the balanced path fits from fewer rows
+(Gemma-2's and Llama-3.2-1B's heads from 4096 rather than 16384). ``path="lean"`` / ``"balanced"``
 force a path; a forced balanced path fatter than torch.compile says so too.
 """
 
