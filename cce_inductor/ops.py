@@ -300,7 +300,7 @@ def linear_cross_entropy_with_grads_op(
         _checks.check_target_range(targets, c.shape[0], ignore_index)
         # the scratch for the rows this call really has (the site may have been compiled for another batch size)
         facts = _dispatch.head_facts(*e.shape, c.shape[0], e.dtype, e.device, reduction, needs_grad=True,
-                                     returned_logits=returned_logits)
+                                     returned_logits=returned_logits, softcapped=softcap is not None)
         scratch = paths.scratch_for(facts, CCEOptions.decode(options).scratch_mb)
         loss, grad_e, grad_c, grad_bias = _dispatch.loss_and_grads(
             e, c, targets, bias, softcap=softcap, ignore_index=ignore_index, reduction=reduction,

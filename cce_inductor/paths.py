@@ -16,9 +16,11 @@ balanced, model 5161 / 1297 / 3483; Llama-3 3070 / 1259 / 3134, model 3070 / 125
 
     torch.compile  N V b + V D b + N D b                 (the logits, saved for its backward, and the gradients)
                    + N V 4 where the logits are also graph outputs (Hugging Face models return them; the rewrite
-                   returns them lazily or drops them): torch.compile's head held 5.5-7.4 bytes per bf16 logit there
-                   at full depth, against the loss-only code's 2, modelled as one fp32 copy more (a fit to those
-                   measurements, not a buffer the graph proves; engineering log v25)
+                   returns them lazily or drops them), + N V b more where they are softcapped too: at the step's
+                   peak of such graphs the CUDA allocator holds three bf16 logits-sized blocks (6.0 bytes per
+                   logit: GPT-2 medium, Llama-3.2-1B) and four with Gemma-2's softcap (8.0), H200,
+                   benchmarks/head_memory.py (engineering log v26); for fp32 inputs (not measured) b + 4 = 8 stays
+                   under three blocks' 12, so the budget errs lean
     lean           (N + V) D b + R * W * b + N D 4 (+ W D 4 where N > R; R = min(N, backward_row_chunk),
                    W = min(V, 4096 * max(1, 8192 // N)) where R = N, else 4096: one G block of at most 8192 x 4096
                    entries; + W D 4 more on calls after one with >= 10% of the targets ignored: the fp32 dC sums of
@@ -85,6 +87,7 @@ class HeadFacts:
     lse_reused: bool = False  # the log-sum-exp is used beyond the loss (a z-loss)
     per_row_outputs: bool = False  # token log-probs, entropy, chunked heads fused with reduction "none"
     returned_logits: bool = False  # the logits are graph outputs too (torch.compile holds more; the rewrite does not)
+    softcapped: bool = False  # the loss reads softcapped logits (with returned logits torch.compile holds one more)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,18 +98,27 @@ class PathChoice:
 
 
 # torch.compile's bytes per logit beyond the input's width where the graph also returns the logits (Hugging Face
-# models): their head held 5.5-7.4 bytes per bf16 logit at full depth (Llama-3.2-1B, GPT-2 medium, Qwen2.5-0.5B:
-# 5.5-6.1; Gemma-2-2B, softcapped: 6.2-7.4; H100 / H200, engineering log v25) against the loss-only code's 2;
-# modelled as one fp32 copy beside the logits (6 bytes for bf16, 8 for fp32).
+# models): its head held 5.5-7.4 bytes per bf16 logit at full depth (the step's peaks, engineering log v25) against the
+# loss-only code's 2, and the allocator's blocks at the step's peak name them (H200, engineering log v26,
+# benchmarks/head_memory.py): three bf16 logits-sized blocks (the model graph's logits, the gradient of the loss
+# graph's upcast, one allocated outside Python code) on GPT-2 medium and Llama-3.2-1B, 6.0 bytes per logit; 4 more
+# for bf16. Softcapped logits (Gemma-2-2B) add a fourth block of the input's width (8.0).
 _RETURNED_LOGITS_EXTRA_BYTES = 4
+
+
+def compile_bytes_per_logit(f: HeadFacts) -> int:
+    """torch.compile's bytes per logit in :func:`compile_peak`: the logits at the input's width, and where the graph
+    returns them ``_RETURNED_LOGITS_EXTRA_BYTES`` more, and one more block of the input's width if softcapped."""
+    b = f.element_size
+    if not f.returned_logits:
+        return b
+    return b + _RETURNED_LOGITS_EXTRA_BYTES + (b if f.softcapped else 0)
 
 
 def compile_peak(f: HeadFacts) -> int:
     """torch.compile's peak for ``cross_entropy(linear(e, c).float(), t)`` (forward + backward), bytes, and more
-    where the graph returns the logits (``f.returned_logits``; ``_RETURNED_LOGITS_EXTRA_BYTES``)."""
-    b = f.element_size
-    per_logit = b + (_RETURNED_LOGITS_EXTRA_BYTES if f.returned_logits else 0)
-    return f.rows * f.vocab * per_logit + (f.vocab + f.rows) * f.hidden * b
+    where the graph returns the logits (``f.returned_logits``; :func:`compile_bytes_per_logit`)."""
+    return f.rows * f.vocab * compile_bytes_per_logit(f) + (f.vocab + f.rows) * f.hidden * f.element_size
 
 
 def gradient_bytes(f: HeadFacts) -> int:
@@ -175,7 +187,7 @@ def _mib(n: int) -> str:
 
 
 def _compile_estimate(f: HeadFacts) -> str:
-    returned = (f", the logits it returns included: {f.element_size + _RETURNED_LOGITS_EXTRA_BYTES} bytes per logit"
+    returned = (f", the logits it returns included: {compile_bytes_per_logit(f)} bytes per logit"
                 if f.returned_logits else "")
     return f"{_mib(compile_peak(f))}{returned}"
 

@@ -208,6 +208,31 @@ def test_returned_logits_count_in_torch_compiles_peak(d, v, n, want):
     assert paths.budget(returned) < paths.compile_peak(plain) + n * v * 2
 
 
+@pytest.mark.parametrize("d, n, want", [
+    (2304, 3072, "balanced"),  # Gemma-2-2B's head at 3072 rows: lean if its 4th block is not counted
+    (4608, 6144, "balanced"),  # Gemma-2-27B's at 6144 rows: likewise
+    (2304, 2048, "lean"),  # Gemma-2-2B's at 2048 rows: the fp32 dC sums alone are over half of even that
+])
+def test_softcapped_returned_logits_count_one_more_block(d, n, want):
+    """Where the returned logits are softcapped, torch.compile's step peak holds four logits-sized blocks of the
+    input's width, not three (Gemma-2-2B: 8.0 bytes per bf16 logit against GPT-2 medium's and Llama-3.2-1B's 6.0;
+    H200, benchmarks/head_memory.py, engineering log v26): the estimate counts the fourth, stats() says 8 bytes,
+    and the balanced path fits from fewer rows. Without returned logits the softcap changes nothing."""
+    base = dict(rows=n, hidden=d, vocab=256000, element_size=2, kernels=True, reduction="mean", needs_grad=True)
+    capped = paths.HeadFacts(**base, returned_logits=True, softcapped=True)
+    uncapped = paths.HeadFacts(**base, returned_logits=True)
+    assert paths.compile_peak(capped) == paths.compile_peak(uncapped) + n * 256000 * 2
+    assert paths.compile_peak(paths.HeadFacts(**base, softcapped=True)) == paths.compile_peak(paths.HeadFacts(**base))
+    choice = paths.choose(capped)
+    assert choice.path == want, choice.reason
+    assert "the logits it returns included: 8 bytes per logit" in choice.reason
+    if want == "balanced":
+        assert paths.choose(uncapped).path == "lean"
+        assert paths.balanced_peak(capped, choice.scratch_bytes) <= paths.budget(capped)
+    # still under every torch.compile head measured in such graphs: half of 8 bytes, plus half the gradients
+    assert paths.budget(capped) < paths.compile_peak(paths.HeadFacts(**base)) + n * 256000 * 3
+
+
 def test_chunk_rows():
     """Rows per balanced chunk: scratch rows are padded to a multiple of 64 elements (V 1000 -> 1024)."""
     assert paths.scratch_row_pitch(1000) == 1024 and paths.scratch_row_pitch(1024) == 1024
@@ -384,29 +409,39 @@ def test_pass_keeps_the_lean_path_where_the_balanced_one_does_not_apply(setting,
 
 
 class HeadReturningLogits(Head):
-    """A Hugging Face model's shape: the loss and the logits both leave the compiled region."""
+    """A Hugging Face model's shape: the loss and the logits both leave the compiled region; ``softcap``: Gemma-2's
+    final logit softcapping (``cap * tanh(logits / cap)``) before both."""
+
+    def __init__(self, softcap=None):
+        super().__init__()
+        self.softcap = softcap
 
     def forward(self, ids, labels):
         logits = self.head(torch.tanh(self.proj(self.embed(ids))))
+        if self.softcap is not None:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
         return F.cross_entropy(logits.float().view(-1, self.head.out_features), labels.view(-1)), logits
 
 
-@pytest.mark.parametrize("returns_logits", [True, False])
-def test_pass_tells_the_choice_and_the_op_whether_the_graph_returns_logits(returns_logits, monkeypatch,
+@pytest.mark.parametrize("returns_logits, softcap", [(True, None), (False, None), (True, 5.0)])
+def test_pass_tells_the_choice_and_the_op_whether_the_graph_returns_logits(returns_logits, softcap, monkeypatch,
                                                                             no_inductor_caches):
     """The facts the pass chooses from, and the ones the balanced op sizes its scratch from at run time, both say
-    whether the graph returns the logits (paths.HeadFacts.returned_logits); the results match eager, the returned
-    (lazy) logits included."""
+    whether the graph returns the logits and whether they are softcapped (paths.HeadFacts.returned_logits,
+    .softcapped); the results match eager, the returned (lazy) logits included."""
     seen = {"choose": [], "scratch": []}
     choose, scratch_for = paths.choose, paths.scratch_for
 
     def spy(name, fn):
-        return lambda facts, *args, **kwargs: seen[name].append(facts.returned_logits) or fn(facts, *args, **kwargs)
+        def call(facts, *args, **kwargs):
+            seen[name].append((facts.returned_logits, facts.softcapped))
+            return fn(facts, *args, **kwargs)
+        return call
 
     monkeypatch.setattr(paths, "choose", spy("choose", choose))
     monkeypatch.setattr(paths, "scratch_for", spy("scratch", scratch_for))
     torch.manual_seed(0)
-    model = HeadReturningLogits() if returns_logits else Head()
+    model = HeadReturningLogits(softcap) if returns_logits else Head()
     ids, labels = _data()
     want = model(ids, labels)
     want_loss, want_logits = want if returns_logits else (want, None)
@@ -421,8 +456,9 @@ def test_pass_tells_the_choice_and_the_op_whether_the_graph_returns_logits(retur
     stats = cce_inductor.stats()
     assert [(s["rewritten"], s["path"]) for s in stats["sites"]] == [(True, "balanced")], stats["sites"]
     assert ("returned logits computed on first use" in stats["sites"][0]["reason"]) == returns_logits
-    assert seen["choose"] and set(seen["choose"]) == {returns_logits}
-    assert set(seen["scratch"]) == {returns_logits} and seen["scratch"][compiled_seen:] == [returns_logits]
+    facts = (returns_logits, softcap is not None)
+    assert seen["choose"] and set(seen["choose"]) == {facts}
+    assert set(seen["scratch"]) == {facts} and seen["scratch"][compiled_seen:] == [facts]
     torch.testing.assert_close(loss, want_loss, rtol=1e-5, atol=1e-6)
     for mine, theirs in zip(torch.autograd.grad(loss, params), want_grads):
         assert rel_l2(mine, theirs) < 1e-5

@@ -237,7 +237,7 @@ def choose_path(site: Site, options: CCEOptions, *, per_row_outputs: bool = Fals
     facts = _dispatch.head_facts(
         logits.shape[0], hidden.shape[-1], logits.shape[-1], site.compute_dtype, hidden.device, site.reduction,
         needs_grad=requires_grad(site.cross_entropy), lse_reused=bool(site.lse_users), per_row_outputs=per_row_outputs,
-        returned_logits=bool(site.escaping),
+        returned_logits=bool(site.escaping), softcapped=site.softcap is not None,
     )
     choice = paths.choose(facts, options.path, options.scratch_mb, options.backward_row_chunk,
                           options.products)
