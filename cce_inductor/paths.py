@@ -232,8 +232,8 @@ def _choose(f: HeadFacts, path: str, scratch_mb: int, backward_row_chunk: int) -
     if path == "balanced" or scratch_mb:
         scratch = scratch_for(f, scratch_mb)
         why = "forced: path='balanced'" if path == "balanced" else f"asked for by scratch_mb={scratch_mb}"
-        return PathChoice("balanced", f"balanced path ({why}; {_mib(scratch)} scratch)" + _fat_note(f, scratch),
-                          scratch)
+        return PathChoice("balanced", f"balanced path ({why}; {_mib(scratch)} scratch)" + _fat_note(f, scratch)
+                          + _host_bound_note(f, "balanced"), scratch)
     if not f.kernels:
         return PathChoice("lean", "lean path: the chunked PyTorch path (not CUDA kernels) does the same work either "
                                   "way, and the balanced one would hold the gradients in fp32")
@@ -244,7 +244,8 @@ def _choose(f: HeadFacts, path: str, scratch_mb: int, backward_row_chunk: int) -
     if scratch:
         return PathChoice("balanced", f"balanced path: three matmuls, est. peak {_mib(balanced_peak(f, scratch))} "
                                       f"within the budget {_mib(limit)} (half of torch.compile's est. "
-                                      f"{_compile_estimate(f)}; {_mib(scratch)} scratch)", scratch)
+                                      f"{_compile_estimate(f)}; {_mib(scratch)} scratch)"
+                                      + _host_bound_note(f, "balanced"), scratch)
     need = balanced_peak(f, min(f.rows, _MIN_CHUNK_ROWS) * scratch_row_pitch(f.vocab) * f.element_size)
     lean = lean_peak(f, backward_row_chunk)
     over = "" if lean <= limit else (f"; the lean path's est. peak {_mib(lean)} is over the budget too (its G block "
@@ -290,10 +291,18 @@ def _balanced_instead_note(f: HeadFacts) -> str:
             f"{peak / compile_peak(f):.2f}x torch.compile's")
 
 
-def _host_bound_note(f: HeadFacts) -> str:
+def _host_bound_note(f: HeadFacts, path: Path = "lean") -> str:
+    """Where a head is too small for its launches to hide behind its kernels (``_HOST_BOUND_MACS``), what that cost
+    where measured: the lean path's ~25 launches up to ~2x torch.compile's time on the head alone; the balanced path's
+    fewer ones less, but a whole step that small waits on the host as well (engineering log v25 / v26)."""
     macs = f.rows * f.vocab * f.hidden
     if not f.kernels or macs >= _HOST_BOUND_MACS:
         return ""
+    if path == "balanced":
+        return (f"; at this size ({macs:.1e} multiply-adds per logits product) the step may wait on the host's "
+                "launch work: the balanced head alone takes longer to launch than to run (GPT-2 medium's at 2048 rows: "
+                "2.70 ms on 1.42 ms of kernels, torch.compile's 1.52; H100), and whole steps this small read "
+                "0.99-1.14x torch.compile's (H100 / H200)")
     return (f"; at this size ({macs:.1e} multiply-adds per logits product) the step likely waits on the host's "
             "launch work, not the GPU: up to ~2x torch.compile's time (GPT-2's head at N 4096: 1.3-2.3x on H100 / "
             "H200 hosts)")

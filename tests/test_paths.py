@@ -94,6 +94,22 @@ def test_host_bound_small_heads_are_said():
     assert "host" not in paths.choose(_facts("gemma2", 8192), path="lean").reason
 
 
+def test_host_bound_balanced_sites_are_said():
+    """The balanced path has fewer launches than the lean one, but a head this small still launches longer than it
+    runs (GPT-2 medium's at 2048 rows: 2.70 ms on 1.42 ms of kernels, H100, v25), and whole steps that small spread
+    around torch.compile's (0.99-1.14x at 2048-4096 rows, v25 / v26): stats() says so where the default (or a forced
+    path) takes the balanced path on such a head, and not on heads where the GPU is the limit."""
+    for head, n in (("gpt2-medium", 2048), ("gpt2-medium", 4096), ("qwen25-0.5b", 2048)):
+        choice = paths.choose(_facts(head, n, returned_logits=True))  # batch 1 / 2 of a Hugging Face model
+        assert choice.path == "balanced" and "may wait on the host" in choice.reason, choice.reason
+    for head, n, kw in (("qwen25-0.5b", 4096, dict(returned_logits=True)), ("gpt2", 8192, {}),
+                        ("gemma2", 32768, {})):
+        choice = paths.choose(_facts(head, n, **kw))
+        assert choice.path == "balanced" and "host" not in choice.reason, choice.reason
+    assert "may wait on the host" in paths.choose(_facts("gpt2", 4096), path="balanced").reason
+    assert "host" not in paths.choose(_facts("gemma2", 8192), path="balanced").reason
+
+
 def test_lean_for_memory_says_how_to_trade_it_for_time():
     """Where the default keeps a head lean for memory and the balanced path would still be clearly leaner than
     torch.compile (est. peak <= 0.9x its), stats() names the scratch_mb that takes it (the forced balanced path at
