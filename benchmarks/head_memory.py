@@ -20,6 +20,9 @@ allocated it (Inductor's generated code names its buffers there: ``buf12 = empty
 ...)``). One JSON line per run in --out: model, method, batch, rows, vocab, pick (the default's path), step_peak_gb
 (max_memory_allocated), trace_peak_gb (the replayed peak above the blocks allocated before the step), logit_blocks
 [{bytes, per_logit, where, line}], logit_bytes_per_logit (their sum over N V).
+--stacks all records C++ frames too (slower to snapshot): a block allocated outside Python code (one of
+torch.compile's three on Llama-3.2-1B's head had no Python frame, engineering log v26) is then named by its innermost
+C++ frames that are not the allocator's own.
 CUDA only (the allocator's history); --tiny checks the harness on CPU without it (no blocks listed).
 """
 from __future__ import annotations
@@ -59,9 +62,16 @@ def peak_blocks(trace, min_bytes):
     return peak, big
 
 
+# C++ frames of the allocator and of the history's own recording, skipped when a block is named by C++ frames
+_ALLOCATOR_FRAMES = ("CUDACachingAllocator", "c10::cuda::", "CapturedTraceback", "gather", "unwind", "malloc",
+                     "c10::Storage", "StorageImpl", "empty_generic", "empty_cuda", "empty_strided")
+
+
 def allocation_site(frames, depth=4):
     """The innermost Python frames with a source line, innermost first (for Inductor's buffers the first is the
-    generated code's ``buf = empty_strided_cuda(...)``): ``(["file:line (function)", ...], source of the first)``."""
+    generated code's ``buf = empty_strided_cuda(...)``): ``(["file:line (function)", ...], source of the first)``;
+    where there is none (a block allocated outside Python code, its C++ frames recorded by --stacks all), the
+    innermost C++ frames that are not the allocator's: ``(["function", ...], "(C++)")``."""
     where, src = [], ""
     for fr in frames:
         name = fr.get("filename", "")
@@ -71,7 +81,11 @@ def allocation_site(frames, depth=4):
             where.append(f"{os.path.basename(name)}:{fr['line']} ({fr.get('name', '')})")
             if len(where) == depth:
                 break
-    return where, src
+    if where:
+        return where, src
+    native = [fr.get("name", "") for fr in frames if fr.get("name") and not fr.get("filename", "").endswith(".py")]
+    native = [n[:120] for n in native if not any(skip in n for skip in _ALLOCATOR_FRAMES)]
+    return native[:depth], "(C++)" if native else ""
 
 
 def run(args):
@@ -101,7 +115,7 @@ def run(args):
         row["pick"], row["pick_reason"] = C.site_pick(cce_inductor.stats())
     if dev == "cuda":
         torch.cuda.reset_peak_memory_stats()
-        torch.cuda.memory._record_memory_history(max_entries=1_000_000, stacks="python")
+        torch.cuda.memory._record_memory_history(max_entries=1_000_000, stacks=args.stacks)
         step()
         C.sync(dev)
         snap = torch.cuda.memory._snapshot()
@@ -137,6 +151,8 @@ def main(argv=None):
     ap.add_argument("--attn", default=None, help="attn_implementation (default: per model)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=None, help="JSON lines, appended (default $OUT/head_memory.jsonl)")
+    ap.add_argument("--stacks", default="python", choices=("python", "all"),
+                    help="frames recorded per allocation (all: C++ too, to name blocks allocated outside Python)")
     ap.add_argument("--tiny", action="store_true", help="CPU smoke run of the harness")
     args = ap.parse_args(argv)
     if args.model not in FD.MODELS:
@@ -147,7 +163,8 @@ def main(argv=None):
     args.seq = args.seq or (64 if args.tiny else 2048)
     args.out = args.out or C.default_out("head_memory")
     C.append_row(args.out, C.header(args.device, dict(script="head_memory", model=args.model, method=args.method,
-                                                       batch=args.batch, seq=args.seq, ckpt=args.ckpt)))
+                                                       batch=args.batch, seq=args.seq, ckpt=args.ckpt,
+                                                       stacks=args.stacks)))
     return run(args)
 
 
