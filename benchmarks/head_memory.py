@@ -63,8 +63,7 @@ def peak_blocks(trace, min_bytes):
 
 
 # C++ frames of the allocator and of the history's own recording, skipped when a block is named by C++ frames
-_ALLOCATOR_FRAMES = ("CUDACachingAllocator", "c10::cuda::", "CapturedTraceback", "gather", "unwind", "malloc",
-                     "c10::Storage", "StorageImpl", "empty_generic", "empty_cuda", "empty_strided")
+_ALLOCATOR_FRAMES = ("CUDACachingAllocator", "c10::cuda::", "CapturedTraceback", "unwind")
 
 
 def allocation_site(frames, depth=4):
@@ -85,7 +84,7 @@ def allocation_site(frames, depth=4):
         return where, src
     native = [fr.get("name", "") for fr in frames if fr.get("name") and not fr.get("filename", "").endswith(".py")]
     native = [n[:120] for n in native if not any(skip in n for skip in _ALLOCATOR_FRAMES)]
-    return native[:depth], "(C++)" if native else ""
+    return native[:2 * depth], "(C++)" if native else ""  # the tensor factory's frames first, then its caller's
 
 
 def run(args):

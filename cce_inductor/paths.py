@@ -97,12 +97,9 @@ class PathChoice:
     scratch_bytes: int = 0  # the balanced path's scratch (0 for lean)
 
 
-# torch.compile's bytes per logit beyond the input's width where the graph also returns the logits (Hugging Face
-# models): its head held 5.5-7.4 bytes per bf16 logit at full depth (the step's peaks, engineering log v25) against the
-# loss-only code's 2, and the allocator's blocks at the step's peak name them (H200, engineering log v26,
-# benchmarks/head_memory.py): three bf16 logits-sized blocks (the model graph's logits, the gradient of the loss
-# graph's upcast, one allocated outside Python code) on GPT-2 medium and Llama-3.2-1B, 6.0 bytes per logit; 4 more
-# for bf16. Softcapped logits (Gemma-2-2B) add a fourth block of the input's width (8.0).
+# torch.compile's bytes per logit beyond the input's width where the graph also returns the logits: the two more bf16
+# logits-sized blocks the allocator holds at the step's peak (the model graph's logits, the gradient of the loss
+# graph's upcast, one allocated outside Python code: 6.0 bytes per logit in all; module docstring).
 _RETURNED_LOGITS_EXTRA_BYTES = 4
 
 
