@@ -14,7 +14,8 @@ started that would end past it); re-run the SAME command with --resume until its
     python benchmarks/full_depth.py --models llama32-1b --methods lean,balanced --resume   # the paths forced
     python benchmarks/full_depth.py --models gemma2-2b --batch-shapes static --batches 1,2 --resume
     python benchmarks/full_depth.py --models gpt2-medium --methods compile,default --batch-shapes static \
-        --batches 1 --rounds 3                                # host-bound cells: the methods' workers alternate
+        --batches 1 --rounds 3 --kernels 12                   # host-bound cells: the methods' workers alternate;
+                                                              # the table of host / kernel time after the main one
     python benchmarks/full_depth.py --report                  # the table of everything in --out, nothing run
     python benchmarks/full_depth.py --tiny                    # CPU run of the harness (~15-20 min on 2 busy cores;
                                                               # --tiny --models gemma2-2b --ckpt off: ~2 min)
@@ -47,6 +48,10 @@ Columns (JSON lines; the first line of each run is a header: device, versions, d
     step_ms       median over the further steps (forward, backward, optimizer step, zero_grad), synchronised: at
                   least --steps of them and as many more as --min-timed-s seconds take, up to 100
                   (step_ms_all: each of them, in order)
+    host_ms       median over the same steps of the host's own time: the step call returning, before the
+                  synchronisation (nothing in the step waits for the GPU); near step_ms: the step waits on the host
+                  (host_ms_all: each);  kernels, kernel_ms  with --kernels K: one more step under torch.profiler,
+                  its K costliest kernels [name, calls, ms] (the rest as "other") and their sum: the GPU's busy time
     tokens_s      tokens / step_ms;  peak_gb  torch.cuda.max_memory_allocated() over those steps (parameters,
                   gradients, optimizer state, activations: everything), after reset_peak_memory_stats()
     pick, pick_reason  the path stats() reports for the loss site (cce methods);  loss  the last step's loss
@@ -175,7 +180,9 @@ def pool_rounds(rows):
     pooled = []
     for group in groups.values():
         steps = [t for r in group for t in (r.get("step_ms_all") or [r["step_ms"]])]
+        host = [t for r in group for t in (r.get("host_ms_all") or [])]
         row = dict(group[0], step_ms=statistics.median(steps), round_ms=[r["step_ms"] for r in group],
+                   host_ms=statistics.median(host) if host else None,
                    peak_gb=max((r["peak_gb"] for r in group if r.get("peak_gb") is not None), default=None))
         row["tokens_s"] = row["tokens"] / (row["step_ms"] / 1e3)
         pooled.append(row)
@@ -247,18 +254,25 @@ def worker(args):
                     row["pick"], row["pick_reason"] = pick
                 if cuda:
                     torch.cuda.reset_peak_memory_stats()
-                times = []  # at least --steps steps and --min-timed-s seconds of them: a small model's step is
-                # host-bound and its host stalls for 2x now and then (v25), which the median of 4 does not outvote
+                times, host = [], []  # at least --steps steps and --min-timed-s seconds of them: a small model's
+                # step is host-bound and its host stalls for 2x now and then (v25), which the median of 4 does not
+                # outvote
                 while len(times) < args.steps or (sum(times) < 1e3 * args.min_timed_s and len(times) < 100):
                     t0 = time.perf_counter()
                     loss = step()
+                    host.append((time.perf_counter() - t0) * 1e3)  # nothing in the step waits for the GPU
                     C.sync(dev)
                     times.append((time.perf_counter() - t0) * 1e3)
                 row["step_ms"] = statistics.median(times)
                 row["step_ms_all"] = [round(t, 2) for t in times]
+                row["host_ms"] = statistics.median(host)
+                row["host_ms_all"] = [round(t, 2) for t in host]
                 row["tokens_s"] = b * args.seq / (row["step_ms"] / 1e3)
                 row["peak_gb"] = torch.cuda.max_memory_allocated() / 2**30 if cuda else None
                 row["loss"] = float(loss)
+                if args.kernels:  # after the peak is read: the profiler's buffers are not the step's memory
+                    row["kernels"] = C.kernel_breakdown(step, dev, top=args.kernels)
+                    row["kernel_ms"] = sum(k[2] for k in row["kernels"])
             except Exception as exc:  # noqa: BLE001 - recorded; OOM ends this setting's growth
                 failed, fatal = True, C.fatal_cuda(exc)  # not the exception: its frames hold the batch's tensors
                 row["oom" if C.is_oom(exc) else "error"] = C.err_text(exc)
@@ -285,7 +299,7 @@ def print_row(r):
     f = C.fmt
     line = (f"  {r['model']} {r['method']:8s} ckpt={r['ckpt']:3s} batch={r['batch']:<4d} first step "
             f"{f(r.get('first_step_s'), '.1f'):>6s} s  step {f(r.get('step_ms'), '.1f'):>8s} ms "
-            f"{f(r.get('tokens_s'), '.0f'):>8s} tok/s  peak {f(r.get('peak_gb'), '.2f'):>6s} GB  {r.get('pick') or ''}")
+            f"{f(r.get('tokens_s'), '.0f'):>8s} tok/s  host {f(r.get('host_ms'), '.1f'):>7s} ms  peak {f(r.get('peak_gb'), '.2f'):>6s} GB  {r.get('pick') or ''}")
     if r.get("oom") or r.get("error"):
         line += f"  {'OOM' if r.get('oom') else 'FAILED ' + r['error']}"
     print(line, flush=True)
@@ -345,6 +359,21 @@ def summary(rows, args):
                        "same, ckpt", "best tok/s (x compile's best)", "first step (x compile)", "pick"], body)
 
 
+def time_split(rows):
+    """Where each setting's step goes (rows with host_ms, i.e. since v27), pooled over rounds: the host's own time
+    (the step call returning before its synchronisation: a step whose host ms is near its step ms waits on the
+    host), and with --kernels the profiled step's kernel time with its three costliest kernels."""
+    body = []
+    for r in pool_rounds([r for r in rows if r.get("step_ms")]):
+        if r.get("host_ms") is None:
+            continue
+        top = "; ".join(f"{n[:40]} {ms:.2f}" for n, _, ms in (r.get("kernels") or [])[:3])
+        body.append([r["model"], r["method"], r["ckpt"], r["batch"], f"{r['step_ms']:.1f}", f"{r['host_ms']:.1f}",
+                     C.fmt(r.get("kernel_ms"), ".1f"), top])
+    return C.md_table(["model", "method", "ckpt", "batch", "step ms", "host ms", "kernel ms (one step)",
+                       "costliest kernels (ms)"], body) if body else ""
+
+
 def driver(args, argv):
     import cce_inductor  # noqa: F401 (fails early when the package is missing)
 
@@ -382,6 +411,9 @@ def driver(args, argv):
     for r in bad:
         print(f"# !!! {r['model']} {r['method']} ckpt={r['ckpt']} batch={r['batch']}: {r['error']}")
     print(summary(rows, args), flush=True)
+    split = time_split(rows)
+    if split:
+        print("\n" + split, flush=True)
     return 1 if bad else 0
 
 
@@ -398,6 +430,8 @@ def parse_args(argv):
                     help="more timed steps until they add up to this many seconds, at most 100 (default 2; tiny 0)")
     ap.add_argument("--batch-shapes", choices=("dynamic", "static"), default="dynamic")
     ap.add_argument("--rounds", type=int, default=1, help="run every worker this many times, methods alternating")
+    ap.add_argument("--kernels", type=int, default=0, metavar="K",
+                    help="one more step under torch.profiler: its K costliest kernels and their sum in the row")
     ap.add_argument("--attn", default=None, help="attn_implementation for every model (default: per model)")
     ap.add_argument("--out", default=None, help="JSON lines, appended (default $OUT/full_depth.jsonl)")
     ap.add_argument("--resume", action="store_true", help="skip the batches --out already holds")
