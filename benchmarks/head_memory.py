@@ -22,7 +22,7 @@ allocated it (Inductor's generated code names its buffers there: ``buf12 = empty
 [{bytes, per_logit, where, line}], logit_bytes_per_logit (their sum over N V).
 --stacks all records C++ frames too (slower to snapshot): a block allocated outside Python code (one of
 torch.compile's three on Llama-3.2-1B's head had no Python frame, engineering log v26) is then named by its innermost
-C++ frames that are not the allocator's own.
+C++ frames that are not the allocator's or the dispatcher's own.
 CUDA only (the allocator's history); --tiny checks the harness on CPU without it (no blocks listed).
 """
 from __future__ import annotations
@@ -62,15 +62,19 @@ def peak_blocks(trace, min_bytes):
     return peak, big
 
 
-# C++ frames of the allocator and of the history's own recording, skipped when a block is named by C++ frames
-_ALLOCATOR_FRAMES = ("CUDACachingAllocator", "c10::cuda::", "CapturedTraceback", "unwind")
+# C++ frames of the allocator, of the history's own recording and of the dispatcher between an op's entry
+# (``at::_ops::<op>::call``, kept) and its kernel, skipped when a block is named by C++ frames: v27's one C++-only
+# block on Llama-3.2-1B showed only these in its eight innermost frames (its caller unnamed)
+_PLUMBING_FRAMES = ("CUDACachingAllocator", "c10::cuda::", "CapturedTraceback", "unwind", "gather_with_cpp",
+                    "at::detail::empty", "wrapper_CUDA", "c10::impl::", "::redispatch(", "c10::Dispatcher",
+                    "c10::KernelFunction", "c10::BoxedKernel")
 
 
 def allocation_site(frames, depth=4):
     """The innermost Python frames with a source line, innermost first (for Inductor's buffers the first is the
     generated code's ``buf = empty_strided_cuda(...)``): ``(["file:line (function)", ...], source of the first)``;
     where there is none (a block allocated outside Python code, its C++ frames recorded by --stacks all), the
-    innermost C++ frames that are not the allocator's: ``(["function", ...], "(C++)")``."""
+    innermost C++ frames that are not the allocator's or the dispatcher's: ``(["function", ...], "(C++)")``."""
     where, src = [], ""
     for fr in frames:
         name = fr.get("filename", "")
@@ -83,8 +87,9 @@ def allocation_site(frames, depth=4):
     if where:
         return where, src
     native = [fr.get("name", "") for fr in frames if fr.get("name") and not fr.get("filename", "").endswith(".py")]
-    native = [n[:120] for n in native if not any(skip in n for skip in _ALLOCATOR_FRAMES)]
-    return native[:2 * depth], "(C++)" if native else ""  # the tensor factory's frames first, then its caller's
+    named = [n[:120] for n in native if not any(skip in n for skip in _PLUMBING_FRAMES)]
+    native = named or [n[:120] for n in native]
+    return native[:3 * depth], "(C++)" if native else ""  # the tensor factory's frames first, then its callers'
 
 
 def run(args):
