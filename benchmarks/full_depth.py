@@ -299,7 +299,8 @@ def print_row(r):
     f = C.fmt
     line = (f"  {r['model']} {r['method']:8s} ckpt={r['ckpt']:3s} batch={r['batch']:<4d} first step "
             f"{f(r.get('first_step_s'), '.1f'):>6s} s  step {f(r.get('step_ms'), '.1f'):>8s} ms "
-            f"{f(r.get('tokens_s'), '.0f'):>8s} tok/s  host {f(r.get('host_ms'), '.1f'):>7s} ms  peak {f(r.get('peak_gb'), '.2f'):>6s} GB  {r.get('pick') or ''}")
+            f"{f(r.get('tokens_s'), '.0f'):>8s} tok/s  host {f(r.get('host_ms'), '.1f'):>7s} ms  "
+            f"peak {f(r.get('peak_gb'), '.2f'):>6s} GB  {r.get('pick') or ''}")
     if r.get("oom") or r.get("error"):
         line += f"  {'OOM' if r.get('oom') else 'FAILED ' + r['error']}"
     print(line, flush=True)
