@@ -299,7 +299,7 @@ def _host_bound_note(f: HeadFacts, path: Path = "lean") -> str:
         return (f"; at this size ({macs:.1e} multiply-adds per logits product) the step may wait on the host's "
                 "launch work: the balanced head alone takes longer to launch than to run (GPT-2 medium's at 2048 rows: "
                 "2.70 ms on 1.42 ms of kernels, torch.compile's 1.52; H100), and whole steps this small read "
-                "0.99-1.14x torch.compile's (H100 / H200)")
+                "0.99-1.10x torch.compile's (H100 / H200)")
     return (f"; at this size ({macs:.1e} multiply-adds per logits product) the step likely waits on the host's "
             "launch work, not the GPU: up to ~2x torch.compile's time (GPT-2's head at N 4096: 1.3-2.3x on H100 / "
             "H200 hosts)")
