@@ -363,7 +363,7 @@ def summary(rows, args):
 def time_split(rows):
     """Where each setting's step goes (rows with host_ms, i.e. since v27), pooled over rounds: the host's own time
     (the step call returning before its synchronisation: a step whose host ms is near its step ms waits on the
-    host), and with --kernels the profiled step's kernel time with its three costliest kernels."""
+    host), and with --kernels the profiled step's kernel time with its three costliest kernels (the first round's)."""
     body = []
     for r in pool_rounds([r for r in rows if r.get("step_ms")]):
         if r.get("host_ms") is None:

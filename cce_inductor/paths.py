@@ -97,9 +97,10 @@ class PathChoice:
     scratch_bytes: int = 0  # the balanced path's scratch (0 for lean)
 
 
-# torch.compile's bytes per logit beyond the input's width where the graph also returns the logits: the two more bf16
+# torch.compile's bytes per logit beyond the input's width where the graph also returns the logits: of the three bf16
 # logits-sized blocks the allocator holds at the step's peak (the model graph's logits, the gradient of the loss
-# graph's upcast, one allocated outside Python code: 6.0 bytes per logit in all; module docstring).
+# graph's upcast, one allocated outside Python code: 6.0 bytes per logit in all; module docstring), the two beyond
+# the one the loss-only code holds too.
 _RETURNED_LOGITS_EXTRA_BYTES = 4
 
 
@@ -291,7 +292,7 @@ def _balanced_instead_note(f: HeadFacts) -> str:
 def _host_bound_note(f: HeadFacts, path: Path = "lean") -> str:
     """Where a head is too small for its launches to hide behind its kernels (``_HOST_BOUND_MACS``), what that cost
     where measured: the lean path's ~25 launches up to ~2x torch.compile's time on the head alone; the balanced path's
-    fewer ones less, but a whole step that small waits on the host as well (engineering log v25 / v26)."""
+    fewer ones less, but a whole step that small waits on the host as well (engineering log v25-v27)."""
     macs = f.rows * f.vocab * f.hidden
     if not f.kernels or macs >= _HOST_BOUND_MACS:
         return ""
