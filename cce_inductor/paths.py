@@ -292,15 +292,16 @@ def _balanced_instead_note(f: HeadFacts) -> str:
 def _host_bound_note(f: HeadFacts, path: Path = "lean") -> str:
     """Where a head is too small for its launches to hide behind its kernels (``_HOST_BOUND_MACS``), what that cost
     where measured: the lean path's ~25 launches up to ~2x torch.compile's time on the head alone; the balanced path's
-    fewer ones less, but a whole step that small waits on the host as well (engineering log v25-v27)."""
+    fewer ones less, but a whole step that small waits on the host as well (engineering log v25-v28)."""
     macs = f.rows * f.vocab * f.hidden
     if not f.kernels or macs >= _HOST_BOUND_MACS:
         return ""
     if path == "balanced":
         return (f"; at this size ({macs:.1e} multiply-adds per logits product) the step may wait on the host's "
                 "launch work: the balanced head alone takes longer to launch than to run (GPT-2 medium's at 2048 rows: "
-                "2.70 ms on 1.42 ms of kernels, torch.compile's 1.52; H100), and whole steps this small read "
-                "0.99-1.10x torch.compile's (H100 / H200)")
+                "2.70 ms on 1.42 ms of kernels, torch.compile's 1.52; H100), and whole steps this small wait on the host, "
+                "reading 0.93-1.10x torch.compile's from one process to the next with the GPU's work equal (H100 / "
+                "H200)")
     return (f"; at this size ({macs:.1e} multiply-adds per logits product) the step likely waits on the host's "
             "launch work, not the GPU: up to ~2x torch.compile's time (GPT-2's head at N 4096: 1.3-2.3x on H100 / "
             "H200 hosts)")

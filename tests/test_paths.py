@@ -97,7 +97,7 @@ def test_host_bound_small_heads_are_said():
 def test_host_bound_balanced_sites_are_said():
     """The balanced path has fewer launches than the lean one, but a head this small still launches longer than it
     runs (GPT-2 medium's at 2048 rows: 2.70 ms on 1.42 ms of kernels, H100, v25), and whole steps that small spread
-    around torch.compile's (0.99-1.10x at 2048-4096 rows, v25-v27): stats() says so where the default (or a forced
+    around torch.compile's (0.93-1.10x at 2048-4096 rows, v25-v28): stats() says so where the default (or a forced
     path) takes the balanced path on such a head, and not on heads where the GPU is the limit."""
     for head, n in (("gpt2-medium", 2048), ("gpt2-medium", 4096), ("qwen25-0.5b", 2048)):
         choice = paths.choose(_facts(head, n, returned_logits=True))  # batch 1 / 2 of a Hugging Face model
