@@ -8,6 +8,7 @@ import datetime
 import json
 import math
 import os
+import re
 import shlex
 import statistics
 import subprocess
@@ -25,16 +26,36 @@ FALLBACK = {"lean": {"scratch_mb": 0}, "balanced": {"scratch_mb": 1024}, "rowski
             "lean_cublas": {"products": "cublas"}}
 
 
+# "balanced_mb<k>": the balanced path with a scratch of k MiB (as many row chunks as that scratch needs), for cells
+# where the scratch the budget gives is the question (e.g. balanced_mb197: two chunks of GPT-2 medium's 4096 rows).
+_SCRATCH_METHOD = re.compile(r"balanced_mb([1-9][0-9]*)$")
+METHOD_NAMES = ", ".join([*METHODS, "balanced_mb<k>"])
+
+
+def method_keywords(name):
+    """make_backend keywords of a cce method name (METHODS or balanced_mb<k>); None for any other name."""
+    if name in METHODS:
+        return dict(METHODS[name])
+    match = _SCRATCH_METHOD.match(name)
+    return {"path": "balanced", "scratch_mb": int(match.group(1))} if match else None
+
+
+def is_method(name):
+    return method_keywords(name) is not None
+
+
 def resolve_methods(names=None, quiet=False):
-    """{method: make_backend keywords} for the METHODS named (all by default), adapted to this CCEOptions."""
+    """{method: make_backend keywords} for the cce methods named (all of METHODS by default), adapted to this
+    CCEOptions."""
     from cce_inductor import CCEOptions
 
     has_path = "path" in {f.name for f in dataclasses.fields(CCEOptions)}
     out = {}
-    for name, kw in METHODS.items():
-        if names is not None and name not in names:
-            continue
-        out[name] = dict(kw) if has_path or "path" not in kw else dict(FALLBACK[name])
+    for name in METHODS if names is None else [n for n in names if is_method(n)]:
+        kw = method_keywords(name)
+        if not has_path and "path" in kw:  # scratch_mb alone asks for the balanced path
+            kw = dict(FALLBACK[name]) if name in FALLBACK else {k: v for k, v in kw.items() if k != "path"}
+        out[name] = kw
     if not quiet:
         how = "CCEOptions.path exists" if has_path else \
             "CCEOptions has no `path` field: lean/balanced fall back to scratch_mb"

@@ -20,8 +20,8 @@ started that would end past it); re-run the SAME command with --resume until its
     python benchmarks/full_depth.py --tiny                    # CPU run of the harness (~15-20 min on 2 busy cores;
                                                               # --tiny --models gemma2-2b --ckpt off: ~2 min)
 
-Defaults: --methods compile,default (also lean, balanced: METHODS of _common.py, each with drop_logits=True)
---ckpt off,on --max-batch 256 --steps 5 --min-timed-s 2 --seq 2048 --batch-shapes dynamic --rounds 1; --out
+Defaults: --methods compile,default (also lean, balanced, balanced_mb<k>: METHODS of _common.py, each with
+drop_logits=True) --ckpt off,on --max-batch 256 --steps 5 --min-timed-s 2 --seq 2048 --batch-shapes dynamic --rounds 1; --out
 $OUT/full_depth.jsonl ($OUT unset: ./full_depth.jsonl); --budget-s 500 (no worker, and no batch, is started that
 would end past it).
 
@@ -193,7 +193,7 @@ def worker(args):
     import cce_inductor
 
     C.setup_compile()
-    backends = C.resolve_methods([m for m in args.methods if m in C.METHODS], quiet=True)
+    backends = C.resolve_methods(args.methods, quiet=True)
     dev, cuda, is_cce = args.device, args.device == "cuda", args.method in backends
     done = {}
     if args.resume:
@@ -378,7 +378,7 @@ def time_split(rows):
 def driver(args, argv):
     import cce_inductor  # noqa: F401 (fails early when the package is missing)
 
-    backends = C.resolve_methods([m for m in args.methods if m in C.METHODS])
+    backends = C.resolve_methods(args.methods)
     if not args.report:
         C.append_row(args.out, C.header(args.device, dict(
             script="full_depth", models=args.models, methods=args.methods, backends=backends, ckpt=args.ckpt,
@@ -454,8 +454,8 @@ def parse_args(argv):
         if m not in MODELS:
             ap.error(f"unknown model {m!r}; models: {', '.join(MODELS)}")
     for m in args.methods:
-        if m != "compile" and m not in C.METHODS:
-            ap.error(f"unknown method {m!r}; methods: compile, {', '.join(C.METHODS)}")
+        if m != "compile" and not C.is_method(m):
+            ap.error(f"unknown method {m!r}; methods: compile, {C.METHOD_NAMES}")
     if not set(args.ckpt) <= {"off", "on"}:
         ap.error("--ckpt: off, on")
     if args.rounds < 1:

@@ -94,7 +94,7 @@ def allocation_site(frames, depth=4):
 
 def run(args):
     C.setup_compile()
-    backends = C.resolve_methods([args.method] if args.method in C.METHODS else [], quiet=True)
+    backends = C.resolve_methods([args.method], quiet=True)
     dev = args.device
     model = FD.build_model(args.model, args)
     if args.ckpt == "on":
@@ -161,7 +161,7 @@ def main(argv=None):
     args = ap.parse_args(argv)
     if args.model not in FD.MODELS:
         ap.error(f"unknown model {args.model!r}")
-    if args.method != "compile" and args.method not in C.METHODS:
+    if args.method != "compile" and not C.is_method(args.method):
         ap.error(f"unknown method {args.method!r}")
     args.device = "cpu" if args.tiny else "cuda"
     args.seq = args.seq or (64 if args.tiny else 2048)

@@ -26,6 +26,8 @@ torch._dynamo.reset() before each method of each case):
     default / lean / balanced   torch.compile(loss, backend=cce_inductor.make_backend(**METHODS[name])) with
               METHODS = {"default": {}, "lean": {"path": "lean"}, "balanced": {"path": "balanced"}}; without a
               CCEOptions.path field, lean / balanced are {"scratch_mb": 0} / {"scratch_mb": 1024} (printed at start)
+    balanced_mb<k>  make_backend(path="balanced", scratch_mb=k): the balanced path at a scratch of k MiB (as many row
+              chunks as it needs; e.g. balanced_mb197 runs GPT-2 medium's 4096 rows in two chunks)
     rowskip   make_backend(path="lean", products="triton"): the lean path whose dE / dC products skip the ignored
               rows (Triton products reading the device-side count), for the ignored-target cells against TRL
     lean_cublas  make_backend(path="lean", products="cublas"): the lean path with cuBLAS products on every call (the
@@ -294,7 +296,7 @@ def worker(args):
     C.setup_compile()
     torch.set_float32_matmul_precision(args.matmul_precision)
     d, v = {**HEADS, **TINY_HEADS}[args.head]
-    backends = C.resolve_methods([m for m in args.methods if m in C.METHODS], quiet=True)
+    backends = C.resolve_methods(args.methods, quiet=True)
     peers, notes = find_peers(args.device)
     if "peers" in args.methods_raw:
         print(f"# peers: {', '.join(peers) or 'none'}" + (f" (skipped: {'; '.join(notes)})" if notes else ""),
@@ -412,7 +414,7 @@ def table(rows):
 def driver(args, argv):
     import cce_inductor  # noqa: F401 (fails early, before any worker, when the package is missing)
 
-    backends = C.resolve_methods([m for m in args.methods if m in C.METHODS])
+    backends = C.resolve_methods(args.methods)
     peers, notes = find_peers(args.device)
     if not args.report:
         C.append_row(args.out, C.header(args.device, dict(
@@ -487,7 +489,7 @@ def parse_args(argv):
     args.methods_raw = args.methods.split(",")
     args.methods = [m for m in args.methods_raw if m != "peers"]
     args.profile = [m for m in args.profile.split(",") if m]
-    unknown = set(args.methods) - set(BASE) - set(C.METHODS) - {"trl", "liger", "apple_cce"}
+    unknown = {m for m in args.methods if not C.is_method(m)} - set(BASE) - {"trl", "liger", "apple_cce"}
     if unknown:
         ap.error(f"unknown methods {sorted(unknown)}")
     if args.budget_s is None:
