@@ -34,7 +34,12 @@ balanced, model 5161 / 1297 / 3483; Llama-3 3070 / 1259 / 3134, model 3070 / 125
 The default (``path="auto"``) takes the fastest path whose peak fits the budget ``max(0.5 x torch.compile's,
 1.15 x the gradients' own (N + V) D b)``: balanced where it fits (three matmuls), else lean (four matmuls, always
 within the budget's second term up to its fixed scratch). So the default never trades memory for speed past half
-of torch.compile's peak; where balanced does not fit (large V x D against N x V, e.g. N 8192 on Gemma-2's head:
+of torch.compile's estimated peak. That estimate (the logits at the input's width) is exact on every aligned
+vocabulary measured; on a 16-bit head whose V is not a multiple of 8, where Inductor pads the product, torch.compile
+held the logits in fp32 in 12 of 15 grid cells (``_PADDED_LOGIT_BYTES``), so where the first budget leaves the
+balanced path no scratch, such a head is sized against half of that larger estimate (:func:`balanced_budget`; on
+the one head measured at 2 bytes a logit, GPT-2's on the H100, that is ~0.65x its real peak at N 4096, estimated).
+Where balanced does not fit (large V x D against N x V, e.g. N 8192 on Gemma-2's head:
 6 V D > N V / 2) the lean path's time is the price, and ``stats()`` says so. Where the graph also returns the
 logits (Hugging Face models), torch.compile's peak holds more per logit, so the balanced path fits from fewer rows
 (Gemma-2's and Llama-3.2-1B's heads from 4096 rather than 16384). ``path="lean"`` / ``"balanced"``
@@ -113,10 +118,26 @@ def compile_bytes_per_logit(f: HeadFacts) -> int:
     return b + _RETURNED_LOGITS_EXTRA_BYTES + (b if f.softcapped else 0)
 
 
-def compile_peak(f: HeadFacts) -> int:
+def compile_peak(f: HeadFacts, padded: bool = False) -> int:
     """torch.compile's peak for ``cross_entropy(linear(e, c).float(), t)`` (forward + backward), bytes, and more
-    where the graph returns the logits (``f.returned_logits``; :func:`compile_bytes_per_logit`)."""
-    return f.rows * f.vocab * compile_bytes_per_logit(f) + (f.vocab + f.rows) * f.hidden * f.element_size
+    where the graph returns the logits (``f.returned_logits``; :func:`compile_bytes_per_logit`); ``padded``: with
+    its logits in fp32, as it held them where it padded an unaligned product (:func:`pads_product`)."""
+    per_logit = _PADDED_LOGIT_BYTES if padded else compile_bytes_per_logit(f)
+    return f.rows * f.vocab * per_logit + (f.vocab + f.rows) * f.hidden * f.element_size
+
+
+# torch.compile's bytes per logit in the loss-only graph of a 16-bit head whose V is not a multiple of 8 elements
+# (Inductor pads that product): fp32 logits, to within 3 MiB, in 12 of the 15 such grid cells measured (GPT-2 medium
+# at N 2048-8192 and V 65535 at N 8192 on an H100 and an H200, GPT-2 on the H200); the three others, GPT-2 on the
+# H100, held 2 bytes a logit and a padded copy of the weight (engineering log v28). The pass cannot see which.
+_PADDED_LOGIT_BYTES = 4
+
+
+def pads_product(f: HeadFacts) -> bool:
+    """Whether torch.compile's head likely pads its product and holds fp32 logits (``_PADDED_LOGIT_BYTES``): a
+    16-bit head on the kernels whose V is not a multiple of 8 elements, in a loss-only graph (a graph that returns
+    the logits was measured at its own bytes per logit, :func:`compile_bytes_per_logit`, unaligned or not)."""
+    return f.kernels and f.element_size == 2 and f.vocab % 8 != 0 and not f.returned_logits
 
 
 def gradient_bytes(f: HeadFacts) -> int:
@@ -139,8 +160,20 @@ def balanced_peak(f: HeadFacts, scratch_bytes: int) -> int:
     return max(4 * vd + 4 * nd + scratch_bytes, (4 + b) * vd + (4 + b) * nd)
 
 
-def budget(f: HeadFacts) -> int:
-    return max(int(_COMPILE_SHARE * compile_peak(f)), int(_GRADIENT_FACTOR * gradient_bytes(f)))
+def budget(f: HeadFacts, padded: bool = False) -> int:
+    return max(int(_COMPILE_SHARE * compile_peak(f, padded)), int(_GRADIENT_FACTOR * gradient_bytes(f)))
+
+
+def balanced_budget(f: HeadFacts) -> tuple[int, bool]:
+    """The budget the default sizes the balanced path against, and whether it counts torch.compile's logits in fp32:
+    :func:`budget`, or where that leaves no scratch and torch.compile pads the product (:func:`pads_product`), the
+    budget of its padded peak. The second moved V 65535 at N 8192 and GPT-2 medium's head at N 4096 from the lean
+    path (1.24x / 1.87x torch.compile's time) to two balanced chunks (1.02x / 1.01x) at 0.47x / 0.46x its measured
+    peak (H100, engineering log v28); heads that fit the first keep its smaller scratch."""
+    limit = budget(f)
+    if _scratch_within(f, limit) or not pads_product(f):
+        return limit, False
+    return budget(f, padded=True), True
 
 
 def scratch_row_pitch(vocab: int) -> int:
@@ -168,10 +201,14 @@ def chunk_rows(scratch_bytes: int, vocab: int, element_size: int, rows: int) -> 
 
 
 def balanced_scratch(f: HeadFacts, limit: Optional[int] = None) -> int:
-    """The balanced path's scratch for these facts: as large as the budget (or ``limit``) leaves beside its fixed
-    memory, at most 1 GiB and all rows; 0 where not even ``_MIN_CHUNK_ROWS`` rows (or all rows, if fewer) fit."""
+    """The balanced path's scratch for these facts: as large as the budget (:func:`balanced_budget`, or ``limit``)
+    leaves beside its fixed memory, at most 1 GiB and all rows; 0 where not even ``_MIN_CHUNK_ROWS`` rows (or all
+    rows, if fewer) fit."""
+    return _scratch_within(f, balanced_budget(f)[0] if limit is None else limit)
+
+
+def _scratch_within(f: HeadFacts, limit: int) -> int:
     b, vd, nd = f.element_size, f.vocab * f.hidden, f.rows * f.hidden
-    limit = budget(f) if limit is None else limit
     room = limit - 4 * vd - 4 * nd
     row_bytes = scratch_row_pitch(f.vocab) * b
     want = min(_MAX_SCRATCH_BYTES, max(f.rows, 1) * row_bytes)
@@ -184,7 +221,10 @@ def _mib(n: int) -> str:
     return f"{n / 2**20:.0f} MiB"
 
 
-def _compile_estimate(f: HeadFacts) -> str:
+def _compile_estimate(f: HeadFacts, padded: bool = False) -> str:
+    if padded:
+        return (f"{_mib(compile_peak(f, padded=True))}, its logits in fp32 as it holds them where it pads an "
+                "unaligned vocabulary's product")
     returned = (f", the logits it returns included: {compile_bytes_per_logit(f)} bytes per logit"
                 if f.returned_logits else "")
     return f"{_mib(compile_peak(f))}{returned}"
@@ -237,12 +277,12 @@ def _choose(f: HeadFacts, path: str, scratch_mb: int, backward_row_chunk: int) -
                                   "way, and the balanced one would hold the gradients in fp32")
     if f.rows < _MIN_BALANCED_ROWS:
         return PathChoice("lean", f"lean path: {f.rows} rows are too few for the balanced path's chunks")
-    scratch = balanced_scratch(f)
-    limit = budget(f)
+    limit, padded = balanced_budget(f)
+    scratch = balanced_scratch(f, limit)
     if scratch:
         return PathChoice("balanced", f"balanced path: three matmuls, est. peak {_mib(balanced_peak(f, scratch))} "
                                       f"within the budget {_mib(limit)} (half of torch.compile's est. "
-                                      f"{_compile_estimate(f)}; {_mib(scratch)} scratch)"
+                                      f"{_compile_estimate(f, padded)}; {_mib(scratch)} scratch)"
                                       + _host_bound_note(f, "balanced"), scratch)
     need = balanced_peak(f, min(f.rows, _MIN_CHUNK_ROWS) * scratch_row_pitch(f.vocab) * f.element_size)
     lean = lean_peak(f, backward_row_chunk)
@@ -250,8 +290,8 @@ def _choose(f: HeadFacts, path: str, scratch_mb: int, backward_row_chunk: int) -
                                      "and dE summed in fp32 against a small V x D), the least of the two")
     return PathChoice("lean", f"lean path: the balanced path's est. peak {_mib(need)} (dC summed in fp32, "
                               f"{_mib(4 * f.vocab * f.hidden)}) exceeds the budget {_mib(limit)} (half of "
-                              f"torch.compile's est. {_compile_estimate(f)}); four matmuls where torch.compile does "
-                              f"three (~1.3-1.5x its time on the head){over}{_host_bound_note(f)}"
+                              f"torch.compile's est. {_compile_estimate(f, padded)}); four matmuls where "
+                              f"torch.compile does three (~1.3-1.5x its time on the head){over}{_host_bound_note(f)}"
                               f"{_balanced_instead_note(f)}")
 
 
@@ -298,10 +338,10 @@ def _host_bound_note(f: HeadFacts, path: Path = "lean") -> str:
         return ""
     if path == "balanced":
         return (f"; at this size ({macs:.1e} multiply-adds per logits product) the step may wait on the host's "
-                "launch work: the balanced head alone takes longer to launch than to run (GPT-2 medium's at 2048 rows: "
-                "2.70 ms on 1.42 ms of kernels, torch.compile's 1.52; H100), and whole steps this small wait on the host, "
-                "reading 0.93-1.10x torch.compile's from one process to the next with the GPU's work equal (H100 / "
-                "H200)")
+                "launch work: the balanced head alone takes longer to launch than to run (GPT-2 medium's at 2048 "
+                "rows: 2.70 ms on 1.42 ms of kernels, torch.compile's 1.52; H100), and whole steps this small wait on "
+                "the host, reading 0.93-1.10x torch.compile's from one process to the next with the GPU's work equal "
+                "(H100 / H200)")
     return (f"; at this size ({macs:.1e} multiply-adds per logits product) the step likely waits on the host's "
             "launch work, not the GPU: up to ~2x torch.compile's time (GPT-2's head at N 4096: 1.3-2.3x on H100 / "
             "H200 hosts)")
