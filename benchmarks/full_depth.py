@@ -21,9 +21,9 @@ started that would end past it); re-run the SAME command with --resume until its
                                                               # --tiny --models gemma2-2b --ckpt off: ~2 min)
 
 Defaults: --methods compile,default (also lean, balanced, balanced_mb<k>: METHODS of _common.py, each with
-drop_logits=True) --ckpt off,on --max-batch 256 --steps 5 --min-timed-s 2 --seq 2048 --batch-shapes dynamic --rounds 1; --out
-$OUT/full_depth.jsonl ($OUT unset: ./full_depth.jsonl); --budget-s 500 (no worker, and no batch, is started that
-would end past it).
+drop_logits=True) --ckpt off,on --max-batch 256 --steps 5 --min-timed-s 2 --seq 2048 --batch-shapes dynamic
+--rounds 1; --out $OUT/full_depth.jsonl ($OUT unset: ./full_depth.jsonl); --budget-s 500 (no worker, and no
+batch, is started that would end past it).
 
 Methods: compile = torch.compile(model); default = torch.compile(model, backend=cce_inductor.make_backend(
 drop_logits=True)) (HF models return their logits: the pass needs that opt-in); lean / balanced add METHODS'
