@@ -136,7 +136,8 @@ _PADDED_LOGIT_BYTES = 4
 def pads_product(f: HeadFacts) -> bool:
     """Whether torch.compile's head likely pads its product and holds fp32 logits (``_PADDED_LOGIT_BYTES``): a
     16-bit head on the kernels whose V is not a multiple of 8 elements, in a loss-only graph (a graph that returns
-    the logits was measured at its own bytes per logit, :func:`compile_bytes_per_logit`, unaligned or not)."""
+    the logits was measured at its own bytes per logit, :func:`compile_bytes_per_logit`, unaligned or not). Measured
+    in bf16; fp16 pads at the same alignment and is taken to hold the same."""
     return f.kernels and f.element_size == 2 and f.vocab % 8 != 0 and not f.returned_logits
 
 
