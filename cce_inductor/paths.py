@@ -35,10 +35,10 @@ The default (``path="auto"``) takes the fastest path whose peak fits the budget 
 1.15 x the gradients' own (N + V) D b)``: balanced where it fits (three matmuls), else lean (four matmuls, always
 within the budget's second term up to its fixed scratch). So the default never trades memory for speed past half
 of torch.compile's estimated peak. That estimate (the logits at the input's width) is exact on every aligned
-vocabulary measured; on a 16-bit head whose V is not a multiple of 8, where Inductor pads the product, torch.compile
-held the logits in fp32 in 12 of 15 grid cells (``_PADDED_LOGIT_BYTES``), so where the first budget leaves the
+vocabulary measured; on a 16-bit head whose V is not a multiple of 8, where Inductor pads the products, torch.compile
+held 4 bytes a logit in 12 of 15 grid cells (``_PADDED_LOGIT_BYTES``), so where the first budget leaves the
 balanced path no scratch, such a head is sized against half of that larger estimate (:func:`balanced_budget`; on
-the one head measured at 2 bytes a logit, GPT-2's on the H100, that is ~0.65x its real peak at N 4096, estimated).
+the one head measured at 2 bytes a logit, GPT-2's on the H100, that is 0.65x its real peak at N 4096, measured).
 Where balanced does not fit (large V x D against N x V, e.g. N 8192 on Gemma-2's head:
 6 V D > N V / 2) the lean path's time is the price, and ``stats()`` says so. Where the graph also returns the
 logits (Hugging Face models), torch.compile's peak holds more per logit, so the balanced path fits from fewer rows
@@ -120,21 +120,25 @@ def compile_bytes_per_logit(f: HeadFacts) -> int:
 
 def compile_peak(f: HeadFacts, padded: bool = False) -> int:
     """torch.compile's peak for ``cross_entropy(linear(e, c).float(), t)`` (forward + backward), bytes, and more
-    where the graph returns the logits (``f.returned_logits``; :func:`compile_bytes_per_logit`); ``padded``: with
-    its logits in fp32, as it held them where it padded an unaligned product (:func:`pads_product`)."""
+    where the graph returns the logits (``f.returned_logits``; :func:`compile_bytes_per_logit`); ``padded``: at 4
+    bytes a logit, as it held them where it padded an unaligned vocabulary's products (:func:`pads_product`)."""
     per_logit = _PADDED_LOGIT_BYTES if padded else compile_bytes_per_logit(f)
     return f.rows * f.vocab * per_logit + (f.vocab + f.rows) * f.hidden * f.element_size
 
 
 # torch.compile's bytes per logit in the loss-only graph of a 16-bit head whose V is not a multiple of 8 elements
-# (Inductor pads that product): fp32 logits, to within 3 MiB, in 12 of the 15 such grid cells measured (GPT-2 medium
-# at N 2048-8192 and V 65535 at N 8192 on an H100 and an H200, GPT-2 on the H200); the three others, GPT-2 on the
-# H100, held 2 bytes a logit and a padded copy of the weight (engineering log v28). The pass cannot see which.
+# (Inductor pads its products): 4, to within 3 MiB, in 12 of the 15 such grid cells measured (GPT-2 medium at N
+# 2048-8192 and V 65535 at N 8192 on an H100 and an H200, GPT-2 on the H200); the three others, GPT-2 on the H100,
+# held 2 bytes a logit and a padded copy of the weight (engineering log v28). The 4 bytes are two 16-bit N x V
+# buffers: the padded logits, overwritten by their gradient, and a second, padded copy of that gradient for the
+# weight's gradient product; where Inductor's timing of that product (pad_mm, on the device) leaves it unpadded,
+# as for GPT-2's on the H100, there is no second copy (the generated code, engineering log v29). The pass cannot
+# see which.
 _PADDED_LOGIT_BYTES = 4
 
 
 def pads_product(f: HeadFacts) -> bool:
-    """Whether torch.compile's head likely pads its product and holds fp32 logits (``_PADDED_LOGIT_BYTES``): a
+    """Whether torch.compile's head likely pads its products and holds 4 bytes a logit (``_PADDED_LOGIT_BYTES``): a
     16-bit head on the kernels whose V is not a multiple of 8 elements, in a loss-only graph (a graph that returns
     the logits was measured at its own bytes per logit, :func:`compile_bytes_per_logit`, unaligned or not). Measured
     in bf16; fp16 pads at the same alignment and is taken to hold the same."""
@@ -166,11 +170,13 @@ def budget(f: HeadFacts, padded: bool = False) -> int:
 
 
 def balanced_budget(f: HeadFacts) -> tuple[int, bool]:
-    """The budget the default sizes the balanced path against, and whether it counts torch.compile's logits in fp32:
+    """The budget the default sizes the balanced path against, and whether it counts 4 bytes a logit for torch.compile:
     :func:`budget`, or where that leaves no scratch and torch.compile pads the product (:func:`pads_product`), the
     budget of its padded peak. The second moved V 65535 at N 8192 and GPT-2 medium's head at N 4096 from the lean
     path (1.24x / 1.87x torch.compile's time) to two balanced chunks (1.02x / 1.01x) at 0.47x / 0.46x its measured
-    peak (H100, engineering log v28); heads that fit the first keep its smaller scratch."""
+    peak (H100, engineering log v28; as the default since, 0.99-1.02x and 1.00-1.22x in two processes, v29), and
+    GPT-2's at N 4096 to the same two chunks, 1.13-1.22x at 0.65x its peak (the lean path: 1.78-2.20x at 0.29x;
+    torch.compile held 2 bytes a logit there); heads that fit the first keep its smaller scratch."""
     limit = budget(f)
     if _scratch_within(f, limit) or not pads_product(f):
         return limit, False
@@ -224,8 +230,8 @@ def _mib(n: int) -> str:
 
 def _compile_estimate(f: HeadFacts, padded: bool = False) -> str:
     if padded:
-        return (f"{_mib(compile_peak(f, padded=True))}, its logits in fp32 as it holds them where it pads an "
-                "unaligned vocabulary's product")
+        return (f"{_mib(compile_peak(f, padded=True))}, 4 bytes a logit as it holds them where it pads an unaligned "
+                "vocabulary's products: the logits' gradient and a padded copy of it")
     returned = (f", the logits it returns included: {compile_bytes_per_logit(f)} bytes per logit"
                 if f.returned_logits else "")
     return f"{_mib(compile_peak(f))}{returned}"
