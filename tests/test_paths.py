@@ -78,12 +78,11 @@ def test_default_pick_table(head, n):
 def test_unaligned_vocabularies_count_torch_compiles_padded_bytes(head, n, chunks):
     """On a 16-bit head whose V is not a multiple of 8, Inductor pads torch.compile's products, and torch.compile held
     4 bytes a logit (the gradient and a padded copy of it) in 12 of the 15 such grid cells measured (engineering log
-    v28 / v29). Where half of the 2-byte
-    estimate leaves the balanced path no scratch, the default sizes it against half of the 4-byte one: two chunks,
-    measured at 1.02x / 1.01x torch.compile's time and 0.47x / 0.46x its peak on V 65535 at N 8192 and GPT-2
-    medium's head at N 4096 (H100), where the lean path took 1.24x / 1.87x. stats() says which estimate it read; the
-    op sizes the same scratch at run time. An aligned neighbour, a graph that returns the logits (measured at its own
-    bytes per logit), 32-bit inputs and the chunked path keep the 2-byte estimate."""
+    v28 / v29). Where half of the 2-byte estimate leaves the balanced path no scratch, the default sizes it against
+    half of the 4-byte one: two chunks, measured at 1.02x / 1.01x torch.compile's time and 0.47x / 0.46x its peak on
+    V 65535 at N 8192 and GPT-2 medium's head at N 4096 (H100), where the lean path took 1.24x / 1.87x. stats() says
+    which estimate it read; the op sizes the same scratch at run time. An aligned neighbour, a graph that returns the
+    logits (measured at its own bytes per logit), 32-bit inputs and the chunked path keep the 2-byte estimate."""
     facts = _facts(head, n)
     assert paths.pads_product(facts) and not paths.balanced_scratch(facts, paths.budget(facts))
     limit, padded = paths.balanced_budget(facts)
