@@ -9,11 +9,14 @@ wall time is the host's. This prints, per way of calling the same head (bf16, LM
 for torch.compile, the pass with each path forced (balanced in one chunk: a 4 GiB scratch), the default, the op
 called eagerly (``cce_inductor.linear_cross_entropy``), and the kernels' launch helpers called directly
 (``kernels._balanced.loss_and_grads``; ``kernels._forward.forward`` + ``kernels._backward.backward``). Then the
-lean compiled step cut into segments by timestamps taken where the op enters and leaves ``_dispatch`` (median us):
-the layers around the kernels' launch helpers (Dynamo, AOTAutograd, the custom op, the op's own checks and row
-losses) against the helpers themselves. ``--trace DIR`` also writes a torch.profiler trace of 4 lean steps.
+lean and the default compiled steps cut into segments by timestamps taken where the op enters and leaves
+``_dispatch`` (median us): the layers around the kernels' launch helpers (Dynamo, AOTAutograd, the custom op, the
+op's own checks and row losses) against the helpers themselves. ``--trace DIR`` also writes a torch.profiler trace
+of 4 lean steps. ``--shapes dynamic``: each compiled method is first called with N - 64 rows, so it is timed at N
+under automatic dynamic shapes (what a trainer whose lengths vary gets; the vocabulary grid's dynamic cells).
 
-Reproduce (CUDA):  python benchmarks/host_time.py [--n 4096 --d 768 --v 50257] [--out results.json]
+Reproduce (CUDA):  python benchmarks/host_time.py [--n 4096 --d 768 --v 50257] [--shapes dynamic] [--out results.json]
+CPU smoke run of the harness (the compiled methods only, on the chunked path):  python benchmarks/host_time.py --tiny
 Measured (an H200 host of the device pool, torch 2.11, Triton 3.6, 2026-11-25; engineering log v15): torch.compile
 1.03 ms host / 2.23 ms wall; the lean path through the pass 4.32 / 4.34 (host-bound), its kernels' launch helpers
 called directly 2.89 / 2.90; balanced in one chunk 2.08 / 2.16. benchmarks/results/2026-11-25_h200_host-time_v15.*
@@ -37,15 +40,16 @@ from cce_inductor import CCEOptions, _dispatch  # noqa: E402
 from cce_inductor.kernels import _backward, _balanced, _forward  # noqa: E402
 
 
-def host_and_wall(step):
-    host_ms, wall_ms = C.host_and_wall_ms(step)
+def host_and_wall(step, device="cuda"):
+    host_ms, wall_ms = C.host_and_wall_ms(step, device=device)
     return {"host_ms": host_ms, "wall_ms": wall_ms}
 
 
-def timeline(step, reps=20):
+def timeline(step, reps=20, device="cuda"):
     """Median microseconds between the timestamps of a step: its start, the op's entries into / exits from
-    ``_dispatch.forward`` / ``_dispatch.backward`` (the kernels' launch helpers), the forward's return and the
-    backward's."""
+    ``_dispatch.forward`` / ``_dispatch.backward`` (the lean path's launch helpers) and ``_dispatch.loss_and_grads``
+    (the balanced path's), the forward's return and the backward's."""
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     marks = []
 
     def stamp(name, fn):
@@ -56,16 +60,17 @@ def timeline(step, reps=20):
             return out
         return wrapped
 
-    saved = _dispatch.forward, _dispatch.backward
-    _dispatch.forward, _dispatch.backward = stamp("kernels fwd", saved[0]), stamp("kernels bwd", saved[1])
+    saved = _dispatch.forward, _dispatch.backward, _dispatch.loss_and_grads
+    _dispatch.forward, _dispatch.backward, _dispatch.loss_and_grads = (
+        stamp("kernels fwd", saved[0]), stamp("kernels bwd", saved[1]), stamp("kernels fwd+grads", saved[2]))
     try:
-        torch.cuda.synchronize()
+        sync()
         for _ in range(reps):
             marks.append(("step", time.perf_counter()))
             step(marks)
-        torch.cuda.synchronize()
+        sync()
     finally:
-        _dispatch.forward, _dispatch.backward = saved
+        _dispatch.forward, _dispatch.backward, _dispatch.loss_and_grads = saved
     segments = {}
     for (a, ta), (b, tb) in zip(marks, marks[1:]):
         if b != "step":
@@ -78,16 +83,19 @@ def main():
     ap.add_argument("--n", type=int, default=4096)
     ap.add_argument("--d", type=int, default=768)
     ap.add_argument("--v", type=int, default=50257)
+    ap.add_argument("--shapes", choices=["static", "dynamic"], default="static",
+                    help="dynamic: each compiled method is first called with N - 64 rows (automatic dynamic shapes)")
     ap.add_argument("--out", default=None, help="JSON results (default: print only)")
     ap.add_argument("--trace", default=None, help="directory for a torch.profiler trace of the lean steps")
+    ap.add_argument("--tiny", action="store_true", help="CPU smoke run: N 256, D 64, V 1001, compiled methods only")
     args = ap.parse_args()
     torch.manual_seed(0)
-    n, d, v, dev = args.n, args.d, args.v, "cuda"
+    n, d, v, dev = (256, 64, 1001, "cpu") if args.tiny else (args.n, args.d, args.v, "cuda")
     e = (torch.randn(n, d, device=dev) * 0.5).to(torch.bfloat16).requires_grad_()
     c = (torch.randn(v, d, device=dev) * 0.05).to(torch.bfloat16).requires_grad_()
     t = torch.randint(0, v, (n,), device=dev)
 
-    def train_step(fn):
+    def train_step(fn, e=e, t=t):
         def step(marks=None):
             loss = fn(e, c, t)
             if marks is not None:
@@ -101,23 +109,62 @@ def main():
     results = {}
     methods = {"torch.compile": None, "lean": {"path": "lean"},
                "balanced, one chunk": {"path": "balanced", "scratch_mb": 4096}, "default": {}}
-    lean_step = None
+    steps = {}
     for i, (name, kw) in enumerate(methods.items()):
         torch._dynamo.reset()
         fn = C.fresh_loss(i)
         compiled = torch.compile(fn) if kw is None else torch.compile(fn, backend=cce_inductor.make_backend(**kw))
-        step = train_step(compiled)
-        results[name] = host_and_wall(step)
-        if name == "lean":
-            lean_step = step
-            results["lean timeline (us)"] = timeline(step)
+        if args.shapes == "dynamic":  # compiled for N - 64 rows first: the call at N recompiles with a dynamic N
+            rows = max(n - 64, 1)
+            train_step(compiled, e.detach()[:rows].clone().requires_grad_(), t[:rows].clone())()
+        steps[name] = train_step(compiled)
+        results[name] = host_and_wall(steps[name], dev)
+        if name in ("lean", "default"):
+            results[f"{name} timeline (us)"] = timeline(steps[name], device=dev)
+    if not args.tiny:
+        kernel_helpers(results, e, c, t, n, dev)
+    if args.trace:
+        from torch.profiler import ProfilerActivity, profile
+
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev == "cuda" else [])
+        with profile(activities=activities) as prof:
+            for _ in range(4):
+                steps["lean"]()
+            if dev == "cuda":
+                torch.cuda.synchronize()
+        os.makedirs(args.trace, exist_ok=True)
+        prof.export_chrome_trace(os.path.join(args.trace, "lean_steps.json"))
+    device = f"{torch.cuda.get_device_name() if dev == 'cuda' else 'CPU'}, torch {torch.__version__}"
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"device": device, "n": n, "d": d, "v": v, "shapes": args.shapes, "results": results}, f,
+                      indent=1)
+    print(f"# {device}; N {n}, D {d}, V {v}, bf16, {args.shapes} shapes")
+    print(f"{'way of calling':28s} {'host ms':>8s} {'wall ms':>8s}")
+    for name, r in results.items():
+        if "host_ms" in r:
+            print(f"{name:28s} {r['host_ms']:8.2f} {r['wall_ms']:8.2f}")
+    for name in ("lean", "default"):
+        print(f"{name}, compiled, one step (median us):")
+        for seg, us in results[f"{name} timeline (us)"].items():
+            print(f"  {seg:40s} {us:8.0f}")
+
+
+def kernel_helpers(results, e, c, t, n, dev):
+    """The op called eagerly, and the kernels' launch helpers called directly (CUDA only)."""
+    def train_step(fn):
+        def step():
+            fn(e, c, t).backward()
+            e.grad = c.grad = None
+        return step
+
     opts = {"lean": CCEOptions(path="lean"), "balanced": CCEOptions(path="balanced", scratch_mb=4096)}
     for path, opt in opts.items():
         results[f"eager op, {path}"] = host_and_wall(
-            train_step(lambda e_, c_, t_, opt=opt: cce_inductor.linear_cross_entropy(e_, c_, t_, options=opt)))
+            train_step(lambda e_, c_, t_, opt=opt: cce_inductor.linear_cross_entropy(e_, c_, t_, options=opt)), dev)
     ed, cd = e.detach(), c.detach()
     results["kernels directly, balanced"] = host_and_wall(lambda: _balanced.loss_and_grads(
-        ed, cd, t, None, softcap=None, ignore_index=-100, reduction="mean", chunk_rows=n))
+        ed, cd, t, None, softcap=None, ignore_index=-100, reduction="mean", chunk_rows=n), dev)
     lse = _forward.forward(ed, cd, t, None, softcap=None, ignore_index=-100)[0]
     grad_rows = torch.full((n,), 1.0 / n, device=dev)
 
@@ -125,28 +172,7 @@ def main():
         _forward.forward(ed, cd, t, None, softcap=None, ignore_index=-100)
         _backward.backward(ed, cd, t, None, lse, grad_rows, softcap=None, ignore_index=-100, options=CCEOptions(),
                            need_e=True, need_c=True, need_bias=False)
-    results["kernels directly, lean"] = host_and_wall(lean_kernels)
-    if args.trace:
-        from torch.profiler import ProfilerActivity, profile
-
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            for _ in range(4):
-                lean_step()
-            torch.cuda.synchronize()
-        os.makedirs(args.trace, exist_ok=True)
-        prof.export_chrome_trace(os.path.join(args.trace, "lean_steps.json"))
-    device = f"{torch.cuda.get_device_name()}, torch {torch.__version__}"
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump({"device": device, "n": n, "d": d, "v": v, "results": results}, f, indent=1)
-    print(f"# {device}; N {n}, D {d}, V {v}, bf16")
-    print(f"{'way of calling':28s} {'host ms':>8s} {'wall ms':>8s}")
-    for name, r in results.items():
-        if "host_ms" in r:
-            print(f"{name:28s} {r['host_ms']:8.2f} {r['wall_ms']:8.2f}")
-    print("lean, compiled, one step (median us):")
-    for seg, us in results["lean timeline (us)"].items():
-        print(f"  {seg:40s} {us:8.0f}")
+    results["kernels directly, lean"] = host_and_wall(lean_kernels, dev)
 
 
 if __name__ == "__main__":
