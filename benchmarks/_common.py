@@ -134,15 +134,14 @@ def fresh_loss(tag, ignore_index=-100):
 def host_and_wall_ms(fn, reps=30, warmup=5, device="cuda"):
     """``(host ms, wall ms)`` per call of ``fn``, calls issued back to back: the time until the last call returns on
     the host, and until the GPU has finished it (equal where the host is the limit; on the CPU, always)."""
-    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     for _ in range(warmup):
         fn()
-    sync()
+    sync(device)
     t0 = time.perf_counter()
     for _ in range(reps):
         fn()
     t1 = time.perf_counter()
-    sync()
+    sync(device)
     t2 = time.perf_counter()
     return 1e3 * (t1 - t0) / reps, 1e3 * (t2 - t0) / reps
 

@@ -49,7 +49,6 @@ def timeline(step, reps=20, device="cuda"):
     """Median microseconds between the timestamps of a step: its start, the op's entries into / exits from
     ``_dispatch.forward`` / ``_dispatch.backward`` (the lean path's launch helpers) and ``_dispatch.loss_and_grads``
     (the balanced path's), the forward's return and the backward's."""
-    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     marks = []
 
     def stamp(name, fn):
@@ -64,11 +63,11 @@ def timeline(step, reps=20, device="cuda"):
     _dispatch.forward, _dispatch.backward, _dispatch.loss_and_grads = (
         stamp("kernels fwd", saved[0]), stamp("kernels bwd", saved[1]), stamp("kernels fwd+grads", saved[2]))
     try:
-        sync()
+        C.sync(device)
         for _ in range(reps):
             marks.append(("step", time.perf_counter()))
             step(marks)
-        sync()
+        C.sync(device)
     finally:
         _dispatch.forward, _dispatch.backward, _dispatch.loss_and_grads = saved
     segments = {}
@@ -122,7 +121,7 @@ def main():
         if name in ("lean", "default"):
             results[f"{name} timeline (us)"] = timeline(steps[name], device=dev)
     if not args.tiny:
-        kernel_helpers(results, e, c, t, n, dev)
+        kernel_helpers(results, train_step, e, c, t, n, dev)
     if args.trace:
         from torch.profiler import ProfilerActivity, profile
 
@@ -130,8 +129,7 @@ def main():
         with profile(activities=activities) as prof:
             for _ in range(4):
                 steps["lean"]()
-            if dev == "cuda":
-                torch.cuda.synchronize()
+            C.sync(dev)
         os.makedirs(args.trace, exist_ok=True)
         prof.export_chrome_trace(os.path.join(args.trace, "lean_steps.json"))
     device = f"{torch.cuda.get_device_name() if dev == 'cuda' else 'CPU'}, torch {torch.__version__}"
@@ -150,14 +148,9 @@ def main():
             print(f"  {seg:40s} {us:8.0f}")
 
 
-def kernel_helpers(results, e, c, t, n, dev):
-    """The op called eagerly, and the kernels' launch helpers called directly (CUDA only)."""
-    def train_step(fn):
-        def step():
-            fn(e, c, t).backward()
-            e.grad = c.grad = None
-        return step
-
+def kernel_helpers(results, train_step, e, c, t, n, dev):
+    """The op called eagerly (``train_step(fn)``: one fwd+bwd of ``fn`` on e, c, t), and the kernels' launch helpers
+    called directly (CUDA only)."""
     opts = {"lean": CCEOptions(path="lean"), "balanced": CCEOptions(path="balanced", scratch_mb=4096)}
     for path, opt in opts.items():
         results[f"eager op, {path}"] = host_and_wall(

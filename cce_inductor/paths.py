@@ -172,11 +172,9 @@ def budget(f: HeadFacts, padded: bool = False) -> int:
 def balanced_budget(f: HeadFacts) -> tuple[int, bool]:
     """The budget the default sizes the balanced path against, and whether it counts 4 bytes a logit for torch.compile:
     :func:`budget`, or where that leaves no scratch and torch.compile pads the products (:func:`pads_product`), the
-    budget of its padded peak. The second moved V 65535 at N 8192 and GPT-2 medium's head at N 4096 from the lean
-    path (1.24x / 1.87x torch.compile's time) to two balanced chunks (1.02x / 1.01x) at 0.47x / 0.46x its measured
-    peak (H100, engineering log v28; as the default since, 0.99-1.02x and 1.00-1.22x in two processes, v29), and
-    GPT-2's at N 4096 to the same two chunks, 1.13-1.22x at 0.65x its peak (the lean path: 1.78-2.20x at 0.29x;
-    torch.compile held 2 bytes a logit there); heads that fit the first keep its smaller scratch."""
+    budget of its padded peak. The second moves V 65535 at N 8192 and GPT-2's and GPT-2 medium's heads at N 4096
+    from the lean path (1.2-2.2x torch.compile's time) to two balanced chunks (0.99-1.22x, a spread that is the host's;
+    0.41-0.65x its peak: engineering log v28 / v29); heads that fit the first keep its smaller scratch."""
     limit = budget(f)
     if _scratch_within(f, limit) or not pads_product(f):
         return limit, False
