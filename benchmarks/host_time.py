@@ -11,8 +11,8 @@ called eagerly (``cce_inductor.linear_cross_entropy``), and the kernels' launch 
 (``kernels._balanced.loss_and_grads``; ``kernels._forward.forward`` + ``kernels._backward.backward``). Then the
 lean and the default compiled steps cut into segments by timestamps taken where the op enters and leaves
 ``_dispatch`` (median us): the layers around the kernels' launch helpers (Dynamo, AOTAutograd, the custom op, the
-op's own checks and row losses) against the helpers themselves. ``--trace DIR`` also writes a torch.profiler trace
-of 4 lean steps. ``--shapes dynamic``: each compiled method is first called with N - 64 rows, so it is timed at N
+op's own checks and row losses) against the helpers themselves. ``--trace DIR`` also writes torch.profiler traces
+of 4 lean and 4 default steps. ``--shapes dynamic``: each compiled method is first called with N - 64 rows, so it is timed at N
 under automatic dynamic shapes (what a trainer whose lengths vary gets; the vocabulary grid's dynamic cells).
 
 Reproduce (CUDA):  python benchmarks/host_time.py [--n 4096 --d 768 --v 50257] [--shapes dynamic] [--out results.json]
@@ -85,7 +85,7 @@ def main():
     ap.add_argument("--shapes", choices=["static", "dynamic"], default="static",
                     help="dynamic: each compiled method is first called with N - 64 rows (automatic dynamic shapes)")
     ap.add_argument("--out", default=None, help="JSON results (default: print only)")
-    ap.add_argument("--trace", default=None, help="directory for a torch.profiler trace of the lean steps")
+    ap.add_argument("--trace", default=None, help="directory for torch.profiler traces of the lean and default steps")
     ap.add_argument("--tiny", action="store_true", help="CPU smoke run: N 256, D 64, V 1001, compiled methods only")
     args = ap.parse_args()
     torch.manual_seed(0)
@@ -126,12 +126,13 @@ def main():
         from torch.profiler import ProfilerActivity, profile
 
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev == "cuda" else [])
-        with profile(activities=activities) as prof:
-            for _ in range(4):
-                steps["lean"]()
-            C.sync(dev)
         os.makedirs(args.trace, exist_ok=True)
-        prof.export_chrome_trace(os.path.join(args.trace, "lean_steps.json"))
+        for name in ("lean", "default"):
+            with profile(activities=activities) as prof:
+                for _ in range(4):
+                    steps[name]()
+                C.sync(dev)
+            prof.export_chrome_trace(os.path.join(args.trace, f"{name}_steps.json"))
     device = f"{torch.cuda.get_device_name() if dev == 'cuda' else 'CPU'}, torch {torch.__version__}"
     if args.out:
         with open(args.out, "w") as f:

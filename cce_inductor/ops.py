@@ -56,7 +56,7 @@ def linear_cross_entropy_op(
     # the chunked path's matmuls must run in the accumulation dtype, not be downcast again.
     with torch.autocast(e.device.type, enabled=False):
         _checks.check_inputs(e, c, targets, bias)
-        _checks.check_target_range(targets, c.shape[0], ignore_index)
+        _dispatch.check_target_range(e, targets, c.shape[0], ignore_index)
         acc = _chunked.accumulation_dtype(e.dtype)
         lse, target_logit, logit_sum, mean_logit = _dispatch.forward(
             e, c, targets, bias, softcap=softcap, ignore_index=ignore_index, logit_sum=label_smoothing != 0.0,
@@ -200,7 +200,7 @@ def linear_cross_entropy_ext_op(
     with torch.autocast(e.device.type, enabled=False):
         _checks.check_inputs(e, c, targets, bias)
         _checks.check_class_weights(class_weights, c)
-        _checks.check_target_range(targets, c.shape[0], ignore_index)
+        _dispatch.check_target_range(e, targets, c.shape[0], ignore_index)
         acc = _chunked.accumulation_dtype(e.dtype)
         argmax_out = torch.empty(e.shape[0] if argmax else 0, dtype=torch.int64, device=e.device)
         lse, target_logit, logit_sum, mean_logit = _dispatch.forward(
@@ -297,7 +297,6 @@ def linear_cross_entropy_with_grads_op(
     need_bias = need_bias and bias is not None
     with torch.autocast(e.device.type, enabled=False):
         _checks.check_inputs(e, c, targets, bias)
-        _checks.check_target_range(targets, c.shape[0], ignore_index)
         # the scratch for the rows this call really has (the site may have been compiled for another batch size)
         facts = _dispatch.head_facts(*e.shape, c.shape[0], e.dtype, e.device, reduction, needs_grad=True,
                                      returned_logits=returned_logits, softcapped=softcap is not None)

@@ -43,7 +43,8 @@ inputs' dtype, so they carry no more rounding than torch.compile's, whatever tha
 Ignored rows are not skipped by the matmuls (their sizes must be known on the host, and the count of counted rows
 lives on the device): a batch with many ignored targets is faster on the lean path.  NaN pattern: eager's softmax
 gradient of an ignored row is 0, or NaN in the whole row when its log-sum-exp is NaN (a non-finite value in that
-row of E, or anywhere in C / bias); ``RowPoison`` (0 or NaN per row) reproduces it without reading the row.
+row of E, or anywhere in C / bias); ``EPoison`` (0 or NaN per row of E) plus ``CPoison`` (0 or NaN: C and bias)
+reproduce it without reading the row.
 
 Memory (above the inputs and the gradients themselves, R the chunk rows)
 ------
@@ -58,7 +59,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import _launch
+from . import _launch, _targets
 from ._tile import softmax_grad, tanh
 
 # One program streams one row in BLOCK_V columns; 16-byte vector loads of bf16 need BLOCK_V / (32 * num_warps) >= 8.
@@ -94,25 +95,26 @@ def _round_bf16_rne(x):
 
 @triton.jit
 def _softmax_grad_in_place_kernel(
-    S, Bias, Targets, RowPoison, RowScale, RowLoss,
-    V, stride_row, ignore_index, softcap, target_weight, uniform,
+    S, Bias, Targets, EPoison, CPoison, RowScale, RowLoss,
+    row0, V, stride_row, ignore_index, softcap, target_weight, uniform,
     HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, LOGIT_SUM: tl.constexpr, ROUND_RNE: tl.constexpr,
     BLOCK_V: tl.constexpr,
 ):
-    """Row ``program_id(0)`` of a chunk: reads its logits from ``S``, writes its loss (unscaled, 0 if ignored) to
-    ``RowLoss`` and overwrites the row of ``S`` with its scaled softmax gradient.  ``RowScale``: a one-element fp32
-    device tensor (1 / #counted or 1), so the mean needs no host sync."""
+    """Row ``program_id(0)`` of the chunk that starts at row ``row0``: reads its logits from ``S``, writes its loss
+    (unscaled, 0 if ignored) to ``RowLoss[row0 + row]`` and overwrites the row of ``S`` with its scaled softmax
+    gradient.  ``RowScale``: a one-element fp32 device tensor (1 / #counted or 1), so the mean needs no host sync."""
     row = tl.program_id(0)
     row_ptr = S + row.to(tl.int64) * stride_row
     offs = tl.arange(0, BLOCK_V)
-    target = tl.load(Targets + row)
+    target = tl.load(Targets + row0 + row)
     if target == ignore_index:
-        # nothing to read: the row's gradient is 0, or NaN where eager's would be (RowPoison)
-        fill = (tl.load(RowPoison + row) + tl.zeros((BLOCK_V,), dtype=tl.float32)).to(S.dtype.element_ty)
+        # nothing to read: the row's gradient is 0, or NaN where eager's would be (EPoison of the row + CPoison)
+        poison = tl.load(EPoison + row0 + row).to(tl.float32) + tl.load(CPoison).to(tl.float32)
+        fill = (poison + tl.zeros((BLOCK_V,), dtype=tl.float32)).to(S.dtype.element_ty)
         for v0 in range(0, V, BLOCK_V):
             cols = v0 + offs
             tl.store(row_ptr + cols, fill, mask=cols < V)
-        tl.store(RowLoss + row, 0.0)
+        tl.store(RowLoss + row0 + row, 0.0)
         return
 
     # pass 1: online log-sum-exp with one (max, sum) pair per *lane* of the block, reduced across lanes once after
@@ -149,7 +151,7 @@ def _softmax_grad_in_place_kernel(
     row_loss = lse - target_weight * z_t
     if LOGIT_SUM:
         row_loss -= uniform * z_sum
-    tl.store(RowLoss + row, row_loss)
+    tl.store(RowLoss + row0 + row, row_loss)
 
     # pass 2: the gradient, in place (each program owns its row: no other program reads it)
     scale = tl.load(RowScale)
@@ -180,7 +182,7 @@ ROW_ALIGN = 64
 
 
 def loss_and_grads(e, c, targets, bias, *, softcap, ignore_index, reduction, label_smoothing=0.0, chunk_rows,
-                   need_e=True, need_c=True, need_bias=True) -> LossAndGrads:
+                   need_e=True, need_c=True, need_bias=True, check_range=False) -> LossAndGrads:
     """Launch helper: :class:`LossAndGrads` of ``cross_entropy(softcap(e @ c.T + bias), targets)`` for reduction
     "mean" or "sum", ``chunk_rows`` rows at a time through one scratch of logits (module docstring)."""
     if reduction not in ("mean", "sum"):
@@ -191,12 +193,9 @@ def loss_and_grads(e, c, targets, bias, *, softcap, ignore_index, reduction, lab
     device, dtype = e.device, e.dtype
     need_bias = need_bias and bias is not None
     targets = targets.contiguous()
-    counted = targets != ignore_index
-    if reduction == "mean":
-        num_counted = counted.sum(dtype=torch.float32)
-        row_scale = (1.0 / num_counted).reshape(1)  # inf when no row counts; then every row is ignored: G = 0
-    else:
-        row_scale = torch.ones(1, dtype=torch.float32, device=device)
+    # row_scale: 1 / #counted (inf when no row counts; then every row is ignored: G = 0) or 1
+    num_counted, row_scale = _targets.count_targets(targets, ignore_index, mean=reduction == "mean",
+                                                    check_vocab=v if check_range else None)
 
     # the gradients stay in fp32: the backward scales them and rounds once to the inputs' dtype
     grad_e = torch.empty((n, d), dtype=torch.float32, device=device) if need_e else None
@@ -211,24 +210,30 @@ def loss_and_grads(e, c, targets, bias, *, softcap, ignore_index, reduction, lab
         # the operands are upcast
         upcast = dtype != torch.float32 and not _launch.fp32_out_mm_available(device)
         out_dtype = {"out_dtype": torch.float32} if dtype != torch.float32 and not upcast else {}
-        weight_poison = _launch.nonfinite_rows(c).sum() + (0.0 if bias is None else bias.float().sum() * 0.0)
+        # 0 * x summed along D: 0 per row, NaN where the row is not finite; each computed once for every chunk
+        zeros = torch.zeros(d, dtype=dtype, device=device)
+        e_poison = torch.mv(e, zeros)
+        c_poison = torch.mv(c, zeros).sum()
+        if bias is not None:  # (summed in fp32: a 16-bit sum of finite biases may overflow)
+            c_poison = c_poison + bias.float().sum() * 0.0
         c_mm = c.float() if upcast else c
         pitch = triton.cdiv(v, ROW_ALIGN) * ROW_ALIGN  # whatever V is, no product sees an odd leading dimension
         scratch = torch.empty(rows_per_chunk * pitch, dtype=dtype, device=device)
+        c_t = c.T
+        e_mm = e.float() if upcast else e
+        softcap_arg = float(softcap) if softcap is not None else 1.0
+        block_v = tune["short_row_block_v"] if v <= tune["short_row"] else tune["block_v"]
+        chunk_logits = scratch.view(rows_per_chunk, pitch)[:, :v]
         for r0 in range(0, n, rows_per_chunk):
             rows = min(rows_per_chunk, n - r0)
-            e_rows = e[r0 : r0 + rows]
-            logits = scratch[: rows * pitch].view(rows, pitch)[:, :v]
+            logits = chunk_logits if rows == rows_per_chunk else chunk_logits[:rows]
             # rounded to the input dtype, as torch.compile's matmul rounds them
-            _launch.product_into(logits, e_rows, c.T, accumulate=False, vocab_dim="n")
+            _launch.product_into(logits, e[r0 : r0 + rows], c_t, accumulate=False, vocab_dim="n")
             _softmax_grad_in_place_kernel[(rows,)](
-                logits, bias if bias is not None else row_scale, targets[r0:],
-                _launch.nonfinite_rows(e_rows) + weight_poison, row_scale, row_loss[r0:],
-                v, logits.stride(0), ignore_index, float(softcap) if softcap is not None else 1.0,
-                1.0 - label_smoothing, label_smoothing / v,
+                logits, bias if bias is not None else row_scale, targets, e_poison, c_poison, row_scale, row_loss,
+                r0, v, pitch, ignore_index, softcap_arg, 1.0 - label_smoothing, label_smoothing / v,
                 HAS_BIAS=bias is not None, HAS_SOFTCAP=softcap is not None, LOGIT_SUM=label_smoothing != 0.0,
-                ROUND_RNE=_launch.INTERPRET and dtype == torch.bfloat16,
-                BLOCK_V=tune["short_row_block_v"] if v <= tune["short_row"] else tune["block_v"],
+                ROUND_RNE=_launch.INTERPRET and dtype == torch.bfloat16, BLOCK_V=block_v,
                 num_warps=tune["num_warps"],
             )
             grad = logits.float() if upcast else logits  # the scratch now holds G
@@ -236,8 +241,8 @@ def loss_and_grads(e, c, targets, bias, *, softcap, ignore_index, reduction, lab
                 _launch.product_into(grad_e[r0 : r0 + rows], grad, c_mm, accumulate=False, vocab_dim="k",
                                      **out_dtype)
             if need_c:  # summed over the chunks in fp32
-                _launch.product_into(grad_c, grad.T, e_rows.float() if upcast else e_rows, accumulate=r0 > 0,
-                                     vocab_dim="m", **out_dtype)
+                _launch.product_into(grad_c, grad.T, e_mm[r0 : r0 + rows], accumulate=r0 > 0, vocab_dim="m",
+                                     **out_dtype)
             if need_bias:
                 grad_bias += grad.sum(dim=0, dtype=torch.float32)
             del grad

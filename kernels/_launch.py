@@ -100,7 +100,7 @@ def product_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, accumul
     uninitialised memory (an addmm may form beta * input, and 0 * NaN = NaN).  ``vocab_dim``: which dimension of the
     product runs over the vocabulary, ``"m"`` (rows of ``a`` and ``out``), ``"n"`` (columns of ``b`` and ``out``) or
     ``"k"`` (the inner one): split at a multiple of ``VOCAB_ALIGN`` where it is not one (above)."""
-    size = {"m": a.shape[0], "n": b.shape[1], "k": a.shape[1], None: 0}[vocab_dim]
+    size = a.shape[0] if vocab_dim == "m" else b.shape[1] if vocab_dim == "n" else a.shape[1] if vocab_dim == "k" else 0
     split = size - size % VOCAB_ALIGN
     if split == 0 or split == size:
         if accumulate:

@@ -152,7 +152,8 @@ _BAD_TARGET_SCRIPT = textwrap.dedent(
     if mode == "eager":
         f = eager
     elif mode == "direct":
-        f = lambda h, w, y: cce_inductor.linear_cross_entropy(h, w, y)
+        options = cce_inductor.CCEOptions.from_env()  # CCE_INDUCTOR_PATH: the path under test
+        f = lambda h, w, y: cce_inductor.linear_cross_entropy(h, w, y, options=options)
     else:
         f = torch.compile(eager, backend=cce_inductor.backend, fullgraph=True)
         # compile and run on in-range targets first: the same compiled code then meets the bad target
@@ -177,8 +178,8 @@ _BAD_TARGET_SCRIPT = textwrap.dedent(
 _V_IN_SCRIPT = 257
 
 
-def _run_bad_target_script(mode: str, bad: str) -> subprocess.CompletedProcess:
-    env = dict(os.environ, CCE_INDUCTOR="0", PYTHONUNBUFFERED="1")
+def _run_bad_target_script(mode: str, bad: str, path: str = "auto") -> subprocess.CompletedProcess:
+    env = dict(os.environ, CCE_INDUCTOR="0", CCE_INDUCTOR_PATH=path, PYTHONUNBUFFERED="1")
     env.pop("TRITON_INTERPRET", None)
     return subprocess.run(
         [sys.executable, "-c", _BAD_TARGET_SCRIPT, mode, bad],
@@ -188,17 +189,22 @@ def _run_bad_target_script(mode: str, bad: str) -> subprocess.CompletedProcess:
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "mode,bad",
+    "mode,bad,path",
     [
-        ("eager", str(_V_IN_SCRIPT)),  # the contract: eager PyTorch itself asserts on the device
-        ("direct", str(_V_IN_SCRIPT)),
-        ("direct", "-1"),
-        ("compiled", str(_V_IN_SCRIPT)),
-        ("compiled", "-5"),
+        ("eager", str(_V_IN_SCRIPT), "auto"),  # the contract: eager PyTorch itself asserts on the device
+        ("direct", str(_V_IN_SCRIPT), "auto"),
+        ("direct", "-1", "auto"),
+        ("compiled", str(_V_IN_SCRIPT), "auto"),
+        ("compiled", "-5", "auto"),
+        # each path checks in its own way (the balanced helper in the launch that counts the rows)
+        ("direct", str(_V_IN_SCRIPT), "lean"),
+        ("direct", "-1", "balanced"),
+        ("compiled", str(_V_IN_SCRIPT), "balanced"),
+        ("compiled", "-5", "lean"),
     ],
 )
-def test_out_of_range_target_fails_loudly(mode, bad):
-    proc = _run_bad_target_script(mode, bad)
+def test_out_of_range_target_fails_loudly(mode, bad, path):
+    proc = _run_bad_target_script(mode, bad, path)
     log = f"exit {proc.returncode}\nstdout:\n{proc.stdout[-2000:]}\nstderr:\n{proc.stderr[-4000:]}"
     assert "LOSS" not in proc.stdout, f"a loss was computed for target {bad}:\n{log}"
     assert proc.returncode != 0, log
@@ -208,10 +214,12 @@ def test_out_of_range_target_fails_loudly(mode, bad):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", ["eager", "direct", "compiled"])
-def test_in_range_targets_pass_in_the_same_harness(mode):
+@pytest.mark.parametrize("mode,path", [("eager", "auto"), ("direct", "auto"), ("compiled", "auto"),
+                                       ("direct", "lean"), ("direct", "balanced"), ("compiled", "lean"),
+                                       ("compiled", "balanced")])
+def test_in_range_targets_pass_in_the_same_harness(mode, path):
     """The harness above can fail: with every target in range the same script exits 0 with a finite loss."""
-    proc = _run_bad_target_script(mode, "none")
+    proc = _run_bad_target_script(mode, "none", path)
     log = f"exit {proc.returncode}\nstdout:\n{proc.stdout[-2000:]}\nstderr:\n{proc.stderr[-4000:]}"
     assert proc.returncode == 0, log
     match = re.search(r"^LOSS (\S+)$", proc.stdout, re.M)
