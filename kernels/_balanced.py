@@ -26,6 +26,8 @@ padded to a multiple of 64 elements (``ROW_ALIGN``), and every product over V is
 (``_launch.product_into``): cuBLAS runs a 16-bit product ~5x slower when a dimension is not a multiple of 8
 elements, so GPT-2's 50257 and every other V run as fast as their aligned neighbours:
 
+    once per call:  #counted and row_scale (``_targets.count_targets``: one program, and the op's range check);
+                    the poison, mv(E, 0) per row and mv(C, 0).sum() (below)
     for each row chunk [r0, r0 + R):
         S       = E[rows] @ C^T                          cuBLAS, into the scratch (input dtype)
         _softmax_grad_in_place_kernel, grid (R,)          one program per row, BLOCK_V columns at a time:

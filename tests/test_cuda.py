@@ -133,7 +133,7 @@ def test_direct_op_matches_eager_odd_shapes(dtype, softcap):
 
 _BAD_TARGET_SCRIPT = textwrap.dedent(
     """
-    import sys
+    import os, sys
     import torch, torch.nn.functional as F
     import cce_inductor
 
@@ -162,6 +162,8 @@ _BAD_TARGET_SCRIPT = textwrap.dedent(
         got.backward()
         torch.cuda.synchronize()
         assert cce_inductor.stats()["rewritten"] == 1, cce_inductor.stats()["summary"]
+        forced = os.environ["CCE_INDUCTOR_PATH"]
+        assert forced == "auto" or cce_inductor.stats()["sites"][0]["path"] == forced, cce_inductor.stats()["sites"]
         print("WARMUP_OK", float(got.detach()), flush=True)
         hidden.grad = weight.grad = None
 
