@@ -12,8 +12,8 @@ called eagerly (``cce_inductor.linear_cross_entropy``), and the kernels' launch 
 lean and the default compiled steps cut into segments by timestamps taken where the op enters and leaves
 ``_dispatch`` (median us): the layers around the kernels' launch helpers (Dynamo, AOTAutograd, the custom op, the
 op's own checks and row losses) against the helpers themselves. ``--trace DIR`` also writes torch.profiler traces
-of 4 lean and 4 default steps. ``--shapes dynamic``: each compiled method is first called with N - 64 rows, so it is timed at N
-under automatic dynamic shapes (what a trainer whose lengths vary gets; the vocabulary grid's dynamic cells).
+of 4 lean and 4 default steps. ``--shapes dynamic``: each compiled method is first called with N - 64 rows, so it is
+timed at N under automatic dynamic shapes (what a trainer whose lengths vary gets; the vocabulary grid's dynamic cells).
 
 Reproduce (CUDA):  python benchmarks/host_time.py [--n 4096 --d 768 --v 50257] [--shapes dynamic] [--out results.json]
 CPU smoke run of the harness (the compiled methods only, on the chunked path):  python benchmarks/host_time.py --tiny

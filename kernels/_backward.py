@@ -436,7 +436,7 @@ def backward(e, c, targets, bias, lse, grad_rows, *, softcap, ignore_index, opti
     target_logit = _forward.target_logits(e, c, targets, bias, softcap=softcap, ignore_index=_forward.EVERY_ROW)
     softcap_val = float(softcap) if softcap is not None else 1.0
     # 0, or NaN when any of C / bias is not finite (then every logit row holds a NaN)
-    weight_poison = _launch.nonfinite_rows(c).sum() + (0.0 if bias is None else bias.float().sum() * 0.0)
+    weight_poison = _launch.weight_poison(c, bias)
     block_n, block_v, block_d = tune["block_n"], tune["block_v"], tune["block_d"]
     use_tma = _forward.tma_operands(e, c, tune)
     programs = _launch.num_sms(device)  # a persistent grid: one program per multiprocessor

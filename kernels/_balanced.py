@@ -27,7 +27,7 @@ padded to a multiple of 64 elements (``ROW_ALIGN``), and every product over V is
 elements, so GPT-2's 50257 and every other V run as fast as their aligned neighbours:
 
     once per call:  #counted and row_scale (``_targets.count_targets``: one program, and the op's range check);
-                    the poison, mv(E, 0) per row and mv(C, 0).sum() (below)
+                    the poison of E's rows and of C / bias (``_launch.nonfinite_rows`` / ``weight_poison``, below)
     for each row chunk [r0, r0 + R):
         S       = E[rows] @ C^T                          cuBLAS, into the scratch (input dtype)
         _softmax_grad_in_place_kernel, grid (R,)          one program per row, BLOCK_V columns at a time:
@@ -111,7 +111,7 @@ def _softmax_grad_in_place_kernel(
     target = tl.load(Targets + row0 + row)
     if target == ignore_index:
         # nothing to read: the row's gradient is 0, or NaN where eager's would be (EPoison of the row + CPoison)
-        poison = tl.load(EPoison + row0 + row).to(tl.float32) + tl.load(CPoison).to(tl.float32)
+        poison = tl.load(EPoison + row0 + row) + tl.load(CPoison).to(tl.float32)
         fill = (poison + tl.zeros((BLOCK_V,), dtype=tl.float32)).to(S.dtype.element_ty)
         for v0 in range(0, V, BLOCK_V):
             cols = v0 + offs
@@ -212,12 +212,9 @@ def loss_and_grads(e, c, targets, bias, *, softcap, ignore_index, reduction, lab
         # the operands are upcast
         upcast = dtype != torch.float32 and not _launch.fp32_out_mm_available(device)
         out_dtype = {"out_dtype": torch.float32} if dtype != torch.float32 and not upcast else {}
-        # 0 * x summed along D: 0 per row, NaN where the row is not finite; each computed once for every chunk
+        # eager's NaN pattern of ignored rows, computed once for every chunk (the row kernel adds the two)
         zeros = torch.zeros(d, dtype=dtype, device=device)
-        e_poison = torch.mv(e, zeros)
-        c_poison = torch.mv(c, zeros).sum()
-        if bias is not None:  # (summed in fp32: a 16-bit sum of finite biases may overflow)
-            c_poison = c_poison + bias.float().sum() * 0.0
+        e_poison, c_poison = _launch.nonfinite_rows(e, zeros), _launch.weight_poison(c, bias, zeros)
         c_mm = c.float() if upcast else c
         pitch = triton.cdiv(v, ROW_ALIGN) * ROW_ALIGN  # whatever V is, no product sees an odd leading dimension
         scratch = torch.empty(rows_per_chunk * pitch, dtype=dtype, device=device)

@@ -118,12 +118,24 @@ def product_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, accumul
         product_into(out, a[:, split:], b[split:], accumulate=True, **out_dtype)
 
 
-def nonfinite_rows(rows: torch.Tensor) -> torch.Tensor:
+def nonfinite_rows(rows: torch.Tensor, zeros: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Per row of a 2-D tensor, fp32: 0 where it is finite, NaN where it holds a NaN / inf (0 * x summed); one
     matrix-vector product, no temporary the size of ``rows``.  Eager's softmax gradient of a row that gets no
-    gradient is 0, or NaN everywhere when its log-sum-exp is NaN: the kernels write this there."""
-    zeros = torch.zeros(rows.shape[1], dtype=rows.dtype, device=rows.device)
+    gradient is 0, or NaN everywhere when its log-sum-exp is NaN: the kernels write this there.  ``zeros``: a
+    zero vector of the rows' length and dtype to reuse (one launch less per call)."""
+    if zeros is None:
+        zeros = torch.zeros(rows.shape[1], dtype=rows.dtype, device=rows.device)
     return torch.mv(rows, zeros).float()
+
+
+def weight_poison(c: torch.Tensor, bias: Optional[torch.Tensor],
+                  zeros: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """0-dim: 0, or NaN when any of C / bias is not finite (then every logit row holds a NaN).  The rows of C are
+    summed in C's dtype (each is 0 or NaN), the bias in fp32 (a 16-bit sum of finite biases may overflow)."""
+    if zeros is None:
+        zeros = torch.zeros(c.shape[1], dtype=c.dtype, device=c.device)
+    poison = torch.mv(c, zeros).sum()
+    return poison if bias is None else poison + bias.float().sum() * 0.0
 
 
 def tma_ok(*tensors: torch.Tensor) -> bool:
