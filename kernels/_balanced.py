@@ -22,23 +22,31 @@ Chunk / grid layout
 -------------------
 R rows per chunk (``cce_inductor.paths.chunk_rows``: the most whose padded logits fit in the scratch the budget
 leaves, a multiple of 128 once >= 128, at most N).  One flat scratch of R rows serves every chunk, each row
-padded to a multiple of 64 elements (``ROW_ALIGN``), and every product over V is split at a multiple of 64
-(``_launch.product_into``): cuBLAS runs a 16-bit product ~5x slower when a dimension is not a multiple of 8
-elements, so GPT-2's 50257 and every other V run as fast as their aligned neighbours:
+padded to P = V rounded up to a multiple of 64 elements (``ROW_ALIGN``).  cuBLAS runs a 16-bit product ~5x slower
+when a dimension is not a multiple of 8 elements, so no product over V sees an unaligned one: with
+A = V - V mod 64 (the aligned part) and T = V - A < 64 entries in the tail (T = 0 for most vocabularies; GPT-2's
+50257 has 17), the logits of A go through the scratch and those of the tail through a tail buffer (N x 64, input
+dtype), whose products run once per call, not once per chunk (each launch costs ~40 us of host time, which small
+heads wait for):
 
     once per call:  #counted and row_scale (``_targets.count_targets``: one program, and the op's range check);
-                    the poison of E's rows and of C / bias (``_launch.nonfinite_rows`` / ``weight_poison``, below)
+                    the poison of E's rows and of C / bias (``_launch.nonfinite_rows`` / ``weight_poison``, below);
+                    (T > 0) Tail[:, :T] = E @ C[A:]^T     cuBLAS, every row, input dtype
     for each row chunk [r0, r0 + R):
-        S       = E[rows] @ C^T                          cuBLAS, into the scratch (input dtype)
-        _softmax_grad_in_place_kernel, grid (R,)          one program per row, BLOCK_V columns at a time:
+        S[:, :A] = E[rows] @ C[:A]^T                     cuBLAS, into the scratch (input dtype)
+        _softmax_grad_in_place_kernel, grid (R,)          one program per row, BLOCK_V columns at a time, columns
+                                                          from A on read from the row of Tail:
                    pass 1 reads the row: online max / sum of exps (fp32) per lane of the block, reduced
                           across lanes after the loop; the target logit, the row sum (eps > 0) -> row_loss[n]
-                   pass 2 reads it again and overwrites it with G (fp32 math, stored in the input dtype)
+                   pass 2 reads it again and overwrites it with G (fp32 math, stored in the input dtype): S[:, :V]
+                          (0 in the padding columns up to P) and the tail's columns of Tail
                    ignored rows read nothing: pass 2 writes their G (0, or NaN for a non-finite row)
-        dE[rows]  = S @ C                                cuBLAS, fp32 result (``out_dtype=float32``), one product
-                                                          over all of V
-        dC      (+)= S^T @ E[rows]                        cuBLAS, summed over the chunks in an fp32 V x D buffer
-        dbias    += S.sum(0)                              fp32
+        dE[rows]  = S[:, :A] @ C[:A]                     cuBLAS, fp32 result (``out_dtype=float32``)
+        dC_P    (+)= S^T @ E[rows]                        cuBLAS over the padded rows, summed over the chunks in an
+                                                          fp32 P x D buffer; dC is its first V rows
+        dbias    += S[:, :V].sum(0)                       fp32
+    once per call (T > 0): dE += Tail[:, :T] @ C[A:]      cuBLAS, fp32 result
+So a call takes 3 products per chunk and 2 more where V is not a multiple of 64 (before: 6 per chunk there).
 The gradients are returned in fp32; the op's backward scales them by the upstream gradient and rounds once to the
 inputs' dtype, so they carry no more rounding than torch.compile's, whatever that upstream gradient is.
 
@@ -50,7 +58,8 @@ reproduce it without reading the row.
 
 Memory (above the inputs and the gradients themselves, R the chunk rows)
 ------
-    scratch R * V (input dtype), the fp32 gradients 4 * (N + V) * D (+ 4 * V), N fp32 row losses; in the backward
+    scratch R * P (input dtype), the fp32 gradients 4 * (N + P) * D (+ 4 * V), N fp32 row losses, the tail buffer
+    N * 64 (input dtype, T > 0 only: 1 MiB at N 8192); in the backward
     the rounded gradients 2 * (N + V) * D (16-bit) coexist with the fp32 ones until those are freed.
 """
 from __future__ import annotations
@@ -75,10 +84,16 @@ _TUNING = {
 
 
 @triton.jit
-def _load_z(row_ptr, Bias, cols, mask, softcap, HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-            EVICT: tl.constexpr):
-    """One block of a row's (softcapped) logits in fp32; 0-based past V (callers mask)."""
-    x = tl.load(row_ptr + cols, mask=mask, other=0.0, eviction_policy=EVICT).to(tl.float32)
+def _load_z(row_ptr, tail_ptr, Bias, cols, mask, split, softcap, HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+            TAIL: tl.constexpr, EVICT: tl.constexpr):
+    """One block of a row's (softcapped) logits in fp32; 0-based past V (callers mask).  With ``TAIL`` the columns
+    from ``split`` on come from the row's entries of the tail buffer (``tail_ptr``: its column 0 is ``split``)."""
+    if TAIL:
+        x = tl.load(row_ptr + cols, mask=mask & (cols < split), other=0.0, eviction_policy=EVICT).to(tl.float32)
+        x_tail = tl.load(tail_ptr + (cols - split), mask=mask & (cols >= split), other=0.0).to(tl.float32)
+        x = tl.where(cols < split, x, x_tail)
+    else:
+        x = tl.load(row_ptr + cols, mask=mask, other=0.0, eviction_policy=EVICT).to(tl.float32)
     if HAS_BIAS:
         x += tl.load(Bias + cols, mask=mask, other=0.0).to(tl.float32)
     if HAS_SOFTCAP:
@@ -97,25 +112,30 @@ def _round_bf16_rne(x):
 
 @triton.jit
 def _softmax_grad_in_place_kernel(
-    S, Bias, Targets, EPoison, CPoison, RowScale, RowLoss,
-    row0, V, stride_row, ignore_index, softcap, target_weight, uniform,
+    S, Tail, Bias, Targets, EPoison, CPoison, RowScale, RowLoss,
+    row0, V, split, stride_row, stride_tail, ignore_index, softcap, target_weight, uniform,
     HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, LOGIT_SUM: tl.constexpr, ROUND_RNE: tl.constexpr,
-    BLOCK_V: tl.constexpr,
+    TAIL: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
-    """Row ``program_id(0)`` of the chunk that starts at row ``row0``: reads its logits from ``S``, writes its loss
-    (unscaled, 0 if ignored) to ``RowLoss[row0 + row]`` and overwrites the row of ``S`` with its scaled softmax
-    gradient.  ``RowScale``: a one-element fp32 device tensor (1 / #counted or 1), so the mean needs no host sync."""
+    """Row ``program_id(0)`` of the chunk that starts at row ``row0``: reads its logits from ``S`` (columns from
+    ``split`` on from ``Tail[row0 + row]`` where ``TAIL``), writes its loss (unscaled, 0 if ignored) to
+    ``RowLoss[row0 + row]`` and overwrites the row of ``S`` with its scaled softmax gradient, 0 in its padding
+    columns up to ``stride_row`` (and the tail's columns of ``Tail`` with theirs).  ``RowScale``: a one-element fp32
+    device tensor (1 / #counted or 1), so the mean needs no host sync."""
     row = tl.program_id(0)
     row_ptr = S + row.to(tl.int64) * stride_row
+    tail_ptr = Tail + (row0 + row).to(tl.int64) * stride_tail
     offs = tl.arange(0, BLOCK_V)
     target = tl.load(Targets + row0 + row)
     if target == ignore_index:
         # nothing to read: the row's gradient is 0, or NaN where eager's would be (EPoison of the row + CPoison)
         poison = tl.load(EPoison + row0 + row) + tl.load(CPoison).to(tl.float32)
         fill = (poison + tl.zeros((BLOCK_V,), dtype=tl.float32)).to(S.dtype.element_ty)
-        for v0 in range(0, V, BLOCK_V):
+        for v0 in range(0, stride_row, BLOCK_V):
             cols = v0 + offs
-            tl.store(row_ptr + cols, fill, mask=cols < V)
+            tl.store(row_ptr + cols, fill, mask=cols < stride_row)
+            if TAIL:
+                tl.store(tail_ptr + (cols - split), fill, mask=(cols >= split) & (cols < V))
         tl.store(RowLoss + row0 + row, 0.0)
         return
 
@@ -129,7 +149,7 @@ def _softmax_grad_in_place_kernel(
     for v0 in range(0, V, BLOCK_V):
         cols = v0 + offs
         mask = cols < V
-        z = _load_z(row_ptr, Bias, cols, mask, softcap, HAS_BIAS, HAS_SOFTCAP, "evict_last")
+        z = _load_z(row_ptr, tail_ptr, Bias, cols, mask, split, softcap, HAS_BIAS, HAS_SOFTCAP, TAIL, "evict_last")
         if LOGIT_SUM:
             z_sum += z  # 0 past V
         z = tl.where(mask, z, float("-inf"))  # columns past V add nothing to the sums
@@ -145,7 +165,12 @@ def _softmax_grad_in_place_kernel(
 
     # the target's logit: one element of the row (targets outside [0, V) were refused by the op's check)
     safe_target = tl.minimum(tl.maximum(target, 0), V - 1)
-    z_t = tl.load(row_ptr + safe_target).to(tl.float32)
+    if TAIL:
+        in_tail = safe_target >= split
+        z_t = tl.where(in_tail, tl.load(tail_ptr + (safe_target - split), mask=in_tail, other=0.0),
+                       tl.load(row_ptr + safe_target, mask=safe_target < split, other=0.0)).to(tl.float32)
+    else:
+        z_t = tl.load(row_ptr + safe_target).to(tl.float32)
     if HAS_BIAS:
         z_t += tl.load(Bias + safe_target).to(tl.float32)
     if HAS_SOFTCAP:
@@ -157,15 +182,18 @@ def _softmax_grad_in_place_kernel(
 
     # pass 2: the gradient, in place (each program owns its row: no other program reads it)
     scale = tl.load(RowScale)
-    for v0 in range(0, V, BLOCK_V):
+    for v0 in range(0, stride_row, BLOCK_V):
         cols = v0 + offs
         mask = cols < V
-        z = _load_z(row_ptr, Bias, cols, mask, softcap, HAS_BIAS, HAS_SOFTCAP, "evict_first")
+        z = _load_z(row_ptr, tail_ptr, Bias, cols, mask, split, softcap, HAS_BIAS, HAS_SOFTCAP, TAIL, "evict_first")
         offset = target_weight * (cols == target).to(tl.float32) + uniform
         g = softmax_grad(z, lse, 1.0, 0.0, 0.0, offset, softcap, HAS_SOFTCAP, False) * scale
         if ROUND_RNE:
             g = _round_bf16_rne(g)
-        tl.store(row_ptr + cols, g.to(S.dtype.element_ty), mask=mask)
+        g = tl.where(mask, g, 0.0).to(S.dtype.element_ty)  # the padding columns: 0 (dC's product reads them)
+        tl.store(row_ptr + cols, g, mask=cols < stride_row)
+        if TAIL:
+            tl.store(tail_ptr + (cols - split), g, mask=mask & (cols >= split))
 
 
 class LossAndGrads(NamedTuple):
@@ -199,9 +227,12 @@ def loss_and_grads(e, c, targets, bias, *, softcap, ignore_index, reduction, lab
     num_counted, row_scale = _targets.count_targets(targets, ignore_index, mean=reduction == "mean",
                                                     check_vocab=v if check_range else None)
 
+    pitch = triton.cdiv(v, ROW_ALIGN) * ROW_ALIGN  # whatever V is, no product sees an odd leading dimension
+    split = v - v % ROW_ALIGN  # the vocabulary's aligned part; its tail (fewer than 64 entries) goes apart (below)
     # the gradients stay in fp32: the backward scales them and rounds once to the inputs' dtype
     grad_e = torch.empty((n, d), dtype=torch.float32, device=device) if need_e else None
-    grad_c = torch.empty((v, d), dtype=torch.float32, device=device) if need_c else None
+    # dC's product runs over the padded scratch rows (pitch x D); rows past V are dropped
+    grad_c = torch.empty((pitch, d), dtype=torch.float32, device=device) if need_c else None
     grad_bias = torch.zeros((v,), dtype=torch.float32, device=device) if need_bias else None
     row_loss = torch.empty((n,), dtype=torch.float32, device=device)  # the kernel writes every row
     rows_per_chunk = max(1, min(chunk_rows, n))
@@ -216,35 +247,46 @@ def loss_and_grads(e, c, targets, bias, *, softcap, ignore_index, reduction, lab
         zeros = torch.zeros(d, dtype=dtype, device=device)
         e_poison, c_poison = _launch.nonfinite_rows(e, zeros), _launch.weight_poison(c, bias, zeros)
         c_mm = c.float() if upcast else c
-        pitch = triton.cdiv(v, ROW_ALIGN) * ROW_ALIGN  # whatever V is, no product sees an odd leading dimension
-        scratch = torch.empty(rows_per_chunk * pitch, dtype=dtype, device=device)
-        c_t = c.T
         e_mm = e.float() if upcast else e
+        scratch = torch.empty(rows_per_chunk * pitch, dtype=dtype, device=device)
+        chunk_logits = scratch.view(rows_per_chunk, pitch)
+        c_t = c[:split].T
+        tail = None
+        if split < v:
+            # the tail's logits of every row in one product (not one per chunk), in a buffer of aligned rows; the
+            # row kernel reads them there and overwrites them with their gradient, whose dE product also runs once
+            tail = torch.empty((n, ROW_ALIGN), dtype=dtype, device=device)
+            torch.mm(e, c[split:].T, out=tail[:, : v - split])
         softcap_arg = float(softcap) if softcap is not None else 1.0
         block_v = tune["short_row_block_v"] if v <= tune["short_row"] else tune["block_v"]
-        chunk_logits = scratch.view(rows_per_chunk, pitch)[:, :v]
         for r0 in range(0, n, rows_per_chunk):
             rows = min(rows_per_chunk, n - r0)
-            logits = chunk_logits if rows == rows_per_chunk else chunk_logits[:rows]
-            # rounded to the input dtype, as torch.compile's matmul rounds them
-            _launch.product_into(logits, e[r0 : r0 + rows], c_t, accumulate=False, vocab_dim="n")
+            padded = chunk_logits if rows == rows_per_chunk else chunk_logits[:rows]
+            if split:  # rounded to the input dtype, as torch.compile's matmul rounds them
+                torch.mm(e[r0 : r0 + rows], c_t, out=padded[:, :split])
             _softmax_grad_in_place_kernel[(rows,)](
-                logits, bias if bias is not None else row_scale, targets, e_poison, c_poison, row_scale, row_loss,
-                r0, v, pitch, ignore_index, softcap_arg, 1.0 - label_smoothing, label_smoothing / v,
+                padded, tail if tail is not None else padded, bias if bias is not None else row_scale, targets,
+                e_poison, c_poison, row_scale, row_loss, r0, v, split, pitch, ROW_ALIGN, ignore_index, softcap_arg,
+                1.0 - label_smoothing, label_smoothing / v,
                 HAS_BIAS=bias is not None, HAS_SOFTCAP=softcap is not None, LOGIT_SUM=label_smoothing != 0.0,
-                ROUND_RNE=_launch.INTERPRET and dtype == torch.bfloat16, BLOCK_V=block_v,
+                ROUND_RNE=_launch.INTERPRET and dtype == torch.bfloat16, TAIL=tail is not None, BLOCK_V=block_v,
                 num_warps=tune["num_warps"],
             )
-            grad = logits.float() if upcast else logits  # the scratch now holds G
-            if need_e:  # one product over all of V per row
-                _launch.product_into(grad_e[r0 : r0 + rows], grad, c_mm, accumulate=False, vocab_dim="k",
+            grad = padded.float() if upcast else padded  # the scratch now holds G, 0 in its padding columns
+            if need_e and split:  # one product over the aligned part of V per row
+                _launch.product_into(grad_e[r0 : r0 + rows], grad[:, :split], c_mm[:split], accumulate=False,
                                      **out_dtype)
             if need_c:  # summed over the chunks in fp32
-                _launch.product_into(grad_c, grad.T, e_mm[r0 : r0 + rows], accumulate=r0 > 0, vocab_dim="m",
-                                     **out_dtype)
+                _launch.product_into(grad_c, grad.T, e_mm[r0 : r0 + rows], accumulate=r0 > 0, **out_dtype)
             if need_bias:
-                grad_bias += grad.sum(dim=0, dtype=torch.float32)
+                grad_bias += grad[:, :v].sum(dim=0, dtype=torch.float32)
             del grad
+        if need_e and tail is not None:  # the tail's share of dE, every row at once
+            grad_tail = tail[:, : v - split]
+            _launch.product_into(grad_e, grad_tail.float() if upcast else grad_tail, c_mm[split:],
+                                 accumulate=split > 0, **out_dtype)
+    if need_c:
+        grad_c = grad_c[:v]
     total = row_loss.sum()
     loss = total / num_counted if reduction == "mean" else total  # 0 / 0 = NaN when every row is ignored, as eager
     return LossAndGrads(loss, grad_e, grad_c, grad_bias)
