@@ -91,7 +91,8 @@ def main() -> None:
         (_forward._TUNING["gpu"], _forward._lse_forward_kernel,
          dict(LOGIT_SUM=False, MEAN_LOGIT=False, EVEN_V=True)),
         (_backward._TUNING["gpu"], _backward._recompute_grad_kernel,
-         dict(HAS_LSE_GRAD=False, HAS_ENTROPY_GRAD=False, COMPACT_G=False, SPLIT_G=False, EVEN_TILE=True)),
+         dict(HAS_LSE_GRAD=False, HAS_ENTROPY_GRAD=False, COMPACT_G=False, SPLIT_G=False, EVEN_TILE=True,
+              GROUP_V=_backward._TUNING["gpu"]["recompute_group"] // _backward._TUNING["gpu"]["block_v"])),
     ]:
         tune = {k: getattr(args, k) if getattr(args, k) is not None else tuning[k]
                 for k in ("block_n", "block_v", "block_d", "num_warps", "num_stages")}

@@ -22,8 +22,8 @@ balanced, model 5161 / 1297 / 3483; Llama-3 3070 / 1259 / 3134, model 3070 / 125
                    benchmarks/head_memory.py (engineering log v26); for fp32 inputs (not measured) b + 4 = 8 stays
                    under three blocks' 12, so the budget errs lean
     lean           (N + V) D b + R * W * b + N D 4 (+ W D 4 where N > R; R = min(N, backward_row_chunk),
-                   W = min(V, 4096 * max(1, 8192 // N)) where R = N, else 4096: one G block of at most 8192 x 4096
-                   entries; + W D 4 more on calls after one with >= 10% of the targets ignored: the fp32 dC sums of
+                   W = min(V, 4096 * max(1, 8192 // N) * k) where R = N, else 4096 k; k = lean_widen's 4, 2 or 1,
+                   the widest that keeps the peak within the budget below; + W D 4 more on calls after one with >= 10% of the targets ignored: the fp32 dC sums of
                    the counted-prefix products, cce_inductor/_counted_share.py; measured +43 MB on Gemma-2, +80 MB on
                    Llama-3 at N 8192; or, where the row-skipping products run alone (>= 60% of the targets
                    ignored, or >= 40% while the share moves), 1-3 more G blocks of R W b: their wider blocks, +64 MB
@@ -49,14 +49,17 @@ force a path; a forced balanced path fatter than torch.compile says so too.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Literal, Optional
 
 Path = Literal["lean", "balanced"]
 
 # The lean backward's G block width (kernels/_backward.py's vocab_chunk), widened for row chunks shorter than
-# _LEAN_G_BLOCK_ROWS rows to the same bytes (its g_block_rows; kernels._backward.vocab_chunk_width).
+# _LEAN_G_BLOCK_ROWS rows to the same bytes (its g_block_rows; kernels._backward.vocab_chunk_width), and up to
+# _LEAN_MAX_WIDEN times more where the budget leaves room (lean_widen).
 _LEAN_VOCAB_CHUNK = 4096
 _LEAN_G_BLOCK_ROWS = 8192
+_LEAN_MAX_WIDEN = 4
 # The balanced path's scratch: at least this many rows per chunk (smaller chunks make the dC products memory bound:
 # each chunk reads and writes the fp32 dC sums, 8 V D bytes), at most this many bytes.
 _MIN_CHUNK_ROWS = 1024
@@ -150,14 +153,39 @@ def gradient_bytes(f: HeadFacts) -> int:
     return (f.rows + f.vocab) * f.hidden * f.element_size
 
 
-def lean_peak(f: HeadFacts, backward_row_chunk: int = 8192) -> int:
-    """The gradients, one G block (``R x W``, R the row chunk, W 4096, or wider where N < 8192 is one row chunk), dE
-    in fp32 and, past one row chunk, one vocabulary chunk of dC in fp32 (``kernels/_backward.py``)."""
+def lean_block_width(f: HeadFacts, backward_row_chunk: int = 8192, widen: int = 1) -> int:
+    """The lean backward's G block columns (``kernels._backward.vocab_chunk_width``): 4096, wider where N < 8192 is
+    one row chunk (the same bytes), times ``widen``, at most V."""
     rows = min(f.rows, backward_row_chunk or f.rows)
-    widen = max(1, _LEAN_G_BLOCK_ROWS // max(rows, 1)) if rows == f.rows else 1  # one row chunk only
-    width = min(f.vocab, _LEAN_VOCAB_CHUNK * widen)
+    small = max(1, _LEAN_G_BLOCK_ROWS // max(rows, 1)) if rows == f.rows else 1  # one row chunk only
+    return min(f.vocab, _LEAN_VOCAB_CHUNK * small * widen)
+
+
+def lean_peak(f: HeadFacts, backward_row_chunk: int = 8192, widen: int = 1) -> int:
+    """The gradients, one G block (``R x W``, R the row chunk, W :func:`lean_block_width`), dE in fp32 and, past one
+    row chunk, one vocabulary chunk of dC in fp32 (``kernels/_backward.py``)."""
+    rows = min(f.rows, backward_row_chunk or f.rows)
+    width = lean_block_width(f, backward_row_chunk, widen)
     dc_sums = width * f.hidden * 4 if f.rows > rows else 0
     return gradient_bytes(f) + rows * width * f.element_size + f.rows * f.hidden * 4 + dc_sums
+
+
+@functools.lru_cache(maxsize=256)
+def lean_widen(f: HeadFacts, backward_row_chunk: int = 8192) -> int:
+    """How many times wider than its tuned width the lean backward's G block is made (``kernels.backward``'s
+    ``block_widen``): the largest of 4, 2, 1 whose :func:`lean_peak` stays within the :func:`budget`. A wider block
+    gives each dE / dC product a longer K and reads and writes dE's fp32 rows fewer times (H200, N 8192, 4x: -1.1 to
+    -1.4 ms of 57-65 ms on Gemma-2, Llama-3 and Qwen2.5-7B's heads, for 192 MB more; engineering log v33); the
+    budget keeps the head within half of torch.compile's peak, as the path choice does. A row chunk other than the
+    default (``CCEOptions.backward_row_chunk``) is a choice about memory: its block stays as tuned."""
+    if backward_row_chunk != _LEAN_G_BLOCK_ROWS:
+        return 1
+    limit = budget(f)
+    for widen in (_LEAN_MAX_WIDEN, _LEAN_MAX_WIDEN // 2):
+        if lean_block_width(f, backward_row_chunk, widen) > lean_block_width(f, backward_row_chunk) \
+                and lean_peak(f, backward_row_chunk, widen) <= limit:
+            return widen
+    return 1
 
 
 def balanced_peak(f: HeadFacts, scratch_bytes: int) -> int:

@@ -102,24 +102,22 @@ from ._tile import logit_tile, softmax_grad
 # gets a block that many times wider (the same bytes), so it takes fewer vocabulary steps: at N 4096 on
 # GPT-2's head the lean path was host-bound, 7.7 ms of launches for 2.5 ms of kernels (engineering log v14).
 # g_block_rows 0: never wider (the interpreter; tests set it).
+# recompute_group: columns of the recompute's tile groups (each group's tiles taken row block by row block), so that
+# a G block wider than it keeps C's part in L2 as a 4096-wide block does (engineering log v33).
 _TUNING = {
     "gpu": dict(vocab_chunk=4096, g_block_rows=8192, block_n=128, block_v=256, block_d=64, num_warps=8,
-                num_stages=4, tma=True),
+                num_stages=4, tma=True, recompute_group=4096),
     "interpret": dict(vocab_chunk=48, g_block_rows=0, block_n=16, block_v=32, block_d=16, num_warps=4,
-                      num_stages=1, tma=True),
+                      num_stages=1, tma=True, recompute_group=64),
 }
 
 
 def vocab_chunk_width(vocab_chunk: int, g_block_rows: int, rows: int, row_chunk: int, vocab: int,
                       widen: int = 1) -> int:
     """Columns of one G block: ``vocab_chunk``, times ``g_block_rows // rows`` where all ``rows`` fit in one row
-    chunk shorter than ``g_block_rows`` (a block of the same bytes), times ``widen`` where they are one row chunk
-    (:func:`row_skipping_widen`), at most V.  Several row chunks (a ``backward_row_chunk`` chosen to bound memory)
-    keep the narrow block: a wider one would grow dC's fp32 chunk sums.  (``cce_inductor.paths.lean_peak`` models
-    the width without ``widen``.)"""
-    if rows > row_chunk:
-        return min(vocab, vocab_chunk)
-    small = max(1, g_block_rows // max(rows, 1)) if g_block_rows else 1
+    chunk shorter than ``g_block_rows`` (a block of the same bytes), times ``widen`` (:func:`row_skipping_widen`, or
+    the budget's :func:`cce_inductor.paths.lean_widen`), at most V.  (``cce_inductor.paths.lean_peak`` models it.)"""
+    small = max(1, g_block_rows // max(rows, 1)) if g_block_rows and rows <= row_chunk else 1
     return min(vocab, vocab_chunk * small * widen)
 
 
@@ -139,6 +137,18 @@ def row_skipping_widen(counted_hint: float) -> int:
     return max(1, min(_MAX_WIDEN, math.ceil(0.5 / max(counted_hint, 1e-6))))
 
 
+def g_block_widen(*, triton_products: bool, counted_hint: Optional[float], one_row_chunk: bool, prefix: bool,
+                  split_g: bool, block_widen: int) -> int:
+    """How many times wider than tuned a backward's G block is: the row-skipping products' :func:`row_skipping_widen`
+    after an earlier call's ``counted_hint`` (one row chunk only: several keep the narrow block, or their dC sums
+    would grow); for cuBLAS over every row in default mode, the budget's ``block_widen``
+    (:func:`cce_inductor.paths.lean_widen`, which models that case only: not the counted prefix's fp32 dC sums nor
+    exact mode's second block); else 1."""
+    if triton_products:
+        return row_skipping_widen(counted_hint) if counted_hint is not None and one_row_chunk else 1
+    return block_widen if not prefix and not split_g else 1
+
+
 @triton.jit
 def _recompute_grad_kernel(
     E, C, Bias, Lse, GradRows, GradLse, GradEntropy, MeanLogit, Targets, TargetLogit, RowOrder, NumCounted,
@@ -149,6 +159,7 @@ def _recompute_grad_kernel(
     COMPACT_G: tl.constexpr, TMA: tl.constexpr,
     SPLIT_G: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, EVEN_D: tl.constexpr,
     EVEN_TILE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
+    GROUP_V: tl.constexpr,
 ):
     """``G[r, c]`` of one (row chunk, vocabulary chunk) block.  Every pointer but C / Bias starts at the chunk's
     first row; ``RowOrder`` lists the chunk's rows (local indices), counted rows first.  G's row of local row
@@ -156,8 +167,9 @@ def _recompute_grad_kernel(
     ``SPLIT_G`` (exact mode): G holds the gradient rounded to the input dtype and ``GLo`` (same layout) the
     rounding's remainder, so that G + GLo carries ~16 mantissa bits into the products.
 
-    A persistent grid, one program per multiprocessor: the block's tiles, row blocks outer, are dealt round-robin
-    to the programs, first the tiles of row blocks that hold counted rows (their number from the device-side count),
+    A persistent grid, one program per multiprocessor: the block's tiles, in column groups of ``GROUP_V``
+    vocabulary tiles with row blocks outer inside each (so that the programs at work at any moment share one
+    group's part of C in L2, however wide the block), are dealt round-robin to the programs, first the tiles of row blocks that hold counted rows (their number from the device-side count),
     then those of ignored rows only, which store G's value there without computing logits, up to ``stored_rows``
     positions (the products past the counted rows read no further: compacted G without a bias gradient; every row
     otherwise).  (One program per tile took 2-3% longer on the H100: launch and tail; Triton's loop flattening,
@@ -167,11 +179,18 @@ def _recompute_grad_kernel(
     num_programs = tl.num_programs(0)
     vblocks = tl.cdiv(width, BLOCK_V)
     num_counted = tl.load(NumCounted)
-    counted_tiles = tl.cdiv(num_counted, BLOCK_N) * vblocks
+    counted_blocks = tl.cdiv(num_counted, BLOCK_N)
+    counted_tiles = counted_blocks * vblocks
+    group_tiles = counted_blocks * GROUP_V
     for tile in range(pid, counted_tiles, num_programs):
+        # column groups of GROUP_V vocabulary tiles, row blocks outer inside each (the last group may be narrower)
+        first_vblock = (tile // group_tiles) * GROUP_V
+        group_width = tl.minimum(vblocks - first_vblock, GROUP_V)
+        in_group = tile % group_tiles
         _grad_tile(
             E, C, Bias, Lse, GradRows, GradLse, GradEntropy, MeanLogit, Targets, TargetLogit, RowOrder, RowPoison,
-            G, GLo, tile // vblocks, tile % vblocks, num_counted, n_rows, width, vocab_start, V, D,
+            G, GLo, in_group // group_width, first_vblock + in_group % group_width, num_counted, n_rows, width,
+            vocab_start, V, D,
             stride_en, stride_ed, stride_cv, stride_cd, stride_g, softcap, target_weight, uniform,
             HAS_BIAS, HAS_SOFTCAP, HAS_LSE_GRAD, HAS_ENTROPY_GRAD, COMPACT_G, TMA, SPLIT_G, UPCAST, DOT_PRECISION,
             EVEN_D, EVEN_TILE, BLOCK_N, BLOCK_V, BLOCK_D,
@@ -369,7 +388,7 @@ def counted_prefix(counted_hint: float, rows: int, block: int = 128) -> int:
 
 def backward(e, c, targets, bias, lse, grad_rows, *, softcap, ignore_index, options, need_e, need_c, need_bias,
              label_smoothing=0.0, grad_lse=None, grad_entropy=None, mean_logit=None, observe_counted=None,
-             counted_hint=None):
+             counted_hint=None, block_widen=1):
     """Launch helper: ``(dE | None, dC | None, dbias | None)``; ``grad_rows`` fp32, 0 at ignored rows.  Rows whose
     target is ``ignore_index`` are skipped by the recompute (and by the Triton products) unless ``grad_lse`` (the
     upstream gradient of every row's lse, fp32) or ``grad_entropy`` (that of every row's entropy, with the forward's
@@ -380,7 +399,10 @@ def backward(e, c, targets, bias, lse, grad_rows, *, softcap, ignore_index, opti
     ``counted_hint`` (cuBLAS products; an earlier call's share of counted rows): cuBLAS multiplies only the first
     :func:`counted_prefix` rows of each compacted row chunk, the row-skipping Triton products the rest (past the
     prefix: nothing, where this call counts no more rows than the hint); with the Triton products, the G block of a
-    single row chunk is :func:`row_skipping_widen` times wider."""
+    single row chunk is :func:`row_skipping_widen` times wider.  ``block_widen`` (cuBLAS products over every row,
+    default mode; :func:`cce_inductor.paths.lean_widen`, where the memory budget leaves room): a G block that many
+    times wider, so that each dE / dC product has a longer K and dE's fp32 rows are read and written fewer times
+    (H200, N 8192, 4x: -1.1 to -1.4 ms of 57-65 ms on Gemma-2, Llama-3, Qwen2.5-7B; engineering log v33)."""
     tune = _launch.tuning(_TUNING)
     n, d = e.shape
     v = c.shape[0]
@@ -402,11 +424,12 @@ def backward(e, c, targets, bias, lse, grad_rows, *, softcap, ignore_index, opti
     # Triton products (``_products``: skip the ignored rows) where the tensor-memory accelerator can read C
     can_skip = row_skipping_ok(e, c, options)
     triton_products = options.products == "triton" and can_skip
-    widen = row_skipping_widen(counted_hint) if triton_products and counted_hint is not None else 1
-    vocab_chunk = vocab_chunk_width(tune["vocab_chunk"], tune["g_block_rows"], n, row_chunk, v, widen)
     # cuBLAS over a counted prefix of the compacted rows, the Triton products over the rest (dE in compacted order)
     prefix = (counted_hint is not None and not triton_products and can_skip
               and counted_prefix(counted_hint, row_chunk, tune["block_n"]) < row_chunk)
+    widen = g_block_widen(triton_products=triton_products, counted_hint=counted_hint, one_row_chunk=n <= row_chunk,
+                          prefix=prefix, split_g=split_g, block_widen=block_widen)
+    vocab_chunk = vocab_chunk_width(tune["vocab_chunk"], tune["g_block_rows"], n, row_chunk, v, widen)
     # 16-bit products with fp32 results where cuBLAS has them; where no such product exists (the CPU interpreter)
     # 16-bit operands are upcast.
     fp32_out = sixteen_bit and _launch.fp32_out_mm_available(device)
@@ -470,7 +493,8 @@ def backward(e, c, targets, bias, lse, grad_rows, *, softcap, ignore_index, opti
                  HAS_ENTROPY_GRAD=grad_entropy is not None, COMPACT_G=compact_g, TMA=use_tma,
                  SPLIT_G=split_g, UPCAST=_launch.upcast_dots(e.dtype), DOT_PRECISION=_launch.dot_precision(e.dtype),
                  EVEN_D=(d % block_d == 0), BLOCK_N=block_n, BLOCK_V=block_v, BLOCK_D=block_d,
-                 num_warps=tune["num_warps"], num_stages=num_stages)
+                 GROUP_V=max(1, tune["recompute_group"] // block_v), num_warps=tune["num_warps"],
+                 num_stages=num_stages)
     bias_or_lse = bias if bias is not None else lse
     label_weights = (softcap_val, 1.0 - label_smoothing, label_smoothing / v)
 

@@ -196,6 +196,35 @@ def test_lean_g_block_widens_for_a_small_n_only():
                                                    + 256 * 50257 * b)  # at most V wide
 
 
+def test_lean_g_block_widens_where_the_budget_leaves_room():
+    """``lean_widen``: the lean backward's G block 4, 2 or 1 times wider than tuned, the widest whose peak stays
+    within the budget (the path choice's: half of torch.compile's), with the default row chunk only (another is the
+    user's bound on memory), and never past V. The table: the grid's lean heads (bf16), and the peaks measured with
+    the widened blocks on an H200 (engineering log v33; MiB above the inputs, the allocator within 1%)."""
+    widens = {("gemma2", 8192): 4, ("llama3", 8192): 4, ("llama3", 16384): 4, ("deepseek-v3", 8192): 1,
+              ("deepseek-v3", 4096): 2, ("gemma2", 4096): 4, ("llama3", 4096): 1, ("llama2", 8192): 1}
+    for (head, n), want in widens.items():
+        facts = _facts(head, n)
+        got = paths.lean_widen(facts)
+        assert got == want, (head, n)
+        if got > 1:  # (at widen 1 the lean path may be over the budget too: DeepSeek-V3's head, stats() says so)
+            assert paths.lean_peak(facts, 8192, got) <= paths.budget(facts)
+        if got < 4:
+            assert paths.lean_peak(facts, 8192, 2 * got) > paths.budget(facts)
+        assert paths.lean_widen(facts, backward_row_chunk=4096) == 1
+        assert paths.lean_widen(facts, backward_row_chunk=0) == 1
+    assert paths.lean_block_width(_facts("gemma2", 8192), 8192, 4) == 16384
+    assert paths.lean_block_width(_facts("gemma2", 4096), 8192, 4) == 32768  # the short batch's widening too
+    assert paths.lean_block_width(_facts("llama3", 16384), 8192, 4) == 16384  # two row chunks: 4096 x 4
+    # past V nothing is wider: a head whose block already covers V keeps widen 1
+    assert paths.lean_widen(_facts("gpt2", 256)) == 1
+    mib = 2**20
+    measured = {("gemma2", 8192): 1490, ("llama3", 8192): 1450, ("llama3", 16384): 1899, ("gemma2", 4096): 1436}
+    for (head, n), peak_mb in measured.items():
+        facts = _facts(head, n)
+        assert abs(paths.lean_peak(facts, 8192, paths.lean_widen(facts)) / mib / peak_mb - 1) < 0.01
+
+
 @pytest.mark.parametrize("facts_kw, reason", [
     (dict(reduction="none"), "reduction='none'"),
     (dict(per_row_outputs=True), "per-row outputs"),

@@ -151,6 +151,40 @@ def test_short_row_chunks_get_wider_vocabulary_blocks(device, monkeypatch):
                 assert rel(x, y) < 1e-6
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_recompute_tile_groups_cover_every_tile(device, monkeypatch):
+    """The recompute deals its tiles in column groups (``recompute_group`` columns, row block by row block inside
+    each), only an order: every group width, one narrower than the block with a narrower last group among them,
+    gives the gradients of the ungrouped order bitwise, with G's buffer filled with NaN before each block (a tile
+    that no program computed would put NaN into dE / dC).  Ignored row blocks (past the device-side count) and
+    exact mode's second G block take the same order."""
+    device_ok(device)
+    tuning = _backward._TUNING[TUNING_KEY]
+    block_v = tuning["block_v"]
+    # one G block 5 vocabulary tiles wide, a short last tile: groups of 2 tiles leave a last group of 1
+    monkeypatch.setitem(tuning, "vocab_chunk", 5 * block_v)
+    monkeypatch.setitem(tuning, "g_block_rows", 0)
+    n, v, d = (700, 5 * 256 - 100, 64) if TUNING_KEY == "gpu" else (70, 5 * 32 - 9, 24)
+    e, c, targets, b = make_kernel_inputs(n, v, d, torch.bfloat16, device, ignore_frac=0.2, bias=True, seed=11)
+    targets[n // 2:] = IGNORE  # whole ignored row blocks past the counted ones
+    g = mean_grad_rows(targets)
+    lse, *_ = K.forward(e, c, targets, b, softcap=20.0, ignore_index=IGNORE)
+    block = _backward._block
+    monkeypatch.setattr(_backward, "_block", lambda buf, rows, cols: block(buf.fill_(float("nan")), rows, cols))
+
+    def grads(group_tiles, exact):
+        monkeypatch.setitem(tuning, "recompute_group", group_tiles * block_v)
+        return K.backward(e, c, targets, b, lse, g, softcap=20.0, ignore_index=IGNORE,
+                          options=CCEOptions(exact=exact), need_e=True, need_c=True, need_bias=True)
+
+    for exact in (False, True):
+        ungrouped = grads(1 << 10, exact)
+        assert all(torch.isfinite(x).all() for x in ungrouped)
+        for group_tiles in (1, 2, 3, 5):
+            for x, y in zip(grads(group_tiles, exact), ungrouped):
+                assert torch.equal(x, y), (group_tiles, exact)
+
+
 @pytest.mark.parametrize("products", ["cublas", "triton", "prefix"])
 @pytest.mark.parametrize("device", DEVICES)
 def test_backward_skips_ignored_rows_keeps_eager_nan_pattern(device, products):
@@ -229,14 +263,26 @@ def test_products_read_only_the_g_positions_stored(device, need_bias, monkeypatc
 def test_row_skipping_widen_and_block_width():
     """The row-skipping products' G block after calls that counted as little as ``hint`` of their rows:
     ``ceil(0.5 / hint)`` times wider (at least half a narrow block's counted entries), 1 to 4 times; only where the
-    rows are one row chunk, and at most V."""
+    rows are one row chunk, and at most V.  The budget's widening (``block_widen``) applies to cuBLAS over every row
+    in default mode only, one row chunk or several."""
     hints = (1.0, 0.5, 0.4, 1 / 3, 0.25, 0.17, 0.125, 0.1, 0.0)
     assert [_backward.row_skipping_widen(h) for h in hints] == [1, 1, 2, 2, 2, 3, 4, 4, 4]
     width = _backward.vocab_chunk_width
     assert width(4096, 8192, 8192, 8192, 256000, 2) == 8192
     assert width(4096, 8192, 4096, 8192, 256000, 2) == 16384  # a short batch's widening too
-    assert width(4096, 8192, 16384, 8192, 256000, 4) == 4096  # several row chunks: narrow
+    assert width(4096, 8192, 16384, 8192, 256000, 4) == 16384  # several row chunks: no short-batch widening
+    assert width(4096, 8192, 16384, 8192, 256000) == 4096
     assert width(4096, 8192, 8192, 8192, 10000, 4) == 10000
+
+    def widen(triton=False, hint=None, one=True, prefix=False, split=False, budget=4):
+        return _backward.g_block_widen(triton_products=triton, counted_hint=hint, one_row_chunk=one, prefix=prefix,
+                                       split_g=split, block_widen=budget)
+
+    assert widen(triton=True, hint=0.1) == 4 and widen(triton=True, hint=0.4, budget=1) == 2
+    assert widen(triton=True, hint=0.1, one=False) == 1  # row skipping over several row chunks: narrow
+    assert widen(triton=True) == 1  # no earlier call: narrow, whatever the budget
+    assert widen() == 4 and widen(one=False) == 4 and widen(budget=2) == 2  # cuBLAS over every row: the budget's
+    assert widen(prefix=True, hint=0.3) == 1 and widen(split=True) == 1  # not modelled by the budget: narrow
 
 
 def test_products_read_g_in_blocks_the_recompute_stores_whole():
