@@ -176,11 +176,12 @@ def lean_widen(f: HeadFacts, backward_row_chunk: int = 8192) -> int:
     ``block_widen``): the largest of 4, 2, 1 whose :func:`lean_peak` stays within the :func:`budget`. A wider block
     gives each dE / dC product a longer K and reads and writes dE's fp32 rows fewer times (H200, N 8192, 4x: -1.1 to
     -1.4 ms of 57-65 ms on Gemma-2, Llama-3 and Qwen2.5-7B's heads, for 192 MB more; engineering log v33); the
-    budget keeps the head within half of torch.compile's peak, as the path choice does. A row chunk other than the
-    default (``CCEOptions.backward_row_chunk``) is a choice about memory: its block stays as tuned."""
+    budget keeps the head within half of torch.compile's peak, as the path choice does, that of the loss-only graph
+    (the op, which decides at run time, does not know whether the site returns the logits). A row chunk other than
+    the default (``CCEOptions.backward_row_chunk``) is a choice about memory: its block stays as tuned."""
     if backward_row_chunk != _LEAN_G_BLOCK_ROWS:
         return 1
-    limit = budget(f)
+    limit = budget(dataclasses.replace(f, returned_logits=False, softcapped=False))
     for widen in (_LEAN_MAX_WIDEN, _LEAN_MAX_WIDEN // 2):
         if lean_block_width(f, backward_row_chunk, widen) > lean_block_width(f, backward_row_chunk) \
                 and lean_peak(f, backward_row_chunk, widen) <= limit:
@@ -281,9 +282,20 @@ def choose(f: HeadFacts, path: str = "auto", scratch_mb: int = 0, backward_row_c
     balanced path, as it did before the automatic choice existed. ``products``: ``CCEOptions.products``, which the
     lean path's record explains where it is decided per call."""
     choice = _choose(f, path, scratch_mb, backward_row_chunk)
-    if choice.path == "lean" and f.kernels and f.needs_grad and products == "auto":
-        return dataclasses.replace(choice, reason=choice.reason + _PRODUCTS_NOTE)
+    if choice.path == "lean" and f.kernels and f.needs_grad:
+        return dataclasses.replace(choice, reason=choice.reason + _lean_block_note(f, backward_row_chunk)
+                                   + (_PRODUCTS_NOTE if products == "auto" else ""))
     return choice
+
+
+def _lean_block_note(f: HeadFacts, backward_row_chunk: int) -> str:
+    """Where the lean backward's G block is widened (:func:`lean_widen`), by how much and at what estimated peak."""
+    widen = lean_widen(f, backward_row_chunk)
+    if widen == 1:
+        return ""
+    return (f"; its backward's G block {lean_block_width(f, backward_row_chunk, widen)} columns wide ({widen}x, as "
+            f"the budget leaves room: est. peak {_mib(lean_peak(f, backward_row_chunk, widen))}; in "
+            "default mode, on calls without ignored targets)")
 
 
 # cce_inductor/_counted_share.py

@@ -35,7 +35,14 @@ that each gradient is rounded to the output dtype once, whatever N:
 Every cuBLAS product over a vocabulary dimension (the last chunk's width may be odd) is split at a multiple of 64
 (``_launch.product_into``) and G's rows keep an aligned pitch.
 
-``_recompute_grad_kernel`` deals the block's tiles to its programs; tile (i, j) takes compacted rows ``i*BLOCK_N
+The G block is ``vocab_chunk`` (4096) columns wide, wider for a short batch (the same bytes) and up to 4x wider
+again where the memory budget leaves room (``block_widen``, from ``cce_inductor.paths.lean_widen``): a wider block
+gives each product a longer K and reads and writes dE's fp32 rows fewer times.
+
+``_recompute_grad_kernel`` deals the block's tiles to its programs in column groups of ``recompute_group`` (4096)
+columns, row blocks outer inside each, so that the programs at work at any moment share one group's part of C in L2
+(19 MB at D 2304) however wide the block (a 16384-wide block taken row blocks outer across its whole width lost what
+its products gained: engineering log v32 / v33); tile (i, j) takes compacted rows ``i*BLOCK_N
 ...`` of the chunk and vocabulary tile j of the block: ``BLOCK_N x BLOCK_V`` logits from ``_tile.logit_tile`` (loop
 over ``BLOCK_D`` chunks of D), the gradient formed in registers without its one-hot term and stored in the input
 dtype at the rows' own places in G; then (after a CTA barrier, so that they land last) the entries ``G[n,
@@ -78,7 +85,7 @@ memory.
 
 Memory above the outputs: one G block in the input dtype (``row_chunk x vocab_chunk``), dE in fp32 (``N x D x 4``)
 and, where N exceeds one row chunk, one vocabulary chunk of dC in fp32 (``vocab_chunk x D x 4``): at N = 8192 and
-D = 2304 in bf16, 64 MB + 72 MB (a vocabulary chunk of 2048 entries took 32 MB less but 4 ms more on Gemma-2 / 7 ms
+D = 2304 in bf16, 64 MB + 72 MB (256 MB + 72 MB with the budget's 4x block, Gemma-2's head) (a vocabulary chunk of 2048 entries took 32 MB less but 4 ms more on Gemma-2 / 7 ms
 on Llama-3 on an H100: each vocabulary chunk reads and writes the fp32 dE rows once, 150 MB at D = 2304).  (Before
 2026-11-25 the row chunks were the outer loop and dC took one more bf16 rounding per further row chunk: at N 32768
 on an H100 its error was 3.0e-3 against torch.compile's 1.7e-3.)  G is rounded to the input dtype before the

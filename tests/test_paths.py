@@ -218,6 +218,14 @@ def test_lean_g_block_widens_where_the_budget_leaves_room():
     assert paths.lean_block_width(_facts("llama3", 16384), 8192, 4) == 16384  # two row chunks: 4096 x 4
     # past V nothing is wider: a head whose block already covers V keeps widen 1
     assert paths.lean_widen(_facts("gpt2", 256)) == 1
+    # the op decides at run time without knowing whether the site returns the logits: the loss-only graph's budget
+    for kw in (dict(returned_logits=True), dict(returned_logits=True, softcapped=True)):
+        assert paths.lean_widen(_facts("deepseek-v3", 8192, **kw)) == 1
+    # stats() says so where the block is widened
+    assert "G block 16384 columns wide (4x" in paths.choose(_facts("gemma2", 8192)).reason
+    assert "G block 16384 columns wide (4x" in paths.choose(_facts("gemma2", 8192), path="lean").reason
+    assert "columns wide" not in paths.choose(_facts("llama2", 8192)).reason
+    assert "columns wide" not in paths.choose(_facts("gemma2", 8192, kernels=False)).reason
     mib = 2**20
     measured = {("gemma2", 8192): 1490, ("llama3", 8192): 1450, ("llama3", 16384): 1899, ("gemma2", 4096): 1436}
     for (head, n), peak_mb in measured.items():
