@@ -409,7 +409,7 @@ def backward(e, c, targets, bias, lse, grad_rows, *, softcap, ignore_index, opti
     single row chunk is :func:`row_skipping_widen` times wider.  ``block_widen`` (cuBLAS products over every row,
     default mode; :func:`cce_inductor.paths.lean_widen`, where the memory budget leaves room): a G block that many
     times wider, so that each dE / dC product has a longer K and dE's fp32 rows are read and written fewer times
-    (H200, N 8192, 4x: -1.1 to -1.4 ms of 57-65 ms on Gemma-2, Llama-3, Qwen2.5-7B; engineering log v33)."""
+    (H200: 0.9-4.3% of the lean fwd + bwd in 18 of 19 same-process comparisons; engineering log v33)."""
     tune = _launch.tuning(_TUNING)
     n, d = e.shape
     v = c.shape[0]
