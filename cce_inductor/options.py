@@ -61,9 +61,9 @@ class CCEOptions:
         ``CCE_INDUCTOR_PRODUCTS``.
     backward_row_chunk: rows per block of the CUDA lean backward: bounds its gradient block (one 16-bit
         ``row_chunk x 4096`` block; with the default 8192, up to 4x wider where half of torch.compile's peak leaves
-        room, ``cce_inductor.paths.lean_widen``) whatever the batch; dE is summed in fp32 (``N x D x 4`` bytes) and, past one
-        row chunk, each vocabulary chunk of dC too, so every gradient is rounded once. 0 takes all rows in one
-        block. Environment: ``CCE_INDUCTOR_BACKWARD_ROW_CHUNK``.
+        room, ``cce_inductor.paths.lean_widen``) whatever the batch; dE is summed in fp32 (``N x D x 4`` bytes)
+        and, past one row chunk, each vocabulary chunk of dC too, so every gradient is rounded once. 0 takes all
+        rows in one block. Environment: ``CCE_INDUCTOR_BACKWARD_ROW_CHUNK``.
     path: which path a rewritten loss takes. ``"auto"`` (default): per site, the fastest path whose estimated peak
         fits the budget (half of torch.compile's peak for the same head, or 1.15x the gradients' own bytes where that
         is more): the balanced path (the gradients computed with the loss: three matmuls, as torch.compile does)

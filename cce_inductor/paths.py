@@ -23,12 +23,14 @@ balanced, model 5161 / 1297 / 3483; Llama-3 3070 / 1259 / 3134, model 3070 / 125
                    under three blocks' 12, so the budget errs lean
     lean           (N + V) D b + R * W * b + N D 4 (+ W D 4 where N > R; R = min(N, backward_row_chunk),
                    W = min(V, 4096 * max(1, 8192 // N) * k) where R = N, else 4096 k; k = lean_widen's 4, 2 or 1,
-                   the widest that keeps the peak within the budget below; + W D 4 more on calls after one with >= 10% of the targets ignored: the fp32 dC sums of
-                   the counted-prefix products, cce_inductor/_counted_share.py; measured +43 MB on Gemma-2, +80 MB on
-                   Llama-3 at N 8192; or, where the row-skipping products run alone (>= 60% of the targets
-                   ignored, or >= 40% while the share moves), 1-3 more G blocks of R W b: their wider blocks, +64 MB
-                   at 75% on both, +192 MB where the earlier shares' 20th percentile is <= 1/8; neither is in
-                   lean_peak, which models the calls without ignored rows)
+                   the widest that keeps the peak within the budget below, for cuBLAS over every row (the
+                   counted-prefix and row-skipping calls keep k = 1 and their own widths); + W D 4 more on calls
+                   after one with >= 10% of the targets ignored: the fp32 dC sums of the counted-prefix products,
+                   cce_inductor/_counted_share.py; measured +43 MB on Gemma-2, +80 MB on Llama-3 at N 8192; or,
+                   where the row-skipping products run alone (>= 60% of the targets ignored, or >= 40% while the
+                   share moves), 1-3 more G blocks of R W b: their wider blocks, +64 MB at 75% on both, +192 MB
+                   where the earlier shares' 20th percentile is <= 1/8; neither is in lean_peak, which models the
+                   calls without ignored rows)
     balanced       max(V D 4 + N D 4 + S,  V D (4 + b) + N D (4 + b))     (S = the scratch)
 
 The default (``path="auto"``) takes the fastest path whose peak fits the budget ``max(0.5 x torch.compile's,

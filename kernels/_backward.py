@@ -84,13 +84,13 @@ chunk's rows, which lives in those rows of the dE output until dE is written the
 memory.
 
 Memory above the outputs: one G block in the input dtype (``row_chunk x vocab_chunk``), dE in fp32 (``N x D x 4``)
-and, where N exceeds one row chunk, one vocabulary chunk of dC in fp32 (``vocab_chunk x D x 4``): at N = 8192 and
-D = 2304 in bf16, 64 MB + 72 MB (256 MB + 72 MB with the budget's 4x block, Gemma-2's head) (a vocabulary chunk of 2048 entries took 32 MB less but 4 ms more on Gemma-2 / 7 ms
-on Llama-3 on an H100: each vocabulary chunk reads and writes the fp32 dE rows once, 150 MB at D = 2304).  (Before
-2026-11-25 the row chunks were the outer loop and dC took one more bf16 rounding per further row chunk: at N 32768
-on an H100 its error was 3.0e-3 against torch.compile's 1.7e-3.)  G is rounded to the input dtype before the
-products, as eager PyTorch does for the logits' gradient.  No atomics, so the result is bitwise reproducible
-(``torch.use_deterministic_algorithms`` is satisfied).
+and, where N exceeds one row chunk, one vocabulary chunk of dC in fp32 (``vocab_chunk x D x 4``): at N = 8192 and D =
+2304 in bf16, 64 MB + 72 MB (256 MB + 72 MB with the budget's 4x block, Gemma-2's head; a vocabulary chunk of 2048
+entries took 32 MB less but 4 ms more on Gemma-2 / 7 ms on Llama-3 on an H100: each vocabulary chunk reads and writes
+the fp32 dE rows once, 150 MB at D = 2304). (Before 2026-11-25 the row chunks were the outer loop and dC took one more
+bf16 rounding per further row chunk: at N 32768 on an H100 its error was 3.0e-3 against torch.compile's 1.7e-3.) G is
+rounded to the input dtype before the products, as eager PyTorch does for the logits' gradient. No atomics, so the
+result is bitwise reproducible (``torch.use_deterministic_algorithms`` is satisfied).
 """
 from __future__ import annotations
 
@@ -174,14 +174,14 @@ def _recompute_grad_kernel(
     ``SPLIT_G`` (exact mode): G holds the gradient rounded to the input dtype and ``GLo`` (same layout) the
     rounding's remainder, so that G + GLo carries ~16 mantissa bits into the products.
 
-    A persistent grid, one program per multiprocessor: the block's tiles, in column groups of ``GROUP_V``
-    vocabulary tiles with row blocks outer inside each (so that the programs at work at any moment share one
-    group's part of C in L2, however wide the block), are dealt round-robin to the programs, first the tiles of row blocks that hold counted rows (their number from the device-side count),
-    then those of ignored rows only, which store G's value there without computing logits, up to ``stored_rows``
-    positions (the products past the counted rows read no further: compacted G without a bias gradient; every row
-    otherwise).  (One program per tile took 2-3% longer on the H100: launch and tail; Triton's loop flattening,
-    which would overlap a tile's gradient with the next tile's loads, left the D loop unpipelined here, +50%:
-    engineering log v12.)"""
+    A persistent grid, one program per multiprocessor: the block's tiles, in column groups of ``GROUP_V`` vocabulary
+    tiles with row blocks outer inside each (so that the programs at work at any moment share one group's part of C in
+    L2, however wide the block), are dealt round-robin to the programs, first the tiles of row blocks that hold
+    counted rows (their number from the device-side count), then those of ignored rows only, which store G's value
+    there without computing logits, up to ``stored_rows`` positions (the products past the counted rows read no
+    further: compacted G without a bias gradient; every row otherwise). (One program per tile took 2-3% longer on the
+    H100: launch and tail; Triton's loop flattening, which would overlap a tile's gradient with the next tile's loads,
+    left the D loop unpipelined here, +50%: engineering log v12.)"""
     pid = tl.program_id(0)
     num_programs = tl.num_programs(0)
     vblocks = tl.cdiv(width, BLOCK_V)
