@@ -1,0 +1,133 @@
+# The lean backward's G block, A/B in one process per call (v32 / v33, H200, 2026-11-28): interleaved rounds of each
+# variant with torch.compile's fwd+bwd beside it (its own function, a fresh Dynamo state per cell); bf16, LM-like
+# data, 0% ignored; ms = median of the rounds (each triton do_bench, rep 300 ms), MB above the inputs.
+#   MODE=tiles  the lean path called directly; CONFIGS = vocab_chunk:recompute_group pairs (_TUNING patched, the
+#               budget's widening off); recompute_group 1048576 = one group over the block, the order before v33.
+#               v32's width A/B: CONFIGS=4096:1048576,8192:1048576,16384:1048576 (it ran with rep 60).
+#               ..._lean-wider-still-ab_v33.log ran with the widening still on: its widths were 4x those named.
+#   MODE=widen  the default through the op, paths.lean_widen as decided against it forced to 1; CELLS = head:N.
+# Usage: MODE=tiles HEADS=gemma2,llama3 CONFIGS=4096:4096,16384:4096 python benchmarks/results/<this file>
+import os
+import statistics
+import sys
+
+sys.path[:0] = ["benchmarks", "."]
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+import triton  # noqa: E402
+
+import cce_inductor  # noqa: E402
+import vocab_grid as G  # noqa: E402
+from cce_inductor import paths  # noqa: E402
+from cce_inductor.kernels import _backward as B  # noqa: E402
+
+MODE = os.environ.get("MODE", "tiles")
+ROUNDS = int(os.environ.get("ROUNDS", "3"))
+TUNE = B._TUNING["gpu"]
+LEAN_WIDEN = paths.lean_widen
+
+
+def tile_variants():
+    """(label, setup) per CONFIGS pair: the lean path with that G block width and tile group, no budget widening."""
+    pairs = os.environ.get("CONFIGS", "4096:1048576,4096:4096,8192:4096,16384:4096,16384:1048576").split(",")
+    out = []
+    for w, g in (tuple(int(x) for x in p.split(":")) for p in pairs):
+        def setup(w=w, g=g):
+            TUNE["vocab_chunk"], TUNE["recompute_group"] = w, g
+            paths.lean_widen = lambda *a, **k: 1
+        out.append((f"w{w}/g{g}", setup))
+    return out
+
+
+def widen_variants(facts):
+    """(label, setup): the budget's widening forced to 1, then as decided (where that is more than 1)."""
+    k = LEAN_WIDEN(facts)
+    def forced(w):
+        def setup():
+            paths.lean_widen = lambda *a, **kw: w
+        return setup
+    return [(f"widen {w}", forced(w)) for w in ((1, k) if k != 1 else (1,))]
+
+
+def reset():
+    TUNE["vocab_chunk"], TUNE["recompute_group"] = 4096, 4096
+    paths.lean_widen = LEAN_WIDEN
+
+
+def run_cell(head, n):
+    d, v = G.HEADS[head]
+    facts = paths.HeadFacts(rows=n, hidden=d, vocab=v, element_size=2, kernels=True, reduction="mean",
+                            needs_grad=True)
+    if MODE == "tiles":
+        opts, variants, title = cce_inductor.CCEOptions(path="lean"), tile_variants(), f"{head} (D {d}, V {v})"
+    else:
+        opts, variants = cce_inductor.CCEOptions(), widen_variants(facts)
+        title = f"{head} N {n} (D {d}, V {v}) pick {paths.choose(facts).path} widen {LEAN_WIDEN(facts)}"
+    e, c, t = G.make_data(n, d, v, 0, "cuda", 0)
+    e.requires_grad_(True)
+    c.requires_grad_(True)
+    torch._dynamo.reset()
+
+    def loss(e, c, t):
+        return F.cross_entropy(F.linear(e, c).float(), t)
+
+    compiled = torch.compile(loss)
+    runs = {"compile": lambda: compiled(e, c, t).backward(),
+            "ours": lambda: cce_inductor.linear_cross_entropy(e, c, t, options=opts).backward()}
+
+    def bench(fn):
+        return triton.testing.do_bench(fn, warmup=3, rep=300, grad_to_none=[e, c], return_mode="median")
+
+    def peak(fn):
+        e.grad = c.grad = None
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        fn()
+        torch.cuda.synchronize()
+        return (torch.cuda.max_memory_allocated() - base) / 2**20
+
+    ms = {"compile": []}
+    ms.update({label: [] for label, _ in variants})
+    mb, grads = {}, {}
+    for rnd in range(ROUNDS):
+        ms["compile"].append(bench(runs["compile"]))
+        if rnd == 0:
+            mb["compile"] = peak(runs["compile"])
+        for label, setup in variants:
+            setup()
+            ms[label].append(bench(runs["ours"]))
+            if rnd == 0:
+                mb[label] = peak(runs["ours"])
+                grads[label] = (e.grad.float().clone(), c.grad.float().clone())
+            reset()
+    base_ms = statistics.median(ms["compile"])
+    first = grads[variants[0][0]]
+    line = [f"{title}: compile {base_ms:.2f} ms {mb['compile']:.0f} MB"]
+    for label, _ in variants:
+        m = statistics.median(ms[label])
+        diff = [((a - b).norm() / b.norm()).item() for a, b in zip(grads[label], first)]
+        model = f"; model {paths.lean_peak(facts, 8192, int(label.split()[1])) / 2**20:.0f}" if MODE == "widen" else ""
+        line.append(f"{label} {m:.2f} ms ({m / base_ms:.3f}x; rounds {' '.join(f'{x:.2f}' for x in ms[label])}) "
+                    f"{mb[label]:.0f} MB ({mb[label] / mb['compile']:.2f}x{model}), vs {variants[0][0]}: "
+                    f"dE {diff[0]:.1e} dC {diff[1]:.1e}")
+    print(" |\n  ".join(line), flush=True)
+
+
+def main():
+    print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}, bf16, lm data, "
+          f"0% ignored, MODE {MODE}")
+    if MODE == "tiles":
+        n = int(os.environ.get("N", "8192"))
+        cells = [(h, n) for h in os.environ.get("HEADS", "gemma2,llama3,qwen25-7b,v65536").split(",")]
+    else:
+        spec = os.environ.get("CELLS", "gemma2:8192,gemma3:8192,mistral-nemo:8192,llama3:16384,qwen25-7b:16384,"
+                                       "gemma2:4096,qwen25-7b:2048")
+        cells = [(h, int(n)) for h, n in (cell.split(":") for cell in spec.split(","))]
+    for head, n in cells:
+        run_cell(head, n)
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
