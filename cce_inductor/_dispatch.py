@@ -114,14 +114,15 @@ def backward(e: Tensor, c: Tensor, targets: Tensor, bias: Optional[Tensor], lse:
         # chose them (the calls that count fewest rows are the ones that wait on the host)
         auto_row_skipping = products == "triton" and options.products == "auto"
         hint = seen.low if prefix or auto_row_skipping else None
-        # a wider G block where the budget leaves room (cuBLAS over every row; the kernels apply it only there)
+        # a wider G block where the budget leaves room (cuBLAS products; the kernels apply it only there), the
+        # counted prefix's fp32 dC sums counted
         facts = head_facts(e.shape[0], e.shape[1], c.shape[0], e.dtype, e.device, "mean", needs_grad=True)
         return kernels.backward(
             e, c, targets, bias, lse.float(), grad_rows.float(), softcap=softcap, ignore_index=ignore_index,
             options=_with_products(options, "cublas" if prefix else products), need_e=need_e, need_c=need_c,
             need_bias=need_bias, label_smoothing=label_smoothing, grad_lse=grad_lse, grad_entropy=grad_entropy,
             mean_logit=mean_logit, observe_counted=share.observe if options.products == "auto" and not every_row
-            else None, counted_hint=hint, block_widen=paths.lean_widen(facts, options.backward_row_chunk),
+            else None, counted_hint=hint, block_widen=paths.lean_widen(facts, options.backward_row_chunk, prefix),
         )
     return _chunked.backward(
         e, c, targets, bias, lse, grad_rows, softcap=softcap, need_e=need_e, need_c=need_c, need_bias=need_bias,

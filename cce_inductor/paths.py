@@ -21,16 +21,15 @@ balanced, model 5161 / 1297 / 3483; Llama-3 3070 / 1259 / 3134, model 3070 / 125
                    logit: GPT-2 medium, Llama-3.2-1B) and four with Gemma-2's softcap (8.0), H200,
                    benchmarks/head_memory.py (engineering log v26); for fp32 inputs (not measured) b + 4 = 8 stays
                    under three blocks' 12, so the budget errs lean
-    lean           (N + V) D b + R * W * b + N D 4 (+ W D 4 where N > R; R = min(N, backward_row_chunk),
+    lean           (N + V) D b + R * W * b + N D 4 (+ W D 4 where N > R, or on calls that take the
+                   counted-prefix products, after one with >= 10% of the targets ignored: their fp32 dC sums,
+                   cce_inductor/_counted_share.py; R = min(N, backward_row_chunk),
                    W = min(V, 4096 * max(1, 8192 // N) * k) where R = N, else 4096 k; k = lean_widen's 4, 2 or 1,
-                   the widest that keeps the peak within the budget below, for cuBLAS over every row (the
-                   counted-prefix and row-skipping calls keep k = 1 and their own widths); + W D 4 more on calls
-                   after one with >= 10% of the targets ignored: the fp32 dC sums of the counted-prefix products,
-                   cce_inductor/_counted_share.py; measured +43 MB on Gemma-2, +80 MB on Llama-3 at N 8192; or,
-                   where the row-skipping products run alone (>= 60% of the targets ignored, or >= 40% while the
-                   share moves), 1-3 more G blocks of R W b: their wider blocks, +64 MB at 75% on both, +192 MB
-                   where the earlier shares' 20th percentile is <= 1/8; neither is in lean_peak, which models the
-                   calls without ignored rows)
+                   the widest that keeps this peak within the budget below (H200, N 8192, 0-50% ignored: the
+                   measured peaks within 1 MB of it); where the row-skipping products run alone (>= 60% of the
+                   targets ignored, or >= 40% while the share moves) over one row chunk, their own widening may
+                   take the block past k: 1-3 more G blocks of R W b where the earlier shares' 20th percentile is
+                   <= 1/2 to <= 1/8, not in lean_peak)
     balanced       max(V D 4 + N D 4 + S,  V D (4 + b) + N D (4 + b))     (S = the scratch)
 
 The default (``path="auto"``) takes the fastest path whose peak fits the budget ``max(0.5 x torch.compile's,
@@ -163,30 +162,33 @@ def lean_block_width(f: HeadFacts, backward_row_chunk: int = 8192, widen: int = 
     return min(f.vocab, _LEAN_VOCAB_CHUNK * small * widen)
 
 
-def lean_peak(f: HeadFacts, backward_row_chunk: int = 8192, widen: int = 1) -> int:
+def lean_peak(f: HeadFacts, backward_row_chunk: int = 8192, widen: int = 1, counted_prefix: bool = False) -> int:
     """The gradients, one G block (``R x W``, R the row chunk, W :func:`lean_block_width`), dE in fp32 and, past one
-    row chunk, one vocabulary chunk of dC in fp32 (``kernels/_backward.py``)."""
+    row chunk or with the ``counted_prefix`` products (their cuBLAS part's sums), one vocabulary chunk of dC in fp32
+    (``kernels/_backward.py``)."""
     rows = min(f.rows, backward_row_chunk or f.rows)
     width = lean_block_width(f, backward_row_chunk, widen)
-    dc_sums = width * f.hidden * 4 if f.rows > rows else 0
+    dc_sums = width * f.hidden * 4 if f.rows > rows or counted_prefix else 0
     return gradient_bytes(f) + rows * width * f.element_size + f.rows * f.hidden * 4 + dc_sums
 
 
 @functools.lru_cache(maxsize=256)
-def lean_widen(f: HeadFacts, backward_row_chunk: int = 8192) -> int:
+def lean_widen(f: HeadFacts, backward_row_chunk: int = 8192, counted_prefix: bool = False) -> int:
     """How many times wider than its tuned width the lean backward's G block is made (``kernels.backward``'s
-    ``block_widen``): the largest of 4, 2, 1 whose :func:`lean_peak` stays within the :func:`budget`. A wider block
-    gives each dE / dC product a longer K and reads and writes dE's fp32 rows fewer times (H200, N 2048-16384, eight
-    heads: 0.9-4.3% less fwd + bwd time in 18 of 19 same-process comparisons, for 64-384 MB; engineering log v33); the
-    budget keeps the head within half of torch.compile's peak, as the path choice does, that of the loss-only graph
-    (the op, which decides at run time, does not know whether the site returns the logits). A row chunk other than
-    the default (``CCEOptions.backward_row_chunk``) is a choice about memory: its block stays as tuned."""
+    ``block_widen``, for its cuBLAS products over every row or, ``counted_prefix``, over the counted rows first): the
+    largest of 4, 2, 1 whose :func:`lean_peak` stays within the :func:`budget`. A wider block gives each dE / dC
+    product a longer K, reads and writes dE's fp32 rows fewer times and costs the host fewer launches (H200, N
+    2048-16384, eight heads, every row counted: 0.9-4.3% less fwd + bwd time in 18 of 19 same-process comparisons,
+    for 64-384 MB; engineering log v33); the budget keeps the head within half of torch.compile's peak, as the path
+    choice does, that of the loss-only graph (the op, which decides at run time, does not know whether the site
+    returns the logits). A row chunk other than the default (``CCEOptions.backward_row_chunk``) is a choice about
+    memory: its block stays as tuned."""
     if backward_row_chunk != _LEAN_G_BLOCK_ROWS:
         return 1
     limit = budget(dataclasses.replace(f, returned_logits=False, softcapped=False))
     for widen in (_LEAN_MAX_WIDEN, _LEAN_MAX_WIDEN // 2):
         if lean_block_width(f, backward_row_chunk, widen) > lean_block_width(f, backward_row_chunk) \
-                and lean_peak(f, backward_row_chunk, widen) <= limit:
+                and lean_peak(f, backward_row_chunk, widen, counted_prefix) <= limit:
             return widen
     return 1
 
@@ -291,13 +293,18 @@ def choose(f: HeadFacts, path: str = "auto", scratch_mb: int = 0, backward_row_c
 
 
 def _lean_block_note(f: HeadFacts, backward_row_chunk: int) -> str:
-    """Where the lean backward's G block is widened (:func:`lean_widen`), by how much and at what estimated peak."""
-    widen = lean_widen(f, backward_row_chunk)
+    """Where the lean backward's G block is widened (:func:`lean_widen`), by how much and at what estimated peak, on
+    calls over every row and, where it differs, on those that take the counted-prefix products."""
+    widen, prefix_widen = lean_widen(f, backward_row_chunk), lean_widen(f, backward_row_chunk, True)
     if widen == 1:
         return ""
+    prefix = "" if prefix_widen == widen else (
+        f"; {lean_block_width(f, backward_row_chunk, prefix_widen)} columns ({prefix_widen}x, est. peak "
+        f"{_mib(lean_peak(f, backward_row_chunk, prefix_widen, True))}) on calls that take the counted-prefix "
+        "products, whose dC sums are in fp32")
     return (f"; its backward's G block {lean_block_width(f, backward_row_chunk, widen)} columns wide ({widen}x, as "
-            f"the budget leaves room: est. peak {_mib(lean_peak(f, backward_row_chunk, widen))}; in "
-            "default mode, on calls without ignored targets)")
+            f"the budget leaves room: est. peak {_mib(lean_peak(f, backward_row_chunk, widen))}{prefix}; in default "
+            "mode)")
 
 
 # cce_inductor/_counted_share.py

@@ -77,7 +77,7 @@ Row-skipping products after a call that counted at most 40% of its rows (``produ
 cuBLAS products are then no faster than the Triton ones, and its fp32 dC pass and two more launches per vocabulary
 chunk cost more: ``cce_inductor/_counted_share.py``): ``counted_hint`` (the low quantile of the earlier shares)
 widens the G block of a single row chunk (:func:`row_skipping_widen`), so fewer vocabulary chunks cost the host fewer
-launches.
+launches; where the budget's widening (``block_widen``) is wider, that is taken.
 
 With TMA (16-bit inputs, ``_forward.tma_operands``) the recompute reads its E tiles from a compacted copy of each
 chunk's rows, which lives in those rows of the dE output until dE is written there at the end, so it costs no
@@ -144,16 +144,17 @@ def row_skipping_widen(counted_hint: float) -> int:
     return max(1, min(_MAX_WIDEN, math.ceil(0.5 / max(counted_hint, 1e-6))))
 
 
-def g_block_widen(*, triton_products: bool, counted_hint: Optional[float], one_row_chunk: bool, prefix: bool,
-                  split_g: bool, block_widen: int) -> int:
-    """How many times wider than tuned a backward's G block is: the row-skipping products' :func:`row_skipping_widen`
-    after an earlier call's ``counted_hint`` (one row chunk only: several keep the narrow block, or their dC sums
-    would grow); for cuBLAS over every row in default mode, the budget's ``block_widen``
-    (:func:`cce_inductor.paths.lean_widen`, which models that case only: not the counted prefix's fp32 dC sums nor
-    exact mode's second block); else 1."""
+def g_block_widen(*, triton_products: bool, counted_hint: Optional[float], one_row_chunk: bool, split_g: bool,
+                  block_widen: int) -> int:
+    """How many times wider than tuned a backward's G block is: the budget's ``block_widen``
+    (:func:`cce_inductor.paths.lean_widen`, which counts the counted prefix's fp32 dC sums where the op asks for that
+    prefix), and for the row-skipping products at least their :func:`row_skipping_widen` after an earlier call's
+    ``counted_hint`` (one row chunk only: several keep the budget's block, or their dC sums would grow); 1 in exact
+    mode (its second block is not in the budget's model)."""
     if triton_products:
-        return row_skipping_widen(counted_hint) if counted_hint is not None and one_row_chunk else 1
-    return block_widen if not prefix and not split_g else 1
+        skipping = row_skipping_widen(counted_hint) if counted_hint is not None and one_row_chunk else 1
+        return max(skipping, block_widen)
+    return 1 if split_g else block_widen
 
 
 @triton.jit
@@ -406,10 +407,12 @@ def backward(e, c, targets, bias, lse, grad_rows, *, softcap, ignore_index, opti
     ``counted_hint`` (cuBLAS products; an earlier call's share of counted rows): cuBLAS multiplies only the first
     :func:`counted_prefix` rows of each compacted row chunk, the row-skipping Triton products the rest (past the
     prefix: nothing, where this call counts no more rows than the hint); with the Triton products, the G block of a
-    single row chunk is :func:`row_skipping_widen` times wider.  ``block_widen`` (cuBLAS products over every row,
-    default mode; :func:`cce_inductor.paths.lean_widen`, where the memory budget leaves room): a G block that many
-    times wider, so that each dE / dC product has a longer K and dE's fp32 rows are read and written fewer times
-    (H200: 0.9-4.3% of the lean fwd + bwd in 18 of 19 same-process comparisons; engineering log v33)."""
+    single row chunk is :func:`row_skipping_widen` times wider.  ``block_widen`` (default mode, every kind of
+    product; :func:`cce_inductor.paths.lean_widen`, where the memory budget leaves room, with the counted prefix's
+    dC sums counted where the op takes that prefix): a G block that many times wider (:func:`g_block_widen`), so that
+    each dE / dC product has a longer K, dE's fp32 rows are read and written fewer times and the host launches less
+    (H200, N 8192: 0.9-4.3% of the lean fwd + bwd over every row, engineering log v33; 0.2-4.2% at 25-75% ignored
+    and shares that move, v34)."""
     tune = _launch.tuning(_TUNING)
     n, d = e.shape
     v = c.shape[0]
@@ -435,7 +438,7 @@ def backward(e, c, targets, bias, lse, grad_rows, *, softcap, ignore_index, opti
     prefix = (counted_hint is not None and not triton_products and can_skip
               and counted_prefix(counted_hint, row_chunk, tune["block_n"]) < row_chunk)
     widen = g_block_widen(triton_products=triton_products, counted_hint=counted_hint, one_row_chunk=n <= row_chunk,
-                          prefix=prefix, split_g=split_g, block_widen=block_widen)
+                          split_g=split_g, block_widen=block_widen)
     vocab_chunk = vocab_chunk_width(tune["vocab_chunk"], tune["g_block_rows"], n, row_chunk, v, widen)
     # 16-bit products with fp32 results where cuBLAS has them; where no such product exists (the CPU interpreter)
     # 16-bit operands are upcast.
@@ -556,6 +559,9 @@ def backward(e, c, targets, bias, lse, grad_rows, *, softcap, ignore_index, opti
                                              **fp32_sum)
         if dc_sums_fp32:
             dc_out[v0 : v0 + width] = dc_sum
+    # the G block and the dC sums are free before dE is written (the uncompaction's temporary rows must not add to
+    # their peak: cce_inductor.paths.lean_peak)
+    g_buf = g_lo_buf = dc32 = grad = grad_lo = dc_sum = None
     if need_e and prefix:
         for chunk in chunks:  # dE was summed in each chunk's compacted order
             _uncompact_rows(de_out[chunk.r0 : chunk.r0 + chunk.rows], de32[chunk.r0 : chunk.r0 + chunk.rows],

@@ -110,7 +110,8 @@ def test_dispatch_passes_the_kernels_what_the_earlier_calls_counted(monkeypatch,
                                                                      hint):
     """``_dispatch.backward`` with the kernels stubbed (CPU): the products it hands them, and the hint, the 20th
     percentile of the head's last shares, that sizes the counted prefix or widens the row-skipping products' G blocks
-    (``kernels/_backward.py``, ``row_skipping_widen``), and whether the call's own count is recorded."""
+    (``kernels/_backward.py``, ``row_skipping_widen``), whether the call's own count is recorded, and the budget's
+    widening (``paths.lean_widen``), asked with the counted prefix's dC sums where that prefix runs."""
     from types import SimpleNamespace
 
     from cce_inductor import _dispatch
@@ -121,13 +122,19 @@ def test_dispatch_passes_the_kernels_what_the_earlier_calls_counted(monkeypatch,
         head.observe(torch.tensor([round(100 * s)], dtype=torch.int32), 100)
     got = {}
 
-    def backward(*args, options, counted_hint, observe_counted, **kwargs):
-        got.update(products=options.products, hint=counted_hint, observes=observe_counted is not None)
+    def backward(*args, options, counted_hint, observe_counted, block_widen, **kwargs):
+        got.update(products=options.products, hint=counted_hint, observes=observe_counted is not None,
+                   block_widen=block_widen)
         return None, None, None
+
+    def lean_widen(facts, backward_row_chunk, counted_prefix):
+        got.update(widen_asked=(facts.rows, facts.hidden, facts.vocab, backward_row_chunk, counted_prefix))
+        return 3
 
     kernels = SimpleNamespace(row_skipping_ok=lambda e, c, options: True, backward=backward)
     monkeypatch.setattr(_dispatch, "uses_kernels", lambda device, dtype: True)
     monkeypatch.setattr(_dispatch, "triton_kernels", lambda: kernels)
+    monkeypatch.setattr(_dispatch.paths, "lean_widen", lean_widen)
     e, c, t = torch.zeros(4, 16), torch.zeros(vocab, 16), torch.zeros(4, dtype=torch.long)
     _dispatch.backward(e, c, t, None, torch.zeros(4), torch.zeros(4), softcap=None, ignore_index=-100,
                        options=CCEOptions(products=asked), need_e=True, need_c=True, need_bias=False,
@@ -135,6 +142,9 @@ def test_dispatch_passes_the_kernels_what_the_earlier_calls_counted(monkeypatch,
     assert got["products"] == products
     assert got["hint"] == (None if hint is None else pytest.approx(hint))
     assert got["observes"] == (asked == "auto" and not every_row)
+    prefix = products == "cublas" and hint is not None
+    assert got["widen_asked"] == (4, 16, vocab, CCEOptions().backward_row_chunk, prefix)
+    assert got["block_widen"] == 3
 
 
 def test_one_record_per_head_shape():

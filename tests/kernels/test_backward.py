@@ -233,7 +233,7 @@ def test_products_read_only_the_g_positions_stored(device, need_bias, monkeypatc
     bias gradient sums G's rows, and for cuBLAS over every row).  G's buffer is filled with NaN before each block,
     so a product reading an unstored position would put NaN into dE / dC: the gradients stay the fp64 reference's,
     whatever the products and the hint (a prefix shorter and longer than the counted rows, the row-skipping
-    products' widened blocks)."""
+    products' widened blocks, the budget's widened blocks over every row and over a counted prefix)."""
     device_ok(device)
     tuning = _backward._TUNING[TUNING_KEY]
     # several vocabulary chunks, the 4x widened blocks too: chunks one block_v wide and no small-N widening (the
@@ -250,11 +250,12 @@ def test_products_read_only_the_g_positions_stored(device, need_bias, monkeypatc
     _, _, *ref = reference(e, c, targets, bias, g, None)
     block = _backward._block
     monkeypatch.setattr(_backward, "_block", lambda buf, rows, cols: block(buf.fill_(float("nan")), rows, cols))
-    for products, hint in (("cublas", None), ("triton", None), ("triton", 0.1), ("triton", 0.3), ("cublas", 0.0),
-                           ("cublas", 0.1), ("cublas", 0.5)):
+    for products, hint, widen in (("cublas", None, 1), ("triton", None, 1), ("triton", 0.1, 1), ("triton", 0.3, 1),
+                                  ("cublas", 0.0, 1), ("cublas", 0.1, 1), ("cublas", 0.5, 1), ("cublas", None, 4),
+                                  ("cublas", 0.1, 2), ("cublas", 0.5, 4)):
         got = K.backward(e, c, targets, bias, lse, g, softcap=None, ignore_index=IGNORE,
                          options=CCEOptions(products=products), need_e=True, need_c=True, need_bias=need_bias,
-                         counted_hint=hint)
+                         counted_hint=hint, block_widen=widen)
         for x, r in zip(got, ref):
             if r is not None:
                 assert rel(x, r) < 1e-5, (products, hint)
@@ -263,8 +264,9 @@ def test_products_read_only_the_g_positions_stored(device, need_bias, monkeypatc
 def test_row_skipping_widen_and_block_width():
     """The row-skipping products' G block after calls that counted as little as ``hint`` of their rows:
     ``ceil(0.5 / hint)`` times wider (at least half a narrow block's counted entries), 1 to 4 times; only where the
-    rows are one row chunk, and at most V.  The budget's widening (``block_widen``) applies to cuBLAS over every row
-    in default mode only, one row chunk or several."""
+    rows are one row chunk, and at most V.  The budget's widening (``block_widen``) applies to every product outside
+    exact mode (cuBLAS over every row or over a counted prefix, the row-skipping products: the wider of the two),
+    one row chunk or several."""
     hints = (1.0, 0.5, 0.4, 1 / 3, 0.25, 0.17, 0.125, 0.1, 0.0)
     assert [_backward.row_skipping_widen(h) for h in hints] == [1, 1, 2, 2, 2, 3, 4, 4, 4]
     width = _backward.vocab_chunk_width
@@ -274,15 +276,19 @@ def test_row_skipping_widen_and_block_width():
     assert width(4096, 8192, 16384, 8192, 256000) == 4096
     assert width(4096, 8192, 8192, 8192, 10000, 4) == 10000
 
-    def widen(triton=False, hint=None, one=True, prefix=False, split=False, budget=4):
-        return _backward.g_block_widen(triton_products=triton, counted_hint=hint, one_row_chunk=one, prefix=prefix,
-                                       split_g=split, block_widen=budget)
+    def widen(triton=False, hint=None, one=True, split=False, budget=4):
+        return _backward.g_block_widen(triton_products=triton, counted_hint=hint, one_row_chunk=one, split_g=split,
+                                       block_widen=budget)
 
-    assert widen(triton=True, hint=0.1) == 4 and widen(triton=True, hint=0.4, budget=1) == 2
-    assert widen(triton=True, hint=0.1, one=False) == 1  # row skipping over several row chunks: narrow
-    assert widen(triton=True) == 1  # no earlier call: narrow, whatever the budget
+    # the row-skipping products: the wider of their own widening (one row chunk, after an earlier call) and the budget's
+    assert widen(triton=True, hint=0.1, budget=1) == 4 and widen(triton=True, hint=0.4, budget=1) == 2
+    assert widen(triton=True, hint=0.4, budget=4) == 4 and widen(triton=True, hint=0.1, budget=2) == 4
+    assert widen(triton=True, hint=0.1, one=False, budget=1) == 1  # several row chunks: the budget's block only
+    assert widen(triton=True, hint=0.1, one=False, budget=2) == 2
+    assert widen(triton=True, budget=1) == 1 and widen(triton=True) == 4  # no earlier call: the budget's
     assert widen() == 4 and widen(one=False) == 4 and widen(budget=2) == 2  # cuBLAS over every row: the budget's
-    assert widen(prefix=True, hint=0.3) == 1 and widen(split=True) == 1  # not modelled by the budget: narrow
+    assert widen(hint=0.3, budget=2) == 2  # the counted prefix too (its dC sums in the budget: paths.lean_widen)
+    assert widen(split=True) == 1 and widen(split=True, hint=0.3) == 1  # exact mode's second block: narrow
 
 
 def test_products_read_g_in_blocks_the_recompute_stores_whole():
