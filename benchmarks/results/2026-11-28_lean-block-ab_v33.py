@@ -1,5 +1,5 @@
-# The lean backward's G block, A/B in one process per call (v32 / v33, H200, 2026-11-28): interleaved rounds of each
-# variant with torch.compile's fwd+bwd beside it (its own function, a fresh Dynamo state per cell); bf16, LM-like
+# The lean backward's G block, A/B in one process per call (v32 / v33 / v34, H200, 2026-11-28): interleaved rounds of
+# each variant with torch.compile's fwd+bwd beside it (its own function, a fresh Dynamo state per cell); bf16, LM-like
 # data, IGNORE % of the targets ignored (default 0); ms = median of the rounds (each triton do_bench, rep 300 ms), MB
 # above the inputs.
 #   MODE=tiles  the lean path called directly; CONFIGS = vocab_chunk:recompute_group pairs (_TUNING patched, the
@@ -8,9 +8,12 @@
 #               ..._lean-wider-still-ab_v33.log ran with the widening still on: its widths were 4x those named.
 #   MODE=widen  the default through the op, paths.lean_widen as decided against it forced to 1; CELLS = head:N.
 #               With IGNORE >= 10 the op's later calls take the counted-prefix products, whose widening (v34) is
-#               decided with their fp32 dC sums counted; WIDENS=1,2,4 forces those instead; PEERS=trl adds TRL 1.16's
-#               head (vocab_grid's, on the valid rows) to each round.
+#               decided with their fp32 dC sums counted (>= 60% ignored, or >= 40% with SPREAD: the row-skipping
+#               products); SPREAD = S runs vocab_grid's 8 target sets, IGNORE +- S %, in each timed run (ms per set);
+#               WIDENS=1,2,4 forces those widths instead; PEERS=trl adds TRL 1.16's head (vocab_grid's, on the valid
+#               rows) to each round.
 # Usage: MODE=tiles HEADS=gemma2,llama3 CONFIGS=4096:4096,16384:4096 python benchmarks/results/<this file>
+#        MODE=widen IGNORE=50 WIDENS=1,2,4 PEERS=trl CELLS=gemma2:8192 python benchmarks/results/<this file>
 import os
 import statistics
 import sys
