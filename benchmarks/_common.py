@@ -119,6 +119,16 @@ def bench(fn, device, reps=2, grad_to_none=None):
     return statistics.median(times)
 
 
+def cuda_peak_mb(fn):
+    """MB the CUDA allocator's peak rose above what was allocated before one call of ``fn`` (synchronised)."""
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    fn()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - base) / 2**20
+
+
 def fresh_loss(tag, ignore_index=-100):
     """``F.cross_entropy(F.linear(e, c).float(), t)`` as a new function with its own code object: Dynamo caches
     compiled code per code object, so two methods compiling one function would share it."""

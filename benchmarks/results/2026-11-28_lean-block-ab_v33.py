@@ -24,6 +24,7 @@ import torch.nn.functional as F  # noqa: E402
 import triton  # noqa: E402
 
 import cce_inductor  # noqa: E402
+import _common as C  # noqa: E402
 import vocab_grid as G  # noqa: E402
 from cce_inductor import paths  # noqa: E402
 from cce_inductor.kernels import _backward as B  # noqa: E402
@@ -108,12 +109,7 @@ def run_cell(head, n):
 
     def peak(fn):
         e.grad = c.grad = None
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-        fn()
-        torch.cuda.synchronize()
-        return (torch.cuda.max_memory_allocated() - base) / 2**20
+        return C.cuda_peak_mb(fn)
 
     plain = [name for name in runs if name != "ours"]  # torch.compile, then the peers
     ms = {name: [] for name in plain}

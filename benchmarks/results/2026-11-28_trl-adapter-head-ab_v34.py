@@ -12,6 +12,7 @@ sys.path[:0] = ["benchmarks", "."]
 import torch  # noqa: E402
 import triton  # noqa: E402
 
+import _common as C  # noqa: E402
 import vocab_grid as G  # noqa: E402
 
 G.find_peers("cuda")  # stubs trl.trainer.utils where TRL's trainer stack does not import (the device)
@@ -44,12 +45,7 @@ def main():
                                                         return_mode="median"))
                 if rnd == 0:
                     e.grad = c.grad = None
-                    torch.cuda.synchronize()
-                    torch.cuda.reset_peak_memory_stats()
-                    base = torch.cuda.memory_allocated()
-                    run()
-                    torch.cuda.synchronize()
-                    mb[name] = (torch.cuda.max_memory_allocated() - base) / 2**20
+                    mb[name] = C.cuda_peak_mb(run)
                     grads[name] = (e.grad.float().clone(), c.grad.float().clone())
         med = {name: statistics.median(x) for name, x in ms.items()}
         diff = [((a - b).norm() / b.norm()).item() for a, b in zip(grads["ours"], grads["trl"])]
