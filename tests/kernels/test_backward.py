@@ -250,15 +250,17 @@ def test_products_read_only_the_g_positions_stored(device, need_bias, monkeypatc
     _, _, *ref = reference(e, c, targets, bias, g, None)
     block = _backward._block
     monkeypatch.setattr(_backward, "_block", lambda buf, rows, cols: block(buf.fill_(float("nan")), rows, cols))
-    for products, hint, widen in (("cublas", None, 1), ("triton", None, 1), ("triton", 0.1, 1), ("triton", 0.3, 1),
-                                  ("cublas", 0.0, 1), ("cublas", 0.1, 1), ("cublas", 0.5, 1), ("cublas", None, 4),
-                                  ("cublas", 0.1, 2), ("cublas", 0.5, 4)):
+    several = n // 3 + 1  # a row chunk that cuts the rows in three (dC summed in fp32 over them)
+    for products, hint, widen, row_chunk in (
+            ("cublas", None, 1, 0), ("triton", None, 1, 0), ("triton", 0.1, 1, 0), ("triton", 0.3, 1, 0),
+            ("cublas", 0.0, 1, 0), ("cublas", 0.1, 1, 0), ("cublas", 0.5, 1, 0), ("cublas", None, 4, 0),
+            ("cublas", 0.1, 2, 0), ("cublas", 0.5, 4, 0), ("cublas", 0.1, 2, several), ("triton", 0.1, 2, several)):
         got = K.backward(e, c, targets, bias, lse, g, softcap=None, ignore_index=IGNORE,
-                         options=CCEOptions(products=products), need_e=True, need_c=True, need_bias=need_bias,
-                         counted_hint=hint, block_widen=widen)
+                         options=CCEOptions(products=products, backward_row_chunk=row_chunk), need_e=True,
+                         need_c=True, need_bias=need_bias, counted_hint=hint, block_widen=widen)
         for x, r in zip(got, ref):
             if r is not None:
-                assert rel(x, r) < 1e-5, (products, hint)
+                assert rel(x, r) < 1e-5, (products, hint, widen, row_chunk)
 
 
 def test_row_skipping_widen_and_block_width():
