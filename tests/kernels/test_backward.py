@@ -293,6 +293,22 @@ def test_row_skipping_widen_and_block_width():
     assert widen(split=True) == 1 and widen(split=True, hint=0.3) == 1  # exact mode's second block: narrow
 
 
+def test_memory_model_block_width_is_the_kernels():
+    """``paths.lean_block_width`` (the memory model, which must not import Triton) repeats the GPU tuning's
+    ``vocab_chunk_width``: the two agree on every batch size, row chunk, vocabulary and widening the model covers."""
+    gpu = _backward._TUNING["gpu"]
+    for rows in (1, 300, 2048, 4096, 8191, 8192, 8193, 16384, 40000):
+        for row_chunk in (8192, 1024, 0):
+            for vocab in (5000, 32000, 50257, 256000):
+                for widen in (1, 2, 4):
+                    facts = paths.HeadFacts(rows=rows, hidden=64, vocab=vocab, element_size=2, kernels=True,
+                                            reduction="mean", needs_grad=True)
+                    chunk = min(rows, row_chunk or rows)
+                    want = _backward.vocab_chunk_width(gpu["vocab_chunk"], gpu["g_block_rows"], rows, chunk, vocab,
+                                                       widen)
+                    assert paths.lean_block_width(facts, row_chunk, widen) == want, (rows, row_chunk, vocab, widen)
+
+
 def test_products_read_g_in_blocks_the_recompute_stores_whole():
     """The recompute stores the counted rows' G in whole ``block_n``-row blocks and no ignored position past them
     (compacted G): the Triton products' row blocks (``BLOCK_M``) and K steps (``BLOCK_K``) must divide ``block_n``, so
