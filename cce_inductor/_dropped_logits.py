@@ -29,6 +29,11 @@ __all__ = ["DroppedLogits", "dropped_logits_error"]
 
 _T = torch.Tensor
 
+# The placeholder ops (this one and ``_lazy_logits``'s) must run as Python, not be replayed from a CUDA graph: their
+# value is the Python object they return. With this tag, Inductor's graph partition (on by default in torch 2.11-2.15)
+# records the CUDA graphs of ``mode="reduce-overhead"`` around them and runs them between the replays.
+CUDAGRAPH_UNSAFE: tuple = (torch._C.Tag.cudagraph_unsafe,) if hasattr(torch._C.Tag, "cudagraph_unsafe") else ()
+
 # What may still be done with a placeholder (this one and ``_lazy_logits``'s): metadata only (plus detach and storage
 # access, which read no values: autograd bookkeeping and CUDA-graph trees use them).
 _PROPERTIES = ("shape", "dtype", "device", "layout", "ndim", "is_leaf", "grad_fn", "grad", "is_cuda",
@@ -106,7 +111,7 @@ def _flat(args: tuple, kwargs: dict):
             yield value
 
 
-@torch.library.custom_op("cce_inductor::dropped_logits", mutates_args=())
+@torch.library.custom_op("cce_inductor::dropped_logits", mutates_args=(), tags=CUDAGRAPH_UNSAFE)
 def dropped_logits_op(like: Tensor, shape: list[int], dtype: torch.dtype) -> Tensor:
     """A :class:`DroppedLogits` of ``shape`` / ``dtype`` on ``like``'s device (``like``: a tensor that never requires
     grad, see :func:`emit`). One NaN element of storage, zero strides."""

@@ -42,7 +42,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.utils._pytree import tree_map
 
-from ._dropped_logits import METADATA_READS
+from ._dropped_logits import CUDAGRAPH_UNSAFE, METADATA_READS
 
 __all__ = ["LazyLogits", "encode_steps", "decode_steps"]
 
@@ -262,7 +262,7 @@ def _only_dtype(rest: tuple, kwargs: dict) -> Optional[torch.dtype]:
     return None
 
 
-@torch.library.custom_op("cce_inductor::lazy_logits", mutates_args=())
+@torch.library.custom_op("cce_inductor::lazy_logits", mutates_args=(), tags=CUDAGRAPH_UNSAFE)
 def lazy_logits_op(rows: Tensor, weight: Tensor, bias: Optional[Tensor], steps: str, requires_grad: bool) -> Tensor:
     """A :class:`LazyLogits` of ``steps(linear(rows, weight, bias))``: shape ``rows.shape[:-1] + (V,)``, its dtype
     the last cast of ``steps`` (else the rows'). ``requires_grad``: whether eager's logits would require grad. The

@@ -42,8 +42,9 @@ class CCEOptions:
         anyway and return in their place logits computed on first use (``LazyLogits``: the hidden-state rows and the
         head are held, ``N x D``, not ``N x V``; code that reads them gets the graph's numbers, code that does not
         pays nothing more; a backward through them raises). On by default; off, such a site is left to Inductor.
-        ``drop_logits`` wins over it. Not under CUDA graphs (``mode="reduce-overhead"`` returns plain tensors): such
-        sites are left alone there. Environment: ``CCE_INDUCTOR_LAZY_LOGITS=0`` turns it off.
+        ``drop_logits`` wins over it. Under CUDA graphs (``mode="reduce-overhead"``) its op runs between the recorded
+        graphs (Inductor's ``graph_partition``, on by default); with partitioning off such sites are left alone.
+        Environment: ``CCE_INDUCTOR_LAZY_LOGITS=0`` turns it off.
     drop_logits: when the logits also leave the compiled region, return in their place a placeholder of their shape
         and dtype that raises on any use (``DroppedLogits``): for code that must never compute them. Off by default
         (docs/design.md, "Dropping logits by default?"; docs/clients.md, "The one switch: lazy logits").

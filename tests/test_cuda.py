@@ -7,7 +7,8 @@ Run on a GPU machine (skipped elsewhere):
 * out-of-range targets fail loudly (device-side assert) as in eager, direct op and compiled (subprocesses: a
   device-side assert poisons the CUDA context of the process that triggered it);
 * ``cce_inductor.enable()`` with ``mode="reduce-overhead"`` (CUDA graphs) over several training steps (the lean
-  path, the balanced path, and returned logits dropped), and with ``mode="max-autotune"``;
+  path, the balanced path, returned logits lazy or dropped between the recorded graphs), and with
+  ``mode="max-autotune"``;
 * CUDA autocast (bf16) over fp32 weights; ``dynamic=True`` over three sequence lengths with one compile;
 * NaN propagation and empty batches; ``reduction="none"``, every target ignored, a frozen head, a bias.
 
@@ -365,7 +366,7 @@ def test_balanced_path_under_cuda_graphs(dtype):
 
 
 class LogitsLM(nn.Module):
-    """Returns its logits beside the loss, as Hugging Face models do: rewritten only with drop_logits."""
+    """Returns its logits beside the loss, as Hugging Face models do."""
 
     def __init__(self, dim=64, vocab=1000):
         super().__init__()
@@ -378,17 +379,71 @@ class LogitsLM(nn.Module):
 
 
 @pytest.mark.slow
-def test_dropped_logits_are_not_dropped_under_cuda_graphs():
-    """drop_logits with mode="reduce-overhead": Inductor's CUDA graphs return plain tensors, so a placeholder would
-    come back as a NaN-filled tensor that no longer raises (measured on an H100: it did). The pass leaves such a site
-    alone and says why; the real logits come back, and loss and gradients match eager."""
+@pytest.mark.parametrize("returned", ["lazy", "drop"])
+def test_returned_logits_under_cuda_graphs(returned):
+    """mode="reduce-overhead" on a model that returns its logits: the placeholder op (tagged cudagraph_unsafe) runs
+    between Inductor's recorded graphs (graph partition, the default), so lazy logits compute on first use and a
+    dropped-logits placeholder raises, replay after replay, instead of coming back as a plain tensor over recorded
+    memory (a placeholder recorded in the graph came back NaN-filled, H100). Loss and gradients match eager at every
+    step, the graphs are recorded and replayed, and logits read after the next optimizer step raise."""
+    from torch._dynamo.utils import counters
+
+    from cce_inductor._dropped_logits import DroppedLogits
+
+    torch.manual_seed(0)
+    dim, vocab, shape = 64, 1000, (4, 32)
+    model = LogitsLM(dim, vocab).to(DEVICE)
+    reference = copy.deepcopy(model)
+    opt, opt_ref = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, reference))
+    counters.clear()
+    cce_inductor.enable(drop_logits=returned == "drop")
+    try:
+        with _cudagraph_or_error():
+            compiled = torch.compile(model, mode="reduce-overhead", fullgraph=True)
+            for step in range(4):
+                x, labels = _batch(step, shape, dim, vocab, torch.float32)
+                torch.compiler.cudagraph_mark_step_begin()
+                loss, logits = compiled(x, labels)
+                want_loss, want_logits = reference(x, labels)
+                late = returned == "lazy" and step == 2  # read only after the optimizer step: must raise
+                if returned == "lazy":
+                    assert type(logits) is cce_inductor.LazyLogits, type(logits)
+                    if not late:
+                        torch.testing.assert_close(logits.float(), want_logits,
+                                                   **{k: FP32[k] for k in ("rtol", "atol")})
+                else:
+                    assert isinstance(logits, DroppedLogits), type(logits)
+                    with pytest.raises(RuntimeError, match="drop"):
+                        logits.sum()
+                loss.backward()
+                want_loss.backward()
+                assert_same_run((loss.detach().clone(), [p.grad.clone() for p in model.parameters()]),
+                                (want_loss.detach(), [p.grad for p in reference.parameters()]), **FP32)
+                for o in (opt, opt_ref):
+                    o.step()
+                    o.zero_grad(set_to_none=True)
+                if late:  # its head has been changed by the optimizer since the forward
+                    with pytest.raises(RuntimeError, match="modified in place"):
+                        logits.sum()
+    finally:
+        cce_inductor.disable()
+    assert_rewritten(1)
+    assert counters["inductor"]["cudagraph_skips"] == 0, dict(counters["inductor"])
+    assert _recorded_cuda_graphs() >= 2, dict(counters["inductor"])
+
+
+@pytest.mark.slow
+def test_returned_logits_left_alone_under_cuda_graphs_without_graph_partition():
+    """Without Inductor's graph partition the placeholder op would be recorded in the graph (whose outputs come
+    back as plain tensors): the pass leaves such a site alone and says why; the real logits come back, the graphs
+    are recorded, and loss and gradients match eager."""
     torch.manual_seed(0)
     dim, vocab, shape = 64, 1000, (4, 32)
     model = LogitsLM(dim, vocab).to(DEVICE)
     reference = copy.deepcopy(model)
     cce_inductor.enable(drop_logits=True)
     try:
-        with _cudagraph_or_error():
+        with _cudagraph_or_error(), inductor_config.patch({"graph_partition": False}):
             compiled = torch.compile(model, mode="reduce-overhead", fullgraph=True)
             for step in range(3):
                 x, labels = _batch(step, shape, dim, vocab, torch.float32)
@@ -405,7 +460,9 @@ def test_dropped_logits_are_not_dropped_under_cuda_graphs():
     finally:
         cce_inductor.disable()
     assert_rewritten(0)
-    assert any("compiled with CUDA graphs" in reason for reason in cce_inductor.stats()["reasons"])
+    assert any("compiled with CUDA graphs" in reason and "graph_partition" in reason
+               for reason in cce_inductor.stats()["reasons"])
+    assert _recorded_cuda_graphs() >= 2
 
 
 # ----------------------------------------------------------------------------------------------------------------

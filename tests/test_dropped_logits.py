@@ -358,19 +358,31 @@ def test_hf_causal_lm_logits_raise(no_inductor_caches, clean_env, family):
     assert_raises_on_use(out.logits, lambda x: (x[:, :-1].argmax(-1) == labels[:, 1:]).float().mean())
 
 
-def test_cuda_graph_compiles_keep_the_logits(no_inductor_caches):
-    """Under CUDA graphs (mode="reduce-overhead" sets triton.cudagraphs while compiling) Inductor returns plain
-    tensors, so the placeholder could not raise: the site is left alone with that reason (the config is patched
-    here on the CPU, where no graph is recorded; tests/test_cuda.py runs the real thing)."""
+@pytest.mark.parametrize("graph_partition", [True, False])
+def test_cuda_graph_compiles_drop_the_logits_only_between_the_graphs(no_inductor_caches, graph_partition):
+    """Under CUDA graphs (mode="reduce-overhead" sets triton.cudagraphs while compiling) a placeholder recorded in a
+    graph would come back as a plain tensor that cannot raise. The placeholder op is tagged cudagraph_unsafe, so with
+    Inductor's graph partition (the default) it runs between the graphs and the site is rewritten; without it the
+    site is left alone with that reason (the config is patched here on the CPU, where no graph is recorded;
+    tests/test_cuda.py runs the real thing)."""
+    assert torch._C.Tag.cudagraph_unsafe in torch.ops.cce_inductor.dropped_logits.default.tags
     torch.manual_seed(0)
     model = TinyGPT(return_logits=True)
     idx, targets = make_batch(2, 16)
-    with inductor_config.patch({"triton.cudagraphs": True}):
+    with inductor_config.patch({"triton.cudagraphs": True, "graph_partition": graph_partition}):
         loss, logits = torch.compile(model, backend=cce_inductor.make_backend(drop_logits=True))(idx, targets)
-    assert not isinstance(logits, DroppedLogits)
     want_loss, want_logits = model(idx, targets)
-    torch.testing.assert_close(logits, want_logits)
     torch.testing.assert_close(loss, want_loss)
     stats = cce_inductor.stats()
-    assert stats["rewritten"] == 0
-    assert any("compiled with CUDA graphs" in reason for reason in stats["reasons"]), stats["reasons"]
+    if graph_partition:
+        assert isinstance(logits, DroppedLogits) and logits.shape == want_logits.shape
+        assert_raises_on_use(logits, lambda x: x.sum())
+        assert stats["rewritten"] == 1
+        (site,) = [s for s in stats["sites"] if s["rewritten"]]
+        assert "dropped from the outputs (their op runs between Inductor's CUDA graphs)" in site["reason"], site
+    else:
+        assert not isinstance(logits, DroppedLogits)
+        torch.testing.assert_close(logits, want_logits)
+        assert stats["rewritten"] == 0
+        assert any("compiled with CUDA graphs" in reason and "graph_partition" in reason
+                   for reason in stats["reasons"]), stats["reasons"]

@@ -175,13 +175,16 @@ def check_escaping(site: Site, options: CCEOptions) -> None:
             "or set CCE_INDUCTOR_DROP_LOGITS=1 or cce_inductor.make_backend(drop_logits=True) "
             "to return, in their place, a placeholder that raises on use"
         )
-    if _compiling_with_cuda_graphs():
-        # Inductor's CUDA graphs hand their outputs back as plain tensors over the recorded memory: a placeholder
-        # would come back as an ordinary (NaN-filled) tensor that neither computes nor raises on use.
+    if _compiling_with_cuda_graphs() and not _placeholders_run_between_cuda_graphs():
+        # A CUDA graph hands its outputs back as plain tensors over the recorded memory: a placeholder recorded in
+        # one would come back as an ordinary (NaN-filled) tensor that neither computes nor raises on use.
+        missing = "" if _dropped_logits.CUDAGRAPH_UNSAFE else ", and the cudagraph_unsafe tag, which this torch lacks"
         raise NoMatch(
             f"logits escape the compiled region ({names}) and this graph is compiled with CUDA graphs "
-            "(mode='reduce-overhead'), which return plain tensors: neither lazy logits nor a dropped-logits "
-            "placeholder can be returned there"
+            f"(mode='reduce-overhead') without Inductor's graph partition (torch._inductor.config.graph_partition"
+            f"{missing}), "
+            "so the op that returns them would be recorded in the graph, which returns plain tensors: neither lazy "
+            "logits nor a dropped-logits placeholder can be returned there"
         )
     if options.drop_logits:
         for node in site.escaping:
@@ -193,6 +196,17 @@ def check_escaping(site: Site, options: CCEOptions) -> None:
     for node in site.escaping:
         lazy_recipe(site, node)  # raises NoMatch where the path cannot be replayed
     site.escaping_as = "lazy"
+
+
+def _placeholders_run_between_cuda_graphs() -> bool:
+    """Whether Inductor records its CUDA graphs around our placeholder ops and runs them as Python between the
+    replays (graph partition, on by default in torch 2.11-2.15, splits a graph at ops tagged ``cudagraph_unsafe``), so
+    their real impl's :class:`~cce_inductor.LazyLogits` / ``DroppedLogits`` reaches the caller. Without partitioning
+    the tag would make Inductor skip CUDA graphs for the whole graph: the site is left alone instead, and the user
+    keeps the CUDA graphs they asked for."""
+    import torch._inductor.config as inductor_config  # noqa: PLC0415 - only needed while compiling
+
+    return bool(_dropped_logits.CUDAGRAPH_UNSAFE) and bool(getattr(inductor_config, "graph_partition", False))
 
 
 def _compiling_with_cuda_graphs() -> bool:
@@ -222,8 +236,9 @@ def describe_site(site: Site) -> str:
     if site.argmax_users:
         parts.append(f"argmax fused ({', '.join(n.name for n in site.argmax_users)})")
     if site.escaping:
-        parts.append("returned logits computed on first use" if site.escaping_as == "lazy"
-                     else "logits dropped from the outputs")
+        parts.append(("returned logits computed on first use" if site.escaping_as == "lazy"
+                      else "logits dropped from the outputs")
+                     + (" (their op runs between Inductor's CUDA graphs)" if _compiling_with_cuda_graphs() else ""))
     return ", ".join(parts)
 
 

@@ -214,19 +214,29 @@ def test_lazy_logits_option_in_the_cache_key():
     assert on.uuid() != off.uuid()
 
 
-def test_lazy_logits_not_under_cuda_graphs():
-    """Inductor's CUDA graphs hand outputs back as plain tensors: a site with returned logits is left alone there
-    (the pass reads the config that ``mode="reduce-overhead"`` sets; checked here on the CPU with the config set)."""
+@pytest.mark.parametrize("graph_partition", [True, False])
+def test_lazy_logits_under_cuda_graphs_only_between_the_graphs(graph_partition):
+    """A CUDA graph hands outputs back as plain tensors: the lazy-logits op is tagged cudagraph_unsafe, so Inductor's
+    graph partition (the default) runs it between the graphs and the site is rewritten; without partitioning it is
+    left alone (the pass reads the config that ``mode="reduce-overhead"`` sets; checked here on the CPU with the
+    config set, tests/test_cuda.py records and replays real graphs)."""
     import torch._inductor.config as inductor_config
 
+    assert torch._C.Tag.cudagraph_unsafe in torch.ops.cce_inductor.lazy_logits.default.tags
     model = _Head()
     x, y = torch.randint(0, 50, (2, 7)), torch.randint(0, 50, (2, 7))
     want_loss, want_logits = model(x, y)
-    with inductor_caches_off(), inductor_config.patch({"triton.cudagraphs": True}):
+    with inductor_caches_off(), inductor_config.patch({"triton.cudagraphs": True, "graph_partition": graph_partition}):
         loss, logits = torch.compile(model, backend=cce_inductor.backend)(x, y)
-    (reason,) = cce_inductor.stats()["reasons"]
-    assert "CUDA graphs" in reason and "lazy logits" in reason, reason
-    assert type(logits) is torch.Tensor
+    stats = cce_inductor.stats()
+    if graph_partition:
+        assert type(logits) is cce_inductor.LazyLogits
+        (site,) = stats["sites"]
+        assert site["rewritten"] and "(their op runs between Inductor's CUDA graphs)" in site["reason"], site
+    else:
+        (reason,) = stats["reasons"]
+        assert "CUDA graphs" in reason and "graph_partition" in reason and "lazy logits" in reason, reason
+        assert type(logits) is torch.Tensor
     torch.testing.assert_close(logits, want_logits)
     torch.testing.assert_close(loss, want_loss)
 
