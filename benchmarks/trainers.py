@@ -15,6 +15,8 @@ that would end past 480 s, a worker still running then is killed, its batch unre
 
     python benchmarks/trainers.py --clients trainer --models llama32-1b --resume   # then peft, sft; qwen25-0.5b
     python benchmarks/trainers.py --clients peft --models qwen25-0.5b --batches 8,16,32,64 --steps 6 --resume
+    python benchmarks/trainers.py --clients trainer --models qwen25-0.5b --methods stock,cce --batches 4 \
+        --compile-mode reduce-overhead --out $OUT/ro.jsonl                          # CUDA graphs (TrainingArguments)
     python benchmarks/trainers.py --report                                          # the tables of --out, no run
     python benchmarks/trainers.py --device cpu --tiny --clients trainer --models llama32-1b   # CPU smoke, ~2 min
 
@@ -138,7 +140,8 @@ def train_once(args, batch, outdir):
     data = Tokens(batch * args.steps, args.seq, vocab, args.seed)
     kw = dict(output_dir=outdir, per_device_train_batch_size=batch, max_steps=args.steps, logging_steps=1,
               learning_rate=1e-5, bf16=True, torch_compile=True, use_cpu=args.device == "cpu", report_to=[],
-              save_strategy="no", disable_tqdm=True, dataloader_num_workers=0, seed=args.seed)
+              save_strategy="no", disable_tqdm=True, dataloader_num_workers=0, seed=args.seed,
+              torch_compile_mode=args.compile_mode)
     timer = step_timer(args.device, args.warmup)
     if args.client == "sft":
         import datasets
@@ -180,7 +183,7 @@ def worker(args):
 
     meta = dict(device=torch.cuda.get_device_name() if args.device == "cuda" else "cpu", **versions(),
                 date=datetime.datetime.now().isoformat(timespec="seconds"),
-                command=os.environ.get("TRAINERS_BENCH_COMMAND", ""), tiny=args.tiny,
+                command=os.environ.get("TRAINERS_BENCH_COMMAND", ""), tiny=args.tiny, compile_mode=args.compile_mode,
                 config=dict(FD_MODELS[args.model][1]) if not args.tiny else "tiny")
 
     def new_row(batch, **kw):
@@ -375,6 +378,8 @@ def parse_args(argv):
     ap.add_argument("--report", action="store_true", help="print the tables of --out's rows; run nothing")
     ap.add_argument("--deadline", type=float, default=None, help="seconds for the whole command (default 480; 0: none)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--compile-mode", default=None,
+                    help='TrainingArguments.torch_compile_mode, e.g. "reduce-overhead" (CUDA graphs); default: none')
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     for name in ("--client", "--model", "--method", "--until"):  # the worker's unit; the driver's deadline
         ap.add_argument(name, default=None, help=argparse.SUPPRESS)
