@@ -7,7 +7,7 @@ older ``SFTTrainer`` did): code that reads the returned logits. The loss site is
 training step's logits are lazily computed ones (``LazyLogits``), every logged value (loss, grad norm, learning rate,
 the per-step accuracy from the logits, evaluation loss and accuracy) equals the stock run within the dtype's
 tolerance, and generation gives the same tokens. fp32, and bf16 mixed precision (Accelerate's autocast and its
-``.float()`` on the outputs). transformers 5.23 and 5.24 evaluate with the model they did not compile: real logits
+``.float()`` on the outputs); fp32 also with ``torch_compile_mode="reduce-overhead"``. transformers 5.23 and 5.24 evaluate with the model they did not compile: real logits
 there.
 """
 
@@ -70,7 +70,7 @@ seen.update(train_lazy=0, train_plain=0)
 args = transformers.TrainingArguments(
     output_dir=sys.argv[2], per_device_train_batch_size=4, per_device_eval_batch_size=8, max_steps=4, logging_steps=1,
     learning_rate=1e-2, torch_compile=True, bf16=sys.argv[3] == "bf16", use_cpu=True, report_to=[],
-    save_strategy="no", disable_tqdm=True, dataloader_num_workers=0, seed=0,
+    save_strategy="no", disable_tqdm=True, dataloader_num_workers=0, seed=0, torch_compile_mode=sys.argv[4] or None,
 )
 trainer = AccuracyTrainer(model=model, args=args, train_dataset=LMDataset(sequences(16)),
                                eval_dataset=LMDataset(sequences(8, seed=1)), compute_metrics=metrics,
@@ -91,7 +91,7 @@ print("RESULT " + json.dumps(result))
 '''
 
 
-def _run(tmp_path: Path, precision: str, cce: bool) -> dict:
+def _run(tmp_path: Path, precision: str, cce: bool, mode: str = "") -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith("CCE_INDUCTOR")}
     env.update(PYTHONPATH=str(ROOT), TORCHINDUCTOR_FX_GRAPH_CACHE="0", TORCHINDUCTOR_AUTOGRAD_CACHE="0",
                TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"), TOKENIZERS_PARALLELISM="false")
@@ -99,7 +99,7 @@ def _run(tmp_path: Path, precision: str, cce: bool) -> dict:
         env["CCE_INDUCTOR"] = "1"  # the one switch
     script = tmp_path / "train.py"
     script.write_text(SCRIPT)
-    proc = subprocess.run([sys.executable, str(script), str(ROOT), str(tmp_path / f"out-{cce}"), precision],
+    proc = subprocess.run([sys.executable, str(script), str(ROOT), str(tmp_path / f"out-{cce}"), precision, mode],
                           env=env, capture_output=True, text=True, timeout=900)  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     line = next(line for line in proc.stdout.splitlines()[::-1] if line.startswith("RESULT "))
@@ -107,15 +107,20 @@ def _run(tmp_path: Path, precision: str, cce: bool) -> dict:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("precision", ["fp32", "bf16"])
-def test_trainer_one_switch(tmp_path, precision):
-    stock = _run(tmp_path, precision, cce=False)
-    with_cce = _run(tmp_path, precision, cce=True)
+@pytest.mark.parametrize("precision, mode", [("fp32", ""), ("bf16", ""), ("fp32", "reduce-overhead")])
+def test_trainer_one_switch(tmp_path, precision, mode):
+    """``mode``: ``TrainingArguments.torch_compile_mode``; "reduce-overhead" compiles for CUDA graphs, which the pass
+    sees on the CPU too (no graph is recorded there; tests/test_cuda.py records them, benchmarks/trainers.py
+    ``--compile-mode`` runs this trainer so on a GPU)."""
+    stock = _run(tmp_path, precision, cce=False, mode=mode)
+    with_cce = _run(tmp_path, precision, cce=True, mode=mode)
 
     stats = with_cce["stats"]
     train_sites = [s for s in stats["sites"] if s["rewritten"]]
     assert stats["rewritten"] == 1 and not stats["reasons"], stats  # the training graph
     assert all("returned logits computed on first use" in s["reason"] for s in train_sites), stats
+    # compiled for CUDA graphs where asked (the pass read the mode's config), not otherwise
+    assert all(("between Inductor's CUDA graphs" in s["reason"]) == (mode == "reduce-overhead") for s in train_sites)
     assert stats["executions"]["linear_cross_entropy"] == 4, stats  # one fused call per training step
 
     # every training step read the returned logits: lazily computed there, plain in the stock run
