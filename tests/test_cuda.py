@@ -378,6 +378,20 @@ class LogitsLM(nn.Module):
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1)), logits
 
 
+def _logits_model_step(compiled, model, reference, step, shape, dim, vocab):
+    """One fp32 step of a LogitsLM through ``compiled`` and eager ``reference``, loss and gradients compared; returns
+    the two logits (the compiled one unread)."""
+    x, labels = _batch(step, shape, dim, vocab, torch.float32)
+    torch.compiler.cudagraph_mark_step_begin()
+    loss, logits = compiled(x, labels)
+    want_loss, want_logits = reference(x, labels)
+    loss.backward()
+    want_loss.backward()
+    assert_same_run((loss.detach().clone(), [p.grad.clone() for p in model.parameters()]),
+                    (want_loss.detach(), [p.grad for p in reference.parameters()]), **FP32)
+    return logits, want_logits
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("returned", ["lazy", "drop"])
 def test_returned_logits_under_cuda_graphs(returned):
@@ -401,10 +415,7 @@ def test_returned_logits_under_cuda_graphs(returned):
         with _cudagraph_or_error():
             compiled = torch.compile(model, mode="reduce-overhead", fullgraph=True)
             for step in range(4):
-                x, labels = _batch(step, shape, dim, vocab, torch.float32)
-                torch.compiler.cudagraph_mark_step_begin()
-                loss, logits = compiled(x, labels)
-                want_loss, want_logits = reference(x, labels)
+                logits, want_logits = _logits_model_step(compiled, model, reference, step, shape, dim, vocab)
                 late = returned == "lazy" and step == 2  # read only after the optimizer step: must raise
                 if returned == "lazy":
                     assert type(logits) is cce_inductor.LazyLogits, type(logits)
@@ -415,10 +426,6 @@ def test_returned_logits_under_cuda_graphs(returned):
                     assert isinstance(logits, DroppedLogits), type(logits)
                     with pytest.raises(RuntimeError, match="drop"):
                         logits.sum()
-                loss.backward()
-                want_loss.backward()
-                assert_same_run((loss.detach().clone(), [p.grad.clone() for p in model.parameters()]),
-                                (want_loss.detach(), [p.grad for p in reference.parameters()]), **FP32)
                 for o in (opt, opt_ref):
                     o.step()
                     o.zero_grad(set_to_none=True)
@@ -446,15 +453,9 @@ def test_returned_logits_left_alone_under_cuda_graphs_without_graph_partition():
         with _cudagraph_or_error(), inductor_config.patch({"graph_partition": False}):
             compiled = torch.compile(model, mode="reduce-overhead", fullgraph=True)
             for step in range(3):
-                x, labels = _batch(step, shape, dim, vocab, torch.float32)
-                torch.compiler.cudagraph_mark_step_begin()
-                loss, logits = compiled(x, labels)
-                want_loss, want_logits = reference(x, labels)
+                logits, want_logits = _logits_model_step(compiled, model, reference, step, shape, dim, vocab)
+                assert type(logits) is torch.Tensor, type(logits)
                 torch.testing.assert_close(logits, want_logits, **{k: FP32[k] for k in ("rtol", "atol")})
-                loss.backward()
-                want_loss.backward()
-                assert_same_run((loss.detach().clone(), [p.grad.clone() for p in model.parameters()]),
-                                (want_loss.detach(), [p.grad for p in reference.parameters()]), **FP32)
                 for m in (model, reference):
                     m.zero_grad(set_to_none=True)
     finally:
