@@ -38,7 +38,10 @@ TrainerCallback synchronises and times each step (on_step_begin -> on_step_end: 
 Columns (JSON lines, one per client x model x method x batch, each with device, versions, date and command):
     first_step_s  step 1, its compile included;  step_ms  median of the steps after --warmup;  tokens_s;  times_ms
     every step;  graphs  the graphs Dynamo compiled (more than the first step's: a recompile in a later step)
-    peak_gb  torch.cuda.max_memory_allocated over the timed steps;  warmup_peak_gb  over the warm-up steps;
+    peak_gb  torch.cuda.max_memory_allocated over the timed steps;  warmup_peak_gb  over the warm-up steps (under
+    --compile-mode reduce-overhead the CUDA graphs are recorded there and replays allocate nothing: the step's peak
+    is warmup_peak_gb);  reserved_gb  torch.cuda.max_memory_reserved at the end (the allocator keeps what it
+    reserved, so the warm-up's too);
     start_gb  allocated before the batch's model was built (what an earlier batch left: should be ~0)
     losses, grad_norms  each step's logged values;  rewritten, skipped, reasons, pick, executions  stats() after the
     run;  check  what stats() shows against what the method must;  oom / error  (the growth stops there)
@@ -68,8 +71,8 @@ from full_depth import build_model  # noqa: E402
 MODELS = ("qwen25-0.5b", "llama32-1b")
 CLIENTS = {"trainer": ("stock", "cce"), "peft": ("stock", "cce"), "sft": ("stock", "cce", "cce_trl")}
 COLUMNS = ("client", "model", "method", "batch", "seq", "steps", "first_step_s", "step_ms", "times_ms", "tokens_s",
-           "peak_gb", "warmup_peak_gb", "start_gb", "losses", "grad_norms", "rewritten", "skipped", "reasons", "pick",
-           "executions", "graphs", "check", "oom", "error", "wall_s")
+           "peak_gb", "warmup_peak_gb", "reserved_gb", "start_gb", "losses", "grad_norms", "rewritten", "skipped",
+           "reasons", "pick", "executions", "graphs", "check", "oom", "error", "wall_s")
 
 
 def unit_key(r):
@@ -162,6 +165,7 @@ def train_once(args, batch, outdir):
                 times_ms=[round(t * 1e3, 2) for t in times],
                 graphs=torch._dynamo.utils.counters["stats"]["unique_graphs"],
                 peak_gb=torch.cuda.max_memory_allocated() / 2**30 if args.device == "cuda" else None,
+                reserved_gb=torch.cuda.max_memory_reserved() / 2**30 if args.device == "cuda" else None,
                 warmup_peak_gb=timer.warmup_peak, losses=[e["loss"] for e in logs],
                 grad_norms=[e.get("grad_norm") for e in logs])
 
@@ -261,7 +265,7 @@ def print_row(r):
     f = C.fmt
     line = (f"  {r['client']:7s} {r['model']} {r['method']:7s} batch={r['batch']:<4d} first step "
             f"{f(r.get('first_step_s'), '.1f'):>6s} s  step {f(r.get('step_ms'), '.1f'):>8s} ms "
-            f"{f(r.get('tokens_s'), '.0f'):>8s} tok/s  peak {f(r.get('peak_gb'), '.2f'):>6s} GB  "
+            f"{f(r.get('tokens_s'), '.0f'):>8s} tok/s  peak {f(step_peak(r), '.2f'):>6s} GB  "
             f"rewritten {r.get('rewritten')} {r.get('pick') or ''}  loss {f((r.get('losses') or [None])[-1], '.4f')}")
     for key in ("check", "oom", "error"):
         if r.get(key):
@@ -275,13 +279,21 @@ def rel_diff(a, b):
     return max(abs(x - y) / max(abs(y), 1e-12) for x, y in zip(a, b)) if a and b else None
 
 
+def step_peak(x):
+    """The peak a row's tables report: the timed steps', or under CUDA graphs (``compile_mode``) the warm-up's, where
+    the graphs were recorded (a replay allocates nothing)."""
+    peak = x.get("peak_gb")
+    return max(peak, x.get("warmup_peak_gb") or 0.0) if peak and x.get("compile_mode") else peak
+
+
 def cell(x):
     if x.get("step_ms"):
-        return f"{x['step_ms']:.0f}" + (f" / {x['peak_gb']:.1f}" if x.get("peak_gb") else "")
+        return f"{x['step_ms']:.0f}" + (f" / {step_peak(x):.1f}" if step_peak(x) else "")
     return "OOM" if x.get("oom") else "error" if x.get("error") else ""
 
 
 def ratio(a, b, key):
+    a, b = ({"peak_gb": step_peak(x)} if key == "peak_gb" else x for x in (a, b))
     return f"{a[key] / b[key]:.2f}x" if a.get(key) and b.get(key) else ""
 
 
