@@ -7,8 +7,8 @@ older ``SFTTrainer`` did): code that reads the returned logits. The loss site is
 training step's logits are lazily computed ones (``LazyLogits``), every logged value (loss, grad norm, learning rate,
 the per-step accuracy from the logits, evaluation loss and accuracy) equals the stock run within the dtype's
 tolerance, and generation gives the same tokens. fp32, and bf16 mixed precision (Accelerate's autocast and its
-``.float()`` on the outputs); fp32 also with ``torch_compile_mode="reduce-overhead"``. transformers 5.23 and 5.24 evaluate with the model they did not compile: real logits
-there.
+``.float()`` on the outputs); fp32 also with ``torch_compile_mode="reduce-overhead"``. transformers 5.23 and 5.24
+evaluate with the model they did not compile: real logits there.
 """
 
 from __future__ import annotations
