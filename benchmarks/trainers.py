@@ -293,8 +293,8 @@ def cell(x):
 
 
 def ratio(a, b, key):
-    a, b = ({"peak_gb": step_peak(x)} if key == "peak_gb" else x for x in (a, b))
-    return f"{a[key] / b[key]:.2f}x" if a.get(key) and b.get(key) else ""
+    get = step_peak if key == "peak_gb" else (lambda row: row.get(key))
+    return f"{get(a) / get(b):.2f}x" if get(a) and get(b) else ""
 
 
 def tables(rows, batches):
