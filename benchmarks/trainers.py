@@ -43,8 +43,9 @@ Columns (JSON lines, one per client x model x method x batch, each with device, 
     is warmup_peak_gb);  reserved_gb  torch.cuda.max_memory_reserved at the end (the allocator keeps what it
     reserved, so the warm-up's too);
     start_gb  allocated before the batch's model was built (what an earlier batch left: should be ~0)
-    losses, grad_norms  each step's logged values;  rewritten, skipped, reasons, pick, executions  stats() after the
-    run;  check  what stats() shows against what the method must;  oom / error  (the growth stops there)
+    losses, grad_norms  each step's logged values;  rewritten, skipped, reasons, pick, pick_reason, executions
+    stats() after the run;  check  what stats() shows against what the method must (NO KERNELS: the op ran the
+    chunked path on the GPU);  oom / error  (the growth stops there)
 """
 from __future__ import annotations
 
@@ -72,7 +73,7 @@ MODELS = ("qwen25-0.5b", "llama32-1b")
 CLIENTS = {"trainer": ("stock", "cce"), "peft": ("stock", "cce"), "sft": ("stock", "cce", "cce_trl")}
 COLUMNS = ("client", "model", "method", "batch", "seq", "steps", "first_step_s", "step_ms", "times_ms", "tokens_s",
            "peak_gb", "warmup_peak_gb", "reserved_gb", "start_gb", "losses", "grad_norms", "rewritten", "skipped",
-           "reasons", "pick", "executions", "graphs", "check", "oom", "error", "wall_s")
+           "reasons", "pick", "pick_reason", "executions", "graphs", "check", "oom", "error", "wall_s")
 
 
 def unit_key(r):
@@ -99,7 +100,9 @@ class Tokens(torch.utils.data.Dataset):
         return {"input_ids": self.ids[i], "labels": self.ids[i]}
 
 
-def step_timer(device, warmup):
+def step_timer(device, warmup, profile_to=None):
+    """A callback timing each step; ``profile_to``: a file that gets the kernel table of the second timed step
+    (``--profile``; that step is left out of ``step_ms``)."""
     import transformers
 
     class StepTimer(transformers.TrainerCallback):
@@ -111,11 +114,19 @@ def step_timer(device, warmup):
             if device == "cuda" and len(self.times) == warmup:
                 self.warmup_peak = torch.cuda.max_memory_allocated() / 2**30
                 torch.cuda.reset_peak_memory_stats()
+            self.profiler = None
+            if profile_to and len(self.times) == warmup + 1:  # one timed step, profiled (left out of step_ms)
+                self.profiler = torch.profiler.profile()
+                self.profiler.__enter__()
             self.t0 = time.perf_counter()
 
         def on_step_end(self, args, state, control, **kw):
             C.sync(device)
             self.times.append(time.perf_counter() - self.t0)
+            if self.profiler is not None:
+                self.profiler.__exit__(None, None, None)
+                with open(profile_to, "a") as f:
+                    f.write(self.profiler.key_averages().table(sort_by="self_device_time_total", row_limit=30))
     return StepTimer()
 
 
@@ -145,7 +156,8 @@ def train_once(args, batch, outdir):
               learning_rate=1e-5, bf16=True, torch_compile=True, use_cpu=args.device == "cpu", report_to=[],
               save_strategy="no", disable_tqdm=True, dataloader_num_workers=0, seed=args.seed,
               torch_compile_mode=args.compile_mode)
-    timer = step_timer(args.device, args.warmup)
+    timer = step_timer(args.device, args.warmup,
+                       args.profile and f"{args.profile}_{args.client}_{args.model}_{args.method}_b{batch}.txt")
     if args.client == "sft":
         import datasets
         import trl
@@ -160,7 +172,8 @@ def train_once(args, batch, outdir):
     trainer.train()
     logs = [e for e in trainer.state.log_history if "loss" in e]
     times = timer.times
-    step_ms = statistics.median(times[args.warmup:]) * 1e3
+    timed = [t for i, t in enumerate(times) if i >= args.warmup and not (args.profile and i == args.warmup + 1)]
+    step_ms = statistics.median(timed) * 1e3
     return dict(first_step_s=times[0], step_ms=step_ms, tokens_s=batch * args.seq / (step_ms / 1e3),
                 times_ms=[round(t * 1e3, 2) for t in times],
                 graphs=torch._dynamo.utils.counters["stats"]["unique_graphs"],
@@ -178,7 +191,10 @@ def check_stats(args, st):
         return "" if st["executions"]["linear_cross_entropy"] >= args.steps else f"op not run: {st['summary']}"
     if args.client == "sft":  # TRL calls the model without labels: nothing to rewrite, nothing left alone
         return "" if not st["rewritten"] and not st["skipped"] else f"unexpected: {st['summary']}"
-    return "" if st["rewritten"] and not st["skipped"] else f"NOT REWRITTEN: {st['summary']}"
+    if not st["rewritten"] or st["skipped"]:
+        return f"NOT REWRITTEN: {st['summary']}"
+    # a CUDA run whose op found no Triton kernels (e.g. a checkout without them) measures the chunked path
+    return next((f"NO KERNELS: {s['reason']}" for s in st["sites"] if "no Triton kernels" in s["reason"]), "")
 
 
 def worker(args):
@@ -246,7 +262,8 @@ def worker(args):
             st = cce_inductor.stats()
             row.update(rewritten=st["rewritten"], skipped=st["skipped"], reasons=st["reasons"] or None,
                        executions=st["executions"]["linear_cross_entropy"],
-                       pick=next((s["path"] for s in st["sites"][::-1] if s["rewritten"]), None))
+                       pick=next((s["path"] for s in st["sites"][::-1] if s["rewritten"]), None),
+                       pick_reason=next((s["reason"] for s in st["sites"][::-1] if s["rewritten"]), None))
             row["check"] = check_stats(args, st) or None
         except Exception as exc:  # noqa: BLE001 - recorded; OOM ends the growth
             fatal = C.fatal_cuda(exc)  # not the exception itself: its frames hold the batch's tensors
@@ -390,6 +407,8 @@ def parse_args(argv):
     ap.add_argument("--report", action="store_true", help="print the tables of --out's rows; run nothing")
     ap.add_argument("--deadline", type=float, default=None, help="seconds for the whole command (default 480; 0: none)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--profile", default=None,
+                    help="path prefix: each worker writes the kernel table of its second timed step there")
     ap.add_argument("--compile-mode", default=None,
                     help='TrainingArguments.torch_compile_mode, e.g. "reduce-overhead" (CUDA graphs); default: none')
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)

@@ -12,6 +12,11 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib
+import importlib.util
+import pathlib
+import sys
+import warnings
 from typing import Optional
 
 import torch
@@ -22,19 +27,87 @@ from . import _checks, _chunked, _counted_share, _loss, diagnostics, paths
 _KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
+# Why ``cce_inductor.kernels`` could not be imported (None until tried, "" where it was).
+_kernels_error: Optional[str] = None
+
+
 @functools.lru_cache(maxsize=None)
 def triton_kernels():
-    """``cce_inductor.kernels``, or None where Triton (or the module) is unavailable."""
-    try:
-        from . import kernels  # noqa: PLC0415 - imports triton, optional on CPU-only installs
-    except ImportError:
+    """``cce_inductor.kernels``, or None where Triton (or the module) is unavailable (``kernels_error`` says why).
+
+    The kernels live in the repository's top-level ``kernels/`` folder, which an install maps to
+    ``cce_inductor.kernels`` (``pyproject.toml``'s package-dir). A source checkout put on ``sys.path`` without an
+    install has no such mapping: there the folder beside the package is loaded under that name, so such a setup runs
+    the kernels rather than, silently, the chunked path (1.50x torch.compile's step for a Llama-3.2-1B Trainer on an
+    H200)."""
+    global _kernels_error
+    try:  # imports triton, optional on CPU-only installs
+        kernels = importlib.import_module(f"{__package__}.kernels")
+    except ModuleNotFoundError as exc:
+        kernels = _checkout_kernels() if exc.name == f"{__package__}.kernels" else None
+        if kernels is None:
+            _kernels_error = f"{type(exc).__name__}: {exc}"
+            return None
+    except ImportError as exc:
+        _kernels_error = f"{type(exc).__name__}: {exc}"
         return None
+    _kernels_error = ""
     return kernels
 
 
+def _checkout_kernels():
+    """The ``kernels/`` folder beside this package in a source checkout, imported as ``cce_inductor.kernels``; None
+    where there is none. An ImportError of its own (Triton missing) propagates."""
+    folder = pathlib.Path(__file__).resolve().parent.parent / "kernels"
+    # only our own checkout's folder: in site-packages a top-level `kernels` is an unrelated distribution
+    if not ((folder.parent / "pyproject.toml").is_file() and (folder / "_balanced.py").is_file()):
+        return None
+    name = f"{__package__}.kernels"
+    spec = importlib.util.spec_from_file_location(name, folder / "__init__.py",
+                                                  submodule_search_locations=[str(folder)])
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[name]
+        raise
+    setattr(sys.modules[__package__], "kernels", module)
+    return module
+
+
+def kernels_error() -> Optional[str]:
+    """Why the Triton kernels are unavailable in this process ("" where they are)."""
+    triton_kernels()
+    return _kernels_error
+
+
 def uses_kernels(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether tensors on ``device`` of ``dtype`` take the Triton path (the fake impls must agree)."""
-    return device.type == "cuda" and dtype in _KERNEL_DTYPES and triton_kernels() is not None
+    """Whether tensors on ``device`` of ``dtype`` take the Triton path (the fake impls must agree). A CUDA head of a
+    kernel dtype that cannot have them warns once: the chunked path computes the same numbers, slower."""
+    if device.type != "cuda" or dtype not in _KERNEL_DTYPES:
+        return False
+    if triton_kernels() is None:
+        _warn_no_kernels()
+        return False
+    return True
+
+
+def no_kernels_note(device: torch.device, dtype: torch.dtype) -> str:
+    """For a site's ``stats()`` record: why a CUDA head of a kernel dtype runs the chunked path ("" otherwise)."""
+    if device.type != "cuda" or dtype not in _KERNEL_DTYPES or triton_kernels() is not None:
+        return ""
+    return f"; no Triton kernels on this CUDA device ({_kernels_error}): {_NO_KERNELS_FIX}"
+
+
+_NO_KERNELS_FIX = ("the chunked PyTorch path runs instead, slower (a Llama-3.2-1B Trainer's step: 1.5x "
+                   "torch.compile's on an H200); install Triton and the package (pip install -e . from a checkout)")
+
+
+@functools.lru_cache(maxsize=None)
+def _warn_no_kernels() -> None:
+    warnings.warn(f"cce_inductor: no Triton kernels for CUDA tensors ({_kernels_error}); {_NO_KERNELS_FIX}",
+                  RuntimeWarning, stacklevel=3)
 
 
 def lse_dtype(device: torch.device, dtype: torch.dtype) -> torch.dtype:

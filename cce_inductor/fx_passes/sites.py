@@ -256,6 +256,9 @@ def choose_path(site: Site, options: CCEOptions, *, per_row_outputs: bool = Fals
     )
     choice = paths.choose(facts, options.path, options.scratch_mb, options.backward_row_chunk,
                           options.products)
+    missing = _dispatch.no_kernels_note(hidden.device, site.compute_dtype)
+    if missing:
+        choice = dataclasses.replace(choice, reason=choice.reason + missing)
     if isinstance(logits.shape[0], int):
         return choice
     # a symbolic batch: the path holds for every batch this graph serves, the estimates were made at one of them
