@@ -74,3 +74,16 @@ def test_with_the_kernels_a_cuda_head_uses_them_and_says_nothing():
     assert not _dispatch.uses_kernels(torch.device("cuda"), torch.float64)
     assert not _dispatch.uses_kernels(torch.device("cpu"), torch.bfloat16)
     assert _dispatch.no_kernels_note(torch.device("cuda"), torch.bfloat16) == ""
+
+
+def test_a_top_level_kernels_folder_elsewhere_is_not_taken_for_ours(tmp_path, monkeypatch):
+    """In site-packages a top-level ``kernels`` is an unrelated distribution: the loader takes the folder beside the
+    package only in our own checkout (a ``pyproject.toml`` beside it, our ``kernels/_balanced.py`` in it)."""
+    package = tmp_path / "cce_inductor"
+    package.mkdir()
+    (tmp_path / "kernels").mkdir()
+    (tmp_path / "kernels" / "__init__.py").write_text("raise AssertionError('loaded an unrelated kernels package')\n")
+    monkeypatch.setattr(_dispatch, "__file__", str(package / "_dispatch.py"))
+    assert _dispatch._checkout_kernels() is None
+    (tmp_path / "pyproject.toml").write_text("")
+    assert _dispatch._checkout_kernels() is None  # a pyproject.toml, but not our kernels
