@@ -41,14 +41,15 @@ def triton_kernels():
     the kernels rather than, silently, the chunked path (1.50x torch.compile's step for a Llama-3.2-1B Trainer on an
     H200)."""
     global _kernels_error
+    name = f"{__package__}.kernels"
     try:  # imports triton, optional on CPU-only installs
-        kernels = importlib.import_module(f"{__package__}.kernels")
-    except ModuleNotFoundError as exc:
-        kernels = _checkout_kernels() if exc.name == f"{__package__}.kernels" else None
-        if kernels is None:
-            _kernels_error = f"{type(exc).__name__}: {exc}"
-            return None
-    except ImportError as exc:
+        try:
+            kernels = importlib.import_module(name)
+        except ModuleNotFoundError as exc:
+            kernels = _checkout_kernels() if exc.name == name else None
+            if kernels is None:
+                raise
+    except ImportError as exc:  # (the checkout's own load may fail too: Triton missing)
         _kernels_error = f"{type(exc).__name__}: {exc}"
         return None
     _kernels_error = ""

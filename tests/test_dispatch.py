@@ -87,3 +87,24 @@ def test_a_top_level_kernels_folder_elsewhere_is_not_taken_for_ours(tmp_path, mo
     assert _dispatch._checkout_kernels() is None
     (tmp_path / "pyproject.toml").write_text("")
     assert _dispatch._checkout_kernels() is None  # a pyproject.toml, but not our kernels
+
+
+def test_a_checkout_whose_kernels_cannot_import_falls_back_with_the_reason(monkeypatch):
+    """The checkout's own load failing (Triton missing) is the same as no kernels: None and the error, no raise."""
+    def no_triton():
+        raise ModuleNotFoundError("No module named 'triton'", name="triton")
+
+    def missing(name):
+        raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+
+    monkeypatch.setattr(_dispatch.importlib, "import_module", missing)
+    monkeypatch.setattr(_dispatch, "_checkout_kernels", no_triton)
+    monkeypatch.setattr(_dispatch, "_kernels_error", None)
+    _dispatch.triton_kernels.cache_clear()
+    try:
+        assert _dispatch.triton_kernels() is None
+        assert _dispatch._kernels_error == "ModuleNotFoundError: No module named 'triton'"
+    finally:
+        _dispatch.triton_kernels.cache_clear()
+    monkeypatch.undo()
+    assert _dispatch.triton_kernels() is not None and _dispatch.kernels_error() == ""
