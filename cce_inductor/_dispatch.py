@@ -27,13 +27,13 @@ from . import _checks, _chunked, _counted_share, _loss, diagnostics, paths
 _KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
-# Why ``cce_inductor.kernels`` could not be imported (None until tried, "" where it was).
+# Why ``cce_inductor.kernels`` could not be imported (None until tried, "" where it was): set by triton_kernels().
 _kernels_error: Optional[str] = None
 
 
 @functools.lru_cache(maxsize=None)
 def triton_kernels():
-    """``cce_inductor.kernels``, or None where Triton (or the module) is unavailable (``kernels_error`` says why).
+    """``cce_inductor.kernels``, or None where Triton (or the module) is unavailable (``_kernels_error`` says why).
 
     The kernels live in the repository's top-level ``kernels/`` folder, which an install maps to
     ``cce_inductor.kernels`` (``pyproject.toml``'s package-dir). A source checkout put on ``sys.path`` without an
@@ -46,7 +46,7 @@ def triton_kernels():
         try:
             kernels = importlib.import_module(name)
         except ModuleNotFoundError as exc:
-            kernels = _checkout_kernels() if exc.name == name else None
+            kernels = _checkout_kernels(name) if exc.name == name else None
             if kernels is None:
                 raise
     except ImportError as exc:  # (the checkout's own load may fail too: Triton missing)
@@ -56,14 +56,13 @@ def triton_kernels():
     return kernels
 
 
-def _checkout_kernels():
-    """The ``kernels/`` folder beside this package in a source checkout, imported as ``cce_inductor.kernels``; None
-    where there is none. An ImportError of its own (Triton missing) propagates."""
+def _checkout_kernels(name: str):
+    """The ``kernels/`` folder beside this package in a source checkout, imported as ``name``
+    (``cce_inductor.kernels``); None where there is none. An ImportError of its own (Triton missing) propagates."""
     folder = pathlib.Path(__file__).resolve().parent.parent / "kernels"
     # only our own checkout's folder: in site-packages a top-level `kernels` is an unrelated distribution
     if not ((folder.parent / "pyproject.toml").is_file() and (folder / "_balanced.py").is_file()):
         return None
-    name = f"{__package__}.kernels"
     spec = importlib.util.spec_from_file_location(name, folder / "__init__.py",
                                                   submodule_search_locations=[str(folder)])
     module = importlib.util.module_from_spec(spec)
@@ -77,26 +76,23 @@ def _checkout_kernels():
     return module
 
 
-def kernels_error() -> Optional[str]:
-    """Why the Triton kernels are unavailable in this process ("" where they are)."""
-    triton_kernels()
-    return _kernels_error
+def _misses_kernels(device: torch.device, dtype: torch.dtype) -> bool:
+    """A CUDA head of a kernel dtype in a process without the kernels."""
+    return device.type == "cuda" and dtype in _KERNEL_DTYPES and triton_kernels() is None
 
 
 def uses_kernels(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether tensors on ``device`` of ``dtype`` take the Triton path (the fake impls must agree). A CUDA head of a
     kernel dtype that cannot have them warns once: the chunked path computes the same numbers, slower."""
-    if device.type != "cuda" or dtype not in _KERNEL_DTYPES:
-        return False
-    if triton_kernels() is None:
+    if _misses_kernels(device, dtype):
         _warn_no_kernels()
         return False
-    return True
+    return device.type == "cuda" and dtype in _KERNEL_DTYPES
 
 
 def no_kernels_note(device: torch.device, dtype: torch.dtype) -> str:
     """For a site's ``stats()`` record: why a CUDA head of a kernel dtype runs the chunked path ("" otherwise)."""
-    if device.type != "cuda" or dtype not in _KERNEL_DTYPES or triton_kernels() is not None:
+    if not _misses_kernels(device, dtype):
         return ""
     return f"; no Triton kernels on this CUDA device ({_kernels_error}): {_NO_KERNELS_FIX}"
 

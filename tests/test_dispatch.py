@@ -32,7 +32,7 @@ def test_a_source_checkout_on_the_path_imports_its_kernels():
         import torch, cce_inductor
         from cce_inductor import _dispatch
         kernels = _dispatch.triton_kernels()
-        print(kernels.__name__, kernels.__file__, repr(_dispatch.kernels_error()))
+        print(kernels.__name__, kernels.__file__, repr(_dispatch._kernels_error))
         print(sys.modules["cce_inductor.kernels"] is kernels, cce_inductor.kernels is kernels)
         print(_dispatch.uses_kernels(torch.device("cuda"), torch.bfloat16))
         print(kernels.forward.__module__)
@@ -69,7 +69,7 @@ def test_a_cuda_head_without_kernels_warns_once_and_its_record_says_why(monkeypa
 
 
 def test_with_the_kernels_a_cuda_head_uses_them_and_says_nothing():
-    assert _dispatch.triton_kernels() is not None and _dispatch.kernels_error() == ""
+    assert _dispatch.triton_kernels() is not None and _dispatch._kernels_error == ""
     assert _dispatch.uses_kernels(torch.device("cuda"), torch.bfloat16)
     assert not _dispatch.uses_kernels(torch.device("cuda"), torch.float64)
     assert not _dispatch.uses_kernels(torch.device("cpu"), torch.bfloat16)
@@ -84,14 +84,14 @@ def test_a_top_level_kernels_folder_elsewhere_is_not_taken_for_ours(tmp_path, mo
     (tmp_path / "kernels").mkdir()
     (tmp_path / "kernels" / "__init__.py").write_text("raise AssertionError('loaded an unrelated kernels package')\n")
     monkeypatch.setattr(_dispatch, "__file__", str(package / "_dispatch.py"))
-    assert _dispatch._checkout_kernels() is None
+    assert _dispatch._checkout_kernels("cce_inductor.kernels") is None
     (tmp_path / "pyproject.toml").write_text("")
-    assert _dispatch._checkout_kernels() is None  # a pyproject.toml, but not our kernels
+    assert _dispatch._checkout_kernels("cce_inductor.kernels") is None  # a pyproject.toml, but not our kernels
 
 
 def test_a_checkout_whose_kernels_cannot_import_falls_back_with_the_reason(monkeypatch):
     """The checkout's own load failing (Triton missing) is the same as no kernels: None and the error, no raise."""
-    def no_triton():
+    def no_triton(name):
         raise ModuleNotFoundError("No module named 'triton'", name="triton")
 
     def missing(name):
@@ -107,4 +107,4 @@ def test_a_checkout_whose_kernels_cannot_import_falls_back_with_the_reason(monke
     finally:
         _dispatch.triton_kernels.cache_clear()
     monkeypatch.undo()
-    assert _dispatch.triton_kernels() is not None and _dispatch.kernels_error() == ""
+    assert _dispatch.triton_kernels() is not None and _dispatch._kernels_error == ""
