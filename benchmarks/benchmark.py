@@ -3,7 +3,7 @@
     python benchmarks/benchmark.py --shapes gemma2 --regimes flat,lm,mixed,lm_ign50
     python benchmarks/benchmark.py --shapes gemma2,llama3,qwen25,phi35 --regimes flat,lm,mixed,lm_ign50,real \
         --methods matmul,eager,compile,cce,cce_rowskip,cce_exact --check --real-cache /tmp/realtext_head.pt
-    python benchmarks/benchmark.py --sweep "products=cublas;products=triton;exact=1;bwd.vocab_chunk=4096" \
+    python benchmarks/benchmark.py --sweep "products=cublas;products=triton;exact=1;lean.block_cols=4096" \
         --shapes gemma2 --regimes lm,lm_ign50 --check
     python benchmarks/benchmark.py --tiny --methods eager,cce,cce_exact --regimes lm,real --check --real-seconds 5
 
@@ -51,8 +51,8 @@ Sweep (--sweep "config;config;..."): times kernels.forward and kernels.backward 
 forward ms, backward ms (given that forward), the backward's peak memory, gradient errors with --check.  A config is
 "k=v,k=v" with
     exact=0|1, products=cublas|triton, backward_row_chunk=N     CCEOptions fields (over --config's)
-    fwd.KEY=N, bwd.KEY=N, prod.KEY=N                            _TUNING overrides of kernels/_forward.py,
-        _backward.py, _products.py, e.g. fwd.block_v=128, bwd.vocab_chunk=4096, prod.BLOCK_K=32: the entry in
+    fwd.KEY=N, bwd.KEY=N, prod.KEY=N, lean.KEY=N                _TUNING overrides of kernels/_forward.py,
+        _backward.py, _products.py (lean: cce_inductor._planning.LEAN_LAYOUT), e.g. fwd.block_v=128, lean.block_cols=4096, prod.BLOCK_K=32: the entry in
         use ("gpu"; "interpret" under TRITON_INTERPRET=1) is replaced for that config and restored after
     need_e=0|1, need_c=0|1, fwd_only=0|1                        sweep only: what the backward computes
 Output: a "# device ..." header; per case a "## shape N= D= V= regime=" line with the statistics (and for `real` a
@@ -106,7 +106,8 @@ CCE_METHODS = {  # name: CCEOptions fields over the base options (--config)
 # backward formula included): what a user of the product runs
 PASS_METHODS = {"pass_cce": {}, "pass_balanced": {"scratch_mb": 1024}}
 METHODS = ("matmul", "eager", "compile", *CCE_METHODS, *PASS_METHODS)
-TUNING_FILES = {"fwd": "_forward", "bwd": "_backward", "prod": "_products"}  # prefix: cce_inductor.kernels module
+# prefix: cce_inductor.kernels module (its _TUNING), or "lean": the lean G block's layout (cce_inductor._planning)
+TUNING_FILES = {"fwd": "_forward", "bwd": "_backward", "prod": "_products", "lean": "_planning"}
 SWEEP_KNOBS = ("need_e", "need_c", "fwd_only")
 REAL_DEFAULTS = dict(real_seconds=90.0, real_vocab=65536, real_dim=2048)
 
@@ -298,8 +299,21 @@ def parse_config(text):
     return fields, tuning, knobs
 
 
+class _LayoutTable:
+    """``cce_inductor._planning.LEAN_LAYOUT`` seen as a kernel file's ``_TUNING`` (the same override mechanism)."""
+
+    def __init__(self):
+        from cce_inductor import _planning
+
+        self._TUNING = _planning.LEAN_LAYOUT
+        self.__name__ = _planning.__name__
+
+
 def _tuning_entry(prefix):
-    module = importlib.import_module(f"cce_inductor.kernels.{TUNING_FILES[prefix]}")
+    if TUNING_FILES[prefix] == "_planning":
+        module = _LayoutTable()
+    else:
+        module = importlib.import_module(f"cce_inductor.kernels.{TUNING_FILES[prefix]}")
     return module, ("interpret" if _kernels().INTERPRET else "gpu")
 
 
@@ -310,6 +324,19 @@ def tuning_in_use():
         module, which = _tuning_entry(prefix)
         out[prefix] = dict(module._TUNING[which])
     return out
+
+
+def kernels_backward(e, c, t, lse, grad_rows, options, **kwargs):
+    """``cce_inductor.kernels.backward`` with the plan the op would make from ``options`` (products "auto" as
+    cuBLAS over every row: no earlier calls here)."""
+    from cce_inductor import _planning
+
+    K = _kernels()
+    products = "triton" if options.products == "triton" else "cublas"
+    plan = _planning.backward_plan(e.shape[0], c.shape[0], e.dtype, exact=options.exact, products=products,
+                                   backward_row_chunk=options.backward_row_chunk,
+                                   row_skipping=K.row_skipping_ok(e, c, options.exact))
+    return K.backward(e, c, t, None, lse, grad_rows, softcap=None, ignore_index=IGNORE, **plan._asdict(), **kwargs)
 
 
 @contextlib.contextmanager
@@ -353,9 +380,8 @@ class _DirectCCE(torch.autograd.Function):
     def backward(ctx, grad):
         e, c, t, lse, count = ctx.saved_tensors
         grad_rows = (t != IGNORE).float() * (grad / count)
-        de, dc, _ = _kernels().backward(e, c, t, None, lse, grad_rows, softcap=None, ignore_index=IGNORE,
-                                        options=ctx.options, need_e=ctx.needs_input_grad[0],
-                                        need_c=ctx.needs_input_grad[1], need_bias=False)
+        de, dc, _ = kernels_backward(e, c, t, lse, grad_rows, ctx.options, need_e=ctx.needs_input_grad[0],
+                                     need_c=ctx.needs_input_grad[1], need_bias=False)
         return de, dc, None, None
 
 
@@ -477,8 +503,8 @@ def sweep(args, base_options):
                     line = f"  {text:60s} fwd {f_ms:7.2f} ms ({f_ms / mm:.2f}x mm)"
                     if not knobs.get("fwd_only", False):
                         def bwd():
-                            return K.backward(e, c, t, None, lse, grad_rows, softcap=None, ignore_index=IGNORE,
-                                              options=options, need_e=need_e, need_c=need_c, need_bias=False)
+                            return kernels_backward(e, c, t, lse, grad_rows, options, need_e=need_e, need_c=need_c,
+                                                    need_bias=False)
                         sync(args.device)
                         if args.device == "cuda":
                             torch.cuda.reset_peak_memory_stats()
@@ -524,7 +550,7 @@ def parse_args(argv=None):
     ap.add_argument("--check", action="store_true", help="gradient errors against an fp32 reference")
     ap.add_argument("--config", default="",
                     help="CCEOptions fields and _TUNING overrides for the whole run, e.g. "
-                         "backward_row_chunk=4096,bwd.vocab_chunk=4096,fwd.block_v=128")
+                         "backward_row_chunk=4096,lean.block_cols=4096,fwd.block_v=128")
     ap.add_argument("--sweep", default="", help='";"-separated configs: time the kernels directly under each')
     ap.add_argument("--stats-rows", type=int, default=0, help="counted rows for the softmax statistics (0: all)")
     ap.add_argument("--warmup", type=int, default=25, help="do_bench warm-up (ms)")

@@ -36,7 +36,7 @@ sys.path[:0] = [HERE, os.path.dirname(HERE)]
 import _common as C  # noqa: E402  (benchmarks/ on the path first)
 
 import cce_inductor  # noqa: E402
-from cce_inductor import CCEOptions, _dispatch  # noqa: E402
+from cce_inductor import CCEOptions, _dispatch, _planning  # noqa: E402
 from cce_inductor.kernels import _backward, _balanced, _forward  # noqa: E402
 
 
@@ -162,10 +162,12 @@ def kernel_helpers(results, train_step, e, c, t, n, dev):
     lse = _forward.forward(ed, cd, t, None, softcap=None, ignore_index=-100)[0]
     grad_rows = torch.full((n,), 1.0 / n, device=dev)
 
+    plan = _planning.backward_plan(n, cd.shape[0], cd.dtype, exact=False, products="cublas", backward_row_chunk=8192)
+
     def lean_kernels():
         _forward.forward(ed, cd, t, None, softcap=None, ignore_index=-100)
-        _backward.backward(ed, cd, t, None, lse, grad_rows, softcap=None, ignore_index=-100, options=CCEOptions(),
-                           need_e=True, need_c=True, need_bias=False)
+        _backward.backward(ed, cd, t, None, lse, grad_rows, softcap=None, ignore_index=-100, need_e=True,
+                           need_c=True, need_bias=False, **plan._asdict())
     results["kernels directly, lean"] = host_and_wall(lean_kernels, dev)
 
 

@@ -10,7 +10,6 @@ term (a vocabulary shard sees the targets that other shards hold that way).
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import importlib
 import importlib.util
@@ -22,7 +21,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from . import _checks, _chunked, _counted_share, _loss, diagnostics, paths
+from . import _checks, _chunked, _counted_share, _loss, _planning, diagnostics, paths
 
 _KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -167,15 +166,15 @@ def backward(e: Tensor, c: Tensor, targets: Tensor, bias: Optional[Tensor], lse:
              label_smoothing: float = 0.0, grad_lse: Optional[Tensor] = None, grad_entropy: Optional[Tensor] = None,
              mean_logit: Optional[Tensor] = None):
     """``(dE | None, dC | None, dbias | None)`` in the inputs' dtypes; ``grad_rows`` is 0 at ignored rows;
-    ``options`` a :class:`cce_inductor.CCEOptions` (the kernels read ``exact``, ``products``,
-    ``backward_row_chunk``); ``products="auto"`` is decided here, per call, from the share of rows an earlier call
-    of this head counted (:mod:`cce_inductor._counted_share`)."""
+    ``options`` a :class:`cce_inductor.CCEOptions` (``exact``, ``products``, ``backward_row_chunk``): the kernels'
+    plan is made from them here (:func:`cce_inductor._planning.backward_plan`); ``products="auto"`` is decided per
+    call, from the share of rows an earlier call of this head counted (:mod:`cce_inductor._counted_share`)."""
     if uses_kernels(e.device, e.dtype) and e.shape[0] > 0:
         kernels = triton_kernels()
         share = _counted_share.of_head(e.device, c.shape[0], c.shape[1])
         # with a gradient for every row's lse / entropy every row counts: nothing to skip, nothing to learn
         every_row = grad_lse is not None or grad_entropy is not None
-        can_skip = kernels.row_skipping_ok(e, c, options)  # (else even a forced "triton" runs cuBLAS)
+        can_skip = kernels.row_skipping_ok(e, c, options.exact)  # (else even a forced "triton" runs cuBLAS)
         seen = share.seen()
         products = _counted_share.products(options.products, seen, row_skipping_ok=can_skip and not every_row)
         diagnostics.count_products(products if can_skip else "cublas")
@@ -184,26 +183,23 @@ def backward(e: Tensor, c: Tensor, targets: Tensor, bias: Optional[Tensor], lse:
         # chose them (the calls that count fewest rows are the ones that wait on the host)
         auto_row_skipping = products == "triton" and options.products == "auto"
         hint = seen.low if prefix or auto_row_skipping else None
-        # a wider G block where the budget leaves room (cuBLAS products; the kernels apply it only there), the
-        # counted prefix's fp32 dC sums counted
+        # a wider G block where the budget leaves room, the counted prefix's fp32 dC sums counted
         facts = head_facts(e.shape[0], e.shape[1], c.shape[0], e.dtype, e.device, "mean", needs_grad=True)
+        plan = _planning.backward_plan(
+            e.shape[0], c.shape[0], e.dtype, exact=options.exact, products=products,
+            backward_row_chunk=options.backward_row_chunk, counted_hint=hint, row_skipping=can_skip,
+            block_widen=paths.lean_widen(facts, options.backward_row_chunk, prefix),
+        )
         return kernels.backward(
             e, c, targets, bias, lse.float(), grad_rows.float(), softcap=softcap, ignore_index=ignore_index,
-            options=_with_products(options, "cublas" if prefix else products), need_e=need_e, need_c=need_c,
-            need_bias=need_bias, label_smoothing=label_smoothing, grad_lse=grad_lse, grad_entropy=grad_entropy,
-            mean_logit=mean_logit, observe_counted=share.observe if options.products == "auto" and not every_row
-            else None, counted_hint=hint, block_widen=paths.lean_widen(facts, options.backward_row_chunk, prefix),
+            need_e=need_e, need_c=need_c, need_bias=need_bias, label_smoothing=label_smoothing, grad_lse=grad_lse,
+            grad_entropy=grad_entropy, mean_logit=mean_logit, **plan._asdict(),
+            observe_counted=share.observe if options.products == "auto" and not every_row else None,
         )
     return _chunked.backward(
         e, c, targets, bias, lse, grad_rows, softcap=softcap, need_e=need_e, need_c=need_c, need_bias=need_bias,
         label_smoothing=label_smoothing, grad_lse=grad_lse, grad_entropy=grad_entropy, mean_logit=mean_logit,
     )
-
-
-@functools.lru_cache(maxsize=None)
-def _with_products(options, products: str):
-    """``options`` with ``products`` decided (cached: options are frozen, and a backward should not rebuild them)."""
-    return options if options.products == products else dataclasses.replace(options, products=products)
 
 
 def loss_and_grads(e: Tensor, c: Tensor, targets: Tensor, bias: Optional[Tensor], *, softcap: Optional[float],

@@ -53,14 +53,12 @@ import dataclasses
 import functools
 from typing import Literal, Optional
 
+from . import _planning
+
 Path = Literal["lean", "balanced"]
 
-# The lean backward's G block width (kernels/_backward.py's vocab_chunk), widened for row chunks shorter than
-# _LEAN_G_BLOCK_ROWS rows to the same bytes (its g_block_rows; kernels._backward.vocab_chunk_width), and up to
-# _LEAN_MAX_WIDEN times more where the budget leaves room (lean_widen).
-_LEAN_VOCAB_CHUNK = 4096
-_LEAN_G_BLOCK_ROWS = 8192
-_LEAN_MAX_WIDEN = 4
+# The lean backward's G block as the kernels lay it out on a GPU (the memory model is about GPUs).
+_LEAN_LAYOUT = _planning.LEAN_LAYOUT["gpu"]
 # The balanced path's scratch: at least this many rows per chunk (smaller chunks make the dC products memory bound:
 # each chunk reads and writes the fp32 dC sums, 8 V D bytes), at most this many bytes.
 _MIN_CHUNK_ROWS = 1024
@@ -155,11 +153,9 @@ def gradient_bytes(f: HeadFacts) -> int:
 
 
 def lean_block_width(f: HeadFacts, backward_row_chunk: int = 8192, widen: int = 1) -> int:
-    """The lean backward's G block columns (``kernels._backward.vocab_chunk_width``): 4096, wider where N < 8192 is
-    one row chunk (the same bytes), times ``widen``, at most V."""
-    rows = min(f.rows, backward_row_chunk or f.rows)
-    small = max(1, _LEAN_G_BLOCK_ROWS // max(rows, 1)) if rows == f.rows else 1  # one row chunk only
-    return min(f.vocab, _LEAN_VOCAB_CHUNK * small * widen)
+    """The lean backward's G block columns on a GPU (:func:`cce_inductor._planning.block_width`, the launches' own
+    rule): 4096, wider where N < 8192 is one row chunk (the same bytes), times ``widen``, at most V."""
+    return _planning.block_width(f.rows, backward_row_chunk, f.vocab, widen, _LEAN_LAYOUT)
 
 
 def lean_peak(f: HeadFacts, backward_row_chunk: int = 8192, widen: int = 1, counted_prefix: bool = False) -> int:
@@ -183,10 +179,10 @@ def lean_widen(f: HeadFacts, backward_row_chunk: int = 8192, counted_prefix: boo
     choice does, that of the loss-only graph (the op, which decides at run time, does not know whether the site
     returns the logits). A row chunk other than the default (``CCEOptions.backward_row_chunk``) is a choice about
     memory: its block stays as tuned."""
-    if backward_row_chunk != _LEAN_G_BLOCK_ROWS:
+    if backward_row_chunk != _LEAN_LAYOUT["block_rows"]:
         return 1
     limit = budget(dataclasses.replace(f, returned_logits=False, softcapped=False))
-    for widen in (_LEAN_MAX_WIDEN, _LEAN_MAX_WIDEN // 2):
+    for widen in (_LEAN_LAYOUT["max_widen"], _LEAN_LAYOUT["max_widen"] // 2):
         if lean_block_width(f, backward_row_chunk, widen) > lean_block_width(f, backward_row_chunk) \
                 and lean_peak(f, backward_row_chunk, widen, counted_prefix) <= limit:
             return widen
@@ -219,7 +215,7 @@ def scratch_row_pitch(vocab: int) -> int:
     rounded up to a multiple of 64, so that the products over the scratch see aligned leading dimensions whatever V
     is (cuBLAS is ~6x slower on a 16-bit matrix whose rows are not a multiple of 8 elements: H100, V 65535 against
     65536)."""
-    return -(-vocab // 64) * 64
+    return -(-vocab // _planning.VOCAB_ALIGN) * _planning.VOCAB_ALIGN
 
 
 def chunk_rows(scratch_bytes: int, vocab: int, element_size: int, rows: int) -> int:

@@ -5,10 +5,11 @@ Interface used by the custom op and the vocabulary-parallel loss:
 * ``forward(e, c, targets, bias, *, softcap, ignore_index, logit_sum=False, mean_logit=False, every_row=False)
   -> RowStats(lse, target_logit, logit_sum | None, mean_logit | None)`` (``mean_logit``: the softmax-weighted mean
   logit of each row; the entropy is ``lse - mean_logit``)
-* ``backward(e, c, targets, bias, lse, grad_rows, *, softcap, ignore_index, options, need_e, need_c, need_bias,
-  label_smoothing=0.0, grad_lse=None, grad_entropy=None, mean_logit=None, observe_counted=None)
-  -> (dE | None, dC | None, dbias | None)``; ``options`` is a :class:`cce_inductor.CCEOptions`
-* ``row_skipping_ok(e, c, options) -> bool``: whether ``products="triton"`` can skip rows for these operands
+* ``backward(e, c, targets, bias, lse, grad_rows, *, softcap, ignore_index, need_e, need_c, need_bias, row_chunk,
+  block_width, split_g, products, counted_hint=None, label_smoothing=0.0, grad_lse=None, grad_entropy=None,
+  mean_logit=None, observe_counted=None) -> (dE | None, dC | None, dbias | None)``: the plan's fields
+  (``cce_inductor._planning.BackwardPlan``) are explicit arguments
+* ``row_skipping_ok(e, c, exact) -> bool``: whether the row-skipping products can read these operands
 * ``loss_and_grads(e, c, targets, bias, *, softcap, ignore_index, reduction, label_smoothing=0.0, chunk_rows,
   need_e=True, need_c=True, need_bias=True, check_range=False) -> LossAndGrads(loss, dE | None, dC | None,
   dbias | None)``: the balanced path (mean / sum losses whose head needs gradients): the gradients computed with the

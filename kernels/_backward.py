@@ -18,79 +18,62 @@ g_n = grad_rows[n] (0 at ignored rows), s = the softcap's chain factor:
 
 Chunking / layout
 -----------------
-The (rows x vocabulary) plane is cut into ``row_chunk x vocab_chunk`` blocks; the vocabulary is the outer loop, so
-that each gradient is rounded to the output dtype once, whatever N:
+The (rows x vocabulary) plane is cut into ``row_chunk x block_width`` blocks (the caller's plan:
+``cce_inductor._planning.BackwardPlan``); the vocabulary is the outer loop, so that each gradient is rounded to the
+output dtype once, whatever N:
 
     dE32 = fp32 (N, D);  compact each row chunk R on the device once: its counted rows first, their number in
     device memory
     for each vocabulary chunk W:
-        for each row chunk R (options.backward_row_chunk rows):
+        for each row chunk R:
             G      = _recompute_grad_kernel(E[R], C[W])   Triton, persistent grid (one program per SM), input dtype
             dE32[R] += G @ C[W]                         cuBLAS, fp32 accumulation across vocabulary chunks
             dC[W] (+)= G^T @ E[R]                       cuBLAS: written once (one row chunk), or summed in an fp32
-                                                        vocab_chunk x D buffer over the row chunks, then rounded
+                                                        block_width x D buffer over the row chunks, then rounded
             dbias32[W] += sum_rows G
     dE = dE32
 
 Every cuBLAS product over a vocabulary dimension (the last chunk's width may be odd) is split at a multiple of 64
 (``_launch.product_into``) and G's rows keep an aligned pitch.
 
-The G block is ``vocab_chunk`` (4096) columns wide, wider for a short batch (the same bytes) and up to 4x wider
-again where the memory budget leaves room (``block_widen``, from ``cce_inductor.paths.lean_widen``): a wider block
-gives each product a longer K and reads and writes dE's fp32 rows fewer times.
+``_recompute_grad_kernel`` deals the block's tiles to its programs in column groups of ``recompute_group`` columns,
+row blocks outer inside each, so that the programs at work at any moment share one group's part of C in L2 however
+wide the block; tile (i, j) takes compacted rows ``i*BLOCK_N ...`` of the chunk and vocabulary tile j of the block:
+``BLOCK_N x BLOCK_V`` logits from ``_tile.logit_tile`` (loop over ``BLOCK_D`` chunks of D), the gradient formed in
+registers without its one-hot term and stored in the input dtype at the rows' own places in G; then (after a CTA
+barrier, so that they land last) the entries ``G[n, targets[n]]`` that fall in the tile are overwritten with the full
+formula evaluated at the row's target logit (``_forward.target_logits``, computed once per call): a per-row vector,
+because comparing every column with the target keeps a tile-sized mask live and spills registers. A row with no
+gradient (g = h = k = 0) gets lse = +inf, so p = 0 and G = 0 with no per-element select (NaN where z is NaN / +inf,
+as in eager). A tile whose rows all lie past the device-side count of counted rows (ignored rows only) computes
+nothing and stores G = 0 there (NaN where that row of E, or any of C / bias, is not finite: the pattern eager's
+log-softmax backward gives an ignored row whose log-sum-exp is NaN, through 0 * NaN). So ignored rows cost no
+recompute; the cuBLAS products, whose sizes the host must know, still run over every row.
 
-``_recompute_grad_kernel`` deals the block's tiles to its programs in column groups of ``recompute_group`` (4096)
-columns, row blocks outer inside each, so that the programs at work at any moment share one group's part of C in L2
-(19 MB at D 2304) however wide the block (a 16384-wide block taken row blocks outer across its whole width lost what
-its products gained: engineering log v32 / v33); tile (i, j) takes compacted rows ``i*BLOCK_N
-...`` of the chunk and vocabulary tile j of the block: ``BLOCK_N x BLOCK_V`` logits from ``_tile.logit_tile`` (loop
-over ``BLOCK_D`` chunks of D), the gradient formed in registers without its one-hot term and stored in the input
-dtype at the rows' own places in G; then (after a CTA barrier, so that they land last) the entries ``G[n,
-targets[n]]`` that fall in the tile are overwritten with the full formula evaluated at the row's target logit
-(``_forward.target_logits``, computed once per call): a per-row vector, where comparing every column with the target
-kept a tile-sized mask live and spilled registers. A row with no gradient (g = h = k = 0) gets lse = +inf, so p = 0
-and G = 0 with no per-element select (NaN where z is NaN / +inf, as in eager). A tile whose rows all lie past the
-device-side count of counted rows (ignored rows only) computes nothing and stores G = 0 there (NaN where that row of
-E, or any of C / bias, is not finite: the pattern eager's log-softmax backward gives an ignored row whose
-log-sum-exp is NaN, through 0 * NaN). So ignored rows cost no recompute; the cuBLAS products, whose sizes the host
-must know, still run over every row.
-
-Exact mode (``options.exact``, 16-bit inputs): the recompute also stores the remainder of G's rounding, G_lo = G -
+Exact mode (``split_g``, 16-bit inputs): the recompute also stores the remainder of G's rounding, G_lo = G -
 round(G), in a second block, and every product runs twice (G and G_lo, fp32 accumulation), so the products see
 ~16 mantissa bits of G instead of 8; dC is summed in fp32 (one vocabulary chunk of it, or all of dC when several
-row chunks add to it) and rounded once.  Against the fp64 gradient rounded to bf16 this leaves 1e-4 - 6.5e-4 relative
-error where the default leaves ~4e-3 (interpreter, small shapes).  Cost: twice the product time, one more G block.
+row chunks add to it) and rounded once.  Cost: twice the product time, one more G block.
 
-Counted prefix (``counted_hint``, what ``products="auto"`` passes after a call of the head with >= 10% ignored
-rows): G is stored in compacted order (counted rows first); cuBLAS multiplies its first h rows, h the earlier call's
-counted share of the chunk's rows rounded up to whole row blocks, and the row-skipping products of ``_products``
-the rest, sized on the device by the counted rows past h (none where the share held: their launches return at
-once, but for the first vocabulary chunk's write of the ignored rows' dE). dE is summed in the compacted order and
-put back in row order at the end; cuBLAS sums each vocabulary chunk's dC in fp32 (``vocab_chunk x D x 4`` bytes, 38
-MB at D 2304) and the tail kernel adds its rows and writes the 16-bit chunk, one rounding. H200, bf16, N 8192, 50%
-ignored (engineering log v20): 0.74x / 0.77x torch.compile's fwd+bwd on Gemma-2 / Llama-3 against 0.97x / 1.04x
-with cuBLAS over every row and 0.77x / 0.80x with the row-skipping products alone.  With compacted G (the
-counted prefix, the Triton products) the recompute stores ignored positions only as far as a product reads them
-(the counted rows' row blocks and the prefix), unless a bias gradient sums all of G's rows.
-
-Row-skipping products after a call that counted at most 40% of its rows (``products="auto"``; the counted prefix's
-cuBLAS products are then no faster than the Triton ones, and its fp32 dC pass and two more launches per vocabulary
-chunk cost more: ``cce_inductor/_counted_share.py``): ``counted_hint`` (the low quantile of the earlier shares)
-widens the G block of a single row chunk (:func:`row_skipping_widen`), so fewer vocabulary chunks cost the host fewer
-launches; where the budget's widening (``block_widen``) is wider, that is taken.
+Counted prefix (``products="prefix"``, after a call of the head that ignored some of its targets): G is stored in
+compacted order (counted rows first); cuBLAS multiplies its first h rows, h the earlier call's counted share of the
+chunk's rows rounded up to whole row blocks, and the row-skipping products of ``_products`` the rest, sized on the
+device by the counted rows past h (none where the share held: their launches return at once, but for the first
+vocabulary chunk's write of the ignored rows' dE). dE is summed in the compacted order and put back in row order at
+the end; cuBLAS sums each vocabulary chunk's dC in fp32 (``block_width x D x 4`` bytes) and the tail kernel adds its
+rows and writes the 16-bit chunk, one rounding.  With compacted G (the counted prefix, the Triton products) the
+recompute stores ignored positions only as far as a product reads them (the counted rows' row blocks and the
+prefix), unless a bias gradient sums all of G's rows.
 
 With TMA (16-bit inputs, ``_forward.tma_operands``) the recompute reads its E tiles from a compacted copy of each
 chunk's rows, which lives in those rows of the dE output until dE is written there at the end, so it costs no
 memory.
 
-Memory above the outputs: one G block in the input dtype (``row_chunk x vocab_chunk``), dE in fp32 (``N x D x 4``)
-and, where N exceeds one row chunk, one vocabulary chunk of dC in fp32 (``vocab_chunk x D x 4``): at N = 8192 and D =
-2304 in bf16, 64 MB + 72 MB (256 MB + 72 MB with the budget's 4x block, Gemma-2's head; a vocabulary chunk of 2048
-entries took 32 MB less but 4 ms more on Gemma-2 / 7 ms on Llama-3 on an H100: each vocabulary chunk reads and writes
-the fp32 dE rows once, 150 MB at D = 2304). (Before 2026-11-25 the row chunks were the outer loop and dC took one more
-bf16 rounding per further row chunk: at N 32768 on an H100 its error was 3.0e-3 against torch.compile's 1.7e-3.) G is
-rounded to the input dtype before the products, as eager PyTorch does for the logits' gradient. No atomics, so the
-result is bitwise reproducible (``torch.use_deterministic_algorithms`` is satisfied).
+Memory above the outputs: one G block in the input dtype (``row_chunk x block_width``), dE in fp32 (``N x D x 4``)
+and, where N exceeds one row chunk or with the counted prefix, one vocabulary chunk of dC in fp32 (``block_width x
+D x 4``): the model ``cce_inductor.paths.lean_peak`` counts exactly these.  G is rounded to the input dtype before
+the products, as eager PyTorch does for the logits' gradient. No atomics, so the result is bitwise reproducible
+(``torch.use_deterministic_algorithms`` is satisfied).
 """
 from __future__ import annotations
 
@@ -104,57 +87,14 @@ import triton.language as tl
 from . import _forward, _launch, _products
 from ._tile import logit_tile, softmax_grad
 
-# Hopper (H100 / H200); the interpreter's tiny blocks keep the CPU tests fast.  vocab_chunk: columns of one G block
-# (engineering log v11: 4096 against 2048 / 8192) for N of g_block_rows rows or more; a smaller N (one row chunk)
-# gets a block that many times wider (the same bytes), so it takes fewer vocabulary steps: at N 4096 on
-# GPT-2's head the lean path was host-bound, 7.7 ms of launches for 2.5 ms of kernels (engineering log v14).
-# g_block_rows 0: never wider (the interpreter; tests set it).
-# recompute_group: columns of the recompute's tile groups (each group's tiles taken row block by row block), so that
-# a G block wider than it keeps C's part in L2 as a 4096-wide block does (engineering log v33).
+# Hopper; the interpreter's tiny blocks keep the CPU tests fast.  The G block's width is the caller's
+# (``block_width``: ``cce_inductor._planning``).  recompute_group: columns of the recompute's tile groups (each
+# group's tiles taken row block by row block), so that a G block wider than it keeps C's part in L2 as a
+# 4096-column block does.
 _TUNING = {
-    "gpu": dict(vocab_chunk=4096, g_block_rows=8192, block_n=128, block_v=256, block_d=64, num_warps=8,
-                num_stages=4, tma=True, recompute_group=4096),
-    "interpret": dict(vocab_chunk=48, g_block_rows=0, block_n=16, block_v=32, block_d=16, num_warps=4,
-                      num_stages=1, tma=True, recompute_group=64),
+    "gpu": dict(block_n=128, block_v=256, block_d=64, num_warps=8, num_stages=4, tma=True, recompute_group=4096),
+    "interpret": dict(block_n=16, block_v=32, block_d=16, num_warps=4, num_stages=1, tma=True, recompute_group=64),
 }
-
-
-def vocab_chunk_width(vocab_chunk: int, g_block_rows: int, rows: int, row_chunk: int, vocab: int,
-                      widen: int = 1) -> int:
-    """Columns of one G block: ``vocab_chunk``, times ``g_block_rows // rows`` where all ``rows`` fit in one row
-    chunk shorter than ``g_block_rows`` (a block of the same bytes), times ``widen`` (:func:`row_skipping_widen`, or
-    the budget's :func:`cce_inductor.paths.lean_widen`), at most V.  (``cce_inductor.paths.lean_peak`` models it.)"""
-    small = max(1, g_block_rows // max(rows, 1)) if g_block_rows and rows <= row_chunk else 1
-    return min(vocab, vocab_chunk * small * widen)
-
-
-# Row-skipping products after a call that counted few rows: G blocks up to this many times wider.
-_MAX_WIDEN = 4
-
-
-def row_skipping_widen(counted_hint: float) -> int:
-    """How many times wider the row-skipping products' G block is made where the earlier calls of the head counted
-    as little as ``counted_hint`` of their rows (``products="auto"`` passes their low quantile): ``ceil(0.5 / hint)``,
-    1 to ``_MAX_WIDEN``, so that a block holds at least half a narrow block's counted entries.  Each vocabulary chunk
-    costs the host a few launches whatever its counted rows, so the calls that count fewest rows wait on the host:
-    on Gemma-2's head (H100, N 8192) at 75% ignored the narrow blocks left the backward host-bound (0.49x
-    torch.compile's time with them, 0.39x twice as wide), and where the share moves over 25-75% ignored, blocks
-    twice as wide took 0.77x against 0.80x (engineering log v21, v22).  Memory: ``widen - 1`` more G blocks (64 MB
-    each at N 8192)."""
-    return max(1, min(_MAX_WIDEN, math.ceil(0.5 / max(counted_hint, 1e-6))))
-
-
-def g_block_widen(*, triton_products: bool, counted_hint: Optional[float], one_row_chunk: bool, split_g: bool,
-                  block_widen: int) -> int:
-    """How many times wider than tuned a backward's G block is: the budget's ``block_widen``
-    (:func:`cce_inductor.paths.lean_widen`, which counts the counted prefix's fp32 dC sums where the op asks for that
-    prefix), and for the row-skipping products at least their :func:`row_skipping_widen` after an earlier call's
-    ``counted_hint`` (one row chunk only: several keep the budget's block, or their dC sums would grow); 1 in exact
-    mode (its second block is not in the budget's model)."""
-    if triton_products:
-        skipping = row_skipping_widen(counted_hint) if counted_hint is not None and one_row_chunk else 1
-        return max(skipping, block_widen)
-    return 1 if split_g else block_widen
 
 
 @triton.jit
@@ -180,9 +120,8 @@ def _recompute_grad_kernel(
     L2, however wide the block), are dealt round-robin to the programs, first the tiles of row blocks that hold
     counted rows (their number from the device-side count), then those of ignored rows only, which store G's value
     there without computing logits, up to ``stored_rows`` positions (the products past the counted rows read no
-    further: compacted G without a bias gradient; every row otherwise). (One program per tile took 2-3% longer on the
-    H100: launch and tail; Triton's loop flattening, which would overlap a tile's gradient with the next tile's loads,
-    left the D loop unpipelined here, +50%: engineering log v12.)"""
+    further: compacted G without a bias gradient; every row otherwise).  (Not one program per tile: the launch and
+    the tail cost more.  Not Triton's loop flattening: it leaves the D loop unpipelined.)"""
     pid = tl.program_id(0)
     num_programs = tl.num_programs(0)
     vblocks = tl.cdiv(width, BLOCK_V)
@@ -381,10 +320,10 @@ def _block(buffer: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
     return buffer[: rows * cols].view(rows, cols)
 
 
-def row_skipping_ok(e: torch.Tensor, c: torch.Tensor, options) -> bool:
-    """Whether ``products="triton"`` runs the row-skipping products for these operands: not in 16-bit exact mode
-    (G in two halves), and C and E rows that the tensor-memory accelerator can read."""
-    split_g = options.exact and e.dtype in (torch.bfloat16, torch.float16)
+def row_skipping_ok(e: torch.Tensor, c: torch.Tensor, exact: bool) -> bool:
+    """Whether the row-skipping products (``products="triton"``) can run for these operands: not in 16-bit exact
+    mode (G in two halves), and C and E rows that the tensor-memory accelerator can read."""
+    split_g = exact and e.dtype in (torch.bfloat16, torch.float16)
     return not split_g and _launch.tma_ok(c) and (e.shape[1] * e.element_size()) % 16 == 0
 
 
@@ -394,25 +333,22 @@ def counted_prefix(counted_hint: float, rows: int, block: int = 128) -> int:
     return min(rows, -(-math.ceil(counted_hint * rows) // block) * block)
 
 
-def backward(e, c, targets, bias, lse, grad_rows, *, softcap, ignore_index, options, need_e, need_c, need_bias,
-             label_smoothing=0.0, grad_lse=None, grad_entropy=None, mean_logit=None, observe_counted=None,
-             counted_hint=None, block_widen=1):
+def backward(e, c, targets, bias, lse, grad_rows, *, softcap, ignore_index, need_e, need_c, need_bias,
+             row_chunk, block_width, split_g, products, counted_hint=None, label_smoothing=0.0, grad_lse=None,
+             grad_entropy=None, mean_logit=None, observe_counted=None):
     """Launch helper: ``(dE | None, dC | None, dbias | None)``; ``grad_rows`` fp32, 0 at ignored rows.  Rows whose
     target is ``ignore_index`` are skipped by the recompute (and by the Triton products) unless ``grad_lse`` (the
     upstream gradient of every row's lse, fp32) or ``grad_entropy`` (that of every row's entropy, with the forward's
-    ``mean_logit``) is given; a target outside ``[0, V)`` (a vocabulary shard's code for
-    "another shard's") counts, with no one-hot term.  ``options``: a :class:`cce_inductor.CCEOptions` (``exact``,
-    ``products``, ``backward_row_chunk``; ``"auto"`` products are cuBLAS here: the op decides them per call).
-    ``observe_counted``: called with the first row chunk's device-side count of counted rows and its rows.
-    ``counted_hint`` (cuBLAS products; an earlier call's share of counted rows): cuBLAS multiplies only the first
-    :func:`counted_prefix` rows of each compacted row chunk, the row-skipping Triton products the rest (past the
-    prefix: nothing, where this call counts no more rows than the hint); with the Triton products, the G block of a
-    single row chunk is :func:`row_skipping_widen` times wider.  ``block_widen`` (default mode, every kind of
-    product; :func:`cce_inductor.paths.lean_widen`, where the memory budget leaves room, with the counted prefix's
-    dC sums counted where the op takes that prefix): a G block that many times wider (:func:`g_block_widen`), so that
-    each dE / dC product has a longer K, dE's fp32 rows are read and written fewer times and the host launches less
-    (H200, N 8192: 0.9-4.3% of the lean fwd + bwd over every row, engineering log v33; 0.2-4.2% at 25-75% ignored
-    and shares that move, v34)."""
+    ``mean_logit``) is given; a target outside ``[0, V)`` (a vocabulary shard's code for "another shard's") counts,
+    with no one-hot term.
+
+    The plan (``cce_inductor._planning.BackwardPlan``, every field explicit): G blocks of ``row_chunk`` rows x
+    ``block_width`` columns; ``split_g``: exact mode (16-bit operands: G and its rounding's remainder, two products
+    each); ``products``: ``"cublas"`` over every row, ``"triton"`` (the row-skipping products of ``_products``; their
+    operands must pass :func:`row_skipping_ok`), or ``"prefix"``: cuBLAS over the first :func:`counted_prefix` rows
+    of each compacted row chunk after an earlier call that counted ``counted_hint`` of its rows, the row-skipping
+    products past them (nothing there where this call counts no more rows than the hint).  ``observe_counted``:
+    called with the first row chunk's device-side count of counted rows and its rows."""
     tune = _launch.tuning(_TUNING)
     n, d = e.shape
     v = c.shape[0]
@@ -428,18 +364,12 @@ def backward(e, c, targets, bias, lse, grad_rows, *, softcap, ignore_index, opti
 
     every_row = grad_lse is not None or grad_entropy is not None
     counted = torch.ones_like(targets, dtype=torch.bool) if every_row else targets != ignore_index
-    row_chunk = min(n, options.backward_row_chunk or n)
+    row_chunk = min(n, row_chunk or n)
     sixteen_bit = e.dtype in (torch.bfloat16, torch.float16)
-    split_g = options.exact and sixteen_bit  # fp32 inputs: G is fp32 already
-    # Triton products (``_products``: skip the ignored rows) where the tensor-memory accelerator can read C
-    can_skip = row_skipping_ok(e, c, options)
-    triton_products = options.products == "triton" and can_skip
+    triton_products = products == "triton"
     # cuBLAS over a counted prefix of the compacted rows, the Triton products over the rest (dE in compacted order)
-    prefix = (counted_hint is not None and not triton_products and can_skip
-              and counted_prefix(counted_hint, row_chunk, tune["block_n"]) < row_chunk)
-    widen = g_block_widen(triton_products=triton_products, counted_hint=counted_hint, one_row_chunk=n <= row_chunk,
-                          split_g=split_g, block_widen=block_widen)
-    vocab_chunk = vocab_chunk_width(tune["vocab_chunk"], tune["g_block_rows"], n, row_chunk, v, widen)
+    prefix = (products == "prefix" and counted_prefix(counted_hint, row_chunk, tune["block_n"]) < row_chunk)
+    vocab_chunk = min(v, block_width)
     # 16-bit products with fp32 results where cuBLAS has them; where no such product exists (the CPU interpreter)
     # 16-bit operands are upcast.
     fp32_out = sixteen_bit and _launch.fp32_out_mm_available(device)

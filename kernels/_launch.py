@@ -21,6 +21,8 @@ from typing import Optional
 import torch
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from .. import _planning
+
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
@@ -87,11 +89,9 @@ def fp32_out_mm_available(device: torch.device) -> bool:
 
 
 # cuBLAS runs a 16-bit product several times slower when one of its dimensions is not a multiple of 8 elements,
-# whatever the leading dimensions (H100, bf16, N 8192, D 2048, V 65535 against the same products split at 65472:
-# logits E @ C^T 19.6 / 3.2 ms, dE = G @ C (inner dimension V) 15.5 / 3.1 ms, dC = G^T @ E (V rows) 4.8 / 3.6 ms;
-# V 65536 unsplit 2.9 / 2.9 / 3.2 ms). Products over a vocabulary dimension are therefore split at a multiple of
-# VOCAB_ALIGN: the aligned part at full speed and the tail (fewer than 64 entries) as a second, small product.
-VOCAB_ALIGN = 64
+# whatever the leading dimensions: products over a vocabulary dimension are split at a multiple of VOCAB_ALIGN (the
+# aligned part at full speed, the tail as a second, small product).
+VOCAB_ALIGN = _planning.VOCAB_ALIGN
 
 
 def product_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, accumulate: bool,

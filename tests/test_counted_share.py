@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import cce_inductor
-from cce_inductor import CCEOptions, _counted_share, paths
+from cce_inductor import CCEOptions, _counted_share, _planning, paths
 from tests.support.inputs import make_kernel_inputs
 
 AT_MOST = _counted_share.COUNTED_PREFIX_AT_MOST
@@ -98,7 +98,7 @@ _fresh_vocab = itertools.count(7001)  # head shapes no other test uses
 
 
 @pytest.mark.parametrize("asked, shares, every_row, products, hint", [
-    ("auto", [0.5] * 8, False, "cublas", 0.5),  # the counted prefix: cuBLAS over the low quantile's rows
+    ("auto", [0.5] * 8, False, "prefix", 0.5),  # the counted prefix: cuBLAS over the low quantile's rows
     # a moving share: the row-skipping products, their blocks widened by the 20th percentile (the light calls)
     ("auto", [0.5, 0.75, 0.25, 0.33, 0.42, 0.5, 0.58, 0.67], False, "triton", 0.33),
     ("auto", [0.25] * 8, False, "triton", 0.25),
@@ -122,16 +122,16 @@ def test_dispatch_passes_the_kernels_what_the_earlier_calls_counted(monkeypatch,
         head.observe(torch.tensor([round(100 * s)], dtype=torch.int32), 100)
     got = {}
 
-    def backward(*args, options, counted_hint, observe_counted, block_widen, **kwargs):
-        got.update(products=options.products, hint=counted_hint, observes=observe_counted is not None,
-                   block_widen=block_widen)
+    def backward(*args, products, counted_hint, observe_counted, block_width, **kwargs):
+        got.update(products=products, hint=counted_hint, observes=observe_counted is not None,
+                   block_width=block_width)
         return None, None, None
 
     def lean_widen(facts, backward_row_chunk, counted_prefix):
         got.update(widen_asked=(facts.rows, facts.hidden, facts.vocab, backward_row_chunk, counted_prefix))
         return 3
 
-    kernels = SimpleNamespace(row_skipping_ok=lambda e, c, options: True, backward=backward)
+    kernels = SimpleNamespace(row_skipping_ok=lambda e, c, exact: True, backward=backward)
     monkeypatch.setattr(_dispatch, "uses_kernels", lambda device, dtype: True)
     monkeypatch.setattr(_dispatch, "triton_kernels", lambda: kernels)
     monkeypatch.setattr(_dispatch.paths, "lean_widen", lean_widen)
@@ -142,9 +142,13 @@ def test_dispatch_passes_the_kernels_what_the_earlier_calls_counted(monkeypatch,
     assert got["products"] == products
     assert got["hint"] == (None if hint is None else pytest.approx(hint))
     assert got["observes"] == (asked == "auto" and not every_row)
-    prefix = products == "cublas" and hint is not None
+    prefix = products == "prefix"
     assert got["widen_asked"] == (4, 16, vocab, CCEOptions().backward_row_chunk, prefix)
-    assert got["block_widen"] == 3
+    # the budget's 3x of the narrow block (the interpreter's layout: no short-batch widening); the row-skipping
+    # products after an earlier call widen by at least their own ceil(0.5 / hint)
+    base = _planning.lean_layout()["block_cols"]
+    widen = max(3, _planning.row_skipping_widen(hint)) if products == "triton" and hint is not None else 3
+    assert got["block_width"] == min(vocab, base * widen)
 
 
 def test_one_record_per_head_shape():

@@ -3,7 +3,7 @@ its tolerances: ``tests/support/kernels.py``):
 
 * the ``need_*`` flags and a missing bias;
 * the backward is bitwise reproducible, and its chunking (``options.backward_row_chunk`` and the vocabulary
-  chunk, ``_backward._TUNING[...]["vocab_chunk"]``, monkeypatched) changes only rounding;
+  block, ``LEAN_LAYOUT["block_cols"]``, monkeypatched) changes only rounding;
 * rows whose target is ``ignore_index`` are skipped (whole row blocks of them too) with eager's NaN pattern;
 * with CUDA, a ``gpu`` set: real LM-head shapes, and no host synchronisation.
 """
@@ -12,13 +12,15 @@ import pytest
 import torch
 
 import cce_inductor.kernels as K
-from cce_inductor import CCEOptions, paths
+from cce_inductor import CCEOptions, _planning, paths
 from cce_inductor.kernels import _backward
 from tests.support.inputs import IGNORE, make_kernel_inputs
+from tests.support.kernels import backward as kbackward
 from tests.support.kernels import (
     DEVICES,
     LSE_TOL,
     OPTION_SETS,
+    LEAN_LAYOUT,
     TUNING_KEY,
     check_grad,
     device_ok,
@@ -62,7 +64,7 @@ def test_unaligned_vocabulary_chunks(device, v, opts, monkeypatch):
     or 1 entries): its products are split at a multiple of 64 (``_launch.product_into``) and G keeps its aligned
     pitch; the gradients meet the fp64 reference's tolerance, over one row chunk and over several."""
     device_ok(device)
-    monkeypatch.setitem(_backward._TUNING[TUNING_KEY], "vocab_chunk", 128)
+    monkeypatch.setitem(LEAN_LAYOUT, "block_cols", 128)
     e, c, targets, b = make_kernel_inputs(40, v, 16, torch.bfloat16, device, bias=True, ignore_frac=0.2)
     g = mean_grad_rows(targets)
     _, _, *want = reference(e, c, targets, b, g, 5.0)
@@ -90,8 +92,8 @@ def test_backward_is_reproducible_and_chunking_invariant(device, products, monke
 
     def grads(exact=False, row_chunk=0, sixteen=False):
         args = (e16, c16, targets, b16, lse16) if sixteen else (e, c, targets, b, lse)
-        return K.backward(*args, g, softcap=20.0, ignore_index=IGNORE,
-                          options=CCEOptions(exact=exact, products=products, backward_row_chunk=row_chunk),
+        return kbackward(*args, g, softcap=20.0, ignore_index=IGNORE,
+                          opts=CCEOptions(exact=exact, products=products, backward_row_chunk=row_chunk),
                           need_e=True, need_c=True, need_bias=True)
 
     first, second = grads(), grads()
@@ -101,10 +103,9 @@ def test_backward_is_reproducible_and_chunking_invariant(device, products, monke
     for x, y in zip(grads(True, sixteen=True), grads(True, sixteen=True)):
         assert torch.equal(x, y)
 
-    tuning = _backward._TUNING[TUNING_KEY]
-    monkeypatch.setitem(tuning, "vocab_chunk", 1 << 20)
+    monkeypatch.setitem(LEAN_LAYOUT, "block_cols", 1 << 20)
     whole = grads(row_chunk=0)
-    monkeypatch.setitem(tuning, "vocab_chunk", 33)  # narrower than a vocabulary block, not a multiple of one
+    monkeypatch.setitem(LEAN_LAYOUT, "block_cols", 33)  # narrower than a vocabulary block, not a multiple of one
     pieces = grads(row_chunk=7)
     pieces16 = {exact: grads(exact, row_chunk=7, sixteen=True) for exact in (False, True)}
     for x, y in zip(whole, pieces):
@@ -126,23 +127,23 @@ def test_short_row_chunks_get_wider_vocabulary_blocks(device, monkeypatch):
     several row chunks keep the narrow block.  The memory model (``cce_inductor.paths.lean_peak``) assumes the GPU
     tuning's widths."""
     device_ok(device)
-    assert _backward.vocab_chunk_width(48, 0, 10, 10, 1000) == 48
-    assert _backward.vocab_chunk_width(48, 64, 20, 20, 1000) == 144  # 64 // 20 = 3 blocks' width
-    assert _backward.vocab_chunk_width(48, 64, 2, 8192, 1000) == 1000  # at most V
+    def width(block_cols, block_rows, rows, row_chunk, vocab):
+        return _planning.block_width(rows, row_chunk, vocab, layout=dict(block_cols=block_cols, block_rows=block_rows))
+
+    assert width(48, 0, 10, 10, 1000) == 48
+    assert width(48, 64, 20, 20, 1000) == 144  # 64 // 20 = 3 blocks' width
+    assert width(48, 64, 2, 8192, 1000) == 1000  # at most V
     # several row chunks (backward_row_chunk set to bound memory): narrow, or dC's fp32 chunk sums would grow
-    assert _backward.vocab_chunk_width(48, 64, 20, 8, 1000) == 48
-    gpu = _backward._TUNING["gpu"]
-    assert (paths._LEAN_VOCAB_CHUNK, paths._LEAN_G_BLOCK_ROWS) == (gpu["vocab_chunk"], gpu["g_block_rows"])
+    assert width(48, 64, 20, 8, 1000) == 48
     e, c, targets, b = make_kernel_inputs(20, 170, 24, torch.float32, device, ignore_frac=0.2, bias=True, seed=3)
     g = mean_grad_rows(targets)
     lse, *_ = K.forward(e, c, targets, b, softcap=None, ignore_index=IGNORE)
-    tuning = _backward._TUNING[TUNING_KEY]
-    monkeypatch.setitem(tuning, "vocab_chunk", 32)
+    monkeypatch.setitem(LEAN_LAYOUT, "block_cols", 32)
 
     def grads(g_block_rows, row_chunk):
-        monkeypatch.setitem(tuning, "g_block_rows", g_block_rows)
-        return K.backward(e, c, targets, b, lse, g, softcap=None, ignore_index=IGNORE,
-                          options=CCEOptions(backward_row_chunk=row_chunk), need_e=True, need_c=True, need_bias=True)
+        monkeypatch.setitem(LEAN_LAYOUT, "block_rows", g_block_rows)
+        return kbackward(e, c, targets, b, lse, g, softcap=None, ignore_index=IGNORE,
+                          opts=CCEOptions(backward_row_chunk=row_chunk), need_e=True, need_c=True, need_bias=True)
 
     for row_chunk in (0, 8):
         narrow = grads(0, row_chunk)
@@ -162,8 +163,8 @@ def test_recompute_tile_groups_cover_every_tile(device, monkeypatch):
     tuning = _backward._TUNING[TUNING_KEY]
     block_v = tuning["block_v"]
     # one G block 5 vocabulary tiles wide, a short last tile: groups of 2 tiles leave a last group of 1
-    monkeypatch.setitem(tuning, "vocab_chunk", 5 * block_v)
-    monkeypatch.setitem(tuning, "g_block_rows", 0)
+    monkeypatch.setitem(LEAN_LAYOUT, "block_cols", 5 * block_v)
+    monkeypatch.setitem(LEAN_LAYOUT, "block_rows", 0)
     n, v, d = (700, 5 * 256 - 100, 64) if TUNING_KEY == "gpu" else (70, 5 * 32 - 9, 24)
     e, c, targets, b = make_kernel_inputs(n, v, d, torch.bfloat16, device, ignore_frac=0.2, bias=True, seed=11)
     targets[n // 2:] = IGNORE  # whole ignored row blocks past the counted ones
@@ -174,8 +175,8 @@ def test_recompute_tile_groups_cover_every_tile(device, monkeypatch):
 
     def grads(group_tiles, exact):
         monkeypatch.setitem(tuning, "recompute_group", group_tiles * block_v)
-        return K.backward(e, c, targets, b, lse, g, softcap=20.0, ignore_index=IGNORE,
-                          options=CCEOptions(exact=exact), need_e=True, need_c=True, need_bias=True)
+        return kbackward(e, c, targets, b, lse, g, softcap=20.0, ignore_index=IGNORE,
+                          opts=CCEOptions(exact=exact), need_e=True, need_c=True, need_bias=True)
 
     for exact in (False, True):
         ungrouped = grads(1 << 10, exact)
@@ -202,7 +203,7 @@ def test_backward_skips_ignored_rows_keeps_eager_nan_pattern(device, products):
     def grads(e_in, c_in, targets=targets, g=g):
         if products == "prefix":  # cuBLAS over a prefix shorter than the counted rows, the Triton tail the rest
             lse, *_ = K.forward(e_in, c_in, targets, b, softcap=None, ignore_index=IGNORE)
-            return K.backward(e_in, c_in, targets, b, lse, g, softcap=None, ignore_index=IGNORE, options=CCEOptions(),
+            return kbackward(e_in, c_in, targets, b, lse, g, softcap=None, ignore_index=IGNORE, opts=CCEOptions(),
                               need_e=True, need_c=True, need_bias=True, counted_hint=0.3)
         return run_kernels(e_in, c_in, targets, b, g, softcap=None, opts=CCEOptions(products=products))[2]
 
@@ -238,11 +239,11 @@ def test_products_read_only_the_g_positions_stored(device, need_bias, monkeypatc
     tuning = _backward._TUNING[TUNING_KEY]
     # several vocabulary chunks, the 4x widened blocks too: chunks one block_v wide and no small-N widening (the
     # interpreter's block_v 32: blocks of 32, 64, 128 of V 170; a GPU's 256: 256 .. 1024 of V 2600)
-    monkeypatch.setitem(tuning, "vocab_chunk", tuning["block_v"])
-    monkeypatch.setitem(tuning, "g_block_rows", 0)
+    monkeypatch.setitem(LEAN_LAYOUT, "block_cols", tuning["block_v"])
+    monkeypatch.setitem(LEAN_LAYOUT, "block_rows", 0)
     n, v, d = (300, 2600, 64) if TUNING_KEY == "gpu" else (90, 170, 24)
     e, c, targets, b = make_kernel_inputs(n, v, d, torch.float32, device, bias=True, seed=3)
-    assert _backward.vocab_chunk_width(tuning["vocab_chunk"], 0, n, n, v, widen=4) < v  # 4x: two chunks or more
+    assert _planning.block_width(n, n, v, widen=4) < v  # 4x: two chunks or more
     targets[5:n - 10] = IGNORE  # 15 counted rows: one row block counted, the others ignored only
     g = mean_grad_rows(targets)
     bias = b if need_bias else None
@@ -255,8 +256,8 @@ def test_products_read_only_the_g_positions_stored(device, need_bias, monkeypatc
             ("cublas", None, 1, 0), ("triton", None, 1, 0), ("triton", 0.1, 1, 0), ("triton", 0.3, 1, 0),
             ("cublas", 0.0, 1, 0), ("cublas", 0.1, 1, 0), ("cublas", 0.5, 1, 0), ("cublas", None, 4, 0),
             ("cublas", 0.1, 2, 0), ("cublas", 0.5, 4, 0), ("cublas", 0.1, 2, several), ("triton", 0.1, 2, several)):
-        got = K.backward(e, c, targets, bias, lse, g, softcap=None, ignore_index=IGNORE,
-                         options=CCEOptions(products=products, backward_row_chunk=row_chunk), need_e=True,
+        got = kbackward(e, c, targets, bias, lse, g, softcap=None, ignore_index=IGNORE,
+                         opts=CCEOptions(products=products, backward_row_chunk=row_chunk), need_e=True,
                          need_c=True, need_bias=need_bias, counted_hint=hint, block_widen=widen)
         for x, r in zip(got, ref):
             if r is not None:
@@ -270,16 +271,20 @@ def test_row_skipping_widen_and_block_width():
     exact mode (cuBLAS over every row or over a counted prefix, the row-skipping products: the wider of the two),
     one row chunk or several."""
     hints = (1.0, 0.5, 0.4, 1 / 3, 0.25, 0.17, 0.125, 0.1, 0.0)
-    assert [_backward.row_skipping_widen(h) for h in hints] == [1, 1, 2, 2, 2, 3, 4, 4, 4]
-    width = _backward.vocab_chunk_width
-    assert width(4096, 8192, 8192, 8192, 256000, 2) == 8192
-    assert width(4096, 8192, 4096, 8192, 256000, 2) == 16384  # a short batch's widening too
-    assert width(4096, 8192, 16384, 8192, 256000, 4) == 16384  # several row chunks: no short-batch widening
-    assert width(4096, 8192, 16384, 8192, 256000) == 4096
-    assert width(4096, 8192, 8192, 8192, 10000, 4) == 10000
+    assert [_planning.row_skipping_widen(h) for h in hints] == [1, 1, 2, 2, 2, 3, 4, 4, 4]
+    gpu = _planning.LEAN_LAYOUT["gpu"]
+
+    def width(rows, row_chunk, vocab, widen=1):
+        return _planning.block_width(rows, row_chunk, vocab, widen, gpu)
+
+    assert width(8192, 8192, 256000, 2) == 8192
+    assert width(4096, 8192, 256000, 2) == 16384  # a short batch's widening too
+    assert width(16384, 8192, 256000, 4) == 16384  # several row chunks: no short-batch widening
+    assert width(16384, 8192, 256000) == 4096
+    assert width(8192, 8192, 10000, 4) == 10000
 
     def widen(triton=False, hint=None, one=True, split=False, budget=4):
-        return _backward.g_block_widen(triton_products=triton, counted_hint=hint, one_row_chunk=one, split_g=split,
+        return _planning.g_block_widen(triton_products=triton, counted_hint=hint, one_row_chunk=one, split_g=split,
                                        block_widen=budget)
 
     # the row-skipping products: the wider of their own widening (one row chunk, after an earlier call) and the budget's
@@ -293,19 +298,20 @@ def test_row_skipping_widen_and_block_width():
     assert widen(split=True) == 1 and widen(split=True, hint=0.3) == 1  # exact mode's second block: narrow
 
 
-def test_memory_model_block_width_is_the_kernels():
-    """``paths.lean_block_width`` (the memory model, which must not import Triton) repeats the GPU tuning's
-    ``vocab_chunk_width``: the two agree on every batch size, row chunk, vocabulary and widening the model covers."""
-    gpu = _backward._TUNING["gpu"]
+def test_memory_model_block_width_is_the_plans():
+    """``paths.lean_block_width`` (the memory model) is the width the op's plan hands the kernels on a GPU
+    (``_planning.backward_plan``, cuBLAS products over every row): the two agree on every batch size, row chunk,
+    vocabulary and widening the model covers."""
+    gpu = _planning.LEAN_LAYOUT["gpu"]
     for rows in (1, 300, 2048, 4096, 8191, 8192, 8193, 16384, 40000):
         for row_chunk in (8192, 1024, 0):
             for vocab in (5000, 32000, 50257, 256000):
                 for widen in (1, 2, 4):
                     facts = paths.HeadFacts(rows=rows, hidden=64, vocab=vocab, element_size=2, kernels=True,
                                             reduction="mean", needs_grad=True)
-                    chunk = min(rows, row_chunk or rows)
-                    want = _backward.vocab_chunk_width(gpu["vocab_chunk"], gpu["g_block_rows"], rows, chunk, vocab,
-                                                       widen)
+                    plan = _planning.backward_plan(rows, vocab, torch.bfloat16, exact=False, products="cublas",
+                                                   backward_row_chunk=row_chunk, block_widen=widen, layout=gpu)
+                    want = plan.block_width
                     assert paths.lean_block_width(facts, row_chunk, widen) == want, (rows, row_chunk, vocab, widen)
 
 
@@ -393,13 +399,13 @@ def test_backward_reports_the_counted_rows_of_its_first_row_chunk(device, monkey
     e, c, targets, _ = make_kernel_inputs(48, 150, 32, torch.bfloat16, device, ignore_frac=0.5, bias=False)
     targets[:16] = 3  # the first row chunk (16 rows) counts all its rows, the rest are mixed
     seen = []
-    K.backward(e, c, targets, None, torch.zeros(48, device=device), mean_grad_rows(targets), softcap=None,
-               ignore_index=IGNORE, options=CCEOptions(backward_row_chunk=16), need_e=True, need_c=True,
+    kbackward(e, c, targets, None, torch.zeros(48, device=device), mean_grad_rows(targets), softcap=None,
+               ignore_index=IGNORE, opts=CCEOptions(backward_row_chunk=16), need_e=True, need_c=True,
                need_bias=False, observe_counted=lambda count, rows: seen.append((int(count.reshape(-1)[0]), rows)))
     assert seen == [(16, 16)]
     seen.clear()
-    K.backward(e, c, targets, None, torch.zeros(48, device=device), mean_grad_rows(targets), softcap=None,
-               ignore_index=IGNORE, options=CCEOptions(), need_e=True, need_c=True, need_bias=False,
+    kbackward(e, c, targets, None, torch.zeros(48, device=device), mean_grad_rows(targets), softcap=None,
+               ignore_index=IGNORE, opts=CCEOptions(), need_e=True, need_c=True, need_bias=False,
                observe_counted=lambda count, rows: seen.append((int(count.reshape(-1)[0]), rows)))
     assert seen == [(int((targets != IGNORE).sum()), 48)]
 
@@ -421,16 +427,16 @@ def test_counted_prefix_products_match_for_any_hint(device, monkeypatch):
     lse16, *_ = K.forward(e16, c16, targets, b16, softcap=20.0, ignore_index=IGNORE)
     _, _, *ref32 = reference(e, c, targets, b, g, 20.0)
     _, _, *ref16 = reference(e16, c16, targets, b16, g, 20.0)
-    monkeypatch.setitem(_backward._TUNING[TUNING_KEY], "vocab_chunk", 40)  # several vocabulary chunks, a short last
+    monkeypatch.setitem(LEAN_LAYOUT, "block_cols", 40)  # several vocabulary chunks, a short last
 
     def grads(hint, row_chunk, sixteen=False):
         args = (e16, c16, targets, b16, lse16) if sixteen else (e, c, targets, b, lse)
-        return K.backward(*args, g, softcap=20.0, ignore_index=IGNORE, options=CCEOptions(backward_row_chunk=row_chunk),
+        return kbackward(*args, g, softcap=20.0, ignore_index=IGNORE, opts=CCEOptions(backward_row_chunk=row_chunk),
                           need_e=True, need_c=True, need_bias=True, counted_hint=hint)
 
     # one gradient only: the other's buffers are never touched
     for need_e, need_c in ((False, True), (True, False)):
-        de, dc, db = K.backward(e, c, targets, b, lse, g, softcap=20.0, ignore_index=IGNORE, options=CCEOptions(),
+        de, dc, db = kbackward(e, c, targets, b, lse, g, softcap=20.0, ignore_index=IGNORE, opts=CCEOptions(),
                                 need_e=need_e, need_c=need_c, need_bias=True, counted_hint=0.2)
         assert (de is None) != need_e and (dc is None) != need_c
         for x, ref in zip((de, dc, db), ref32):

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 import cce_inductor.kernels as K
 from cce_inductor import CCEOptions
 from tests.support.inputs import IGNORE, make_kernel_inputs
+from tests.support.kernels import backward as kbackward
 from tests.support.kernels import (
     CASES,
     DEFAULT_TOL,
@@ -180,8 +181,8 @@ def test_label_smoothing_matches_fp64_reference(device, dtype, softcap, opts):
     torch.testing.assert_close(row_loss[valid].sum() / valid.sum(), want.detach(), rtol=1e-5, atol=1e-5)
 
     want.backward()
-    grads = K.backward(e, c, targets, b, lse, mean_grad_rows(targets), softcap=softcap, ignore_index=IGNORE,
-                       options=opts, need_e=True, need_c=True, need_bias=True, label_smoothing=eps)
+    grads = kbackward(e, c, targets, b, lse, mean_grad_rows(targets), softcap=softcap, ignore_index=IGNORE,
+                       opts=opts, need_e=True, need_c=True, need_bias=True, label_smoothing=eps)
     for got, ref in zip(grads, (e64.grad, c64.grad, b64.grad)):
         check_grad(got, ref, opts.exact and dtype != torch.float32)
 
@@ -203,7 +204,7 @@ def test_log_sum_exp_used_beyond_the_loss(device, opts):
     grad_lse = torch.rand(37, generator=torch.Generator().manual_seed(3)).to(device) * 2e-2
     row_loss = F.cross_entropy(logits, targets.cpu(), ignore_index=IGNORE, reduction="none")
     ((row_loss * grad_rows.double().cpu()).sum() + (want_lse * grad_lse.double().cpu()).sum()).backward()
-    grads = K.backward(e, c, targets, b, lse, grad_rows, softcap=15.0, ignore_index=IGNORE, options=opts,
+    grads = kbackward(e, c, targets, b, lse, grad_rows, softcap=15.0, ignore_index=IGNORE, opts=opts,
                        need_e=True, need_c=True, need_bias=True, grad_lse=grad_lse)
     for got, ref in zip(grads, (e64.grad, c64.grad, b64.grad)):
         check_grad(got, ref, opts.exact)
@@ -241,7 +242,7 @@ def test_entropy_matches_fp64_reference(device, dtype, softcap, opts):
     grad_entropy = torch.randn(37, generator=torch.Generator().manual_seed(4)).to(device) * 2e-2
     row_loss = F.cross_entropy(logits, targets.cpu(), ignore_index=IGNORE, reduction="none")
     ((row_loss * grad_rows.double().cpu()).sum() + (want_entropy * grad_entropy.double().cpu()).sum()).backward()
-    grads = K.backward(e, c, targets, b, lse, grad_rows, softcap=softcap, ignore_index=IGNORE, options=opts,
+    grads = kbackward(e, c, targets, b, lse, grad_rows, softcap=softcap, ignore_index=IGNORE, opts=opts,
                        need_e=True, need_c=True, need_bias=True, grad_entropy=grad_entropy, mean_logit=mean_logit)
     for got, ref in zip(grads, (e64.grad, c64.grad, b64.grad)):
         check_grad(got, ref, opts.exact)

@@ -22,7 +22,7 @@ import pytest
 import torch
 
 import cce_inductor.kernels as K
-from cce_inductor import CCEOptions
+from cce_inductor import CCEOptions, _planning
 
 from .compare import rel_l2
 from .inputs import IGNORE, make_kernel_inputs
@@ -35,6 +35,7 @@ LSE_TOL = 1e-5
 # the default options, the Triton products, exact mode
 OPTION_SETS = {"cublas": CCEOptions(products="cublas"), "triton": CCEOptions(products="triton"), "exact": CCEOptions(exact=True)}
 TUNING_KEY = "interpret" if K.INTERPRET else "gpu"  # the block sizes the kernels use here
+LEAN_LAYOUT = _planning.LEAN_LAYOUT[TUNING_KEY]  # the lean G block's layout here (tests monkeypatch its entries)
 
 requires_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
 
@@ -84,12 +85,31 @@ def mean_grad_rows(targets):
     return valid.float() / valid.sum().clamp(min=1).float()
 
 
+def plan_for(e, c, opts=None, *, counted_hint=None, block_widen=1):
+    """The kernels' backward plan for ``opts`` (:class:`CCEOptions`): ``products`` "auto" / "cublas" with a
+    ``counted_hint`` is the counted prefix, without one cuBLAS over every row; "triton" the row-skipping products
+    (widened by the hint where given)."""
+    opts = opts or CCEOptions()
+    products = "triton" if opts.products == "triton" else "counted_prefix" if counted_hint is not None else "cublas"
+    return _planning.backward_plan(e.shape[0], c.shape[0], e.dtype, exact=opts.exact, products=products,
+                                   backward_row_chunk=opts.backward_row_chunk, counted_hint=counted_hint,
+                                   block_widen=block_widen, row_skipping=K.row_skipping_ok(e, c, opts.exact))
+
+
+def backward(e, c, targets, bias, lse, grad_rows, *, softcap, opts=None, counted_hint=None, block_widen=1,
+             ignore_index=IGNORE, need_e=True, need_c=True, need_bias=True, **more):
+    """``K.backward`` with the plan of ``opts`` (:func:`plan_for`)."""
+    plan = plan_for(e, c, opts, counted_hint=counted_hint, block_widen=block_widen)
+    return K.backward(e, c, targets, bias, lse, grad_rows, softcap=softcap, ignore_index=ignore_index,
+                      need_e=need_e, need_c=need_c, need_bias=need_bias, **plan._asdict(), **more)
+
+
 def run_kernels(e, c, targets, bias, grad_rows, *, softcap, opts=None, ignore_index=IGNORE,
                 need_e=True, need_c=True, need_bias=True):
     """``K.forward`` then ``K.backward``: (lse, target logit, (dE, dC, dbias))."""
     lse, tgt, *_ = K.forward(e, c, targets, bias, softcap=softcap, ignore_index=ignore_index)
-    grads = K.backward(e, c, targets, bias, lse, grad_rows, softcap=softcap, ignore_index=ignore_index,
-                       options=opts or CCEOptions(), need_e=need_e, need_c=need_c, need_bias=need_bias)
+    grads = backward(e, c, targets, bias, lse, grad_rows, softcap=softcap, ignore_index=ignore_index, opts=opts,
+                     need_e=need_e, need_c=need_c, need_bias=need_bias)
     return lse, tgt, grads
 
 

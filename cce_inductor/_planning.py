@@ -1,0 +1,102 @@
+"""What the kernels are asked to do, decided before they launch: the one table of layout constants that the launch
+helpers and the memory model (``cce_inductor.paths``) share, and the lean backward's plan.
+
+The kernels (``cce_inductor.kernels``) take every decision as an explicit argument; nothing here imports Triton, so
+the memory model can read the same numbers the launches use.
+
+Lean backward (``kernels/_backward.py``): the (rows x vocabulary) plane is cut into G blocks of ``row_chunk`` rows
+and ``block_width`` columns, the vocabulary the outer loop. The block is ``block_cols`` columns wide; where all N
+rows are one row chunk shorter than ``block_rows``, as many times wider as keeps its bytes (fewer vocabulary steps,
+fewer launches); and up to ``max_widen`` times wider again where the memory budget leaves room
+(``cce_inductor.paths.lean_widen``) or where the row-skipping products would otherwise wait on the host
+(:func:`row_skipping_widen`).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import NamedTuple, Optional
+
+import torch
+
+# The lean backward's G block: "gpu" for CUDA devices, "interpret" for Triton's interpreter (the CPU tests; small
+# blocks keep them fast; block_rows 0: never widened for a short batch).
+LEAN_LAYOUT = {
+    "gpu": {"block_cols": 4096, "block_rows": 8192, "max_widen": 4},
+    "interpret": {"block_cols": 48, "block_rows": 0, "max_widen": 4},
+}
+
+# Rows of the balanced path's logits scratch, and every product over a vocabulary dimension, are padded / split at a
+# multiple of this many elements: cuBLAS runs a 16-bit product several times slower when one of its dimensions is
+# not a multiple of 8 elements, whatever the leading dimensions.
+VOCAB_ALIGN = 64
+
+
+def lean_layout(interpret: Optional[bool] = None) -> dict:
+    """The lean G block's layout constants where the kernels run (the interpreter's under ``TRITON_INTERPRET=1``)."""
+    if interpret is None:
+        interpret = os.environ.get("TRITON_INTERPRET") == "1"
+    return LEAN_LAYOUT["interpret" if interpret else "gpu"]
+
+
+def block_width(rows: int, row_chunk: int, vocab: int, widen: int = 1, layout: Optional[dict] = None) -> int:
+    """Columns of one lean G block: ``block_cols``; times ``block_rows // rows`` where all ``rows`` are one row chunk
+    (``row_chunk`` 0 or >= rows) shorter than ``block_rows`` (a block of the same bytes); times ``widen``; at most V."""
+    layout = layout or lean_layout()
+    one_chunk = not row_chunk or rows <= row_chunk
+    small = max(1, layout["block_rows"] // max(rows, 1)) if layout["block_rows"] and one_chunk else 1
+    return min(vocab, layout["block_cols"] * small * widen)
+
+
+def row_skipping_widen(counted_hint: float, max_widen: int = 4) -> int:
+    """How many times wider the row-skipping products' G block is where the earlier calls of the head counted as
+    little as ``counted_hint`` of their rows: ``ceil(0.5 / hint)``, 1 to ``max_widen``, so that a block holds at least
+    half a narrow block's counted entries (each vocabulary chunk costs the host a few launches whatever its counted
+    rows, so the calls that count fewest rows would wait on the host)."""
+    return max(1, min(max_widen, math.ceil(0.5 / max(counted_hint, 1e-6))))
+
+
+def g_block_widen(*, triton_products: bool, counted_hint: Optional[float], one_row_chunk: bool, split_g: bool,
+                  block_widen: int) -> int:
+    """How many times wider than :func:`block_width`'s base a backward's G block is: the budget's ``block_widen``
+    (``cce_inductor.paths.lean_widen``), and for the row-skipping products at least their :func:`row_skipping_widen`
+    after an earlier call's ``counted_hint`` (one row chunk only: several keep the budget's block, or their dC sums
+    would grow); 1 in exact mode (its second block is not in the budget's model)."""
+    if triton_products:
+        skipping = row_skipping_widen(counted_hint) if counted_hint is not None and one_row_chunk else 1
+        return max(skipping, block_widen)
+    return 1 if split_g else block_widen
+
+
+class BackwardPlan(NamedTuple):
+    """The lean backward's decisions, handed to ``kernels.backward`` as its keyword arguments."""
+
+    row_chunk: int  # rows per G block (all rows: N)
+    block_width: int  # columns per G block
+    split_g: bool  # exact mode on 16-bit operands: G and the remainder of its rounding, two products each
+    products: str  # "cublas" (every row), "triton" (row-skipping kernels), "prefix" (cuBLAS over a counted prefix)
+    counted_hint: Optional[float]  # an earlier call's share of counted rows (sizes the prefix), or None
+
+
+def backward_plan(rows: int, vocab: int, dtype: torch.dtype, *, exact: bool, products: str, backward_row_chunk: int,
+                  counted_hint: Optional[float] = None, block_widen: int = 1, row_skipping: bool = True,
+                  layout: Optional[dict] = None) -> BackwardPlan:
+    """The lean backward's plan for ``rows`` x ``vocab``. ``products``: ``"cublas"``, ``"triton"`` or
+    ``"counted_prefix"`` (as decided per call by ``cce_inductor._counted_share``); ``row_skipping``: whether the
+    row-skipping kernels can read these operands (``kernels.row_skipping_ok``; else cuBLAS runs). ``counted_hint``
+    sizes the counted prefix, or (row-skipping products) widens a single row chunk's block. ``block_widen``: the
+    budget's widening (``cce_inductor.paths.lean_widen``)."""
+    row_chunk = min(rows, backward_row_chunk or rows) if rows else 0
+    split_g = exact and dtype in (torch.bfloat16, torch.float16)  # fp32 inputs: G is fp32 already
+    if split_g or not row_skipping:
+        kind = "cublas"
+    else:
+        kind = {"counted_prefix": "prefix"}.get(products, products)
+    hint = counted_hint if kind in ("triton", "prefix") else None
+    if kind == "prefix" and hint is None:
+        kind = "cublas"
+    widen = g_block_widen(triton_products=kind == "triton", counted_hint=hint, one_row_chunk=rows <= row_chunk,
+                          split_g=split_g, block_widen=block_widen)
+    width = block_width(rows, row_chunk, vocab, widen, layout)
+    return BackwardPlan(row_chunk, width, split_g, kind, hint)
