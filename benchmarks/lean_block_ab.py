@@ -1,24 +1,28 @@
-# The lean backward's G block, A/B in one process per call (v32 / v33 / v34, H200, 2026-11-28): interleaved rounds of
-# each variant with torch.compile's fwd+bwd beside it (its own function, a fresh Dynamo state per cell); bf16, LM-like
-# data, IGNORE % of the targets ignored (default 0); ms = median of the rounds (each triton do_bench, rep 300 ms), MB
-# above the inputs.
-#   MODE=tiles  the lean path called directly; CONFIGS = vocab_chunk:recompute_group pairs (_TUNING patched, the
-#               budget's widening off); recompute_group 1048576 = one group over the block, the order before v33.
-#               v32's width A/B: CONFIGS=4096:1048576,8192:1048576,16384:1048576 (it ran with rep 60).
-#               ..._lean-wider-still-ab_v33.log ran with the widening still on: its widths were 4x those named.
-#   MODE=widen  the default through the op, paths.lean_widen as decided against it forced to 1; CELLS = head:N.
-#               With IGNORE >= 10 the op's later calls take the counted-prefix products, whose widening (v34) is
-#               decided with their fp32 dC sums counted (>= 60% ignored, or >= 40% with SPREAD: the row-skipping
-#               products); SPREAD = S runs vocab_grid's 8 target sets, IGNORE +- S %, in each timed run (ms per set);
-#               WIDENS=1,2,4 forces those widths instead; PEERS=trl adds TRL 1.16's head (vocab_grid's, on the valid
-#               rows) to each round.
-# Usage: MODE=tiles HEADS=gemma2,llama3 CONFIGS=4096:4096,16384:4096 python benchmarks/results/<this file>
-#        MODE=widen IGNORE=50 WIDENS=1,2,4 PEERS=trl CELLS=gemma2:8192 python benchmarks/results/<this file>
+"""The lean backward's G block, A/B in one process per call: interleaved rounds of each variant with torch.compile's
+fwd+bwd beside it (its own function, a fresh Dynamo state per cell); bf16, LM-like data (vocab_grid's), IGNORE % of
+the targets ignored (default 0); ms = median of the rounds (each a triton do_bench of rep 300 ms), MB above the
+inputs. CUDA only.
+
+    MODE=tiles  the lean path called directly; CONFIGS = vocab_chunk:recompute_group pairs (the kernels' _TUNING
+                patched, the budget's widening off); recompute_group 1048576 = one group over the whole block (the
+                recompute's tiles without column groups). HEADS (vocab_grid's names), N.
+    MODE=widen  the default through the op, paths.lean_widen as decided against it forced to 1; CELLS = head:N.
+                With IGNORE >= 10 the op's later calls take the counted-prefix products, whose widening is decided
+                with their fp32 dC sums counted (>= 60% ignored, or >= 40% with SPREAD: the row-skipping products);
+                SPREAD = S runs vocab_grid's 8 target sets, IGNORE +- S %, in each timed run (ms per set);
+                WIDENS=1,2,4 forces those widths instead; PEERS=trl adds TRL's head (vocab_grid's, on the valid rows)
+                to each round.
+    ROUNDS      interleaved rounds (default 3).
+
+Usage: MODE=tiles HEADS=gemma2,llama3 CONFIGS=4096:4096,16384:4096 python benchmarks/lean_block_ab.py
+       MODE=widen IGNORE=50 WIDENS=1,2,4 PEERS=trl CELLS=gemma2:8192 python benchmarks/lean_block_ab.py
+"""
 import os
 import statistics
 import sys
 
-sys.path[:0] = ["benchmarks", "."]
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [HERE, os.path.dirname(HERE)]
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 import triton  # noqa: E402
@@ -37,6 +41,7 @@ SPREAD = float(os.environ.get("SPREAD", "0"))  # > 0: a timed run takes vocab_gr
 # alone (cce_inductor/_counted_share.py)
 PREFIX = 10 <= IGNORE < (40 if SPREAD > 10 else 60)
 TUNE = B._TUNING["gpu"]
+TUNED = (TUNE["vocab_chunk"], TUNE["recompute_group"])
 LEAN_WIDEN = paths.lean_widen
 
 
@@ -65,7 +70,7 @@ def widen_variants(facts):
 
 
 def reset():
-    TUNE["vocab_chunk"], TUNE["recompute_group"] = 4096, 4096
+    TUNE["vocab_chunk"], TUNE["recompute_group"] = TUNED
     paths.lean_widen = LEAN_WIDEN
 
 

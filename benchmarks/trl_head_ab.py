@@ -1,14 +1,18 @@
-# TRL 1.16's fused head against cce_inductor's adapter (integrations.trl.log_probs, what install() puts in its place),
-# head alone, the outputs TRL's SFTTrainer asks for (log_probs, entropy, is_top1), loss -log_probs.mean(), fwd+bwd;
-# v34, H200, 2026-11-28. bf16, LM-like data (vocab_grid's), every row labelled (TRL scores labelled rows only; its
-# trainer hands it those), three interleaved rounds per head in one process, ms = median of the rounds (each triton
-# do_bench, rep 300 ms), MB above the inputs.
-# Usage: HEADS=qwen25-0.5b,llama32-1b N=8192 python benchmarks/results/<this file>
+"""TRL's fused head (``trl.kernels.chunked_logprob.ChunkedLogProbFunction``) against cce_inductor's adapter
+(``integrations.trl.log_probs``, what ``install()`` puts in its place), the head alone: the outputs TRL's
+``SFTTrainer`` asks for (log_probs, entropy, is_top1), loss ``-log_probs.mean()``, fwd+bwd. bf16, LM-like data
+(vocab_grid's), every row labelled (TRL scores labelled rows only; its trainer hands it those), three interleaved
+rounds per head in one process; ms = median of the rounds (each a triton do_bench of rep 300 ms), MB above the
+inputs, dE / dC of the adapter against TRL's. CUDA and TRL only.
+
+Usage: HEADS=qwen25-0.5b,llama32-1b N=8192 python benchmarks/trl_head_ab.py
+"""
 import os
 import statistics
 import sys
 
-sys.path[:0] = ["benchmarks", "."]
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [HERE, os.path.dirname(HERE)]
 import torch  # noqa: E402
 import triton  # noqa: E402
 
