@@ -24,7 +24,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [HERE, os.path.dirname(HERE)]
 import _common as C  # noqa: E402  (benchmarks/ on the path first)
 
-from cce_inductor import CCEOptions  # noqa: E402
+from cce_inductor import _planning  # noqa: E402
 from cce_inductor.kernels import _backward, _forward, _launch  # noqa: E402
 
 
@@ -62,7 +62,6 @@ def main():
     }
     tuning = _backward._TUNING["gpu"]
     saved = dict(tuning)
-    tuning["g_block_rows"] = 0  # 4096-wide chunks: V / 4096 vocabulary steps
     for tma in (True, False):
         tuning["tma"] = tma
         for v in (4096 * 4, 4096 * 16):
@@ -71,9 +70,12 @@ def main():
             t = torch.randint(0, v, (128,), device=dev)
             lse, *_ = _forward.forward(e, c, t, None, softcap=None, ignore_index=-100)
             g = torch.full((128,), 1 / 128, device=dev)
+            # 4096-wide blocks (no short-batch widening): V / 4096 vocabulary steps
+            plan = _planning.BackwardPlan(row_chunk=128, block_width=4096, split_g=False, products="cublas",
+                                          counted_hint=None)
             r[f"backward {v // 4096} chunks tma={tma}"] = host_us(lambda: _backward.backward(
-                e, c, t, None, lse, g, softcap=None, ignore_index=-100, options=CCEOptions(), need_e=True,
-                need_c=True, need_bias=False), reps=30)
+                e, c, t, None, lse, g, softcap=None, ignore_index=-100, need_e=True, need_c=True, need_bias=False,
+                **plan._asdict()), reps=30)
             r[f"forward V {v} tma={tma}"] = host_us(
                 lambda: _forward.forward(e, c, t, None, softcap=None, ignore_index=-100), reps=30)
     tuning.update(saved)

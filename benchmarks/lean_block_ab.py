@@ -30,7 +30,7 @@ import triton  # noqa: E402
 import cce_inductor  # noqa: E402
 import _common as C  # noqa: E402
 import vocab_grid as G  # noqa: E402
-from cce_inductor import paths  # noqa: E402
+from cce_inductor import _planning, paths  # noqa: E402
 from cce_inductor.kernels import _backward as B  # noqa: E402
 
 MODE = os.environ.get("MODE", "tiles")
@@ -41,7 +41,8 @@ SPREAD = float(os.environ.get("SPREAD", "0"))  # > 0: a timed run takes vocab_gr
 # alone (cce_inductor/_counted_share.py)
 PREFIX = 10 <= IGNORE < (40 if SPREAD > 10 else 60)
 TUNE = B._TUNING["gpu"]
-TUNED = (TUNE["vocab_chunk"], TUNE["recompute_group"])
+LAYOUT = _planning.LEAN_LAYOUT["gpu"]
+TUNED = (LAYOUT["block_cols"], TUNE["recompute_group"])
 LEAN_WIDEN = paths.lean_widen
 
 
@@ -51,7 +52,7 @@ def tile_variants():
     out = []
     for w, g in (tuple(int(x) for x in p.split(":")) for p in pairs):
         def setup(w=w, g=g):
-            TUNE["vocab_chunk"], TUNE["recompute_group"] = w, g
+            LAYOUT["block_cols"], TUNE["recompute_group"] = w, g
             paths.lean_widen = lambda *a, **k: 1
         out.append((f"w{w}/g{g}", setup))
     return out
@@ -70,7 +71,7 @@ def widen_variants(facts):
 
 
 def reset():
-    TUNE["vocab_chunk"], TUNE["recompute_group"] = TUNED
+    LAYOUT["block_cols"], TUNE["recompute_group"] = TUNED
     paths.lean_widen = LEAN_WIDEN
 
 
