@@ -22,8 +22,11 @@ def check_targets_dtype(targets: Tensor) -> None:
         )
 
 
-def check_inputs(e: Tensor, c: Tensor, targets: Tensor, bias: Optional[Tensor]) -> None:
-    """Shape, dtype and device checks shared by the real and the fake implementations."""
+def check_inputs(e: Tensor, c: Tensor, targets: Tensor, bias: Optional[Tensor],
+                 compute_dtype: Optional[torch.dtype] = None) -> None:
+    """Shape, dtype and device checks shared by the real and the fake implementations. ``compute_dtype`` (autocast:
+    the products' dtype): e, c and bias may then each have any supported floating dtype, each cast to it first, as
+    autocast's ``F.linear`` casts them; without it they must share one dtype."""
     if e.dim() != 2 or c.dim() != 2:
         raise ValueError(f"expected e of shape (N, D) and c of shape (V, D), got {tuple(e.shape)} and {tuple(c.shape)}")
     torch._check_value(
@@ -37,12 +40,17 @@ def check_inputs(e: Tensor, c: Tensor, targets: Tensor, bias: Optional[Tensor]) 
         lambda: f"targets has {targets.shape[0]} entries but e has {e.shape[0]} rows",
     )
     check_targets_dtype(targets)
-    if e.dtype not in SUPPORTED_DTYPES:
-        raise TypeError(f"unsupported dtype {e.dtype}; expected one of {SUPPORTED_DTYPES}")
     tensors = [("c", c)] + ([] if bias is None else [("bias", bias)])
-    for name, tensor in tensors:
-        if tensor.dtype != e.dtype:
-            raise TypeError(f"{name} has dtype {tensor.dtype} but e has {e.dtype}; they must match")
+    if compute_dtype is not None:
+        for name, tensor in [("compute_dtype", torch.empty(0, dtype=compute_dtype)), ("e", e)] + tensors:
+            if tensor.dtype not in SUPPORTED_DTYPES:
+                raise TypeError(f"unsupported dtype {tensor.dtype} of {name}; expected one of {SUPPORTED_DTYPES}")
+    else:
+        if e.dtype not in SUPPORTED_DTYPES:
+            raise TypeError(f"unsupported dtype {e.dtype}; expected one of {SUPPORTED_DTYPES}")
+        for name, tensor in tensors:
+            if tensor.dtype != e.dtype:
+                raise TypeError(f"{name} has dtype {tensor.dtype} but e has {e.dtype}; they must match")
     for name, tensor in tensors + [("targets", targets)]:
         if tensor.device != e.device:
             raise ValueError(f"{name} is on {tensor.device} but e is on {e.device}")
@@ -88,6 +96,21 @@ def check_public_args(e: Tensor, c: Tensor, targets: Tensor, *, softcap: Optiona
     check_targets_dtype(targets)
     if tuple(targets.shape) != tuple(e.shape[:-1]):
         raise ValueError(f"targets must have shape {tuple(e.shape[:-1])} (e's leading dims), got {tuple(targets.shape)}")
+
+
+_AUTOCAST_ELIGIBLE = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def autocast_dtype(*tensors: Optional[Tensor]) -> Optional[torch.dtype]:
+    """Under autocast, the dtype ``F.linear`` would cast these (floating, not fp64) tensors to, where one of them is
+    not already in it; else None."""
+    device_type = next(t for t in tensors if t is not None).device.type
+    if not torch.is_autocast_enabled(device_type):
+        return None
+    dtype = torch.get_autocast_dtype(device_type)
+    if any(t is not None and t.dtype in _AUTOCAST_ELIGIBLE and t.dtype != dtype for t in tensors):
+        return dtype
+    return None
 
 
 def autocast_inputs(e: Tensor, c: Tensor, bias: Optional[Tensor]):

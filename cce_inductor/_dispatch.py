@@ -164,11 +164,13 @@ def forward(e: Tensor, c: Tensor, targets: Tensor, bias: Optional[Tensor], *, so
 def backward(e: Tensor, c: Tensor, targets: Tensor, bias: Optional[Tensor], lse: Tensor, grad_rows: Tensor, *,
              softcap: Optional[float], ignore_index: int, options, need_e: bool, need_c: bool, need_bias: bool,
              label_smoothing: float = 0.0, grad_lse: Optional[Tensor] = None, grad_entropy: Optional[Tensor] = None,
-             mean_logit: Optional[Tensor] = None):
-    """``(dE | None, dC | None, dbias | None)`` in the inputs' dtypes; ``grad_rows`` is 0 at ignored rows;
+             mean_logit: Optional[Tensor] = None, grad_dtypes: Optional[tuple] = None):
+    """``(dE | None, dC | None, dbias | None)``, in the inputs' dtypes or ``grad_dtypes`` (dE's, dC's, dbias's: the
+    stored inputs' where e / c / bias are their copies in autocast's dtype); ``grad_rows`` is 0 at ignored rows;
     ``options`` a :class:`cce_inductor.CCEOptions` (``exact``, ``products``, ``backward_row_chunk``): the kernels'
     plan is made from them here (:func:`cce_inductor._planning.backward_plan`); ``products="auto"`` is decided per
     call, from the share of rows an earlier call of this head counted (:mod:`cce_inductor._counted_share`)."""
+    de_dtype, dc_dtype, db_dtype = grad_dtypes or (e.dtype, c.dtype, None if bias is None else bias.dtype)
     if uses_kernels(e.device, e.dtype) and e.shape[0] > 0:
         kernels = triton_kernels()
         share = _counted_share.of_head(e.device, c.shape[0], c.shape[1])
@@ -190,32 +192,47 @@ def backward(e: Tensor, c: Tensor, targets: Tensor, bias: Optional[Tensor], lse:
             backward_row_chunk=options.backward_row_chunk, counted_hint=hint, row_skipping=can_skip,
             block_widen=paths.lean_widen(facts, options.backward_row_chunk, prefix),
         )
-        return kernels.backward(
+        grads = kernels.backward(
             e, c, targets, bias, lse.float(), grad_rows.float(), softcap=softcap, ignore_index=ignore_index,
             need_e=need_e, need_c=need_c, need_bias=need_bias, label_smoothing=label_smoothing, grad_lse=grad_lse,
             grad_entropy=grad_entropy, mean_logit=mean_logit, **plan._asdict(),
             observe_counted=share.observe if options.products == "auto" and not every_row else None,
+            de_dtype=de_dtype, dc_dtype=dc_dtype,
         )
-    return _chunked.backward(
-        e, c, targets, bias, lse, grad_rows, softcap=softcap, need_e=need_e, need_c=need_c, need_bias=need_bias,
-        label_smoothing=label_smoothing, grad_lse=grad_lse, grad_entropy=grad_entropy, mean_logit=mean_logit,
-    )
+    else:
+        # (fp32 stored inputs: the accumulation dtype's gradients are theirs, with no 16-bit rounding between)
+        wide = any(dtype is not None and dtype.itemsize > e.dtype.itemsize for dtype in (de_dtype, dc_dtype, db_dtype))
+        grads = _chunked.backward(
+            e, c, targets, bias, lse, grad_rows, softcap=softcap, need_e=need_e, need_c=need_c, need_bias=need_bias,
+            label_smoothing=label_smoothing, grad_lse=grad_lse, grad_entropy=grad_entropy, mean_logit=mean_logit,
+            in_accumulation_dtype=wide,
+        )
+    return tuple(None if grad is None else grad.to(dtype)
+                 for grad, dtype in zip(grads, (de_dtype, dc_dtype, db_dtype)))  # fmt: skip
 
 
 def loss_and_grads(e: Tensor, c: Tensor, targets: Tensor, bias: Optional[Tensor], *, softcap: Optional[float],
                    ignore_index: int, reduction: str, label_smoothing: float, scratch_bytes: int, need_e: bool,
-                   need_c: bool, need_bias: bool):
-    """The balanced path: ``(loss, dE | None, dC | None, dbias | None)`` of a "mean" / "sum" loss, the gradients
-    those of the loss itself (upstream gradient 1) in the accumulation dtype. The kernels go through row chunks of
-    logits in a scratch of ``scratch_bytes``; the chunked path runs its forward and backward back to back. Targets
-    outside ``[0, V)`` that are not ``ignore_index`` fail as in eager (:func:`check_target_range`)."""
-    if uses_kernels(e.device, e.dtype):
+                   need_c: bool, need_bias: bool, compute_dtype: Optional[torch.dtype] = None):
+    """The balanced path: ``(loss, dE, dC, dbias, dE_lo, dC_lo)`` of a "mean" / "sum" loss, the gradients those of
+    the loss itself (upstream gradient 1), each in its input's dtype as ``kernels.loss_and_grads`` returns them (an
+    fp32 gradient whole, a 16-bit one as a pair; dbias in fp32; None where not asked for). The kernels go through row
+    chunks of logits in a scratch of ``scratch_bytes``; the chunked path runs its forward and backward back to back
+    in the accumulation dtype and splits the result the same way. Targets outside ``[0, V)`` that are not
+    ``ignore_index`` fail as in eager (:func:`check_target_range`). ``compute_dtype``: the products' dtype where it is
+    not the inputs' (autocast)."""
+    dtype = compute_dtype or e.dtype
+    if uses_kernels(e.device, dtype):
         return tuple(triton_kernels().loss_and_grads(
             e, c, targets, bias, softcap=softcap, ignore_index=ignore_index, reduction=reduction,
             label_smoothing=label_smoothing, need_e=need_e, need_c=need_c, need_bias=need_bias, check_range=True,
-            chunk_rows=paths.chunk_rows(scratch_bytes, c.shape[0], e.element_size(), e.shape[0]),
+            compute_dtype=compute_dtype,
+            chunk_rows=paths.chunk_rows(scratch_bytes, c.shape[0], dtype.itemsize, e.shape[0]),
         ))
     _checks.check_target_range(targets, c.shape[0], ignore_index)
+    stored = (e.dtype, c.dtype)
+    if compute_dtype is not None:  # autocast's casts, as F.linear makes them
+        e, c, bias = (None if x is None else x.to(compute_dtype) for x in (e, c, bias))
     acc = _chunked.accumulation_dtype(e.dtype)
     lse, target_logit, logit_sum, _ = _chunked.forward(
         e, c, targets, bias, softcap=softcap, ignore_index=ignore_index, logit_sum=label_smoothing != 0.0
@@ -224,8 +241,20 @@ def loss_and_grads(e: Tensor, c: Tensor, targets: Tensor, bias: Optional[Tensor]
     row_loss = _loss.row_losses(lse, target_logit, logit_sum, valid, label_smoothing, c.shape[0], acc)
     loss = _loss.reduce_rows(row_loss, valid, reduction)
     grad_rows = _loss.grad_rows(torch.ones((), dtype=acc, device=e.device), valid, reduction, acc)
-    grads = _chunked.backward(
+    grad_e, grad_c, grad_bias = _chunked.backward(
         e, c, targets, bias, lse, grad_rows, softcap=softcap, need_e=need_e, need_c=need_c, need_bias=need_bias,
         label_smoothing=label_smoothing, in_accumulation_dtype=True,
     )
-    return (loss, *grads)
+    (grad_e, grad_e_lo), (grad_c, grad_c_lo) = (_as_stored(grad, dtype) for grad, dtype in zip((grad_e, grad_c), stored))
+    return loss, grad_e, grad_c, grad_bias, grad_e_lo, grad_c_lo
+
+
+def _as_stored(grad: Optional[Tensor], dtype: torch.dtype) -> tuple[Optional[Tensor], Optional[Tensor]]:
+    """A gradient summed in the accumulation dtype as the balanced op returns it in ``dtype``: as it is in fp32 /
+    fp64 (rounded to fp32 from fp64 only where stored in fp32), a 16-bit pair ``(round(x), round(x - round(x)))``."""
+    if grad is None:
+        return None, None
+    if dtype.itemsize >= 4:
+        return grad.to(dtype), None
+    hi = grad.to(dtype)
+    return hi, (grad - hi.to(grad.dtype)).to(dtype)

@@ -1,25 +1,35 @@
-"""The fused linear-cross-entropy op: ``torch.ops.cce_inductor.linear_cross_entropy`` and its backward.
+"""The fused linear-cross-entropy ops, and one keyword-argument helper per op that every caller uses.
 
     loss = cross_entropy(softcap(e @ c.T + bias), targets, ignore_index=..., reduction=..., label_smoothing=...)
     lse = logsumexp(logits, -1),   entropy = -(softmax(logits) * log_softmax(logits)).sum(-1)   (when asked for)
 
-computed without materialising the ``N x V`` logits. Both ops are ``torch.library.custom_op``s, so Inductor
-keeps each as one opaque call; the backward is a second custom op traced into the joint graph by
-``register_autograd``. On CUDA (with Triton) they run the kernels in ``cce_inductor.kernels``; everywhere else
-the chunked PyTorch path in ``cce_inductor._chunked``. The user's options reach them as one string argument,
-``CCEOptions.encode()``.
+computed without materialising the ``N x V`` logits. The ops are ``torch.library.custom_op``s, so Inductor keeps
+each as one opaque call:
 
-The balanced path (``CCEOptions.scratch_mb > 0``; mean / sum losses whose head needs gradients) is a third op,
-``cce_inductor::linear_cross_entropy_with_grads``: it returns the loss with its own gradients, and its autograd
-formula is ``grad_loss * saved`` in plain aten, which Inductor fuses into the compiled backward.
+* ``cce_inductor::linear_cross_entropy`` (the lean path): the loss, each row's log-sum-exp and, where asked for,
+  each row's entropy and argmax, with ``F.cross_entropy``'s class weights where given; its backward is a second
+  custom op, ``linear_cross_entropy_backward``, traced into the joint graph by ``register_autograd``;
+* ``cce_inductor::linear_cross_entropy_with_grads`` (the balanced path, mean / sum losses whose head needs
+  gradients): the loss with its own gradients; its autograd formula scales them by the loss's upstream gradient in
+  plain aten, which Inductor fuses into the compiled backward and writes in place.
 
-Public entry point: :func:`linear_cross_entropy` (shape handling, autocast, argument checks).
+On CUDA (with Triton) they run the kernels in ``cce_inductor.kernels``; everywhere else the chunked PyTorch path in
+``cce_inductor._chunked``. The user's options reach them as one string argument, ``CCEOptions.encode()``.
+
+``compute_dtype`` (both ops): the dtype the products run in where it is not the inputs' own: under autocast an fp32
+head (and fp32 hidden states) computes as ``F.linear`` would, in the autocast dtype, but the ops take the inputs
+as they are, convert them for the call only (no 16-bit copy of the head is held from the forward to the backward)
+and return each gradient in its input's dtype (an fp32 weight's gradient is summed in fp32, not rounded to 16 bits).
+
+Callers build a call with :func:`lean_call` / :func:`balanced_call` (keywords, defaults left out of the graph), then
+run it eagerly (``call()``) or put it in a graph (``call.emit(graph)``). Public entry point:
+:func:`linear_cross_entropy` (shape handling, autocast, argument checks).
 """
 
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import Any, NamedTuple, Optional
 
 import torch
 from torch import Tensor
@@ -28,6 +38,34 @@ from . import _checks, _chunked, _dispatch, _loss, diagnostics, paths
 from .options import CCEOptions
 
 __all__ = ["linear_cross_entropy"]
+
+
+class OpCall(NamedTuple):
+    """One call of a fused op: the op and its arguments in schema order, with arguments at their defaults left out
+    (so a graph shows only what a site sets)."""
+
+    op: Any
+    args: tuple
+    kwargs: dict
+
+    def __call__(self):
+        return self.op(*self.args, **self.kwargs)
+
+    def emit(self, graph: torch.fx.Graph) -> torch.fx.Node:
+        return graph.call_function(self.op, self.args, self.kwargs)
+
+
+def _set(**optional) -> dict:
+    """The keyword arguments that differ from their defaults (None, "", False)."""
+    return {name: value for name, value in optional.items() if value is not None and value != "" and value is not False}
+
+
+# --------------------------------------------------------------------------------------------------------------
+# The lean path
+# --------------------------------------------------------------------------------------------------------------
+
+_ARGMAX_ROUNDING = {"": None, "float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16,
+                    "float16": torch.float16}  # fmt: skip
 
 
 @torch.library.custom_op("cce_inductor::linear_cross_entropy", mutates_args=())
@@ -43,38 +81,78 @@ def linear_cross_entropy_op(
     options: str,
     full_lse: bool,
     entropy: bool,
-) -> tuple[Tensor, Tensor, Tensor]:
-    """Returns ``(loss, lse, entropy)``: the reduced loss, the per-row log-sum-exp (what the backward needs) and
-    the per-row entropy of the softmax (an empty tensor unless ``entropy``).
+    class_weights: Optional[Tensor] = None,
+    argmax: str = "",
+    compute_dtype: Optional[torch.dtype] = None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Returns ``(loss, lse, entropy, argmax)``: the reduced loss, the per-row log-sum-exp (what the backward
+    needs), the per-row entropy of the softmax (empty unless ``entropy``) and each row's argmax (empty unless
+    ``argmax``).
 
     With label smoothing eps (as ``F.cross_entropy``): ``row_loss = lse - (1 - eps) * target_logit - eps / V *
     sum_v logits``, the last sum coming out of the same forward pass. ``full_lse``: the graph uses ``lse`` beyond the
     loss (a z-loss): it is computed for every row, ignored ones included, and is differentiable. ``entropy``: every
-    row's ``lse - sum_v softmax_v logits_v``, from the same forward pass, differentiable."""
+    row's ``lse - sum_v softmax_v logits_v``, from the same forward pass, differentiable. ``class_weights`` (V,):
+    each counted row's loss is scaled by its target's weight, and a mean divides by the sum of those weights (eager's
+    semantics; not with label smoothing: eager's weighted smoothing is another formula). ``argmax``: "" for none, else
+    the dtype whose rounding the logits get before the comparison (the dtype eager's logits have: 16-bit logits tie
+    where their fp32 sums differ): each row's argmax, int64, ``torch.argmax``'s ties, every row computed.
+    ``compute_dtype``: module docstring."""
     diagnostics.count_execution("linear_cross_entropy")
-    # Autocast already did its work on the inputs (the public wrapper casts them as F.linear would); inside,
-    # the chunked path's matmuls must run in the accumulation dtype, not be downcast again.
+    if class_weights is not None and label_smoothing != 0.0:
+        raise ValueError("linear_cross_entropy: class weights with label_smoothing are not supported")
+    if argmax not in _ARGMAX_ROUNDING:
+        raise ValueError(f"argmax must be one of {sorted(_ARGMAX_ROUNDING)}, got {argmax!r}")
+    # Autocast already did its work on the inputs (the public wrapper casts them as F.linear would, or the pass
+    # names compute_dtype); inside, the chunked path's matmuls must run in the accumulation dtype.
     with torch.autocast(e.device.type, enabled=False):
-        _checks.check_inputs(e, c, targets, bias)
+        _checks.check_inputs(e, c, targets, bias, compute_dtype)
+        _checks.check_class_weights(class_weights, c)
+        e, c, bias = _in_compute_dtype(e, c, bias, compute_dtype)
         _dispatch.check_target_range(e, targets, c.shape[0], ignore_index)
         acc = _chunked.accumulation_dtype(e.dtype)
+        argmax_out = torch.empty(e.shape[0] if argmax else 0, dtype=torch.int64, device=e.device)
         lse, target_logit, logit_sum, mean_logit = _dispatch.forward(
             e, c, targets, bias, softcap=softcap, ignore_index=ignore_index, logit_sum=label_smoothing != 0.0,
-            mean_logit=entropy, every_row=full_lse or entropy,
+            mean_logit=entropy, every_row=full_lse or entropy or bool(argmax),
+            argmax_out=argmax_out if argmax else None, argmax_round=_ARGMAX_ROUNDING[argmax],
         )
         valid = targets != ignore_index
         row_loss = _loss.row_losses(lse, target_logit, logit_sum, valid, label_smoothing, c.shape[0], acc)
         row_entropy = lse - mean_logit if entropy else lse.new_empty(0)
-        return _loss.reduce_rows(row_loss, valid, reduction), lse, row_entropy
+        loss = _loss.reduce_rows(row_loss, valid, reduction, _loss.row_weights(class_weights, targets, valid, acc))
+        return loss, lse, row_entropy, argmax_out
 
 
 @linear_cross_entropy_op.register_fake
-def _(e, c, targets, bias, softcap, ignore_index, reduction, label_smoothing, options, full_lse, entropy):
-    _checks.check_inputs(e, c, targets, bias)
+def _(e, c, targets, bias, softcap, ignore_index, reduction, label_smoothing, options, full_lse, entropy,
+      class_weights=None, argmax="", compute_dtype=None):
+    _checks.check_inputs(e, c, targets, bias, compute_dtype)
+    _checks.check_class_weights(class_weights, c)
+    dtype = compute_dtype or e.dtype
     n_rows = e.shape[0]
-    loss = e.new_empty((n_rows,) if reduction == "none" else (), dtype=_chunked.accumulation_dtype(e.dtype))
-    row_dtype = _dispatch.lse_dtype(e.device, e.dtype)
-    return loss, e.new_empty((n_rows,), dtype=row_dtype), e.new_empty((n_rows if entropy else 0,), dtype=row_dtype)
+    loss = e.new_empty((n_rows,) if reduction == "none" else (), dtype=_chunked.accumulation_dtype(dtype))
+    row_dtype = _dispatch.lse_dtype(e.device, dtype)
+    return (loss, e.new_empty((n_rows,), dtype=row_dtype), e.new_empty((n_rows if entropy else 0,), dtype=row_dtype),
+            e.new_empty((n_rows if argmax else 0,), dtype=torch.int64))  # fmt: skip
+
+
+def _in_compute_dtype(e: Tensor, c: Tensor, bias: Optional[Tensor], compute_dtype: Optional[torch.dtype]):
+    """The operands in the products' dtype, converted for this call only (autocast's ``F.linear`` casts)."""
+    if compute_dtype is None:
+        return e, c, bias
+    return tuple(None if x is None else x.to(compute_dtype) for x in (e, c, bias))
+
+
+def lean_call(e, c, targets, bias=None, *, softcap: Optional[float] = None, ignore_index: int = -100,
+              reduction: str = "mean", label_smoothing: float = 0.0, options: str, full_lse: bool = False,
+              entropy: bool = False, class_weights=None, argmax: str = "",
+              compute_dtype: Optional[torch.dtype] = None) -> OpCall:
+    """A call of ``linear_cross_entropy`` (its docstring has the arguments); ``e``, ``c``, ``targets``, ``bias``
+    may be tensors or graph nodes."""
+    return OpCall(torch.ops.cce_inductor.linear_cross_entropy.default,
+                  (e, c, targets, bias, softcap, ignore_index, reduction, label_smoothing, options, full_lse, entropy),
+                  _set(class_weights=class_weights, argmax=argmax, compute_dtype=compute_dtype))
 
 
 @torch.library.custom_op("cce_inductor::linear_cross_entropy_backward", mutates_args=())
@@ -97,13 +175,16 @@ def linear_cross_entropy_backward_op(
     need_c: bool,
     need_bias: bool,
     class_weights: Optional[Tensor] = None,
+    compute_dtype: Optional[torch.dtype] = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """Returns ``(grad_e, grad_c, grad_bias)``; a gradient not asked for is an empty tensor and costs nothing.
-    ``grad_lse`` / ``grad_entropy``: upstream gradients of the forward's per-row lse / entropy, where they are used.
-    ``class_weights``: ``F.cross_entropy``'s ``weight`` (no label smoothing): each row's loss gradient scaled by its
-    target's weight (the kernels need nothing else: the weight is a per-row factor)."""
+    """Returns ``(grad_e, grad_c, grad_bias)``, each in its input's dtype; a gradient not asked for is an empty
+    tensor and costs nothing. ``grad_lse`` / ``grad_entropy``: upstream gradients of the forward's per-row lse /
+    entropy, where they are used. ``class_weights``: each row's loss gradient scaled by its target's weight (the
+    kernels need nothing else: the weight is a per-row factor)."""
     need_bias = need_bias and bias is not None
+    grad_dtypes = (e.dtype, c.dtype, None if bias is None else bias.dtype)
     with torch.autocast(e.device.type, enabled=False):
+        e, c, bias = _in_compute_dtype(e, c, bias, compute_dtype)
         # the entropy's gradient needs each row's softmax-weighted mean logit: lse - entropy
         mean_logit = None if grad_entropy is None else lse - entropy
         valid = targets != ignore_index
@@ -114,14 +195,15 @@ def linear_cross_entropy_backward_op(
             e, c, targets, bias, lse, grad_rows, softcap=softcap, ignore_index=ignore_index,
             options=CCEOptions.decode(options), need_e=need_e, need_c=need_c, need_bias=need_bias,
             label_smoothing=label_smoothing, grad_lse=grad_lse, grad_entropy=grad_entropy, mean_logit=mean_logit,
+            grad_dtypes=grad_dtypes,
         )
-    return _loss.empty_unless(need_e, grad_e, e), _loss.empty_unless(need_c, grad_c, e), \
-        _loss.empty_unless(need_bias, grad_bias, e)  # fmt: skip
+    return tuple(grad if needed else e.new_empty(0)
+                 for needed, grad in ((need_e, grad_e), (need_c, grad_c), (need_bias, grad_bias)))  # fmt: skip
 
 
 @linear_cross_entropy_backward_op.register_fake
 def _(grad_loss, e, c, targets, bias, lse, grad_lse, entropy, grad_entropy, softcap, ignore_index, reduction,
-      label_smoothing, options, need_e, need_c, need_bias, class_weights=None):  # fmt: skip
+      label_smoothing, options, need_e, need_c, need_bias, class_weights=None, compute_dtype=None):  # fmt: skip
     return _loss.grad_outputs_fake(e, c, bias, need_e, need_c, need_bias)
 
 
@@ -129,110 +211,7 @@ _FORWARD_ATTRS = ("softcap", "ignore_index", "reduction", "label_smoothing", "op
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    e, c, targets, bias, *attrs, full_lse, entropy = inputs
-    _, lse, row_entropy = output
-    ctx.save_for_backward(e, c, targets, bias, lse, row_entropy if entropy else None)
-    if not full_lse:
-        ctx.mark_non_differentiable(lse)
-    if not entropy:
-        ctx.mark_non_differentiable(row_entropy)
-    ctx.full_lse = full_lse
-    ctx.attrs = dict(zip(_FORWARD_ATTRS, attrs))
-
-
-def _backward(ctx, grad_loss, grad_lse, grad_entropy):
-    e, c, targets, bias, lse, row_entropy = ctx.saved_tensors
-    need_e, need_c, _, need_bias = ctx.needs_input_grad[:4]
-    grad_e, grad_c, grad_bias = linear_cross_entropy_backward_op(
-        grad_loss, e, c, targets, bias, lse, grad_lse if ctx.full_lse else None,
-        row_entropy, grad_entropy if row_entropy is not None else None, **ctx.attrs,
-        need_e=need_e, need_c=need_c, need_bias=need_bias,
-    )
-    return (
-        grad_e if need_e else None,
-        grad_c if need_c else None,
-        None,
-        grad_bias if need_bias else None,
-    ) + (None,) * (len(_FORWARD_ATTRS) + 2)
-
-
-linear_cross_entropy_op.register_autograd(_backward, setup_context=_setup_context)
-
-
-# --------------------------------------------------------------------------------------------------------------
-# Class weights and the argmax: the same op with two more inputs / outputs (a separate op, so that the graphs of
-# every other site keep their schema)
-# --------------------------------------------------------------------------------------------------------------
-
-_ARGMAX_ROUNDING = {"": None, "float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16,
-                    "float16": torch.float16}  # fmt: skip
-
-
-@torch.library.custom_op("cce_inductor::linear_cross_entropy_ext", mutates_args=())
-def linear_cross_entropy_ext_op(
-    e: Tensor,
-    c: Tensor,
-    targets: Tensor,
-    bias: Optional[Tensor],
-    class_weights: Optional[Tensor],
-    softcap: Optional[float],
-    ignore_index: int,
-    reduction: str,
-    label_smoothing: float,
-    options: str,
-    full_lse: bool,
-    entropy: bool,
-    argmax: str,
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """:func:`linear_cross_entropy_op` with ``F.cross_entropy``'s class weights and each row's argmax.
-    Returns ``(loss, lse, entropy, argmax)``.
-
-    ``class_weights`` (V,): each counted row's loss is scaled by its target's weight, and a mean divides by the sum
-    of those weights (eager's semantics: 0/0 = NaN when every row is ignored); not with label smoothing (eager's
-    weighted smoothing is another formula). ``argmax``: "" for none, else the dtype whose rounding the logits get
-    before the comparison (the dtype eager's logits have: 16-bit logits tie where their fp32 sums differ): each
-    row's ``argmax`` of the logits, int64, ``torch.argmax``'s ties (the first maximal index), every row computed."""
-    diagnostics.count_execution("linear_cross_entropy")
-    if class_weights is not None and label_smoothing != 0.0:
-        raise ValueError("linear_cross_entropy: class weights with label_smoothing are not supported")
-    if argmax not in _ARGMAX_ROUNDING:
-        raise ValueError(f"argmax must be one of {sorted(_ARGMAX_ROUNDING)}, got {argmax!r}")
-    with torch.autocast(e.device.type, enabled=False):
-        _checks.check_inputs(e, c, targets, bias)
-        _checks.check_class_weights(class_weights, c)
-        _dispatch.check_target_range(e, targets, c.shape[0], ignore_index)
-        acc = _chunked.accumulation_dtype(e.dtype)
-        argmax_out = torch.empty(e.shape[0] if argmax else 0, dtype=torch.int64, device=e.device)
-        lse, target_logit, logit_sum, mean_logit = _dispatch.forward(
-            e, c, targets, bias, softcap=softcap, ignore_index=ignore_index, logit_sum=label_smoothing != 0.0,
-            mean_logit=entropy, every_row=full_lse or entropy or bool(argmax),
-            argmax_out=argmax_out if argmax else None, argmax_round=_ARGMAX_ROUNDING[argmax],
-        )
-        valid = targets != ignore_index
-        row_loss = _loss.row_losses(lse, target_logit, logit_sum, valid, label_smoothing, c.shape[0], acc)
-        row_entropy = lse - mean_logit if entropy else lse.new_empty(0)
-        loss = _loss.reduce_rows(row_loss, valid, reduction, _loss.row_weights(class_weights, targets, valid, acc))
-        return loss, lse, row_entropy, argmax_out
-
-
-@linear_cross_entropy_ext_op.register_fake
-def _(e, c, targets, bias, class_weights, softcap, ignore_index, reduction, label_smoothing, options, full_lse, entropy,
-      argmax):  # fmt: skip
-    _checks.check_inputs(e, c, targets, bias)
-    _checks.check_class_weights(class_weights, c)
-    n_rows = e.shape[0]
-    loss = e.new_empty((n_rows,) if reduction == "none" else (), dtype=_chunked.accumulation_dtype(e.dtype))
-    row_dtype = _dispatch.lse_dtype(e.device, e.dtype)
-    return (loss, e.new_empty((n_rows,), dtype=row_dtype),
-            e.new_empty((n_rows if entropy else 0,), dtype=row_dtype),
-            e.new_empty((n_rows if argmax else 0,), dtype=torch.int64))  # fmt: skip
-
-
-_EXT_ATTRS = ("softcap", "ignore_index", "reduction", "label_smoothing", "options")
-
-
-def _setup_context_ext(ctx, inputs, output) -> None:
-    e, c, targets, bias, class_weights, *attrs, full_lse, entropy, _ = inputs
+    e, c, targets, bias, *attrs, full_lse, entropy, class_weights, _argmax, compute_dtype = inputs
     _, lse, row_entropy, argmax = output
     ctx.save_for_backward(e, c, targets, bias, lse, row_entropy if entropy else None, class_weights)
     ctx.mark_non_differentiable(argmax)
@@ -241,13 +220,13 @@ def _setup_context_ext(ctx, inputs, output) -> None:
     if not entropy:
         ctx.mark_non_differentiable(row_entropy)
     ctx.full_lse = full_lse
-    ctx.attrs = dict(zip(_EXT_ATTRS, attrs))
+    ctx.attrs = dict(zip(_FORWARD_ATTRS, attrs), compute_dtype=compute_dtype)
 
 
-def _backward_ext(ctx, grad_loss, grad_lse, grad_entropy, _grad_argmax):
+def _backward(ctx, grad_loss, grad_lse, grad_entropy, _grad_argmax):
     e, c, targets, bias, lse, row_entropy, class_weights = ctx.saved_tensors
-    need_e, need_c, _, need_bias, need_weights = ctx.needs_input_grad[:5]
-    if need_weights:
+    need_e, need_c, _, need_bias = ctx.needs_input_grad[:4]
+    if len(ctx.needs_input_grad) > 11 and ctx.needs_input_grad[11]:
         # never a silently missing gradient: the public wrapper and the pass refuse weights that require grad
         raise RuntimeError("cce_inductor: the gradient w.r.t. cross_entropy's class weights is not computed")
     grad_e, grad_c, grad_bias = linear_cross_entropy_backward_op(
@@ -255,15 +234,15 @@ def _backward_ext(ctx, grad_loss, grad_lse, grad_entropy, _grad_argmax):
         row_entropy, grad_entropy if row_entropy is not None else None, **ctx.attrs,
         need_e=need_e, need_c=need_c, need_bias=need_bias, class_weights=class_weights,
     )
-    return (grad_e if need_e else None, grad_c if need_c else None, None, grad_bias if need_bias else None, None) \
-        + (None,) * (len(_EXT_ATTRS) + 3)  # fmt: skip
+    grads = (grad_e if need_e else None, grad_c if need_c else None, None, grad_bias if need_bias else None)
+    return grads + (None,) * (len(ctx.needs_input_grad) - len(grads))
 
 
-linear_cross_entropy_ext_op.register_autograd(_backward_ext, setup_context=_setup_context_ext)
+linear_cross_entropy_op.register_autograd(_backward, setup_context=_setup_context)
 
 
 # --------------------------------------------------------------------------------------------------------------
-# The balanced path: the gradients computed with the loss (``CCEOptions.scratch_mb``)
+# The balanced path: the gradients computed with the loss
 # --------------------------------------------------------------------------------------------------------------
 
 
@@ -282,79 +261,109 @@ def linear_cross_entropy_with_grads_op(
     need_c: bool,
     need_bias: bool,
     returned_logits: bool,
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Returns ``(loss, grad_e, grad_c, grad_bias)``: the loss (reduction "mean" or "sum") and its own gradients
-    (upstream gradient 1) in the accumulation dtype (fp32; fp64 for fp64 inputs), a gradient not asked for an empty
-    tensor. The autograd formula scales them by the loss's upstream gradient and rounds once to the inputs' dtypes,
-    so the backward pass costs one elementwise pass per gradient. On CUDA the balanced kernels
+    compute_dtype: Optional[torch.dtype] = None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Returns ``(loss, grad_e, grad_c, grad_bias, grad_e_lo, grad_c_lo)``: the loss (reduction "mean" or "sum") and
+    its own gradients (upstream gradient 1), each in its input's dtype: an fp32 gradient whole, a 16-bit one as the
+    pair ``(grad, grad_lo)`` whose sum carries ~16 mantissa bits (``kernels/_pair_sums.py``); dbias in the accumulation
+    dtype; what is not asked for (or an fp32 gradient's ``lo``) an empty tensor. The autograd formula rounds
+    ``grad_loss * (grad + grad_lo)`` once to the input's dtype, in the gradient's own buffer where Inductor compiles
+    it (a saved tensor only the backward reads is a donated buffer). On CUDA the balanced kernels
     (``kernels/_balanced.py``: row chunks of logits in a scratch of ``options.scratch_mb``, or sized here for the
     rows of the call within the budget of ``cce_inductor.paths``); elsewhere the chunked path's forward and backward
     back to back. ``returned_logits``: the site's graph also returns the logits (``paths.HeadFacts``), which raises
-    that budget as it raised it when the pass chose this path."""
+    that budget as it raised it when the pass chose this path. ``compute_dtype``: module docstring."""
     diagnostics.count_execution("linear_cross_entropy")
     if reduction not in ("mean", "sum"):
         raise ValueError(f"linear_cross_entropy_with_grads computes reductions 'mean' and 'sum', got {reduction!r}")
     need_bias = need_bias and bias is not None
     with torch.autocast(e.device.type, enabled=False):
-        _checks.check_inputs(e, c, targets, bias)
+        _checks.check_inputs(e, c, targets, bias, compute_dtype)
+        dtype = compute_dtype or e.dtype
         # the scratch for the rows this call really has (the site may have been compiled for another batch size)
-        facts = _dispatch.head_facts(*e.shape, c.shape[0], e.dtype, e.device, reduction, needs_grad=True,
-                                     returned_logits=returned_logits, softcapped=softcap is not None)
+        facts = _dispatch.head_facts(*e.shape, c.shape[0], dtype, e.device, reduction, needs_grad=True,
+                                     returned_logits=returned_logits, softcapped=softcap is not None,
+                                     **paths.storage_facts(e.dtype, c.dtype, dtype))
         scratch = paths.scratch_for(facts, CCEOptions.decode(options).scratch_mb)
-        loss, grad_e, grad_c, grad_bias = _dispatch.loss_and_grads(
+        loss, grad_e, grad_c, grad_bias, grad_e_lo, grad_c_lo = _dispatch.loss_and_grads(
             e, c, targets, bias, softcap=softcap, ignore_index=ignore_index, reduction=reduction,
             label_smoothing=label_smoothing, scratch_bytes=scratch, need_e=need_e, need_c=need_c, need_bias=need_bias,
+            compute_dtype=compute_dtype,
         )
-    acc = _chunked.accumulation_dtype(e.dtype)
-    return loss, *(grad.to(acc) if needed else e.new_empty(0, dtype=acc)
-                   for needed, grad in ((need_e, grad_e), (need_c, grad_c), (need_bias, grad_bias)))  # fmt: skip
+    acc = _chunked.accumulation_dtype(dtype)
+
+    def out(needed: bool, grad: Optional[Tensor], like: Tensor) -> Tensor:
+        return grad if needed and grad is not None else like.new_empty(0)
+
+    return (loss, out(need_e, grad_e, e), out(need_c, grad_c, c), out(need_bias, grad_bias, e).to(acc),
+            out(need_e, grad_e_lo, e), out(need_c, grad_c_lo, c))  # fmt: skip
 
 
 @linear_cross_entropy_with_grads_op.register_fake
 def _(e, c, targets, bias, softcap, ignore_index, reduction, label_smoothing, options, need_e, need_c, need_bias,
-      returned_logits):
-    _checks.check_inputs(e, c, targets, bias)
-    acc = _chunked.accumulation_dtype(e.dtype)
-    return (e.new_empty((), dtype=acc),) + tuple(
-        grad.to(acc) for grad in _loss.grad_outputs_fake(e, c, bias, need_e, need_c, need_bias)
-    )
+      returned_logits, compute_dtype=None):
+    _checks.check_inputs(e, c, targets, bias, compute_dtype)
+    acc = _chunked.accumulation_dtype(compute_dtype or e.dtype)
+    grad_e, grad_c, grad_bias = _loss.grad_outputs_fake(e, c, bias, need_e, need_c, need_bias)
+    return (e.new_empty((), dtype=acc), grad_e, grad_c, grad_bias.to(acc),
+            grad_e if _pair(need_e, e) else e.new_empty(0),
+            grad_c if _pair(need_c, c) else c.new_empty(0))  # fmt: skip
+
+
+def _pair(needed: bool, x: Tensor) -> bool:
+    """Whether a gradient of ``x`` leaves the balanced op as a 16-bit pair (``grad, grad_lo``)."""
+    return needed and x.dtype in (torch.bfloat16, torch.float16)
+
+
+def balanced_call(e, c, targets, bias=None, *, softcap: Optional[float] = None, ignore_index: int = -100,
+                  reduction: str = "mean", label_smoothing: float = 0.0, options: str, need_e: bool, need_c: bool,
+                  need_bias: bool, returned_logits: bool = False,
+                  compute_dtype: Optional[torch.dtype] = None) -> OpCall:
+    """A call of ``linear_cross_entropy_with_grads`` (its docstring has the arguments)."""
+    return OpCall(torch.ops.cce_inductor.linear_cross_entropy_with_grads.default,
+                  (e, c, targets, bias, softcap, ignore_index, reduction, label_smoothing, options, need_e, need_c,
+                   need_bias, returned_logits),
+                  _set(compute_dtype=compute_dtype))
 
 
 def _setup_context_with_grads(ctx, inputs, output) -> None:
     e, c, _, bias = inputs[:4]
-    _, grad_e, grad_c, grad_bias = output
-    ctx.mark_non_differentiable(grad_e, grad_c, grad_bias)
-    # no zero tensors for the gradient outputs' (absent) upstream gradients: dC's would be a V x D fp32 fill
+    _, grad_e, grad_c, grad_bias, grad_e_lo, grad_c_lo = output
+    ctx.mark_non_differentiable(grad_e, grad_c, grad_bias, grad_e_lo, grad_c_lo)
+    # no zero tensors for the gradient outputs' (absent) upstream gradients: dC's would be a V x D fill
     ctx.set_materialize_grads(False)
-    ctx.save_for_backward(grad_e, grad_c, grad_bias)
+    ctx.save_for_backward(grad_e, grad_c, grad_bias, grad_e_lo, grad_c_lo)
     ctx.computed = inputs[9:12]  # need_e, need_c, need_bias: which of them hold a gradient
     ctx.dtypes = (e.dtype, c.dtype, None if bias is None else bias.dtype)
 
 
-def _scaled(grad: Tensor, grad_loss: Tensor, dtype: torch.dtype) -> Tensor:
-    """``(grad * grad_loss).to(dtype)`` in one pass: the product is formed in ``grad``'s dtype and rounded as it is
-    stored, with no temporary of ``grad``'s size (eager; Inductor fuses either spelling)."""
-    return torch.mul(grad, grad_loss, out=torch.empty(grad.shape, dtype=dtype, device=grad.device))
+def _scaled(grad: Tensor, lo: Optional[Tensor], grad_loss: Tensor, dtype: torch.dtype) -> Tensor:
+    """``grad_loss * (grad + lo)`` rounded once to ``dtype`` (``lo`` None: ``grad`` alone). Compiled, Inductor fuses
+    it into one pass and writes it into ``grad``'s buffer (same dtype and size, a donated saved tensor)."""
+    if lo is None:
+        return (grad * grad_loss).to(dtype)
+    return ((grad.float() + lo.float()) * grad_loss).to(dtype)
 
 
 def _backward_with_grads(ctx, grad_loss, *_):
-    """``(grad_loss * saved).to(dtype)``: the product of the fp32 gradients, rounded once to the input's dtype, so
-    the gradients carry one rounding whatever the upstream gradient (Inductor fuses this into one pass)."""
+    """Each gradient scaled by the loss's upstream gradient and rounded once (:func:`_scaled`)."""
     if grad_loss is None:  # (grads are not materialised) nothing flows back into the loss
-        return (None,) * 13
-    saved = ctx.saved_tensors
+        return (None,) * len(ctx.needs_input_grad)
+    grad_e, grad_c, grad_bias, grad_e_lo, grad_c_lo = ctx.saved_tensors
     grads = []
-    for needed, computed, grad, dtype in zip(
-        (ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[3]), ctx.computed, saved, ctx.dtypes
+    for needed, computed, grad, lo, dtype in zip(
+        (ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[3]), ctx.computed,
+        (grad_e, grad_c, grad_bias), (grad_e_lo, grad_c_lo, None), ctx.dtypes,
     ):
         if needed and not computed:
             raise RuntimeError(
                 "cce_inductor: a gradient is needed that the balanced path was told not to compute "
                 "(linear_cross_entropy_with_grads was called with need_*=False for an input that requires grad)"
             )
-        grads.append(_scaled(grad, grad_loss, dtype) if needed else None)
+        has_lo = lo is not None and lo.numel() == grad.numel()
+        grads.append(_scaled(grad, lo if has_lo else None, grad_loss, dtype) if needed else None)
     grad_e, grad_c, grad_bias = grads
-    return (grad_e, grad_c, None, grad_bias) + (None,) * 9
+    return (grad_e, grad_c, None, grad_bias) + (None,) * (len(ctx.needs_input_grad) - 4)
 
 
 linear_cross_entropy_with_grads_op.register_autograd(_backward_with_grads, setup_context=_setup_context_with_grads)
@@ -393,8 +402,8 @@ def linear_cross_entropy(
             "mean" / "sum" loss of inputs that require grad (grad mode on) takes the balanced path (its gradients
             computed with the loss) where that fits the memory budget, else the lean one.
 
-    Returns the loss in float32 (float64 for float64 inputs). Under autocast ``e``, ``c`` and ``bias`` are cast
-    to the autocast dtype, as ``F.linear`` would be.
+    Returns the loss in float32 (float64 for float64 inputs). Under autocast the products run in the autocast dtype,
+    as ``F.linear``'s would, and each gradient comes back in its input's dtype.
     """
     _checks.check_public_args(e, c, targets, softcap=softcap, reduction=reduction)
     if not 0.0 <= label_smoothing <= 1.0:
@@ -408,39 +417,22 @@ def linear_cross_entropy(
         if class_weights.requires_grad and torch.is_grad_enabled():
             raise ValueError("linear_cross_entropy: class_weights that require grad are not supported (their "
                              "gradient is not computed); pass class_weights.detach()")
-    e, c, bias = _checks.autocast_inputs(e, c, bias)
+    compute_dtype = _checks.autocast_dtype(e, c, bias)
     options = options or CCEOptions()
-    if class_weights is not None:
-        loss, _, _, _ = linear_cross_entropy_ext_op(
-            e.reshape(-1, e.shape[-1]), c, targets.reshape(-1).long(), bias, class_weights,
-            None if softcap is None else float(softcap), int(ignore_index), reduction, float(label_smoothing),
-            options.encode(), False, False, "",
-        )
-        return loss.view(targets.shape) if reduction == "none" else loss
+    shape = targets.shape
+    rows, targets = e.reshape(-1, e.shape[-1]), targets.reshape(-1).long()
+    common = dict(softcap=None if softcap is None else float(softcap), ignore_index=int(ignore_index),
+                  reduction=reduction, label_smoothing=float(label_smoothing), options=options.encode(),
+                  compute_dtype=compute_dtype)
     need = (e.requires_grad, c.requires_grad, bias is not None and bias.requires_grad)
-    facts = _dispatch.head_facts(math.prod(e.shape[:-1]), e.shape[-1], c.shape[0], e.dtype, e.device, reduction,
-                                 needs_grad=torch.is_grad_enabled() and any(need))
-    if paths.choose(facts, options.path, options.scratch_mb, options.backward_row_chunk,
-                    options.products).path == "balanced":
-        loss, _, _, _ = linear_cross_entropy_with_grads_op(
-            e.reshape(-1, e.shape[-1]), c, targets.reshape(-1).long(), bias,
-            None if softcap is None else float(softcap), int(ignore_index), reduction, float(label_smoothing),
-            options.encode(), *need, False,
-        )
-        return loss
-    loss, _, _ = linear_cross_entropy_op(
-        e.reshape(-1, e.shape[-1]),
-        c,
-        targets.reshape(-1).long(),
-        bias,
-        None if softcap is None else float(softcap),
-        int(ignore_index),
-        reduction,
-        float(label_smoothing),
-        options.encode(),
-        False,
-        False,
-    )
-    if reduction == "none":
-        loss = loss.view(targets.shape)
-    return loss
+    dtype = compute_dtype or e.dtype
+    facts = _dispatch.head_facts(math.prod(e.shape[:-1]), e.shape[-1], c.shape[0], dtype, e.device, reduction,
+                                 needs_grad=torch.is_grad_enabled() and any(need),
+                                 **paths.storage_facts(e.dtype, c.dtype, dtype))
+    if class_weights is None and paths.choose(facts, options.path, options.scratch_mb, options.backward_row_chunk,
+                                              options.products).path == "balanced":
+        need_e, need_c, need_bias = need
+        return balanced_call(rows, c, targets, bias, need_e=need_e, need_c=need_c, need_bias=need_bias,
+                             **common)()[0]
+    loss = lean_call(rows, c, targets, bias, class_weights=class_weights, **common)()[0]
+    return loss.view(shape) if reduction == "none" else loss

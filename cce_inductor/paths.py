@@ -4,47 +4,42 @@ when the site is compiled (or, for a direct call, when it runs).
 The two paths (``docs/design.md``; kernels in ``kernels/``):
 
 * **lean** (``ops.linear_cross_entropy``): the forward keeps one log-sum-exp per row; the backward recomputes the
-  logits block by block. Four matmuls of ``N x V x D``; memory above the gradients: one 16-bit G block and the fp32
-  dE rows of one row chunk.
+  logits block by block. Four matmuls of ``N x V x D``; memory above the gradients: one G block and dE's fp32 sums.
 * **balanced** (``ops.linear_cross_entropy_with_grads``): the gradients are computed with the loss, row chunk by row
-  chunk, through a scratch of logits, and the backward only scales them. Three matmuls, as torch.compile does; memory:
-  the scratch, dC summed in fp32 (``4 V D`` bytes) beside its 16-bit rounding in the backward, and dE in fp32.
+  chunk, through a scratch of logits, and the backward only scales them, in place. Three matmuls, as torch.compile
+  does; memory: the scratch, and each gradient at 4 bytes an element until the backward (an fp32 sum, or a 16-bit
+  gradient beside the 16-bit remainder of its sum).
 
-The memory model (bytes above the inputs, gradients included; ``b`` the inputs' element size) was checked against
-the measured peaks of ``benchmarks/`` (H100, bf16, N 8192: Gemma-2 5162 / 1300 / 3412 MB for torch.compile / lean /
-balanced, model 5161 / 1297 / 3483; Llama-3 3070 / 1259 / 3134, model 3070 / 1258 / 3198):
+The memory model, bytes above the inputs, gradients included (``b`` the products' element size; the gradients in
+their inputs' dtypes, ``LB`` their bytes; under autocast ``X`` the inputs' copies in the products' dtype, held for
+one call; ``benchmarks/`` compares it with measured peaks, ``tests/test_paths.py`` holds it to the kernels' layout):
 
-    torch.compile  N V b + V D b + N D b                 (the logits, saved for its backward, and the gradients)
+    torch.compile  N V b + LB (+ X)      (the logits, saved for its backward, and the gradients; under autocast its
+                   copies of the inputs, saved for its backward)
                    + N V 4 where the logits are also graph outputs (Hugging Face models return them; the rewrite
-                   returns them lazily or drops them), + N V b more where they are softcapped too: at the step's
-                   peak of such graphs the CUDA allocator holds three bf16 logits-sized blocks (6.0 bytes per
-                   logit: GPT-2 medium, Llama-3.2-1B) and four with Gemma-2's softcap (8.0), H200,
-                   benchmarks/head_memory.py (engineering log v26); for fp32 inputs (not measured) b + 4 = 8 stays
-                   under three blocks' 12, so the budget errs lean
-    lean           (N + V) D b + R * W * b + N D 4 (+ W D 4 where N > R, or on calls that take the
-                   counted-prefix products, after one with >= 10% of the targets ignored: their fp32 dC sums,
-                   cce_inductor/_counted_share.py; R = min(N, backward_row_chunk),
-                   W = min(V, 4096 * max(1, 8192 // N) * k) where R = N, else 4096 k; k = lean_widen's 4, 2 or 1,
-                   the widest that keeps this peak within the budget below (H200, N 8192, 0-50% ignored: the
-                   measured peaks within 1 MB of it); where the row-skipping products run alone (>= 60% of the
-                   targets ignored, or >= 40% while the share moves) over one row chunk, their own widening may
-                   take the block past k: 1-3 more G blocks of R W b where the earlier shares' 20th percentile is
-                   <= 1/2 to <= 1/8, not in lean_peak)
-    balanced       max(V D 4 + N D 4 + S,  V D (4 + b) + N D (4 + b))     (S = the scratch)
+                   returns them lazily or drops them), + N V b more where they are softcapped too: at the peak of
+                   such graphs the allocator holds three 16-bit logits-sized blocks, four with a softcap
+                   (benchmarks/head_memory.py); for fp32 inputs b + 4 = 8 stays under three blocks' 12, so the
+                   budget errs lean
+    lean           LB + R W b + N D 4 (dE's fp32 sums, none where dE is fp32) + X (+ W D 4 where N > R, or on
+                   calls that take the counted-prefix products: their fp32 dC sums, cce_inductor/_counted_share.py);
+                   R = min(N, backward_row_chunk), W = min(V, 4096 * max(1, 8192 // N) * k) where R = N, else 4096 k;
+                   k = lean_widen's 4, 2 or 1, the widest that keeps this peak within the budget below (where the
+                   row-skipping products run alone over one row chunk, their own widening may take the block past
+                   k: up to 3 more G blocks, not in lean_peak)
+    balanced       4 (N + P) D + S + 4 R D (a 16-bit dE's rows of one chunk) + X    (S the scratch, R its rows,
+                   P = V rounded up to 64)
 
 The default (``path="auto"``) takes the fastest path whose peak fits the budget ``max(0.5 x torch.compile's,
-1.15 x the gradients' own (N + V) D b)``: balanced where it fits (three matmuls), else lean (four matmuls, always
-within the budget's second term up to its fixed scratch). So the default never trades memory for speed past half
-of torch.compile's estimated peak. That estimate (the logits at the input's width) is exact on every aligned
-vocabulary measured; on a 16-bit head whose V is not a multiple of 8, where Inductor pads the products, torch.compile
-held 4 bytes a logit in 12 of 15 grid cells (``_PADDED_LOGIT_BYTES``), so where the first budget leaves the
-balanced path no scratch, such a head is sized against half of that larger estimate (:func:`balanced_budget`; on
-the one head measured at 2 bytes a logit, GPT-2's on the H100, that is 0.65x its real peak at N 4096, measured).
-Where balanced does not fit (large V x D against N x V, e.g. N 8192 on Gemma-2's head:
-6 V D > N V / 2) the lean path's time is the price, and ``stats()`` says so. Where the graph also returns the
-logits (Hugging Face models), torch.compile's peak holds more per logit, so the balanced path fits from fewer rows
-(Gemma-2's and Llama-3.2-1B's heads from 4096 rather than 16384). ``path="lean"`` / ``"balanced"``
-force a path; a forced balanced path fatter than torch.compile says so too.
+1.15 x LB)``: balanced where it fits (three matmuls), else lean (four matmuls, always within the budget's second
+term up to its fixed scratch). So the default never trades memory for speed past half of torch.compile's estimated
+peak. On a 16-bit head whose V is not a multiple of 8, where Inductor pads the products, torch.compile holds more
+(``_PADDED_LOGIT_BYTES``), so where the first budget leaves the balanced path no scratch, such a head is sized
+against half of that larger estimate (:func:`balanced_budget`). Where balanced does not fit (large V x D against
+N x V, e.g. N 8192 on Gemma-2's head) the lean path's time is the price, and ``stats()`` says so. Where the graph
+also returns the logits (Hugging Face models), torch.compile's peak holds more per logit, so the balanced path fits
+from fewer rows. ``path="lean"`` / ``"balanced"`` force a path; a forced balanced path fatter than torch.compile
+says so too.
 """
 
 from __future__ import annotations
@@ -63,6 +58,12 @@ _LEAN_LAYOUT = _planning.LEAN_LAYOUT["gpu"]
 # each chunk reads and writes the fp32 dC sums, 8 V D bytes), at most this many bytes.
 _MIN_CHUNK_ROWS = 1024
 _MAX_SCRATCH_BYTES = 1 << 30
+# The scratch is no larger than keeps the peak within this share of torch.compile's (or the gradients, the
+# remainders of 16-bit sums and this slack) where that still leaves chunks of _TARGET_CHUNK_ROWS rows
+# (balanced_scratch, memory_target).
+_TARGET_SHARE = 0.35
+_TARGET_SLACK = 256 << 20
+_TARGET_CHUNK_ROWS = 2048
 # The budget: the default takes the balanced path only where its peak is at most this share of torch.compile's, or
 # (where the gradients alone are more than that) within this factor of the gradients' own bytes.
 _COMPILE_SHARE = 0.5
@@ -95,6 +96,32 @@ class HeadFacts:
     per_row_outputs: bool = False  # token log-probs, entropy, chunked heads fused with reduction "none"
     returned_logits: bool = False  # the logits are graph outputs too (torch.compile holds more; the rewrite does not)
     softcapped: bool = False  # the loss reads softcapped logits (with returned logits torch.compile holds one more)
+    # bytes per element of the hidden states / the head as stored, where not element_size (autocast: fp32 inputs,
+    # 16-bit products); each gradient is returned in its input's dtype. 0: element_size.
+    e_element_size: int = 0
+    c_element_size: int = 0
+
+    @property
+    def e_bytes(self) -> int:
+        return self.e_element_size or self.element_size
+
+    @property
+    def c_bytes(self) -> int:
+        return self.c_element_size or self.element_size
+
+
+def storage_facts(e_dtype, c_dtype, compute_dtype) -> dict:
+    """:class:`HeadFacts`' storage fields for inputs of these dtypes computed in ``compute_dtype`` (none where all
+    three are one dtype)."""
+    if e_dtype == c_dtype == compute_dtype:
+        return {}
+    return dict(e_element_size=e_dtype.itemsize, c_element_size=c_dtype.itemsize)
+
+
+def _converted_bytes(f: HeadFacts) -> int:
+    """The inputs converted to the products' dtype for one call (autocast), ``(N or V) x D x b`` each."""
+    b = f.element_size
+    return (f.rows * f.hidden * b if f.e_bytes != b else 0) + (f.vocab * f.hidden * b if f.c_bytes != b else 0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,9 +150,11 @@ def compile_bytes_per_logit(f: HeadFacts) -> int:
 def compile_peak(f: HeadFacts, padded: bool = False) -> int:
     """torch.compile's peak for ``cross_entropy(linear(e, c).float(), t)`` (forward + backward), bytes, and more
     where the graph returns the logits (``f.returned_logits``; :func:`compile_bytes_per_logit`); ``padded``: at 4
-    bytes a logit, as it held them where it padded an unaligned vocabulary's products (:func:`pads_product`)."""
+    bytes a logit, as it held them where it padded an unaligned vocabulary's products (:func:`pads_product`). Under
+    autocast (inputs stored wider than the products' dtype) it also holds the inputs' 16-bit copies, saved for its
+    backward."""
     per_logit = _PADDED_LOGIT_BYTES if padded else compile_bytes_per_logit(f)
-    return f.rows * f.vocab * per_logit + (f.vocab + f.rows) * f.hidden * f.element_size
+    return f.rows * f.vocab * per_logit + gradient_bytes(f) + _converted_bytes(f)
 
 
 # torch.compile's bytes per logit in the loss-only graph of a 16-bit head whose V is not a multiple of 8 elements
@@ -148,8 +177,8 @@ def pads_product(f: HeadFacts) -> bool:
 
 
 def gradient_bytes(f: HeadFacts) -> int:
-    """The lower bound: the gradients themselves, ``(N + V) D`` elements."""
-    return (f.rows + f.vocab) * f.hidden * f.element_size
+    """The lower bound: the gradients themselves, ``(N + V) D`` elements, each in its input's dtype."""
+    return (f.rows * f.e_bytes + f.vocab * f.c_bytes) * f.hidden
 
 
 def lean_block_width(f: HeadFacts, backward_row_chunk: int = 8192, widen: int = 1) -> int:
@@ -159,13 +188,15 @@ def lean_block_width(f: HeadFacts, backward_row_chunk: int = 8192, widen: int = 
 
 
 def lean_peak(f: HeadFacts, backward_row_chunk: int = 8192, widen: int = 1, counted_prefix: bool = False) -> int:
-    """The gradients, one G block (``R x W``, R the row chunk, W :func:`lean_block_width`), dE in fp32 and, past one
-    row chunk or with the ``counted_prefix`` products (their cuBLAS part's sums), one vocabulary chunk of dC in fp32
-    (``kernels/_backward.py``)."""
+    """The gradients, one G block (``R x W``, R the row chunk, W :func:`lean_block_width`), dE in fp32 (the
+    gradient itself where it is fp32) and, past one row chunk or with the ``counted_prefix`` products (their cuBLAS
+    part's sums), one vocabulary chunk of dC in fp32 (``kernels/_backward.py``); under autocast the inputs'
+    copies in the products' dtype, for the call."""
     rows = min(f.rows, backward_row_chunk or f.rows)
     width = lean_block_width(f, backward_row_chunk, widen)
     dc_sums = width * f.hidden * 4 if f.rows > rows or counted_prefix else 0
-    return gradient_bytes(f) + rows * width * f.element_size + f.rows * f.hidden * 4 + dc_sums
+    de_sums = f.rows * f.hidden * 4 if f.e_bytes != 4 else 0
+    return gradient_bytes(f) + rows * width * f.element_size + de_sums + dc_sums + _converted_bytes(f)
 
 
 @functools.lru_cache(maxsize=256)
@@ -190,8 +221,14 @@ def lean_widen(f: HeadFacts, backward_row_chunk: int = 8192, counted_prefix: boo
 
 
 def balanced_peak(f: HeadFacts, scratch_bytes: int) -> int:
-    b, vd, nd = f.element_size, f.vocab * f.hidden, f.rows * f.hidden
-    return max(4 * vd + 4 * nd + scratch_bytes, (4 + b) * vd + (4 + b) * nd)
+    """The balanced path's peak (``kernels/_balanced.py``): each gradient as 4 bytes an element (an fp32 sum, or a
+    16-bit pair), dC over the scratch's padded rows, the scratch, a 16-bit dE's fp32 rows of one chunk, the inputs'
+    converted copies under autocast. The backward scales the gradients in place (Inductor, donated buffers), so it
+    adds nothing."""
+    rows = chunk_rows(scratch_bytes, f.vocab, f.element_size, f.rows) if scratch_bytes else 0
+    de_rows = rows * f.hidden * 4 if f.e_bytes != 4 else 0
+    return (4 * (f.rows + scratch_row_pitch(f.vocab)) * f.hidden + scratch_bytes + de_rows
+            + _converted_bytes(f))
 
 
 def budget(f: HeadFacts, padded: bool = False) -> int:
@@ -235,19 +272,36 @@ def chunk_rows(scratch_bytes: int, vocab: int, element_size: int, rows: int) -> 
 
 
 def balanced_scratch(f: HeadFacts, limit: Optional[int] = None) -> int:
-    """The balanced path's scratch for these facts: as large as the budget (:func:`balanced_budget`, or ``limit``)
-    leaves beside its fixed memory, at most 1 GiB and all rows; 0 where not even ``_MIN_CHUNK_ROWS`` rows (or all
-    rows, if fewer) fit."""
-    return _scratch_within(f, balanced_budget(f)[0] if limit is None else limit)
+    """The balanced path's scratch for these facts: as large as ``limit`` (default: the budget,
+    :func:`balanced_budget`) leaves beside its fixed memory, at most 1 GiB and all rows, but no larger than keeps the
+    peak within :func:`memory_target` where that still leaves chunks of ``_TARGET_CHUNK_ROWS`` rows (or all rows); 0
+    where not even ``_MIN_CHUNK_ROWS`` rows (or all rows, if fewer) fit ``limit``."""
+    limit = balanced_budget(f)[0] if limit is None else limit
+    scratch = _scratch_within(f, limit)
+    lean_scratch = _scratch_within(f, min(limit, memory_target(f)))
+    rows = chunk_rows(lean_scratch, f.vocab, f.element_size, f.rows) if lean_scratch else 0
+    return lean_scratch if rows >= min(f.rows, _TARGET_CHUNK_ROWS) else scratch
+
+
+def memory_target(f: HeadFacts) -> int:
+    """The peak the balanced path's scratch keeps to where it can (:func:`balanced_scratch`): ``_TARGET_SHARE`` of
+    torch.compile's estimated peak, or the gradients' own bytes plus the remainders of the head's 16-bit sums
+    (``V D`` elements) and ``_TARGET_SLACK`` where that is more. Each chunk rewrites dC's sums (8 bytes an element),
+    so a smaller scratch costs time; chunks of ``_TARGET_CHUNK_ROWS`` rows keep that small beside the products."""
+    remainders = f.vocab * f.hidden * f.c_bytes if f.c_bytes != 4 else 0
+    return max(int(_TARGET_SHARE * compile_peak(f)), gradient_bytes(f) + remainders + _TARGET_SLACK)
 
 
 def _scratch_within(f: HeadFacts, limit: int) -> int:
-    b, vd, nd = f.element_size, f.vocab * f.hidden, f.rows * f.hidden
-    room = limit - 4 * vd - 4 * nd
-    row_bytes = scratch_row_pitch(f.vocab) * b
+    """The largest scratch (at most 1 GiB, all rows) whose :func:`balanced_peak` fits ``limit``; 0 where not even
+    ``_MIN_CHUNK_ROWS`` rows (or all rows, if fewer) fit."""
+    row_bytes = scratch_row_pitch(f.vocab) * f.element_size
+    # per scratch byte, a 16-bit dE's fp32 rows of the chunk grow too
+    per_byte = 1 + (f.hidden * 4 / row_bytes if f.e_bytes != 4 else 0)
+    room = int((limit - balanced_peak(f, 0)) / per_byte)
     want = min(_MAX_SCRATCH_BYTES, max(f.rows, 1) * row_bytes)
-    if room < min(_MIN_CHUNK_ROWS, max(f.rows, 1)) * row_bytes or balanced_peak(f, 0) > limit:
-        return 0  # (the second: the backward's fp32 gradients beside their rounding alone exceed the limit)
+    if room < min(_MIN_CHUNK_ROWS, max(f.rows, 1)) * row_bytes:
+        return 0
     return min(want, room)
 
 
@@ -338,8 +392,9 @@ def _choose(f: HeadFacts, path: str, scratch_mb: int, backward_row_chunk: int) -
     lean = lean_peak(f, backward_row_chunk)
     over = "" if lean <= limit else (f"; the lean path's est. peak {_mib(lean)} is over the budget too (its G block "
                                      "and dE summed in fp32 against a small V x D), the least of the two")
-    return PathChoice("lean", f"lean path: the balanced path's est. peak {_mib(need)} (dC summed in fp32, "
-                              f"{_mib(4 * f.vocab * f.hidden)}) exceeds the budget {_mib(limit)} (half of "
+    return PathChoice("lean", f"lean path: the balanced path's est. peak {_mib(need)} (its gradients at 4 bytes "
+                              f"an element, {_mib(4 * (f.vocab + f.rows) * f.hidden)}) exceeds the budget "
+                              f"{_mib(limit)} (half of "
                               f"torch.compile's est. {_compile_estimate(f, padded)}); four matmuls where "
                               f"torch.compile does three (~1.3-1.5x its time on the head){over}{_host_bound_note(f)}"
                               f"{_balanced_instead_note(f)}")
@@ -359,7 +414,7 @@ def scratch_for(f: HeadFacts, scratch_mb: int = 0) -> int:
 def _fat_note(f: HeadFacts, scratch: int) -> str:
     peak, compile_bytes = balanced_peak(f, scratch), compile_peak(f)
     if f.kernels and peak > compile_bytes:
-        return (f"; est. peak {_mib(peak)} is above torch.compile's {_mib(compile_bytes)} (dC summed in fp32: "
+        return (f"; est. peak {_mib(peak)} is above torch.compile's {_mib(compile_bytes)} (its gradients at 4 bytes an element: "
                 "path='auto' would take the lean path here)")
     return ""
 

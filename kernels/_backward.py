@@ -335,7 +335,7 @@ def counted_prefix(counted_hint: float, rows: int, block: int = 128) -> int:
 
 def backward(e, c, targets, bias, lse, grad_rows, *, softcap, ignore_index, need_e, need_c, need_bias,
              row_chunk, block_width, split_g, products, counted_hint=None, label_smoothing=0.0, grad_lse=None,
-             grad_entropy=None, mean_logit=None, observe_counted=None):
+             grad_entropy=None, mean_logit=None, observe_counted=None, de_dtype=None, dc_dtype=None):
     """Launch helper: ``(dE | None, dC | None, dbias | None)``; ``grad_rows`` fp32, 0 at ignored rows.  Rows whose
     target is ``ignore_index`` are skipped by the recompute (and by the Triton products) unless ``grad_lse`` (the
     upstream gradient of every row's lse, fp32) or ``grad_entropy`` (that of every row's entropy, with the forward's
@@ -348,14 +348,19 @@ def backward(e, c, targets, bias, lse, grad_rows, *, softcap, ignore_index, need
     operands must pass :func:`row_skipping_ok`), or ``"prefix"``: cuBLAS over the first :func:`counted_prefix` rows
     of each compacted row chunk after an earlier call that counted ``counted_hint`` of its rows, the row-skipping
     products past them (nothing there where this call counts no more rows than the hint).  ``observe_counted``:
-    called with the first row chunk's device-side count of counted rows and its rows."""
+    called with the first row chunk's device-side count of counted rows and its rows.  ``de_dtype`` / ``dc_dtype``:
+    the gradients' dtypes where not the operands' (autocast's fp32 inputs: dE is its fp32 sums, dC written in fp32,
+    with no 16-bit rounding between)."""
     tune = _launch.tuning(_TUNING)
     n, d = e.shape
     v = c.shape[0]
     device = e.device
     need_bias = need_bias and bias is not None
-    de_out = torch.empty((n, d), dtype=e.dtype, device=device) if need_e else None
-    dc_out = torch.empty((v, d), dtype=c.dtype, device=device) if need_c else None
+    de_dtype, dc_dtype = de_dtype or e.dtype, dc_dtype or c.dtype
+    # an fp32 dE is its own fp32 sums (but where they are summed in compacted order and put back at the end)
+    de_is_sums = need_e and de_dtype == torch.float32 and products != "prefix"
+    de_out = torch.empty((n, d), dtype=de_dtype, device=device) if need_e else None
+    dc_out = torch.empty((v, d), dtype=dc_dtype, device=device) if need_c else None
     dbias32 = torch.zeros((v,), dtype=torch.float32, device=device) if need_bias else None
     if n == 0 or not (need_e or need_c or need_bias):
         if need_c:
@@ -383,7 +388,7 @@ def backward(e, c, targets, bias, lse, grad_rows, *, softcap, ignore_index, need
     several_row_chunks = n > row_chunk
     # dE in fp32 until every vocabulary chunk has added to it; dC of one vocabulary chunk in fp32 where several row
     # chunks (or exact mode's two halves) add to it: each gradient is rounded once, whatever N
-    de32 = torch.empty((n, d), dtype=torch.float32, device=device) if need_e else None
+    de32 = (de_out if de_is_sums else torch.empty((n, d), dtype=torch.float32, device=device)) if need_e else None
     # (the counted-prefix products sum cuBLAS's part there too, and the tail writes dC from it)
     dc_sums_fp32 = need_c and (split_g or several_row_chunks)
     dc32 = torch.empty((vocab_chunk, d), dtype=torch.float32, device=device) \
@@ -406,7 +411,9 @@ def backward(e, c, targets, bias, lse, grad_rows, *, softcap, ignore_index, need
     c_op = _launch.descriptor(c, [block_v, block_d]) if use_tma else c
     num_stages = _launch.fit_num_stages(tune["num_stages"], block_n, block_v, block_d, e.element_size())
     compact_g = triton_products or prefix
-    chunks = [_RowChunk.of(e, counted, r0, min(row_chunk, n - r0), weight_poison, de_out, block_n, block_d,
+    # (the compacted copies of E's rows live in dE's rows while those are free, where the dtypes agree)
+    spare_rows = de_out if need_e and de_out.dtype == e.dtype else None
+    chunks = [_RowChunk.of(e, counted, r0, min(row_chunk, n - r0), weight_poison, spare_rows, block_n, block_d,
                            compact=(compact_g and need_c) or use_tma, tma=use_tma,
                            poison_sum=compact_g and need_c)
               for r0 in range(0, n, row_chunk)]
@@ -496,6 +503,6 @@ def backward(e, c, targets, bias, lse, grad_rows, *, softcap, ignore_index, need
         for chunk in chunks:  # dE was summed in each chunk's compacted order
             _uncompact_rows(de_out[chunk.r0 : chunk.r0 + chunk.rows], de32[chunk.r0 : chunk.r0 + chunk.rows],
                             chunk.row_order)
-    elif need_e:
+    elif need_e and not de_is_sums:
         de_out.copy_(de32)
     return de_out, dc_out, (dbias32.to(bias.dtype) if need_bias else None)

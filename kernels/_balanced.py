@@ -8,7 +8,7 @@ only scales by ``grad_loss`` (plain aten, outside this module).
 
 Math
 ----
-Per row n (x = E[n] . C[v] rounded to the input dtype, as torch.compile's matmul rounds its logits):
+Per row n (x = E[n] . C[v] rounded to the products' dtype, as torch.compile's matmul rounds its logits):
 
     z[n, v]    = s * tanh((x + bias[v]) / s)          (z = x + bias without a softcap s)
     lse[n]     = log sum_v exp(z[n, v])
@@ -22,45 +22,49 @@ Chunk / grid layout
 -------------------
 R rows per chunk (``cce_inductor.paths.chunk_rows``: the most whose padded logits fit in the scratch the budget
 leaves, a multiple of 128 once >= 128, at most N).  One flat scratch of R rows serves every chunk, each row
-padded to P = V rounded up to a multiple of 64 elements (``ROW_ALIGN``).  cuBLAS runs a 16-bit product ~5x slower
-when a dimension is not a multiple of 8 elements, so no product over V sees an unaligned one: with
-A = V - V mod 64 (the aligned part) and T = V - A < 64 entries in the tail (T = 0 for most vocabularies; GPT-2's
-50257 has 17), the logits of A go through the scratch and those of the tail through a tail buffer (N x 64, input
-dtype), whose products run once per call, not once per chunk (each launch costs ~40 us of host time, which small
-heads wait for):
+padded to P = V rounded up to a multiple of 64 elements (``ROW_ALIGN``).  cuBLAS runs a 16-bit product several times
+slower when a dimension is not a multiple of 8 elements, so no product over V sees an unaligned one: with
+A = V - V mod 64 (the aligned part) and T = V - A < 64 entries in the tail (T = 0 for most vocabularies), the logits
+of A go through the scratch and those of the tail through a tail buffer (N x 64), whose logits product runs once per
+call (each launch costs host time, which small heads wait for).  Operands are in the products' dtype: the inputs'
+own, or autocast's (``compute_dtype``; fp32 inputs are converted once per call, and the copies are freed with it):
 
     once per call:  #counted and row_scale (``_targets.count_targets``: one program, and the op's range check);
                     the poison of E's rows and of C / bias (``_launch.nonfinite_rows`` / ``weight_poison``, below);
-                    (T > 0) Tail[:, :T] = E @ C[A:]^T     cuBLAS, every row, input dtype
+                    (T > 0) Tail[:, :T] = E @ C[A:]^T     cuBLAS, every row
     for each row chunk [r0, r0 + R):
-        S[:, :A] = E[rows] @ C[:A]^T                     cuBLAS, into the scratch (input dtype)
+        S[:, :A] = E[rows] @ C[:A]^T                     cuBLAS, into the scratch
         _softmax_grad_in_place_kernel, grid (R,)          one program per row, BLOCK_V columns at a time, columns
                                                           from A on read from the row of Tail:
                    pass 1 reads the row: online max / sum of exps (fp32) per lane of the block, reduced
                           across lanes after the loop; the target logit, the row sum (eps > 0) -> row_loss[n]
-                   pass 2 reads it again and overwrites it with G (fp32 math, stored in the input dtype): S[:, :V]
-                          (0 in the padding columns up to P) and the tail's columns of Tail
+                   pass 2 reads it again and overwrites it with G (fp32 math, stored in the products' dtype):
+                          S[:, :V] (0 in the padding columns up to P) and the tail's columns of Tail
                    ignored rows read nothing: pass 2 writes their G (0, or NaN for a non-finite row)
-        dE[rows]  = S[:, :A] @ C[:A]                     cuBLAS, fp32 result (``out_dtype=float32``)
-        dC_P    (+)= S^T @ E[rows]                        cuBLAS over the padded rows, summed over the chunks in an
-                                                          fp32 P x D buffer; dC is its first V rows
+        dE[rows]  = S[:, :A] @ C[:A] + Tail[rows] @ C[A:] cuBLAS, fp32 results: complete for these rows
+        dC_P    (+)= S^T @ E[rows]                        over the padded rows, summed over the chunks; dC is the
+                                                          first V rows of the P x D sum
         dbias    += S[:, :V].sum(0)                       fp32
-    once per call (T > 0): dE += Tail[:, :T] @ C[A:]      cuBLAS, fp32 result
-So a call takes 3 products per chunk and 2 more where V is not a multiple of 64 (before: 6 per chunk there).
-The gradients are returned in fp32; the op's backward scales them by the upstream gradient and rounds once to the
-inputs' dtype, so they carry no more rounding than torch.compile's, whatever that upstream gradient is.
+
+Each gradient leaves in its input's dtype, rounded once: an fp32 gradient (fp32 inputs, autocast's fp32 weights) is
+its fp32 sum (cuBLAS accumulates dC in it); a 16-bit one is a pair of 16-bit sums ``hi + lo`` (``_pair_sums``:
+dE's rows split once their chunk is done, dC summed chunk by chunk in the pair product's epilogue), ~16 mantissa
+bits.  The op's backward scales them by the upstream gradient g, ``g * (hi + lo)`` rounded once, into ``hi``'s own
+buffer (a saved tensor that only the backward reads is a donated buffer to Inductor, which writes the result in
+place): the gradients carry no more rounding than torch.compile's, whatever g is, and the backward allocates no
+second copy of them.
 
 Ignored rows are not skipped by the matmuls (their sizes must be known on the host, and the count of counted rows
-lives on the device): a batch with many ignored targets is faster on the lean path.  NaN pattern: eager's softmax
-gradient of an ignored row is 0, or NaN in the whole row when its log-sum-exp is NaN (a non-finite value in that
-row of E, or anywhere in C / bias); ``EPoison`` (0 or NaN per row of E) plus ``CPoison`` (0 or NaN: C and bias)
-reproduce it without reading the row.
+lives on the device).  NaN pattern: eager's softmax gradient of an ignored row is 0, or NaN in the whole row when
+its log-sum-exp is NaN (a non-finite value in that row of E, or anywhere in C / bias); ``EPoison`` (0 or NaN per row
+of E) plus ``CPoison`` (0 or NaN: C and bias) reproduce it without reading the row.
 
-Memory (above the inputs and the gradients themselves, R the chunk rows)
+Memory (above the inputs, R the chunk rows, b the products' element size, g each gradient's own)
 ------
-    scratch R * P (input dtype), the fp32 gradients 4 * (N + P) * D (+ 4 * V), N fp32 row losses, the tail buffer
-    N * 64 (input dtype, T > 0 only: 1 MiB at N 8192); in the backward
-    the rounded gradients 2 * (N + V) * D (16-bit) coexist with the fp32 ones until those are freed.
+    the gradients as returned: 2 x (N + P) x D x g for 16-bit pairs, (N + P) x D x 4 for fp32 ones, fp32 dbias;
+    the scratch R x P x b; N fp32 row losses; an fp32 R x D block for a 16-bit dE's rows; the tail buffer N x 64 x b
+    (T > 0 only); converted operands where the products' dtype is not the inputs' (``compute_dtype``): (N + V) x D x b
+    for the call.  The backward adds nothing where Inductor compiles it (in place, above).
 """
 from __future__ import annotations
 
@@ -70,13 +74,12 @@ import torch
 import triton
 import triton.language as tl
 
-from . import _launch, _targets
+from .. import _planning
+from . import _launch, _pair_sums, _targets
 from ._tile import softmax_grad, tanh
 
 # One program streams one row in BLOCK_V columns; 16-byte vector loads of bf16 need BLOCK_V / (32 * num_warps) >= 8.
-# Measured on the H100 (2048 rows, bf16; benchmarks/results/2026-11-25_h100_row-kernel-probe_v14.json): rows up to 64k
-# entries (GPT-2's 50257) run best with 4096-wide blocks (0.37 ms against 0.59 with 2048), longer rows (Qwen2.5,
-# Llama-3, Gemma-2) with 2048 / 8 warps, within 1-3% of the other shapes tried.
+# Rows up to short_row entries take wider blocks (the engineering log's row-kernel probe chose these).
 _TUNING = {
     "gpu": dict(block_v=2048, num_warps=8, short_row=65536, short_row_block_v=4096),
     "interpret": dict(block_v=64, num_warps=4, short_row=0, short_row_block_v=64),
@@ -197,30 +200,68 @@ def _softmax_grad_in_place_kernel(
 
 
 class LossAndGrads(NamedTuple):
-    """The loss (fp32 scalar) and its gradients in fp32; a gradient not asked for is None (dbias also without a
-    bias)."""
+    """The loss (fp32 scalar) and its gradients, each in its input's dtype: an fp32 gradient is the fp32 sum itself;
+    a 16-bit one is the pair ``(hi, lo)`` (``_pair_sums``), ``hi`` the sum rounded once and ``lo`` the remainder (the
+    backward rounds ``g * (hi + lo)`` once).  dbias is fp32.  A gradient not asked for is None (dbias also without a
+    bias; a ``lo`` for an fp32 gradient)."""
 
     loss: torch.Tensor
     grad_e: Optional[torch.Tensor]
     grad_c: Optional[torch.Tensor]
     grad_bias: Optional[torch.Tensor]
+    grad_e_lo: Optional[torch.Tensor]
+    grad_c_lo: Optional[torch.Tensor]
 
 
 # Scratch rows are padded to a multiple of this many elements (module docstring; ``cce_inductor.paths`` sizes the
 # scratch with the same padding).
-ROW_ALIGN = 64
+ROW_ALIGN = _planning.VOCAB_ALIGN
+# Columns of dC (rows of the product) per step of the pair sums' fallback (operands the tensor-memory accelerator
+# cannot read): an fp32 slab of this many rows x D at a time.
+_FALLBACK_SLAB = 4096
+
+
+def _sixteen_bit(dtype: torch.dtype) -> bool:
+    return dtype in (torch.bfloat16, torch.float16)
+
+
+def _gradient(shape, dtype, device, pair: bool):
+    """A gradient's buffers: ``(sum, lo)``, lo None unless the gradient is a 16-bit pair."""
+    return torch.empty(shape, dtype=dtype, device=device), (torch.empty(shape, dtype=dtype, device=device)
+                                                           if pair else None)
+
+
+def _pair_sums_into(hi, lo, grad, e_rows, *, accumulate: bool, upcast: bool) -> None:
+    """``(hi, lo) (+)= grad^T @ e_rows`` (``_pair_sums``): the Triton product where the tensor-memory accelerator
+    reads the operands, else in fp32 slabs of ``_FALLBACK_SLAB`` rows of the result."""
+    if _launch.tma_ok(grad, e_rows):
+        _pair_sums.pair_product(hi, lo, grad, e_rows, accumulate=accumulate)
+        return
+    a = grad.float() if upcast else grad
+    b = e_rows.float() if upcast else e_rows
+    out_dtype = {} if upcast or a.dtype == torch.float32 else {"out_dtype": torch.float32}
+    for s0 in range(0, hi.shape[0], _FALLBACK_SLAB):
+        s1 = min(s0 + _FALLBACK_SLAB, hi.shape[0])
+        slab = torch.mm(a[:, s0:s1].T, b, **out_dtype)
+        if accumulate:
+            slab += hi[s0:s1].float()
+            slab += lo[s0:s1].float()
+        _pair_sums.split_pair(slab, hi[s0:s1], lo[s0:s1])
 
 
 def loss_and_grads(e, c, targets, bias, *, softcap, ignore_index, reduction, label_smoothing=0.0, chunk_rows,
-                   need_e=True, need_c=True, need_bias=True, check_range=False) -> LossAndGrads:
+                   compute_dtype=None, need_e=True, need_c=True, need_bias=True, check_range=False) -> LossAndGrads:
     """Launch helper: :class:`LossAndGrads` of ``cross_entropy(softcap(e @ c.T + bias), targets)`` for reduction
-    "mean" or "sum", ``chunk_rows`` rows at a time through one scratch of logits (module docstring)."""
+    "mean" or "sum", ``chunk_rows`` rows at a time through one scratch of logits (module docstring).
+    ``compute_dtype``: the dtype the products run in where it is not the inputs' (autocast: fp32 inputs, 16-bit
+    products; the gradients stay in the inputs' dtypes)."""
     if reduction not in ("mean", "sum"):
         raise ValueError(f"the balanced path computes reductions 'mean' and 'sum', got {reduction!r}")
     tune = _launch.tuning(_TUNING)
     n, d = e.shape
     v = c.shape[0]
-    device, dtype = e.device, e.dtype
+    device = e.device
+    dtype = compute_dtype or e.dtype
     need_bias = need_bias and bias is not None
     targets = targets.contiguous()
     # row_scale: 1 / #counted (inf when no row counts; then every row is ignored: G = 0) or 1
@@ -229,64 +270,79 @@ def loss_and_grads(e, c, targets, bias, *, softcap, ignore_index, reduction, lab
 
     pitch = triton.cdiv(v, ROW_ALIGN) * ROW_ALIGN  # whatever V is, no product sees an odd leading dimension
     split = v - v % ROW_ALIGN  # the vocabulary's aligned part; its tail (fewer than 64 entries) goes apart (below)
-    # the gradients stay in fp32: the backward scales them and rounds once to the inputs' dtype
-    grad_e = torch.empty((n, d), dtype=torch.float32, device=device) if need_e else None
+    e_pair, c_pair = _sixteen_bit(e.dtype), _sixteen_bit(c.dtype)
+    grad_e, grad_e_lo = _gradient((n, d), e.dtype, device, e_pair) if need_e else (None, None)
     # dC's product runs over the padded scratch rows (pitch x D); rows past V are dropped
-    grad_c = torch.empty((pitch, d), dtype=torch.float32, device=device) if need_c else None
+    grad_c, grad_c_lo = _gradient((pitch, d), c.dtype, device, c_pair) if need_c else (None, None)
     grad_bias = torch.zeros((v,), dtype=torch.float32, device=device) if need_bias else None
     row_loss = torch.empty((n,), dtype=torch.float32, device=device)  # the kernel writes every row
     rows_per_chunk = max(1, min(chunk_rows, n))
-    if n == 0 and need_c:
-        grad_c.zero_()
-    if n > 0:
+    if n == 0:
+        for buffer in (grad_e, grad_e_lo, grad_c, grad_c_lo):
+            if buffer is not None:
+                buffer.zero_()
+    else:
+        # the operands in the products' dtype: converted once per call, freed with it (never held for the backward)
+        e_cd = e if e.dtype == dtype else e.to(dtype)
+        c_cd = c if c.dtype == dtype else c.to(dtype)
+        bias_cd = bias if bias is None or bias.dtype == dtype else bias.to(dtype)
         # 16-bit operands, fp32 results: cuBLAS's out_dtype products; where there are none (the CPU interpreter)
         # the operands are upcast
         upcast = dtype != torch.float32 and not _launch.fp32_out_mm_available(device)
         out_dtype = {"out_dtype": torch.float32} if dtype != torch.float32 and not upcast else {}
         # eager's NaN pattern of ignored rows, computed once for every chunk (the row kernel adds the two)
         zeros = torch.zeros(d, dtype=dtype, device=device)
-        e_poison, c_poison = _launch.nonfinite_rows(e, zeros), _launch.weight_poison(c, bias, zeros)
-        c_mm = c.float() if upcast else c
-        e_mm = e.float() if upcast else e
+        e_poison, c_poison = _launch.nonfinite_rows(e_cd, zeros), _launch.weight_poison(c_cd, bias_cd, zeros)
+        c_mm = c_cd.float() if upcast else c_cd
+        e_mm = e_cd.float() if upcast else e_cd
         scratch = torch.empty(rows_per_chunk * pitch, dtype=dtype, device=device)
         chunk_logits = scratch.view(rows_per_chunk, pitch)
-        c_t = c[:split].T
+        # a 16-bit dE is complete after its chunk: its fp32 rows are split into the pair there
+        de_rows32 = torch.empty((rows_per_chunk, d), dtype=torch.float32, device=device) if need_e and e_pair \
+            else None
+        c_t = c_cd[:split].T
         tail = None
         if split < v:
             # the tail's logits of every row in one product (not one per chunk), in a buffer of aligned rows; the
-            # row kernel reads them there and overwrites them with their gradient, whose dE product also runs once
+            # row kernel reads them there and overwrites them with their gradient
             tail = torch.empty((n, ROW_ALIGN), dtype=dtype, device=device)
-            torch.mm(e, c[split:].T, out=tail[:, : v - split])
+            torch.mm(e_cd, c_cd[split:].T, out=tail[:, : v - split])
         softcap_arg = float(softcap) if softcap is not None else 1.0
         block_v = tune["short_row_block_v"] if v <= tune["short_row"] else tune["block_v"]
         for r0 in range(0, n, rows_per_chunk):
             rows = min(rows_per_chunk, n - r0)
             padded = chunk_logits if rows == rows_per_chunk else chunk_logits[:rows]
-            if split:  # rounded to the input dtype, as torch.compile's matmul rounds them
-                torch.mm(e[r0 : r0 + rows], c_t, out=padded[:, :split])
+            if split:  # rounded to the products' dtype, as torch.compile's matmul rounds them
+                torch.mm(e_cd[r0 : r0 + rows], c_t, out=padded[:, :split])
             _softmax_grad_in_place_kernel[(rows,)](
-                padded, tail if tail is not None else padded, bias if bias is not None else row_scale, targets,
-                e_poison, c_poison, row_scale, row_loss, r0, v, split, pitch, ROW_ALIGN, ignore_index, softcap_arg,
-                1.0 - label_smoothing, label_smoothing / v,
+                padded, tail if tail is not None else padded, bias_cd if bias_cd is not None else row_scale,
+                targets, e_poison, c_poison, row_scale, row_loss, r0, v, split, pitch, ROW_ALIGN, ignore_index,
+                softcap_arg, 1.0 - label_smoothing, label_smoothing / v,
                 HAS_BIAS=bias is not None, HAS_SOFTCAP=softcap is not None, LOGIT_SUM=label_smoothing != 0.0,
                 ROUND_RNE=_launch.INTERPRET and dtype == torch.bfloat16, TAIL=tail is not None, BLOCK_V=block_v,
                 num_warps=tune["num_warps"],
             )
             grad = padded.float() if upcast else padded  # the scratch now holds G, 0 in its padding columns
-            if need_e and split:  # one product over the aligned part of V per row
-                _launch.product_into(grad_e[r0 : r0 + rows], grad[:, :split], c_mm[:split], accumulate=False,
-                                     **out_dtype)
-            if need_c:  # summed over the chunks in fp32
+            if need_e:  # the chunk's rows of dE, whole: the aligned part of V, then the tail's
+                de_rows = de_rows32[:rows] if e_pair else grad_e[r0 : r0 + rows]
+                if split:
+                    _launch.product_into(de_rows, grad[:, :split], c_mm[:split], accumulate=False, **out_dtype)
+                if tail is not None:
+                    grad_tail = tail[r0 : r0 + rows, : v - split]
+                    _launch.product_into(de_rows, grad_tail.float() if upcast else grad_tail, c_mm[split:],
+                                         accumulate=split > 0, **out_dtype)
+                if e_pair:
+                    _pair_sums.split_pair(de_rows, grad_e[r0 : r0 + rows], grad_e_lo[r0 : r0 + rows])
+            if need_c and c_pair:  # summed over the chunks as a 16-bit pair
+                _pair_sums_into(grad_c, grad_c_lo, padded, e_cd[r0 : r0 + rows], accumulate=r0 > 0, upcast=upcast)
+            elif need_c:  # an fp32 gradient: the fp32 sum is the gradient
                 _launch.product_into(grad_c, grad.T, e_mm[r0 : r0 + rows], accumulate=r0 > 0, **out_dtype)
             if need_bias:
                 grad_bias += grad[:, :v].sum(dim=0, dtype=torch.float32)
             del grad
-        if need_e and tail is not None:  # the tail's share of dE, every row at once
-            grad_tail = tail[:, : v - split]
-            _launch.product_into(grad_e, grad_tail.float() if upcast else grad_tail, c_mm[split:],
-                                 accumulate=split > 0, **out_dtype)
     if need_c:
         grad_c = grad_c[:v]
+        grad_c_lo = grad_c_lo[:v] if grad_c_lo is not None else None
     total = row_loss.sum()
     loss = total / num_counted if reduction == "mean" else total  # 0 / 0 = NaN when every row is ignored, as eager
-    return LossAndGrads(loss, grad_e, grad_c, grad_bias)
+    return LossAndGrads(loss, grad_e, grad_c, grad_bias, grad_e_lo, grad_c_lo)

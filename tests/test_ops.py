@@ -408,7 +408,7 @@ def test_opcheck():
 def test_backward_scales_saved_gradients_and_refuses_missing_ones():
     e, c, t, _ = make_balanced_inputs(10, 30, 8, torch.float32)
     e.requires_grad_()
-    loss, grad_e, grad_c, _ = torch.ops.cce_inductor.linear_cross_entropy_with_grads(
+    loss, grad_e, grad_c, *_ = torch.ops.cce_inductor.linear_cross_entropy_with_grads(
         e, c, t, None, None, IGNORE, "sum", 0.0, BALANCED.encode(), True, False, False, False)
     assert grad_c.numel() == 0 and not grad_e.requires_grad
     (ge,) = torch.autograd.grad(loss * 2.0, [e])
@@ -474,9 +474,9 @@ def test_entropy_output_matches_eager(dtype, softcap, ignore):
     eager computed in fp64 from the same inputs; the loss is unchanged by asking for the entropy."""
     e, c, t, b = make_op_inputs((23,), 31, 8, dtype, bias=True, ignore=ignore)
     leaves = [x.detach().clone().requires_grad_() for x in (e, c, b)]
-    loss, lse, entropy = ops.linear_cross_entropy_op(*leaves[:2], t, leaves[2], softcap, -100, "none", 0.0, OPTIONS,
+    loss, lse, entropy, _ = ops.linear_cross_entropy_op(*leaves[:2], t, leaves[2], softcap, -100, "none", 0.0, OPTIONS,
                                                      False, True)  # fmt: skip
-    plain_loss, _, no_entropy = ops.linear_cross_entropy_op(e, c, t, b, softcap, -100, "none", 0.0, OPTIONS, False,
+    plain_loss, _, no_entropy, _ = ops.linear_cross_entropy_op(e, c, t, b, softcap, -100, "none", 0.0, OPTIONS, False,
                                                             False)  # fmt: skip
     assert no_entropy.shape == (0,)
     torch.testing.assert_close(loss, plain_loss)
@@ -500,7 +500,7 @@ def test_entropy_output_matches_eager(dtype, softcap, ignore):
 def test_entropy_of_an_empty_batch():
     e, c, t, _ = make_op_inputs((0,), 11, 4, torch.float32, ignore="none")
     e.requires_grad_()
-    loss, _, entropy = ops.linear_cross_entropy_op(e, c, t, None, None, -100, "none", 0.0, OPTIONS, False, True)
+    loss, _, entropy, _ = ops.linear_cross_entropy_op(e, c, t, None, None, -100, "none", 0.0, OPTIONS, False, True)
     assert loss.shape == entropy.shape == (0,)
     entropy.sum().backward()
     assert e.grad.shape == e.shape

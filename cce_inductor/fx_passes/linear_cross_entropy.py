@@ -27,14 +27,15 @@ is replaced by::
 
     rows = <the same row views replayed on hidden * k, with D in place of V>       (M, D)
     fused = cce_inductor::linear_cross_entropy(rows, weight, targets, bias, cap, i, r, eps, options.encode(), full_lse,
-                                              False)
+                                              False[, class_weights=w][, argmax=dtype][, compute_dtype=dtype])
     loss = fused[0].to(<dtype cross_entropy returned>)
     lse = fused[1].to(<dtype logsumexp returned>)          (only with logsumexp users: full_lse, every row's lse)
 
-and, with class weights ``w`` (V,) (no label smoothing: eager's weighted smoothing is another formula) or argmax
-users, by ``cce_inductor::linear_cross_entropy_ext(rows, weight, targets, bias, w, ..., argmax_dtype)`` whose fourth
-output, each row's argmax (``torch.argmax``'s ties, over the logits rounded to the dtype they have in the graph),
-takes the argmax nodes' place, viewed to their shape.
+(``cce_inductor::linear_cross_entropy_with_grads`` instead where the site takes the balanced path). With class
+weights ``w`` (V,) (no label smoothing: eager's weighted smoothing is another formula) the op scales each row's loss;
+with argmax users its fourth output, each row's argmax (``torch.argmax``'s ties, over the logits rounded to the dtype
+they have in the graph), takes the argmax nodes' place, viewed to their shape. Under autocast (fp32 hidden states or
+head, 16-bit logits) the operands go to the op as stored, with ``compute_dtype`` (``sites.op_compute_dtype``).
 
 Every ``cross_entropy`` that is not rewritten gets a reason in :func:`cce_inductor.stats` and the
 ``cce_inductor`` log. The tables below are the whole vocabulary of the matcher. Sites on DTensors belong to
@@ -54,13 +55,13 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from .. import _checks, diagnostics
+from .. import _checks, diagnostics, ops
 from ..options import CCEOptions
 
 from .head_chain import NoMatch, mutated_tensor, private_chain, storage_roots, upcast_target, walk_logits
 from .sites import (
-    EmitLoss, Site, check_escaping, choose_path, decide, describe_site, head_operands, lazy_recipe, path_decision,
-    replace_site, retire, rows_of,
+    EmitLoss, Site, check_escaping, choose_path, decide, describe_site, head_operands, lazy_recipe, op_compute_dtype,
+    path_decision, replace_site, retire, rows_of,
 )
 from .spellings import (
     CROSS_ENTROPY, FLATTEN, GETITEM, GRAD_MODE, IDENTITY_VIEW, RESHAPE, call_arg, const_float, example_value, functions,
@@ -226,22 +227,21 @@ def _extended(site: Site) -> bool:
 
 def _fused_loss(options: CCEOptions) -> EmitLoss:
     def emit(graph: fx.Graph, site: Site, rows, weight, targets, bias) -> fx.Node:
+        common = dict(softcap=site.softcap, ignore_index=site.ignore_index, reduction=site.reduction,
+                      label_smoothing=site.label_smoothing, options=options.encode(),
+                      compute_dtype=op_compute_dtype(site))
         if _extended(site):
-            return _emit_ext(graph, site, rows, weight, targets, bias, options)
+            return _emit_ext(graph, site, ops.lean_call(rows, weight, targets, bias, full_lse=bool(site.lse_users),
+                                                        class_weights=site.class_weight, argmax=site.argmax_round,
+                                                        **common))
         if choose_path(site, options).path == "balanced":
-            need = (requires_grad(site.hidden), requires_grad(site.weight),
-                    site.bias is not None and requires_grad(site.bias))
-            fused = graph.call_function(
-                torch.ops.cce_inductor.linear_cross_entropy_with_grads.default,
-                (rows, weight, targets, bias, site.softcap, site.ignore_index, site.reduction, site.label_smoothing,
-                 options.encode(), *need, bool(site.escaping)),
-            )  # fmt: skip
+            fused = ops.balanced_call(
+                rows, weight, targets, bias, need_e=requires_grad(site.hidden), need_c=requires_grad(site.weight),
+                need_bias=site.bias is not None and requires_grad(site.bias), returned_logits=bool(site.escaping),
+                **common,
+            ).emit(graph)
             return graph.call_function(operator.getitem, (fused, 0))
-        fused = graph.call_function(
-            torch.ops.cce_inductor.linear_cross_entropy.default,
-            (rows, weight, targets, bias, site.softcap, site.ignore_index, site.reduction, site.label_smoothing,
-             options.encode(), bool(site.lse_users), False),
-        )
+        fused = ops.lean_call(rows, weight, targets, bias, full_lse=bool(site.lse_users), **common).emit(graph)
         _feed_lse_users(graph, site, fused)
         return graph.call_function(operator.getitem, (fused, 0))
 
@@ -259,13 +259,9 @@ def _feed_lse_users(graph: fx.Graph, site: Site, fused: fx.Node) -> None:
         graph.erase_node(user)
 
 
-def _emit_ext(graph: fx.Graph, site: Site, rows, weight, targets, bias, options: CCEOptions) -> fx.Node:
+def _emit_ext(graph: fx.Graph, site: Site, call: "ops.OpCall") -> fx.Node:
     """The op with class weights and / or the argmax (module docstring): the lse and argmax users take its outputs."""
-    fused = graph.call_function(
-        torch.ops.cce_inductor.linear_cross_entropy_ext.default,
-        (rows, weight, targets, bias, site.class_weight, site.softcap, site.ignore_index, site.reduction,
-         site.label_smoothing, options.encode(), bool(site.lse_users), False, site.argmax_round),
-    )  # fmt: skip
+    fused = call.emit(graph)
     _feed_lse_users(graph, site, fused)
     if site.argmax_users:
         argmax = graph.call_function(operator.getitem, (fused, 3))
@@ -412,11 +408,9 @@ def _replace_chunks(graph: fx.Graph, group: list[Site], options: CCEOptions) -> 
         rows = graph.call_function(torch.cat, ([rows_of(graph, site) for site in group], 0))
         weight, bias = head_operands(graph, head)  # the same for every site of the group
         targets = graph.call_function(torch.cat, ([site.targets for site in group], 0))
-        fused = graph.call_function(
-            torch.ops.cce_inductor.linear_cross_entropy.default,
-            (rows, weight, targets, bias, head.softcap, head.ignore_index, "none", head.label_smoothing,
-             options.encode(), False, False),
-        )  # fmt: skip
+        fused = ops.lean_call(rows, weight, targets, bias, softcap=head.softcap, ignore_index=head.ignore_index,
+                              reduction="none", label_smoothing=head.label_smoothing, options=options.encode()
+                              ).emit(graph)
         row_loss = graph.call_function(operator.getitem, (fused, 0))
         pieces = graph.call_function(torch.split, (row_loss, [_row_count(graph, site.targets) for site in group]))
         losses = []

@@ -63,12 +63,26 @@ class Site:
 EmitLoss = Callable[[fx.Graph, Site, fx.Node, fx.Node, fx.Node, Optional[fx.Node]], fx.Node]
 
 
-def replace_site(graph: fx.Graph, site: Site, emit_loss: EmitLoss) -> None:
-    """Replace the matched site by ``emit_loss``'s nodes (module docstring)."""
+def replace_site(graph: fx.Graph, site: Site, emit_loss: EmitLoss, stored_operands: bool = True) -> None:
+    """Replace the matched site by ``emit_loss``'s nodes (module docstring). ``stored_operands``: an emitter that
+    calls the fused ops with ``compute_dtype=op_compute_dtype(site)`` gets the operands as stored (the op converts
+    them for its call); else in the logits' dtype."""
+    keep = stored_operands and op_compute_dtype(site) is not None
     with graph.inserting_before(site.insert_before or site.cross_entropy):
-        rows, weight, bias = rows_of(graph, site), *head_operands(graph, site)
+        rows = rows_of(graph, site, in_logits_dtype=not keep)
+        weight, bias = head_operands(graph, site, in_logits_dtype=not keep)
         loss = emit_loss(graph, site, rows, weight, site.targets, bias)
     retire(graph, site, loss)
+
+
+def op_compute_dtype(site: Site) -> Optional[torch.dtype]:
+    """The fused op's ``compute_dtype``: the logits' dtype where an operand is stored in another (autocast: fp32
+    hidden states or head, 16-bit logits), so that the op converts them for its call only and returns each gradient
+    in its operand's dtype; None where every operand is in the logits' dtype (the graph needs no cast)."""
+    operands = [site.hidden, site.weight] + ([site.bias] if site.bias is not None else [])
+    if all(example_value(node).dtype == site.compute_dtype for node in operands):
+        return None
+    return site.compute_dtype
 
 
 def cast(graph: fx.Graph, node: fx.Node, dtype: torch.dtype) -> fx.Node:
@@ -84,9 +98,10 @@ def _hidden_size(graph: fx.Graph, hidden: fx.Node) -> Union[int, fx.Node]:
     return graph.call_method("size", (hidden, -1))
 
 
-def rows_of(graph: fx.Graph, site: Site) -> fx.Node:
-    """The hidden states as the loss's rows: the chain's row views replayed on them, the scale folded in."""
-    rows = cast(graph, site.hidden, site.compute_dtype)
+def rows_of(graph: fx.Graph, site: Site, in_logits_dtype: bool = True) -> fx.Node:
+    """The hidden states as the loss's rows: the chain's row views replayed on them, the scale folded in; in the
+    logits' dtype, or as stored (``in_logits_dtype=False``: :func:`op_compute_dtype`)."""
+    rows = cast(graph, site.hidden, site.compute_dtype) if in_logits_dtype else site.hidden
     if site.scale != 1.0:
         rows = graph.call_function(operator.mul, (rows, site.scale))
     hidden_size = _hidden_size(graph, site.hidden)
@@ -100,12 +115,15 @@ def rows_of(graph: fx.Graph, site: Site) -> fx.Node:
     return rows
 
 
-def head_operands(graph: fx.Graph, site: Site) -> tuple[fx.Node, Optional[fx.Node]]:
-    """``(weight (V, D), bias)`` in the logits' dtype, the scale folded into the bias."""
-    weight = cast(graph, site.weight, site.compute_dtype)
+def head_operands(graph: fx.Graph, site: Site, in_logits_dtype: bool = True) -> tuple[fx.Node, Optional[fx.Node]]:
+    """``(weight (V, D), bias)``, the scale folded into the bias; in the logits' dtype, or as stored."""
+    def operand(node: fx.Node) -> fx.Node:
+        return cast(graph, node, site.compute_dtype) if in_logits_dtype else node
+
+    weight = operand(site.weight)
     if site.weight_is_transposed:
         weight = graph.call_method("t", (weight,))
-    bias = None if site.bias is None else cast(graph, site.bias, site.compute_dtype)
+    bias = None if site.bias is None else operand(site.bias)
     if bias is not None and site.scale != 1.0:
         bias = graph.call_function(operator.mul, (bias, site.scale))
     return weight, bias

@@ -127,7 +127,7 @@ def rewrite_tensor_parallel_sites(graph: fx.Graph, options: CCEOptions, graph_id
         site = sites.decide(graph_id, ce, lambda ce=ce: _checked(lce.match_site(ce)))
         if site is None:
             continue
-        sites.replace_site(graph, site, emit)
+        sites.replace_site(graph, site, emit, stored_operands=False)
         rewritten += 1
         diagnostics.record(diagnostics.SiteDecision(
             graph_id, ce.name, True, f"tensor parallel (vocabulary-sharded head): {sites.describe_site(site)}"

@@ -41,7 +41,7 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from .. import diagnostics
+from .. import diagnostics, ops
 from ..options import CCEOptions
 from . import head_chain, sites
 from . import spellings as sp
@@ -278,12 +278,12 @@ def _checked(site: sites.Site, index: fx.Node, options: CCEOptions) -> tuple[sit
 def fused_token_call(graph: fx.Graph, site: sites.Site, rows, weight, ids, bias, options: CCEOptions,
                      entropy: bool) -> fx.Node:
     """The op over every row of ``rows`` (..., D) with ``ids`` (one per row, none ignored): outputs
-    ``(-log-prob of each id, lse, entropy | empty)``, flat."""
-    return graph.call_function(
-        torch.ops.cce_inductor.linear_cross_entropy.default,
-        (graph.call_method("flatten", (rows, 0, -2)), weight, graph.call_method("flatten", (ids,)), bias,
-         site.softcap, NO_TARGET, "none", 0.0, options.encode(), False, entropy),
-    )  # fmt: skip
+    ``(-log-prob of each id, lse, entropy | empty, argmax | empty)``, flat."""
+    return ops.lean_call(
+        graph.call_method("flatten", (rows, 0, -2)), weight, graph.call_method("flatten", (ids,)), bias,
+        softcap=site.softcap, ignore_index=NO_TARGET, reduction="none", options=options.encode(), entropy=entropy,
+        compute_dtype=sites.op_compute_dtype(site),
+    ).emit(graph)
 
 
 def log_probs_of(graph: fx.Graph, fused: fx.Node, ids: fx.Node) -> fx.Node:

@@ -30,7 +30,7 @@ import torch
 from torch import Tensor
 
 from .. import _checks
-from ..ops import linear_cross_entropy_ext_op
+from ..ops import lean_call
 from ..options import CCEOptions
 
 __all__ = ["install", "uninstall", "log_probs", "CCELogProbFunction", "SUPPORTED_OUTPUTS"]
@@ -79,18 +79,20 @@ def log_probs(
     if not supports(final_logit_softcapping, temperature, logit_scale, compute, outputs):
         return _trl_function().apply(hidden, weight, bias, targets, temperature, chunk_size, final_logit_softcapping,
                                      logit_scale, outputs)
-    e, c = hidden.to(compute), weight.to(compute)
-    b = None if bias is None else bias.to(compute)
+    e, c, b = hidden, weight, bias
     factor = logit_scale / temperature if final_logit_softcapping is None else logit_scale
     if factor != 1.0:
         e, b = e * factor, None if b is None else b * factor
     _checks.check_targets_dtype(targets)
+    # the operands as stored, converted for the call only (an fp32 head under autocast: no 16-bit copy held)
+    stored = {e.dtype, c.dtype} | ({b.dtype} if b is not None else set())
     with torch.autocast(hidden.device.type, enabled=False):
-        neg_log_probs, _, entropy, argmax = linear_cross_entropy_ext_op(
-            e, c, targets.long(), b, None, None if final_logit_softcapping is None else float(final_logit_softcapping),
-            _NO_TARGET, "none", 0.0, CCEOptions().encode(), False, "entropy" in outputs,
-            str(compute).removeprefix("torch.") if "is_top1" in outputs else "",
-        )
+        neg_log_probs, _, entropy, argmax = lean_call(
+            e, c, targets.long(), b, softcap=None if final_logit_softcapping is None else float(final_logit_softcapping),
+            ignore_index=_NO_TARGET, reduction="none", options=CCEOptions().encode(), entropy="entropy" in outputs,
+            argmax=str(compute).removeprefix("torch.") if "is_top1" in outputs else "",
+            compute_dtype=None if stored == {compute} else compute,
+        )()
     return (
         -neg_log_probs,
         entropy if "entropy" in outputs else None,
