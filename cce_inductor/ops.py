@@ -306,8 +306,8 @@ def _(e, c, targets, bias, softcap, ignore_index, reduction, label_smoothing, op
     acc = _chunked.accumulation_dtype(compute_dtype or e.dtype)
     grad_e, grad_c, grad_bias = _loss.grad_outputs_fake(e, c, bias, need_e, need_c, need_bias)
     return (e.new_empty((), dtype=acc), grad_e, grad_c, grad_bias.to(acc),
-            grad_e if _pair(need_e, e) else e.new_empty(0),
-            grad_c if _pair(need_c, c) else c.new_empty(0))  # fmt: skip
+            torch.empty_like(grad_e) if _pair(need_e, e) else e.new_empty(0),
+            torch.empty_like(grad_c) if _pair(need_c, c) else c.new_empty(0))  # fmt: skip
 
 
 def _pair(needed: bool, x: Tensor) -> bool:

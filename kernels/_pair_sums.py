@@ -17,9 +17,11 @@ rounding (|t - hi - lo| <= 2^-8 ulp(hi) for bf16), and ``hi`` alone is the sum r
 Block / grid layout
 -------------------
 A tiled GEMM over the output ``M x N`` (M = rows of dC: the scratch's padded vocabulary, N = D) with a K loop over
-the chunk's rows in ``BLOCK_K`` steps, operand tiles fetched by the tensor-memory accelerator (the A tile is a G tile
-transposed in shared memory), programs in groups of ``GROUP_M`` row blocks (Triton's matmul tutorial).  The
-epilogue reads and writes the pair: 8 bytes per element of dC per chunk, as an fp32 running sum would.
+the chunk's rows in ``BLOCK_K`` steps, operand and pair tiles moved by the tensor-memory accelerator (the A tile is
+a G tile transposed in shared memory), tiles in groups of ``GROUP_M`` row blocks (Triton's matmul tutorial); one
+program per tile, or (``persistent``) one per multiprocessor with the tile and K loops flattened into one, so that
+a tile's epilogue overlaps the next tile's loads.  The epilogue reads and writes the pair: 8 bytes per element of
+dC per chunk, as an fp32 running sum would.
 """
 from __future__ import annotations
 
@@ -32,9 +34,10 @@ from ._products import _grouped_tile
 from ._tile import dot
 
 # Hopper; the interpreter's tiny blocks keep the CPU tests fast.
+# persistent: the flattened persistent loop (_pair_product_persistent_kernel) rather than one program per tile.
 _TUNING = {
-    "gpu": dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=4),
-    "interpret": dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, GROUP_M=2, num_warps=4, num_stages=1),
+    "gpu": dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=4, persistent=True),
+    "interpret": dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, GROUP_M=2, num_warps=4, num_stages=1, persistent=True),
 }
 
 
@@ -50,46 +53,86 @@ def _round_rne(x, DTYPE: tl.constexpr, ROUND_RNE: tl.constexpr):
 
 
 @triton.jit
+def _pair_tile(acc, hi_desc, lo_desc, m0, n0, ACCUMULATE: tl.constexpr, ROUND_RNE: tl.constexpr):
+    """The epilogue of one tile: ``t = acc (+ hi + lo)``, ``hi = round(t)``, ``lo = round(t - hi)``."""
+    if ACCUMULATE:
+        acc += hi_desc.load([m0, n0]).to(tl.float32)
+        acc += lo_desc.load([m0, n0]).to(tl.float32)
+    hi = _round_rne(acc, hi_desc.dtype, ROUND_RNE)
+    lo = _round_rne(acc - hi.to(tl.float32), hi_desc.dtype, ROUND_RNE)
+    hi_desc.store([m0, n0], hi)
+    lo_desc.store([m0, n0], lo)
+
+
+@triton.jit
 def _pair_product_kernel(
-    a_desc, b_desc, Hi, Lo, M, N, K, stride_pair,
+    a_desc, b_desc, hi_desc, lo_desc, M, N, K,
     ACCUMULATE: tl.constexpr, ROUND_RNE: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
-    """``(Hi, Lo) (+)= A^T @ B`` for tile ``program_id(0)``: A is ``K x M`` (G of one row chunk), B ``K x N``."""
+    """``(hi, lo) (+)= A^T @ B`` for tile ``program_id(0)``: A is ``K x M`` (G of one row chunk), B ``K x N``; the
+    pair's tiles through the tensor-memory accelerator too (reads past an edge give 0, stores past it are dropped)."""
     pid_m, pid_n = _grouped_tile(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         a = a_desc.load([k0, pid_m * BLOCK_M])
         b = b_desc.load([k0, pid_n * BLOCK_N])
         acc = dot(tl.trans(a), b, acc, UPCAST, DOT_PRECISION)
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask = (rows < M)[:, None] & (cols < N)[None, :]
-    offs = rows.to(tl.int64)[:, None] * stride_pair + cols[None, :]
-    if ACCUMULATE:
-        acc += tl.load(Hi + offs, mask=mask, other=0.0).to(tl.float32)
-        acc += tl.load(Lo + offs, mask=mask, other=0.0).to(tl.float32)
-    hi = _round_rne(acc, Hi.dtype.element_ty, ROUND_RNE)
-    lo = _round_rne(acc - hi.to(tl.float32), Hi.dtype.element_ty, ROUND_RNE)
-    tl.store(Hi + offs, hi, mask=mask)
-    tl.store(Lo + offs, lo, mask=mask)
+    _pair_tile(acc, hi_desc, lo_desc, pid_m * BLOCK_M, pid_n * BLOCK_N, ACCUMULATE, ROUND_RNE)
+
+
+@triton.jit
+def _pair_product_persistent_kernel(
+    a_desc, b_desc, hi_desc, lo_desc, M, N, K,
+    ACCUMULATE: tl.constexpr, ROUND_RNE: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    NUM_PROGRAMS: tl.constexpr,
+):
+    """The same product on a persistent grid: each program takes every ``NUM_PROGRAMS``-th tile, and the tile loop
+    and its K loop are one flattened loop, so that the pipeliner fetches the next tile's operands while a tile's
+    epilogue reads and writes the pair."""
+    num_m, num_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
+    k_tiles = tl.cdiv(K, BLOCK_K)
+    tiles = num_m * num_n
+    pid = tl.program_id(0)
+    done = pid - NUM_PROGRAMS  # the tile whose epilogue comes next
+    ki = -1
+    pid_m, pid_n = 0, 0
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    steps = k_tiles * tl.cdiv(tiles - pid, NUM_PROGRAMS)
+    for _ in tl.range(0, steps, flatten=True):
+        ki = tl.where(ki == k_tiles - 1, 0, ki + 1)
+        if ki == 0:
+            done += NUM_PROGRAMS
+            pid_m, pid_n = _grouped_tile(done, num_m, num_n, GROUP_M)
+        a = a_desc.load([ki * BLOCK_K, pid_m * BLOCK_M])
+        b = b_desc.load([ki * BLOCK_K, pid_n * BLOCK_N])
+        acc = dot(tl.trans(a), b, acc, UPCAST, DOT_PRECISION)
+        if ki == k_tiles - 1:
+            _pair_tile(acc, hi_desc, lo_desc, pid_m * BLOCK_M, pid_n * BLOCK_N, ACCUMULATE, ROUND_RNE)
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
 
 
 def pair_product(hi: torch.Tensor, lo: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, accumulate: bool) -> None:
     """Launch helper: ``(hi, lo) (+)= a^T @ b`` (module docstring).  ``a``: ``K x M``, ``b``: ``K x N``, both in one
-    16-bit or fp32 dtype and readable by the tensor-memory accelerator (:func:`_launch.tma_ok`); ``hi`` / ``lo``:
-    ``M x N``, one 16-bit dtype, the same strides, contiguous rows."""
+    16-bit or fp32 dtype; ``hi`` / ``lo``: ``M x N``, one 16-bit dtype; all four readable by the tensor-memory
+    accelerator (:func:`_launch.tma_ok`)."""
     k, m = a.shape
     n = b.shape[1]
     tune = dict(_launch.tuning(_TUNING))
+    persistent = tune.pop("persistent")
     bm, bn, bk = tune["BLOCK_M"], tune["BLOCK_N"], tune["BLOCK_K"]
     tune["num_stages"] = _launch.fit_num_stages(tune["num_stages"], bm, bn, bk, a.element_size())
-    grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn),)
-    _pair_product_kernel[grid](
-        _launch.descriptor(a, [bk, bm]), _launch.descriptor(b, [bk, bn]), hi, lo, m, n, k, hi.stride(0),
-        ACCUMULATE=accumulate, ROUND_RNE=_launch.INTERPRET and hi.dtype == torch.bfloat16,
-        UPCAST=_launch.upcast_dots(a.dtype), DOT_PRECISION=_launch.dot_precision(a.dtype), **tune,
-    )
+    tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
+    args = (_launch.descriptor(a, [bk, bm]), _launch.descriptor(b, [bk, bn]), _launch.descriptor(hi, [bm, bn]),
+            _launch.descriptor(lo, [bm, bn]), m, n, k)
+    flags = dict(ACCUMULATE=accumulate, ROUND_RNE=_launch.INTERPRET and hi.dtype == torch.bfloat16,
+                 UPCAST=_launch.upcast_dots(a.dtype), DOT_PRECISION=_launch.dot_precision(a.dtype), **tune)
+    if persistent and k > 0:
+        programs = min(tiles, _launch.num_sms(a.device))
+        _pair_product_persistent_kernel[(programs,)](*args, NUM_PROGRAMS=programs, **flags)
+    else:
+        _pair_product_kernel[(tiles,)](*args, **flags)
 
 
 def split_pair(x32: torch.Tensor, hi: torch.Tensor, lo: torch.Tensor) -> None:
