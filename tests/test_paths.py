@@ -156,7 +156,8 @@ def test_lean_for_memory_says_how_to_trade_it_for_time():
     torch.compile (est. peak <= 0.9x its), stats() names the scratch_mb that takes it (the forced balanced path at
     N 8192 measured 1.02-1.11x torch.compile's time against the lean path's 1.24-1.40x, engineering log v16 / v17);
     that scratch_mb does take the balanced path there, under 0.9x torch.compile's estimated peak. Not where the
-    balanced path would be about as fat as torch.compile (Llama-2 at N 8192) or cannot run (the chunked path)."""
+    balanced path would be about as fat as torch.compile (Llama-2 at N 4096, DeepSeek-V3 at N 8192) or cannot run
+    (the chunked path)."""
     for head, n in (("gemma2", 8192), ("qwen25-0.5b", 4096), ("deepseek-v3", 16384), ("llama3", 8192)):
         facts = _facts(head, n)
         choice = paths.choose(facts)
@@ -166,7 +167,7 @@ def test_lean_for_memory_says_how_to_trade_it_for_time():
         assert forced.path == "balanced" and forced.scratch_bytes == mb * 2**20
         assert paths.balanced_peak(facts, forced.scratch_bytes) <= 0.9 * paths.compile_peak(facts)
         assert f"est. peak {paths._mib(paths.balanced_peak(facts, forced.scratch_bytes))}" in choice.reason
-    for facts in (_facts("llama2", 8192), _facts("gemma2", 8192, kernels=False)):
+    for facts in (_facts("llama2", 4096), _facts("deepseek-v3", 8192), _facts("gemma2", 8192, kernels=False)):
         assert "scratch_mb=" not in paths.choose(facts).reason
 
 
