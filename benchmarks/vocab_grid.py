@@ -65,7 +65,9 @@ command line, the methods' keywords, the peers found):
     error         what failed (OutOfMemoryError, NOT REWRITTEN, ...)
 The markdown table printed last has one row per case x method (latest result per key in --out).
 
---dtype fp32 (default bf16): e and c in fp32 (no autocast), the loss as written; --matmul-precision high sets
+--dtype fp32 (default bf16): e and c in fp32 (no autocast), the loss as written; --dtype autocast: e and c in fp32,
+every method's loss (the peers' too) called under torch.autocast(dtype=torch.bfloat16), as a Trainer's bf16=True
+runs an fp32 model (lower_bound_mb counts the fp32 gradients); --matmul-precision high sets
 torch.set_float32_matmul_precision("high") (TF32 for fp32 matmuls: torch.compile's cuBLAS products and, since
 2026-11-26, the kernels' own) in every worker. The reference stays fp32 logits with IEEE products, so for fp32 inputs
 errors below ~1e-6 are not resolved (the TF32 errors, ~1e-3, are). Rows carry both; --resume keys on them.
@@ -94,7 +96,7 @@ HEADS = {  # name: (D, V)
     "gemma3": (2560, 262208), "deepseek-v3": (7168, 129280), "mistral-nemo": (5120, 131072),
 }
 TINY_HEADS = {"tiny2003": (64, 2003), "tiny2048": (64, 2048)}
-DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "autocast": torch.float32}
 IGNORE = -100
 BASE = ("matmul", "compile")
 FWD_TOO = ("matmul", "compile", "default")  # methods also timed forward-only
@@ -216,8 +218,12 @@ def measure(fn, e, c, t, args, dynamic, ref, is_cce, fwd, profile):
     variants = t if isinstance(t, list) else [t]
     t = variants[0]
 
+    mixed = args.dtype == "autocast"  # fp32 e and c, the loss under bf16 autocast (a Trainer's bf16=True)
+
     def step(ee=e, cc=c, tt=t):
-        fn(ee, cc, tt).backward()
+        with torch.autocast(dev, dtype=torch.bfloat16, enabled=mixed):
+            loss = fn(ee, cc, tt)
+        loss.backward()
 
     def timed_step():
         for tt in variants:
@@ -258,7 +264,7 @@ def measure(fn, e, c, t, args, dynamic, ref, is_cce, fwd, profile):
         c.requires_grad_(False)
     if fwd:
         def fwd_only():
-            with torch.no_grad():
+            with torch.no_grad(), torch.autocast(dev, dtype=torch.bfloat16, enabled=mixed):
                 return fn(e, c, t)
         fwd_only()
         r["fwd_ms"] = C.bench(fwd_only, dev, args.reps)

@@ -339,10 +339,13 @@ def _setup_context_with_grads(ctx, inputs, output) -> None:
 
 def _scaled(grad: Tensor, lo: Optional[Tensor], grad_loss: Tensor, dtype: torch.dtype) -> Tensor:
     """``grad_loss * (grad + lo)`` rounded once to ``dtype`` (``lo`` None: ``grad`` alone). Compiled, Inductor fuses
-    it into one pass and writes it into ``grad``'s buffer (same dtype and size, a donated saved tensor)."""
+    it into one pass and writes it into ``grad``'s buffer (same dtype and size, a donated saved tensor). Each term is
+    scaled before the sum (fp32 products, one rounding of the result as before) so that nothing of it can be computed
+    in the forward graph: the partitioner would otherwise save ``grad + lo`` in fp32 there, and the 16-bit result
+    would need a buffer of its own."""
     if lo is None:
         return (grad * grad_loss).to(dtype)
-    return ((grad.float() + lo.float()) * grad_loss).to(dtype)
+    return (grad.float() * grad_loss + lo.float() * grad_loss).to(dtype)
 
 
 def _backward_with_grads(ctx, grad_loss, *_):

@@ -504,3 +504,37 @@ def test_entropy_of_an_empty_batch():
     assert loss.shape == entropy.shape == (0,)
     entropy.sum().backward()
     assert e.grad.shape == e.shape
+
+
+@pytest.mark.parametrize("weights", ["bf16", "fp32 under autocast"])
+def test_compiled_backward_scales_the_balanced_gradients_in_place(weights, no_inductor_caches):
+    """The balanced op's saved gradients (a 16-bit pair, or fp32 sums) are donated buffers: Inductor's compiled
+    backward writes the scaled, rounded gradient into the saved gradient's own buffer and allocates none of the
+    gradients' size (the memory the balanced path is sized for). A partitioner that computes ``hi + lo`` in the
+    forward (saving it in fp32) breaks this; the check reads the generated backward code."""
+    from torch._inductor.utils import run_and_get_code
+
+    n, d, v = 512, 64, 1000
+    dtype = torch.bfloat16 if weights == "bf16" else torch.float32
+    e = torch.randn(n, d, dtype=dtype, requires_grad=True)
+    c = torch.randn(v, d, dtype=dtype, requires_grad=True)
+    t = torch.randint(0, v, (n,))
+
+    def loss_fn(e, c, t):
+        return F.cross_entropy(F.linear(e, c).float(), t)
+
+    compiled = torch.compile(loss_fn, backend=cce_inductor.make_backend(path="balanced", lazy_logits=False))
+
+    def step():
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=weights != "bf16"):
+            loss = compiled(e, c, t)
+        loss.backward()
+
+    cce_inductor.reset_stats()
+    _, codes = run_and_get_code(step)
+    assert cce_inductor.stats()["sites"][0]["path"] == "balanced"
+    backward = codes[-1]
+    for shape in ((n, d), (v, d)):
+        assert f"empty_strided_cpu({shape}" not in backward, backward
+    assert backward.count("# reuse") >= 2, backward
+    assert e.grad.dtype == dtype and c.grad.dtype == dtype
