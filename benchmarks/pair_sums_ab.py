@@ -1,8 +1,8 @@
 """One row chunk's dC product, ``dC (+)= G^T @ E``, as the balanced path can sum it over its row chunks: cuBLAS into an
 fp32 running sum (``addmm``, out_dtype fp32: the sums the balanced path kept until it summed 16-bit gradients as
 pairs), cuBLAS into a bf16 sum (``addmm`` in bf16: one rounding per chunk, what Liger-Kernel does), and the pair
-product of ``kernels/_pair_sums.py`` (a 16-bit sum and its 16-bit remainder, in the product's epilogue) with one
-program per tile and persistent; a plain bf16 product (``mm``, no sum) is the floor.
+product of ``kernels/_pair_sums.py`` (a 16-bit sum and its 16-bit remainder, in the product's epilogue) in the
+launch variants and tile configs of ``PAIR_CONFIGS``; a plain bf16 product (``mm``, no sum) is the floor.
 
     python benchmarks/pair_sums_ab.py [--shapes gemma2,llama3,mistral-nemo] [--rows 1024,2048,4096] [--out F]
 
@@ -25,23 +25,32 @@ import vocab_grid as G  # noqa: E402
 from cce_inductor.kernels import _pair_sums  # noqa: E402
 
 
+PAIR_CONFIGS = {  # name: _pair_sums._TUNING["gpu"] entries
+    "pair, a program per tile": dict(persistent=False, prefetch=False),
+    "pair, per tile, prefetched": dict(persistent=False, prefetch=True),
+    "pair, per tile, 3 stages, prefetched": dict(persistent=False, prefetch=True, num_stages=3),
+    "pair, per tile, 128x256": dict(persistent=False, prefetch=False, BLOCK_N=256, num_stages=3),
+    "pair, persistent": dict(persistent=True, prefetch=False),
+    "pair, persistent, 3 stages": dict(persistent=True, prefetch=False, num_stages=3),
+}
+
+
 def variants(hi, lo, acc32, acc16, g, e):
-    def pair(persistent):
+    def pair(config):
         def run():
-            saved = _pair_sums._TUNING["gpu"]["persistent"]
-            _pair_sums._TUNING["gpu"]["persistent"] = persistent
+            saved = _pair_sums._TUNING["gpu"]
+            _pair_sums._TUNING["gpu"] = {**saved, **config}
             try:
                 _pair_sums.pair_product(hi, lo, g, e, accumulate=True)
             finally:
-                _pair_sums._TUNING["gpu"]["persistent"] = saved
+                _pair_sums._TUNING["gpu"] = saved
         return run
 
     return {
         "mm bf16 (floor)": lambda: torch.mm(g.T, e, out=acc16),
         "addmm fp32 sums": lambda: torch.addmm(acc32, g.T, e, out=acc32, out_dtype=torch.float32),
         "addmm bf16 sums": lambda: torch.addmm(acc16, g.T, e, out=acc16),
-        "pair, a program per tile": pair(False),
-        "pair, persistent": pair(True),
+        **{name: pair(config) for name, config in PAIR_CONFIGS.items()},
     }
 
 

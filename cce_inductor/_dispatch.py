@@ -164,14 +164,20 @@ def forward(e: Tensor, c: Tensor, targets: Tensor, bias: Optional[Tensor], *, so
 def backward(e: Tensor, c: Tensor, targets: Tensor, bias: Optional[Tensor], lse: Tensor, grad_rows: Tensor, *,
              softcap: Optional[float], ignore_index: int, options, need_e: bool, need_c: bool, need_bias: bool,
              label_smoothing: float = 0.0, grad_lse: Optional[Tensor] = None, grad_entropy: Optional[Tensor] = None,
-             mean_logit: Optional[Tensor] = None, grad_dtypes: Optional[tuple] = None):
-    """``(dE | None, dC | None, dbias | None)``, in the inputs' dtypes or ``grad_dtypes`` (dE's, dC's, dbias's: the
-    stored inputs' where e / c / bias are their copies in autocast's dtype); ``grad_rows`` is 0 at ignored rows;
+             mean_logit: Optional[Tensor] = None, compute_dtype: Optional[torch.dtype] = None):
+    """``(dE | None, dC | None, dbias | None)``, each in its input's dtype; ``grad_rows`` is 0 at ignored rows;
     ``options`` a :class:`cce_inductor.CCEOptions` (``exact``, ``products``, ``backward_row_chunk``): the kernels'
     plan is made from them here (:func:`cce_inductor._planning.backward_plan`); ``products="auto"`` is decided per
-    call, from the share of rows an earlier call of this head counted (:mod:`cce_inductor._counted_share`)."""
-    de_dtype, dc_dtype, db_dtype = grad_dtypes or (e.dtype, c.dtype, None if bias is None else bias.dtype)
-    if uses_kernels(e.device, e.dtype) and e.shape[0] > 0:
+    call, from the share of rows an earlier call of this head counted (:mod:`cce_inductor._counted_share`).
+    ``compute_dtype``: the products' dtype where the inputs are stored in another (autocast): the kernels convert the
+    head a vocabulary chunk at a time; the gradients keep the inputs' dtypes."""
+    de_dtype, dc_dtype, db_dtype = e.dtype, c.dtype, None if bias is None else bias.dtype
+    dtype = compute_dtype or e.dtype
+    if compute_dtype is not None and not uses_kernels(e.device, dtype):
+        e, c, bias = (None if x is None else x.to(compute_dtype) for x in (e, c, bias))
+    elif compute_dtype is not None:
+        e = e.to(compute_dtype)
+    if uses_kernels(e.device, dtype) and e.shape[0] > 0:
         kernels = triton_kernels()
         share = _counted_share.of_head(e.device, c.shape[0], c.shape[1])
         # with a gradient for every row's lse / entropy every row counts: nothing to skip, nothing to learn
@@ -186,7 +192,8 @@ def backward(e: Tensor, c: Tensor, targets: Tensor, bias: Optional[Tensor], lse:
         auto_row_skipping = products == "triton" and options.products == "auto"
         hint = seen.low if prefix or auto_row_skipping else None
         # a wider G block where the budget leaves room, the counted prefix's fp32 dC sums counted
-        facts = head_facts(e.shape[0], e.shape[1], c.shape[0], e.dtype, e.device, "mean", needs_grad=True)
+        facts = head_facts(e.shape[0], e.shape[1], c.shape[0], e.dtype, e.device, "mean", needs_grad=True,
+                           **paths.storage_facts(de_dtype, dc_dtype, dtype))
         plan = _planning.backward_plan(
             e.shape[0], c.shape[0], e.dtype, exact=options.exact, products=products,
             backward_row_chunk=options.backward_row_chunk, counted_hint=hint, row_skipping=can_skip,
@@ -197,7 +204,7 @@ def backward(e: Tensor, c: Tensor, targets: Tensor, bias: Optional[Tensor], lse:
             need_e=need_e, need_c=need_c, need_bias=need_bias, label_smoothing=label_smoothing, grad_lse=grad_lse,
             grad_entropy=grad_entropy, mean_logit=mean_logit, **plan._asdict(),
             observe_counted=share.observe if options.products == "auto" and not every_row else None,
-            de_dtype=de_dtype, dc_dtype=dc_dtype,
+            de_dtype=de_dtype, dc_dtype=dc_dtype, compute_dtype=compute_dtype,
         )
     else:
         # (fp32 stored inputs: the accumulation dtype's gradients are theirs, with no 16-bit rounding between)

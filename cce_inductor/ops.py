@@ -182,20 +182,18 @@ def linear_cross_entropy_backward_op(
     entropy, where they are used. ``class_weights``: each row's loss gradient scaled by its target's weight (the
     kernels need nothing else: the weight is a per-row factor)."""
     need_bias = need_bias and bias is not None
-    grad_dtypes = (e.dtype, c.dtype, None if bias is None else bias.dtype)
     with torch.autocast(e.device.type, enabled=False):
-        e, c, bias = _in_compute_dtype(e, c, bias, compute_dtype)
         # the entropy's gradient needs each row's softmax-weighted mean logit: lse - entropy
         mean_logit = None if grad_entropy is None else lse - entropy
         valid = targets != ignore_index
-        acc = _chunked.accumulation_dtype(e.dtype)
+        acc = _chunked.accumulation_dtype(compute_dtype or e.dtype)
         grad_rows = _loss.grad_rows(grad_loss, valid, reduction, acc,
                                     _loss.row_weights(class_weights, targets, valid, acc))
         grad_e, grad_c, grad_bias = _dispatch.backward(
             e, c, targets, bias, lse, grad_rows, softcap=softcap, ignore_index=ignore_index,
             options=CCEOptions.decode(options), need_e=need_e, need_c=need_c, need_bias=need_bias,
             label_smoothing=label_smoothing, grad_lse=grad_lse, grad_entropy=grad_entropy, mean_logit=mean_logit,
-            grad_dtypes=grad_dtypes,
+            compute_dtype=compute_dtype,
         )
     return tuple(grad if needed else e.new_empty(0)
                  for needed, grad in ((need_e, grad_e), (need_c, grad_c), (need_bias, grad_bias)))  # fmt: skip

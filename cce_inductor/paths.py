@@ -14,14 +14,14 @@ The memory model, bytes above the inputs, gradients included (``b`` the products
 their inputs' dtypes, ``LB`` their bytes; under autocast ``X`` the inputs' copies in the products' dtype, held for
 one call; ``benchmarks/`` compares it with measured peaks, ``tests/test_paths.py`` holds it to the kernels' layout):
 
-    torch.compile  N V b + LB (+ X)      (the logits, saved for its backward, and the gradients; under autocast its
-                   copies of the inputs, saved for its backward)
+    torch.compile  N V b + LB            (the logits, saved for its backward, and the gradients)
                    + N V 4 where the logits are also graph outputs (Hugging Face models return them; the rewrite
                    returns them lazily or drops them), + N V b more where they are softcapped too: at the peak of
                    such graphs the allocator holds three 16-bit logits-sized blocks, four with a softcap
                    (benchmarks/head_memory.py); for fp32 inputs b + 4 = 8 stays under three blocks' 12, so the
                    budget errs lean
-    lean           LB + R W b + N D 4 (dE's fp32 sums, none where dE is fp32) + X (+ W D 4 where N > R, or on
+    lean           LB + R W b + N D 4 (dE's fp32 sums, none where dE is fp32) (+ N D b + W D b: E and one vocabulary
+                   chunk of C converted, under autocast; X alone in the forward) (+ W D 4 where N > R, or on
                    calls that take the counted-prefix products: their fp32 dC sums, cce_inductor/_counted_share.py);
                    R = min(N, backward_row_chunk), W = min(V, 4096 * max(1, 8192 // N) * k) where R = N, else 4096 k;
                    k = lean_widen's 4, 2 or 1, the widest that keeps this peak within the budget below (where the
@@ -151,10 +151,10 @@ def compile_peak(f: HeadFacts, padded: bool = False) -> int:
     """torch.compile's peak for ``cross_entropy(linear(e, c).float(), t)`` (forward + backward), bytes, and more
     where the graph returns the logits (``f.returned_logits``; :func:`compile_bytes_per_logit`); ``padded``: at 4
     bytes a logit, as it held them where it padded an unaligned vocabulary's products (:func:`pads_product`). Under
-    autocast (inputs stored wider than the products' dtype) it also holds the inputs' 16-bit copies, saved for its
-    backward."""
+    autocast (inputs stored wider than the products' dtype) the same: the logits at the products' width and the
+    gradients at the inputs' (its copies of the inputs did not add to its peak where measured)."""
     per_logit = _PADDED_LOGIT_BYTES if padded else compile_bytes_per_logit(f)
-    return f.rows * f.vocab * per_logit + gradient_bytes(f) + _converted_bytes(f)
+    return f.rows * f.vocab * per_logit + gradient_bytes(f)
 
 
 # torch.compile's bytes per logit in the loss-only graph of a 16-bit head whose V is not a multiple of 8 elements
@@ -188,15 +188,19 @@ def lean_block_width(f: HeadFacts, backward_row_chunk: int = 8192, widen: int = 
 
 
 def lean_peak(f: HeadFacts, backward_row_chunk: int = 8192, widen: int = 1, counted_prefix: bool = False) -> int:
-    """The gradients, one G block (``R x W``, R the row chunk, W :func:`lean_block_width`), dE in fp32 (the
-    gradient itself where it is fp32) and, past one row chunk or with the ``counted_prefix`` products (their cuBLAS
-    part's sums), one vocabulary chunk of dC in fp32 (``kernels/_backward.py``); under autocast the inputs'
-    copies in the products' dtype, for the call."""
+    """The backward's: the gradients, one G block (``R x W``, R the row chunk, W :func:`lean_block_width`), dE in
+    fp32 (the gradient itself where it is fp32) and, past one row chunk or with the ``counted_prefix`` products (their
+    cuBLAS part's sums), one vocabulary chunk of dC in fp32 (``kernels/_backward.py``); under autocast E converted to
+    the products' dtype and one vocabulary chunk of C. Or the forward's, where more: under autocast the inputs'
+    converted copies, for the call."""
     rows = min(f.rows, backward_row_chunk or f.rows)
     width = lean_block_width(f, backward_row_chunk, widen)
+    b = f.element_size
     dc_sums = width * f.hidden * 4 if f.rows > rows or counted_prefix else 0
     de_sums = f.rows * f.hidden * 4 if f.e_bytes != 4 else 0
-    return gradient_bytes(f) + rows * width * f.element_size + de_sums + dc_sums + _converted_bytes(f)
+    converted = (f.rows * f.hidden * b if f.e_bytes != b else 0) + (width * f.hidden * b if f.c_bytes != b else 0)
+    backward = gradient_bytes(f) + rows * width * b + de_sums + dc_sums + converted
+    return max(backward, _converted_bytes(f))
 
 
 @functools.lru_cache(maxsize=256)

@@ -308,6 +308,21 @@ class _PrefixTail(NamedTuple):
                 dc_chunk=dc_chunk, ignored_poison=chunk.ignored_poison, accumulate_c=True, acc_in=dc32)
 
 
+def _target_logits(e, c, targets, bias, softcap, compute_dtype):
+    """Every row's target logit, fp32 (0 where the target is outside ``[0, V)``); with ``compute_dtype`` (C and bias
+    stored wider than the products' dtype) from the targets' rows of C, converted: ``N x D``, not all of C."""
+    if compute_dtype is None:
+        return _forward.target_logits(e, c, targets, bias, softcap=softcap, ignore_index=_forward.EVERY_ROW)
+    v = c.shape[0]
+    inside = (targets >= 0) & (targets < v)
+    ids = torch.where(inside, targets, 0)
+    rows = c.index_select(0, ids).to(compute_dtype)
+    own = torch.arange(targets.shape[0], device=targets.device)
+    logit = _forward.target_logits(e, rows, own, None if bias is None else bias.index_select(0, ids), softcap=softcap,
+                                   ignore_index=_forward.EVERY_ROW)
+    return torch.where(inside, logit, 0.0)
+
+
 def _uncompact_rows(out: torch.Tensor, compact32: torch.Tensor, row_order: torch.Tensor, step: int = 2048) -> None:
     """``out[row_order[p]] = compact32[p]`` (rounded to ``out``'s dtype), ``step`` rows at a time (a small
     temporary)."""
@@ -335,7 +350,8 @@ def counted_prefix(counted_hint: float, rows: int, block: int = 128) -> int:
 
 def backward(e, c, targets, bias, lse, grad_rows, *, softcap, ignore_index, need_e, need_c, need_bias,
              row_chunk, block_width, split_g, products, counted_hint=None, label_smoothing=0.0, grad_lse=None,
-             grad_entropy=None, mean_logit=None, observe_counted=None, de_dtype=None, dc_dtype=None):
+             grad_entropy=None, mean_logit=None, observe_counted=None, de_dtype=None, dc_dtype=None,
+             compute_dtype=None):
     """Launch helper: ``(dE | None, dC | None, dbias | None)``; ``grad_rows`` fp32, 0 at ignored rows.  Rows whose
     target is ``ignore_index`` are skipped by the recompute (and by the Triton products) unless ``grad_lse`` (the
     upstream gradient of every row's lse, fp32) or ``grad_entropy`` (that of every row's entropy, with the forward's
@@ -350,13 +366,16 @@ def backward(e, c, targets, bias, lse, grad_rows, *, softcap, ignore_index, need
     products past them (nothing there where this call counts no more rows than the hint).  ``observe_counted``:
     called with the first row chunk's device-side count of counted rows and its rows.  ``de_dtype`` / ``dc_dtype``:
     the gradients' dtypes where not the operands' (autocast's fp32 inputs: dE is its fp32 sums, dC written in fp32,
-    with no 16-bit rounding between)."""
+    with no 16-bit rounding between).  ``compute_dtype``: C (and bias) are stored in another dtype than the products'
+    (autocast's fp32 head; ``e`` is already in ``compute_dtype``): each vocabulary chunk of C is converted as it is
+    reached, into one ``block_width x D`` buffer, so no converted copy of the whole head exists."""
     tune = _launch.tuning(_TUNING)
     n, d = e.shape
     v = c.shape[0]
     device = e.device
     need_bias = need_bias and bias is not None
     de_dtype, dc_dtype = de_dtype or e.dtype, dc_dtype or c.dtype
+    convert_c = compute_dtype is not None and c.dtype != compute_dtype
     # an fp32 dE is its own fp32 sums (but where they are summed in compacted order and put back at the end)
     de_is_sums = need_e and de_dtype == torch.float32 and products != "prefix"
     de_out = torch.empty((n, d), dtype=de_dtype, device=device) if need_e else None
@@ -400,19 +419,23 @@ def backward(e, c, targets, bias, lse, grad_rows, *, softcap, ignore_index, need
         grad_entropy = grad_entropy.to(torch.float32).contiguous()
         mean_logit = mean_logit.to(torch.float32).contiguous()
     targets = targets.contiguous()
-    # every in-vocabulary target's logit (ignored rows too: with grad_lse their target entry still has a gradient)
-    target_logit = _forward.target_logits(e, c, targets, bias, softcap=softcap, ignore_index=_forward.EVERY_ROW)
-    softcap_val = float(softcap) if softcap is not None else 1.0
     # 0, or NaN when any of C / bias is not finite (then every logit row holds a NaN)
     weight_poison = _launch.weight_poison(c, bias)
+    if convert_c:
+        bias = None if bias is None else bias.to(compute_dtype)
+        c_buf = torch.empty((vocab_chunk, d), dtype=compute_dtype, device=device)
+    # every in-vocabulary target's logit (ignored rows too: with grad_lse their target entry still has a gradient)
+    target_logit = _target_logits(e, c, targets, bias, softcap, compute_dtype if convert_c else None)
+    softcap_val = float(softcap) if softcap is not None else 1.0
     block_n, block_v, block_d = tune["block_n"], tune["block_v"], tune["block_d"]
-    use_tma = _forward.tma_operands(e, c, tune)
+    use_tma = _forward.tma_operands(e, c_buf if convert_c else c, tune)
     programs = _launch.num_sms(device)  # a persistent grid: one program per multiprocessor
-    c_op = _launch.descriptor(c, [block_v, block_d]) if use_tma else c
+    c_op = _launch.descriptor(c, [block_v, block_d]) if use_tma and not convert_c else c
     num_stages = _launch.fit_num_stages(tune["num_stages"], block_n, block_v, block_d, e.element_size())
     compact_g = triton_products or prefix
-    # (the compacted copies of E's rows live in dE's rows while those are free, where the dtypes agree)
-    spare_rows = de_out if need_e and de_out.dtype == e.dtype else None
+    # (the compacted copies of E's rows live in dE's rows while those are free: where dE is not its own fp32 sums and
+    # the dtypes agree)
+    spare_rows = de_out if need_e and not de_is_sums and de_out.dtype == e.dtype else None
     chunks = [_RowChunk.of(e, counted, r0, min(row_chunk, n - r0), weight_poison, spare_rows, block_n, block_d,
                            compact=(compact_g and need_c) or use_tma, tma=use_tma,
                            poison_sum=compact_g and need_c)
@@ -448,6 +471,17 @@ def backward(e, c, targets, bias, lse, grad_rows, *, softcap, ignore_index, need
     for v0 in range(0, v, vocab_chunk):
         width = min(vocab_chunk, v - v0)
         c_chunk = c[v0 : v0 + width]
+        # a head stored in another dtype: this chunk converted; the recompute then reads it (and the bias, and the
+        # targets) from the chunk's own first entry
+        chunk_start, chunk_vocab, chunk_bias, chunk_args = v0, v, bias_or_lse, chunk_rows_args
+        if convert_c:
+            c_chunk = c_buf[:width].copy_(c_chunk)
+            c_op = _launch.descriptor(c_chunk, [block_v, block_d]) if use_tma else c_chunk
+            chunk_start, chunk_vocab = 0, width
+            chunk_bias = bias[v0:] if bias is not None else lse
+            local_targets = targets - v0
+            chunk_args = [args[:5] + (local_targets[chunk.r0:],) + args[6:] for args, chunk in zip(chunk_rows_args,
+                                                                                                     chunks)]
         c_chunk_mm = c_chunk.float() if upcast else c_chunk
         # where this vocabulary chunk's dC is summed: straight into dC (one row chunk, one product), else in fp32
         dc_sum = dc32[:width] if dc_sums_fp32 else (dc_out[v0 : v0 + width] if need_c else None)
@@ -457,9 +491,9 @@ def backward(e, c, targets, bias, lse, grad_rows, *, softcap, ignore_index, need
             grad_lo = _block(g_lo_buf, rows, g_row_pitch)[:, :width] if split_g else grad
             tiles = triton.cdiv(rows, block_n) * triton.cdiv(width, block_v)
             _recompute_grad_kernel[(min(tiles, programs),)](
-                chunk.e_op, c_op, bias_or_lse, *chunk_rows_args[k], chunk.row_order, chunk.num_counted,
-                chunk.row_poison, grad, grad_lo, rows, stored_rows[k], width, v0, v, d,
-                e.stride(0), e.stride(1), c.stride(0), c.stride(1), grad.stride(0), *label_weights,
+                chunk.e_op, c_op, chunk_bias, *chunk_args[k], chunk.row_order, chunk.num_counted,
+                chunk.row_poison, grad, grad_lo, rows, stored_rows[k], width, chunk_start, chunk_vocab, d,
+                e.stride(0), e.stride(1), c_chunk.stride(0), c_chunk.stride(1), grad.stride(0), *label_weights,
                 EVEN_TILE=(rows % block_n == 0 and width % block_v == 0), **flags,
             )
             if need_bias:

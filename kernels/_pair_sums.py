@@ -34,10 +34,13 @@ from ._products import _grouped_tile
 from ._tile import dot
 
 # Hopper; the interpreter's tiny blocks keep the CPU tests fast.
-# persistent: the flattened persistent loop (_pair_product_persistent_kernel) rather than one program per tile.
+# persistent: the flattened persistent loop (_pair_product_persistent_kernel) rather than one program per tile;
+# prefetch (one program per tile): the pair's old values loaded before the K loop.
 _TUNING = {
-    "gpu": dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=4, persistent=True),
-    "interpret": dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, GROUP_M=2, num_warps=4, num_stages=1, persistent=True),
+    "gpu": dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=4, persistent=True,
+                prefetch=False),
+    "interpret": dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, GROUP_M=2, num_warps=4, num_stages=1, persistent=True,
+                      prefetch=False),
 }
 
 
@@ -66,19 +69,33 @@ def _pair_tile(acc, hi_desc, lo_desc, m0, n0, ACCUMULATE: tl.constexpr, ROUND_RN
 
 @triton.jit
 def _pair_product_kernel(
-    a_desc, b_desc, hi_desc, lo_desc, M, N, K,
+    a_desc, b_desc, hi_desc, lo_desc, Hi, Lo, M, N, K, stride_pair,
     ACCUMULATE: tl.constexpr, ROUND_RNE: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    PREFETCH: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
 ):
     """``(hi, lo) (+)= A^T @ B`` for tile ``program_id(0)``: A is ``K x M`` (G of one row chunk), B ``K x N``; the
-    pair's tiles through the tensor-memory accelerator too (reads past an edge give 0, stores past it are dropped)."""
+    pair's tiles through the tensor-memory accelerator too (reads past an edge give 0, stores past it are dropped).
+    ``PREFETCH``: the pair's old values are loaded (plain loads, which do not wait) before the K loop, so that their
+    reads overlap the tile's products."""
     pid_m, pid_n = _grouped_tile(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
+    m0, n0 = pid_m * BLOCK_M, pid_n * BLOCK_N
+    if PREFETCH and ACCUMULATE:
+        rows = m0 + tl.arange(0, BLOCK_M)
+        cols = n0 + tl.arange(0, BLOCK_N)
+        mask = (rows < M)[:, None] & (cols < N)[None, :]
+        offs = rows.to(tl.int64)[:, None] * stride_pair + cols[None, :]
+        old = tl.load(Hi + offs, mask=mask, other=0.0).to(tl.float32) + \
+            tl.load(Lo + offs, mask=mask, other=0.0).to(tl.float32)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        a = a_desc.load([k0, pid_m * BLOCK_M])
-        b = b_desc.load([k0, pid_n * BLOCK_N])
+        a = a_desc.load([k0, m0])
+        b = b_desc.load([k0, n0])
         acc = dot(tl.trans(a), b, acc, UPCAST, DOT_PRECISION)
-    _pair_tile(acc, hi_desc, lo_desc, pid_m * BLOCK_M, pid_n * BLOCK_N, ACCUMULATE, ROUND_RNE)
+    if PREFETCH and ACCUMULATE:
+        _pair_tile(acc + old, hi_desc, lo_desc, m0, n0, False, ROUND_RNE)
+    else:
+        _pair_tile(acc, hi_desc, lo_desc, m0, n0, ACCUMULATE, ROUND_RNE)
 
 
 @triton.jit
@@ -121,18 +138,19 @@ def pair_product(hi: torch.Tensor, lo: torch.Tensor, a: torch.Tensor, b: torch.T
     n = b.shape[1]
     tune = dict(_launch.tuning(_TUNING))
     persistent = tune.pop("persistent")
+    prefetch = tune.pop("prefetch")
     bm, bn, bk = tune["BLOCK_M"], tune["BLOCK_N"], tune["BLOCK_K"]
     tune["num_stages"] = _launch.fit_num_stages(tune["num_stages"], bm, bn, bk, a.element_size())
     tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
     args = (_launch.descriptor(a, [bk, bm]), _launch.descriptor(b, [bk, bn]), _launch.descriptor(hi, [bm, bn]),
-            _launch.descriptor(lo, [bm, bn]), m, n, k)
+            _launch.descriptor(lo, [bm, bn]))
     flags = dict(ACCUMULATE=accumulate, ROUND_RNE=_launch.INTERPRET and hi.dtype == torch.bfloat16,
                  UPCAST=_launch.upcast_dots(a.dtype), DOT_PRECISION=_launch.dot_precision(a.dtype), **tune)
     if persistent and k > 0:
         programs = min(tiles, _launch.num_sms(a.device))
-        _pair_product_persistent_kernel[(programs,)](*args, NUM_PROGRAMS=programs, **flags)
+        _pair_product_persistent_kernel[(programs,)](*args, m, n, k, NUM_PROGRAMS=programs, **flags)
     else:
-        _pair_product_kernel[(tiles,)](*args, **flags)
+        _pair_product_kernel[(tiles,)](*args, hi, lo, m, n, k, hi.stride(0), PREFETCH=prefetch, **flags)
 
 
 def split_pair(x32: torch.Tensor, hi: torch.Tensor, lo: torch.Tensor) -> None:

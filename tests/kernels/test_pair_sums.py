@@ -1,5 +1,6 @@
 """Tests of the 16-bit pair sums (``kernels/_pair_sums.py``): the balanced path's dC summed over many row chunks as
-``hi + lo`` against an fp64 reference; both launch variants (one program per tile, persistent); the fallback for
+``hi + lo`` against an fp64 reference; every launch variant (one program per tile, with the pair prefetched,
+persistent); the fallback for
 operands the tensor-memory accelerator cannot read (``_balanced._pair_sums_into``); bf16 and fp16."""
 
 import pytest
@@ -25,15 +26,16 @@ def _chunks(k, m, n, dtype, device, seed=0):
         yield a, b
 
 
-@pytest.mark.parametrize("persistent", [False, True])
+@pytest.mark.parametrize("variant", ["per tile", "per tile, prefetch", "persistent"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("device", DEVICES)
-def test_pair_sums_hold_the_fp64_sum_over_many_chunks(device, dtype, persistent, monkeypatch):
+def test_pair_sums_hold_the_fp64_sum_over_many_chunks(device, dtype, variant, monkeypatch):
     """``hi + lo`` after 32 chunks is the fp64 sum of the chunk products to ~2^-16 (a 16-bit running sum, one
     rounding per chunk, is off by far more: the bound fails for it), and ``hi`` alone is that sum rounded once: no
     further from it than the fp64 sum rounded to the 16-bit dtype, within a rounding of ties."""
     device_ok(device)
-    monkeypatch.setitem(_pair_sums._TUNING[TUNING_KEY], "persistent", persistent)
+    monkeypatch.setitem(_pair_sums._TUNING[TUNING_KEY], "persistent", variant == "persistent")
+    monkeypatch.setitem(_pair_sums._TUNING[TUNING_KEY], "prefetch", variant.endswith("prefetch"))
     k, m, n = (40, 48, 24) if device == "cpu" else (1100, 4160, 256)
     hi = torch.empty(m, n, dtype=dtype, device=device)
     lo = torch.empty_like(hi)
