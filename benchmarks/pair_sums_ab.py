@@ -25,13 +25,14 @@ import vocab_grid as G  # noqa: E402
 from cce_inductor.kernels import _pair_sums  # noqa: E402
 
 
-PAIR_CONFIGS = {  # name: _pair_sums._TUNING["gpu"] entries
-    "pair, a program per tile": dict(persistent=False, prefetch=False),
-    "pair, per tile, prefetched": dict(persistent=False, prefetch=True),
-    "pair, per tile, 3 stages, prefetched": dict(persistent=False, prefetch=True, num_stages=3),
-    "pair, per tile, 128x256": dict(persistent=False, prefetch=False, BLOCK_N=256, num_stages=3),
-    "pair, persistent": dict(persistent=True, prefetch=False),
-    "pair, persistent, 3 stages": dict(persistent=True, prefetch=False, num_stages=3),
+PAIR_CONFIGS = {  # name: _pair_sums._TUNING["gpu"] entries over the default's
+    "pair (default: 128x256, 3 stages)": {},
+    "pair, 128x256 prefetched": dict(prefetch=True),
+    "pair, 128x256, 4 stages": dict(num_stages=4),
+    "pair, 256x128, 3 stages": dict(BLOCK_M=256, BLOCK_N=128),
+    "pair, 128x256, GROUP_M 16": dict(GROUP_M=16),
+    "pair, 128x128, 4 stages": dict(BLOCK_N=128, num_stages=4),
+    "pair, persistent 128x128": dict(BLOCK_N=128, num_stages=4, persistent=True),
 }
 
 
