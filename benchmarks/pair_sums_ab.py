@@ -27,12 +27,10 @@ from cce_inductor.kernels import _pair_sums  # noqa: E402
 
 PAIR_CONFIGS = {  # name: _pair_sums._TUNING["gpu"] entries over the default's
     "pair (default: 128x256, 3 stages)": {},
-    "pair, 128x256 prefetched": dict(prefetch=True),
     "pair, 128x256, 4 stages": dict(num_stages=4),
     "pair, 256x128, 3 stages": dict(BLOCK_M=256, BLOCK_N=128),
     "pair, 128x256, GROUP_M 16": dict(GROUP_M=16),
     "pair, 128x128, 4 stages": dict(BLOCK_N=128, num_stages=4),
-    "pair, persistent 128x128": dict(BLOCK_N=128, num_stages=4, persistent=True),
 }
 
 

@@ -74,7 +74,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .. import _planning
+from cce_inductor import _planning  # (absolute: this folder may also be imported as a top-level `kernels`)
 from . import _launch, _pair_sums, _targets
 from ._tile import softmax_grad, tanh
 

@@ -21,7 +21,7 @@ from typing import Optional
 import torch
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from .. import _planning
+from cce_inductor import _planning  # (absolute: this folder may also be imported as a top-level `kernels`)
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 

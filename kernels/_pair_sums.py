@@ -18,10 +18,10 @@ Block / grid layout
 -------------------
 A tiled GEMM over the output ``M x N`` (M = rows of dC: the scratch's padded vocabulary, N = D) with a K loop over
 the chunk's rows in ``BLOCK_K`` steps, operand and pair tiles moved by the tensor-memory accelerator (the A tile is
-a G tile transposed in shared memory), tiles in groups of ``GROUP_M`` row blocks (Triton's matmul tutorial); one
-program per tile, or (``persistent``) one per multiprocessor with the tile and K loops flattened into one, so that
-a tile's epilogue overlaps the next tile's loads.  The epilogue reads and writes the pair: 8 bytes per element of
-dC per chunk, as an fp32 running sum would.
+a G tile transposed in shared memory), one program per tile, tiles in groups of ``GROUP_M`` row blocks (Triton's
+matmul tutorial).  The epilogue reads and writes the pair: 8 bytes per element of dC per chunk, as an fp32 running
+sum would; it is not overlapped with the next tile's products (cuBLAS's fp32 ``addmm`` hides more of its own),
+which is what the pair costs over cuBLAS's fp32 sums.
 """
 from __future__ import annotations
 
@@ -33,15 +33,11 @@ from . import _launch
 from ._products import _grouped_tile
 from ._tile import dot
 
-# Hopper; the interpreter's tiny blocks keep the CPU tests fast.
-# persistent: the flattened persistent loop (_pair_product_persistent_kernel) rather than one program per tile;
-# prefetch (one program per tile): the pair's old values loaded before the K loop.  The GPU entry is the fastest of
+# Hopper; the interpreter's tiny blocks keep the CPU tests fast.  The GPU entry is the fastest of
 # benchmarks/pair_sums_ab.py's configurations (the engineering log has the table).
 _TUNING = {
-    "gpu": dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3, persistent=False,
-                prefetch=False),
-    "interpret": dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, GROUP_M=2, num_warps=4, num_stages=1, persistent=True,
-                      prefetch=False),
+    "gpu": dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3),
+    "interpret": dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, GROUP_M=2, num_warps=4, num_stages=1),
 }
 
 
@@ -57,8 +53,20 @@ def _round_rne(x, DTYPE: tl.constexpr, ROUND_RNE: tl.constexpr):
 
 
 @triton.jit
-def _pair_tile(acc, hi_desc, lo_desc, m0, n0, ACCUMULATE: tl.constexpr, ROUND_RNE: tl.constexpr):
-    """The epilogue of one tile: ``t = acc (+ hi + lo)``, ``hi = round(t)``, ``lo = round(t - hi)``."""
+def _pair_product_kernel(
+    a_desc, b_desc, hi_desc, lo_desc, M, N, K,
+    ACCUMULATE: tl.constexpr, ROUND_RNE: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    """``(hi, lo) (+)= A^T @ B`` for tile ``program_id(0)``: A is ``K x M`` (G of one row chunk), B ``K x N``; the
+    pair's tiles through the tensor-memory accelerator too (reads past an edge give 0, stores past it are dropped)."""
+    pid_m, pid_n = _grouped_tile(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
+    m0, n0 = pid_m * BLOCK_M, pid_n * BLOCK_N
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        a = a_desc.load([k0, m0])
+        b = b_desc.load([k0, n0])
+        acc = dot(tl.trans(a), b, acc, UPCAST, DOT_PRECISION)
     if ACCUMULATE:
         acc += hi_desc.load([m0, n0]).to(tl.float32)
         acc += lo_desc.load([m0, n0]).to(tl.float32)
@@ -68,69 +76,6 @@ def _pair_tile(acc, hi_desc, lo_desc, m0, n0, ACCUMULATE: tl.constexpr, ROUND_RN
     lo_desc.store([m0, n0], lo)
 
 
-@triton.jit
-def _pair_product_kernel(
-    a_desc, b_desc, hi_desc, lo_desc, Hi, Lo, M, N, K, stride_pair,
-    ACCUMULATE: tl.constexpr, ROUND_RNE: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    PREFETCH: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr,
-):
-    """``(hi, lo) (+)= A^T @ B`` for tile ``program_id(0)``: A is ``K x M`` (G of one row chunk), B ``K x N``; the
-    pair's tiles through the tensor-memory accelerator too (reads past an edge give 0, stores past it are dropped).
-    ``PREFETCH``: the pair's old values are loaded (plain loads, which do not wait) before the K loop, so that their
-    reads overlap the tile's products."""
-    pid_m, pid_n = _grouped_tile(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
-    m0, n0 = pid_m * BLOCK_M, pid_n * BLOCK_N
-    if PREFETCH and ACCUMULATE:
-        rows = m0 + tl.arange(0, BLOCK_M)
-        cols = n0 + tl.arange(0, BLOCK_N)
-        mask = (rows < M)[:, None] & (cols < N)[None, :]
-        offs = rows.to(tl.int64)[:, None] * stride_pair + cols[None, :]
-        old = tl.load(Hi + offs, mask=mask, other=0.0).to(tl.float32) + \
-            tl.load(Lo + offs, mask=mask, other=0.0).to(tl.float32)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        a = a_desc.load([k0, m0])
-        b = b_desc.load([k0, n0])
-        acc = dot(tl.trans(a), b, acc, UPCAST, DOT_PRECISION)
-    if PREFETCH and ACCUMULATE:
-        _pair_tile(acc + old, hi_desc, lo_desc, m0, n0, False, ROUND_RNE)
-    else:
-        _pair_tile(acc, hi_desc, lo_desc, m0, n0, ACCUMULATE, ROUND_RNE)
-
-
-@triton.jit
-def _pair_product_persistent_kernel(
-    a_desc, b_desc, hi_desc, lo_desc, M, N, K,
-    ACCUMULATE: tl.constexpr, ROUND_RNE: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    NUM_PROGRAMS: tl.constexpr,
-):
-    """The same product on a persistent grid: each program takes every ``NUM_PROGRAMS``-th tile, and the tile loop
-    and its K loop are one flattened loop, so that the pipeliner fetches the next tile's operands while a tile's
-    epilogue reads and writes the pair."""
-    num_m, num_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
-    k_tiles = tl.cdiv(K, BLOCK_K)
-    tiles = num_m * num_n
-    pid = tl.program_id(0)
-    done = pid - NUM_PROGRAMS  # the tile whose epilogue comes next
-    ki = -1
-    pid_m, pid_n = 0, 0
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    steps = k_tiles * tl.cdiv(tiles - pid, NUM_PROGRAMS)
-    for _ in tl.range(0, steps, flatten=True):
-        ki = tl.where(ki == k_tiles - 1, 0, ki + 1)
-        if ki == 0:
-            done += NUM_PROGRAMS
-            pid_m, pid_n = _grouped_tile(done, num_m, num_n, GROUP_M)
-        a = a_desc.load([ki * BLOCK_K, pid_m * BLOCK_M])
-        b = b_desc.load([ki * BLOCK_K, pid_n * BLOCK_N])
-        acc = dot(tl.trans(a), b, acc, UPCAST, DOT_PRECISION)
-        if ki == k_tiles - 1:
-            _pair_tile(acc, hi_desc, lo_desc, pid_m * BLOCK_M, pid_n * BLOCK_N, ACCUMULATE, ROUND_RNE)
-            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-
-
 def pair_product(hi: torch.Tensor, lo: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, accumulate: bool) -> None:
     """Launch helper: ``(hi, lo) (+)= a^T @ b`` (module docstring).  ``a``: ``K x M``, ``b``: ``K x N``, both in one
     16-bit or fp32 dtype; ``hi`` / ``lo``: ``M x N``, one 16-bit dtype; all four readable by the tensor-memory
@@ -138,20 +83,15 @@ def pair_product(hi: torch.Tensor, lo: torch.Tensor, a: torch.Tensor, b: torch.T
     k, m = a.shape
     n = b.shape[1]
     tune = dict(_launch.tuning(_TUNING))
-    persistent = tune.pop("persistent")
-    prefetch = tune.pop("prefetch")
     bm, bn, bk = tune["BLOCK_M"], tune["BLOCK_N"], tune["BLOCK_K"]
     tune["num_stages"] = _launch.fit_num_stages(tune["num_stages"], bm, bn, bk, a.element_size())
-    tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
-    args = (_launch.descriptor(a, [bk, bm]), _launch.descriptor(b, [bk, bn]), _launch.descriptor(hi, [bm, bn]),
-            _launch.descriptor(lo, [bm, bn]))
-    flags = dict(ACCUMULATE=accumulate, ROUND_RNE=_launch.INTERPRET and hi.dtype == torch.bfloat16,
-                 UPCAST=_launch.upcast_dots(a.dtype), DOT_PRECISION=_launch.dot_precision(a.dtype), **tune)
-    if persistent and k > 0:
-        programs = min(tiles, _launch.num_sms(a.device))
-        _pair_product_persistent_kernel[(programs,)](*args, m, n, k, NUM_PROGRAMS=programs, **flags)
-    else:
-        _pair_product_kernel[(tiles,)](*args, hi, lo, m, n, k, hi.stride(0), PREFETCH=prefetch, **flags)
+    grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn),)
+    _pair_product_kernel[grid](
+        _launch.descriptor(a, [bk, bm]), _launch.descriptor(b, [bk, bn]), _launch.descriptor(hi, [bm, bn]),
+        _launch.descriptor(lo, [bm, bn]), m, n, k,
+        ACCUMULATE=accumulate, ROUND_RNE=_launch.INTERPRET and hi.dtype == torch.bfloat16,
+        UPCAST=_launch.upcast_dots(a.dtype), DOT_PRECISION=_launch.dot_precision(a.dtype), **tune,
+    )
 
 
 def split_pair(x32: torch.Tensor, hi: torch.Tensor, lo: torch.Tensor) -> None:

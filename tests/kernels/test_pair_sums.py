@@ -1,6 +1,5 @@
 """Tests of the 16-bit pair sums (``kernels/_pair_sums.py``): the balanced path's dC summed over many row chunks as
-``hi + lo`` against an fp64 reference; every launch variant (one program per tile, with the pair prefetched,
-persistent); the fallback for
+``hi + lo`` against an fp64 reference; the fallback for
 operands the tensor-memory accelerator cannot read (``_balanced._pair_sums_into``); bf16 and fp16."""
 
 import pytest
@@ -8,7 +7,7 @@ import torch
 
 from cce_inductor.kernels import _balanced, _pair_sums
 from tests.support.compare import rel_l2
-from tests.support.kernels import DEVICES, TUNING_KEY, device_ok
+from tests.support.kernels import DEVICES, device_ok
 
 CHUNKS = 32
 # hi + lo keeps ~16 mantissa bits: after CHUNKS additions the relative error stays near 2^-16 ~ 1.5e-5, where one
@@ -26,16 +25,13 @@ def _chunks(k, m, n, dtype, device, seed=0):
         yield a, b
 
 
-@pytest.mark.parametrize("variant", ["per tile", "per tile, prefetch", "persistent"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("device", DEVICES)
-def test_pair_sums_hold_the_fp64_sum_over_many_chunks(device, dtype, variant, monkeypatch):
+def test_pair_sums_hold_the_fp64_sum_over_many_chunks(device, dtype):
     """``hi + lo`` after 32 chunks is the fp64 sum of the chunk products to ~2^-16 (a 16-bit running sum, one
     rounding per chunk, is off by far more: the bound fails for it), and ``hi`` alone is that sum rounded once: no
     further from it than the fp64 sum rounded to the 16-bit dtype, within a rounding of ties."""
     device_ok(device)
-    monkeypatch.setitem(_pair_sums._TUNING[TUNING_KEY], "persistent", variant == "persistent")
-    monkeypatch.setitem(_pair_sums._TUNING[TUNING_KEY], "prefetch", variant.endswith("prefetch"))
     k, m, n = (40, 48, 24) if device == "cpu" else (1100, 4160, 256)
     hi = torch.empty(m, n, dtype=dtype, device=device)
     lo = torch.empty_like(hi)
@@ -54,13 +50,14 @@ def test_pair_sums_hold_the_fp64_sum_over_many_chunks(device, dtype, variant, mo
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_fallback_matches_the_kernel(device):
+def test_fallback_holds_the_same_bound(device):
     """Operands the tensor-memory accelerator cannot read (a row stride not a multiple of 16 bytes) take the fp32-slab
-    fallback: the same pair to fp32 rounding of the sum."""
+    fallback: its pair meets the kernel's bound against the fp64 sum. (The two pairs need not agree bit for bit: their
+    fp32 products sum in another order, which may move a remainder's last bit.)"""
     device_ok(device)
     k, m, n = 40, 64, 24
     chunks = list(_chunks(k, m, n, torch.bfloat16, device, seed=3))
-    got = {}
+    exact = sum(a.double().cpu().T @ b.double().cpu() for a, b in chunks)
     for name, operand in (("kernel", lambda b: b), ("fallback", lambda b: torch.nn.functional.pad(b, (0, 1))[:, :n])):
         hi = torch.empty(m, n, dtype=torch.bfloat16, device=device)
         lo = torch.empty_like(hi)
@@ -68,8 +65,7 @@ def test_fallback_matches_the_kernel(device):
             b = operand(b)
             assert (name == "kernel") == _balanced._launch.tma_ok(a, b)
             _balanced._pair_sums_into(hi, lo, a, b, accumulate=i > 0, upcast=device == "cpu")
-        got[name] = hi.double() + lo.double()
-    assert rel_l2(got["fallback"].cpu(), got["kernel"].cpu()) < 1e-6
+        assert rel_l2(hi.double().cpu() + lo.double().cpu(), exact) < PAIR_TOL, name
 
 
 def test_split_pair_is_exact_for_a_complete_sum():
