@@ -1018,3 +1018,30 @@ class TestThroughInductor(PatternTestCase):
                 torch.testing.assert_close(got, want)
         self.assertEqual(cce_inductor.stats()["rewritten"], 1)  # compiled once for all lengths
         self.assertEqual(torch._dynamo.utils.counters["stats"]["unique_graphs"], 1)
+
+    def test_bias_added_in_place_then_softcap_both_paths(self):
+        """``logits += b`` then the Gemma-2 softcap through AOTAutograd + Inductor (which functionalises the in-place
+        add before the rewritten graph is compiled), on each path: eager's loss and gradients."""
+        torch.manual_seed(0)
+        forms, params = _bias_forms()
+        f = forms["in_place_bias_then_scale_and_softcap"]
+        caches_off = inductor_caches_off()
+        caches_off.__enter__()
+        self.addCleanup(caches_off.__exit__, None, None, None)
+        hidden, labels = rand_hidden(B, T, D), rand_labels(B, T)
+        leaves = [hidden] + params
+        expected = f(hidden, labels)
+        expected_grads = torch.autograd.grad(expected, leaves, allow_unused=True)
+        for path in ("lean", "balanced"):
+            with self.subTest(path=path):
+                torch._dynamo.reset()
+                cce_inductor.reset_stats()
+                actual = torch.compile(f, backend=cce_inductor.make_backend(path=path), fullgraph=True)(hidden, labels)
+                actual_grads = torch.autograd.grad(actual, leaves, allow_unused=True)
+                self.assertEqual([site["path"] for site in cce_inductor.stats()["sites"]], [path])
+                torch.testing.assert_close(actual, expected)
+                for got, want in zip(actual_grads, expected_grads):
+                    if want is None:
+                        self.assertIsNone(got)
+                    else:
+                        torch.testing.assert_close(got, want)
