@@ -86,7 +86,8 @@ BAD = [
     ({"CCE_INDUCTOR": "1", "CCE_INDUCTOR_SCRATCH_MB": "abc"}, "CCE_INDUCTOR_SCRATCH_MB='abc' is not an integer"),
     ({"CCE_INDUCTOR": "1", "CCE_INDUCTOR_PATH": "fast"}, "CCE_INDUCTOR_PATH='fast': path must be"),
     ({"CCE_INDUCTOR": "1", "CCE_INDUCTOR_EXACT": "maybe"}, "CCE_INDUCTOR_EXACT='maybe' is not a boolean"),
-    ({"CCE_INDUCTOR": "1", "CCE_INDUCTOR_PATHS": "lean"}, "unknown cce_inductor environment option(s) ['CCE_INDUCTOR_PATHS']"),
+    ({"CCE_INDUCTOR": "1", "CCE_INDUCTOR_PATHS": "lean"},
+     "unknown cce_inductor environment option(s) ['CCE_INDUCTOR_PATHS']"),
     ({"CCE_INDUCTOR": "2"}, "CCE_INDUCTOR='2' is neither on (1, true, yes, on) nor off"),
     ({"CCE_INDUCTOR": "enable"}, "CCE_INDUCTOR='enable' is neither on"),
 ]
@@ -182,7 +183,8 @@ def test_refusing_pass_stops_compiles_until_enable_or_disable(no_inductor_caches
     with pytest.raises(torch._dynamo.exc.BackendCompilerFailed, match="CCE_INDUCTOR='2' is neither on nor off"):
         torch.compile(_head_loss)(*_inputs())
     stats = cce_inductor.stats()
-    assert stats["pass"] == "off: CCE_INDUCTOR='2' is neither on nor off; every torch.compile raises this until it is fixed"
+    assert stats["pass"] == ("off: CCE_INDUCTOR='2' is neither on nor off; every torch.compile raises this until it "
+                             "is fixed")
     assert stats["summary"].startswith("the pass is off: CCE_INDUCTOR='2'"), stats["summary"]
     assert not cce_inductor.is_enabled()
 

@@ -230,8 +230,9 @@ def test_int32_targets_raise_like_eager():
      (torch.bfloat16, torch.float16, None, None, True), (torch.float32, torch.float32, torch.bfloat16, None, True),
      (torch.float64, torch.float32, None, None, True), (torch.float32, torch.bfloat16, None, torch.bfloat16, False),
      (torch.bfloat16, torch.float16, torch.float32, torch.bfloat16, False),
-     (torch.float64, torch.float32, None, torch.bfloat16, True), (torch.float64, torch.float64, None, torch.bfloat16, False)],
-)  # fmt: skip
+     (torch.float64, torch.float32, None, torch.bfloat16, True),
+     (torch.float64, torch.float64, None, torch.bfloat16, False)],
+)
 def test_head_dtype_error_follows_eager(hidden, weight, bias, autocast, refused):
     """Eager's linear / matmul / addmm: one dtype for every operand, after autocast cast fp16 / bf16 / fp32 ones."""
     why = _checks.head_dtype_error(hidden, weight, bias, autocast)
@@ -342,9 +343,14 @@ def test_head_on_two_devices_is_left_alone():
     ce = graph.call_function(F.cross_entropy, (linear, y))
     graph.output((ce,))
     with FakeTensorMode():
-        values = {h: torch.empty(6, 7, device="cuda"), w: torch.empty(V, 7, device="cuda"), b: torch.empty(V),
-                  y: torch.empty(6, dtype=torch.long, device="cuda"), linear: torch.empty(6, V, device="cuda"),
-                  ce: torch.empty((), device="cuda")}  # fmt: skip
+        values = {
+            h: torch.empty(6, 7, device="cuda"),
+            w: torch.empty(V, 7, device="cuda"),
+            b: torch.empty(V),
+            y: torch.empty(6, dtype=torch.long, device="cuda"),
+            linear: torch.empty(6, V, device="cuda"),
+            ce: torch.empty((), device="cuda"),
+        }
     for node, value in values.items():
         node.meta["example_value"] = value
     with pytest.raises(NoMatch, match="the head's bias on cpu, its output on cuda"):
