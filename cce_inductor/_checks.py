@@ -14,6 +14,24 @@ REDUCTIONS = ("none", "mean", "sum")
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
+# The dtypes autocast casts to its own for a matmul (fp64 stays fp64).
+AUTOCAST_CASTS = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def head_dtype_error(hidden: torch.dtype, weight: torch.dtype, bias: Optional[torch.dtype],
+                     autocast: Optional[torch.dtype]) -> Optional[str]:
+    """Why eager's head (``F.linear``, ``matmul``, ``addmm``) raises on operands of these dtypes, or None where it
+    computes them: every operand in one dtype once autocast, where it is on (``autocast``: its dtype), has cast those
+    it casts. Where eager raises, the pass leaves the site to that error."""
+    named = {"hidden states": hidden, "weight": weight, **({} if bias is None else {"bias": bias})}
+    seen = {autocast if autocast is not None and dtype in AUTOCAST_CASTS else dtype for dtype in named.values()}
+    if len(seen) == 1:
+        return None
+    listing = ", ".join(f"{name} {str(dtype).removeprefix('torch.')}" for name, dtype in named.items())
+    where = "without autocast" if autocast is None else f"under autocast to {str(autocast).removeprefix('torch.')}"
+    return f"the head's operands have two dtypes ({listing}) {where}: eager raises, so the site is left to it"
+
+
 def check_targets_dtype(targets: Tensor) -> None:
     if targets.dtype.is_floating_point or targets.dtype.is_complex or targets.dtype == torch.bool:
         raise TypeError(

@@ -2,7 +2,8 @@
 
     torch.compile(model, backend=cce_inductor.backend)
     torch.compile(model, backend=cce_inductor.make_backend(drop_logits=True))
-    torch.compile(model, backend="cce")          # registered through the torch_dynamo_backends entry point
+    torch.compile(model, backend="cce")          # the torch_dynamo_backends entry point; without an install, after
+                                                 # `import cce_inductor` (register_name)
 """
 
 from __future__ import annotations
@@ -47,3 +48,22 @@ def make_backend(
 def backend(gm: torch.fx.GraphModule, example_inputs, **kwargs):
     """Inductor with the pass; options from the ``CCE_INDUCTOR_*`` environment at compile time."""
     return make_backend()(gm, example_inputs, **kwargs)
+
+
+BACKEND_NAME = "cce"
+
+
+def register_name() -> None:
+    """``backend="cce"`` without an install: an install registers the name through its ``torch_dynamo_backends``
+    entry point, which Dynamo loads on first use; a clone on ``PYTHONPATH`` has none, so ``import cce_inductor``
+    registers it (registering it beside the entry point would make Dynamo's own registration fail as a duplicate)."""
+    from importlib.metadata import entry_points
+
+    if any(entry.name == BACKEND_NAME for entry in entry_points(group="torch_dynamo_backends")):
+        return
+    from torch._dynamo.backends.registry import register_backend
+
+    try:
+        register_backend(backend, name=BACKEND_NAME)
+    except AssertionError:  # registered already (this module imported twice)
+        pass

@@ -3,7 +3,7 @@ often the fused ops ran in this process (so a graph served from Inductor's cache
 be seen to use them).
 
     >>> cce_inductor.stats()
-    {'graphs': 1, 'rewritten': 0, 'skipped': 1,
+    {'pass': 'on for every torch.compile (enable() or CCE_INDUCTOR)', 'graphs': 1, 'rewritten': 0, 'skipped': 1,
      'reasons': {'logits escape the compiled region (...); set CCE_INDUCTOR_DROP_LOGITS=1 ...': 1}, 'sites': [...],
      'executions': {'linear_cross_entropy': 0, 'vocab_parallel': 0},
      'backward_products': {'cublas': 0, 'row_skipping': 0, 'counted_prefix': 0}, 'summary': '...'}
@@ -81,7 +81,11 @@ def stats() -> dict[str, Any]:
         products = dict(_products)
     reasons = collections.Counter(site.reason for site in sites if not site.rewritten)
     rewritten = sum(site.rewritten for site in sites)
+    from .graph_pass import describe  # noqa: PLC0415 - graph_pass imports the passes, which import this module
+
+    switch, switch_line = describe()
     return {
+        "pass": switch_line,
         "graphs": graphs,
         "rewritten": rewritten,
         "skipped": len(sites) - rewritten,
@@ -89,18 +93,28 @@ def stats() -> dict[str, Any]:
         "sites": [dataclasses.asdict(site) for site in sites],
         "executions": executions,
         "backward_products": products,
-        "summary": _summary(graphs, rewritten, reasons, sum(executions.values()),
+        "summary": _summary(switch, switch_line, graphs, rewritten, reasons, sum(executions.values()),
                             sum(site.path == "balanced" for site in sites)),
     }
 
 
-def _summary(graphs: int, rewritten: int, reasons: collections.Counter, executions: int, balanced: int) -> str:
+def _summary(switch: str, switch_line: str, graphs: int, rewritten: int, reasons: collections.Counter,
+             executions: int, balanced: int) -> str:
     ran = f"the fused op ran {executions} times in this process"
+    if switch == "refused":  # CCE_INDUCTOR asked for the pass and could not get it: that comes first
+        return f"the pass is {switch_line}; {_sites_line(graphs, rewritten, reasons, balanced)}; {ran}"
     if graphs == 0:
+        where = "" if switch == "on" else f": it is {switch_line}"
         return (
-            f"the pass has not seen any graph (nothing was compiled with it yet, or every graph came from "
+            f"the pass has not seen any graph{where} (nothing was compiled with it yet, or every graph came from "
             f"Inductor's cache); {ran}"
         )
+    return f"{_sites_line(graphs, rewritten, reasons, balanced)}; {ran}"
+
+
+def _sites_line(graphs: int, rewritten: int, reasons: collections.Counter, balanced: int) -> str:
+    if graphs == 0:
+        return "it has seen no graph"
     # a site: a cross_entropy, a token log-probs gather or an entropy of head logits
     line = f"rewrote {rewritten} of {rewritten + sum(reasons.values())} loss sites in {graphs} graphs"
     if balanced:
@@ -110,7 +124,7 @@ def _summary(graphs: int, rewritten: int, reasons: collections.Counter, executio
         line += f"; left {sum(reasons.values())} alone, most often ({count}x) because {reason}"
     elif rewritten == 0:
         line += "; no cross_entropy, token log-probs or entropy of head logits was found in the compiled graphs"
-    return f"{line}; {ran}"
+    return line
 
 
 def reset_stats() -> None:

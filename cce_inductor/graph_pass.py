@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import os
 from pathlib import Path
 from typing import Any, Optional
 
@@ -65,8 +66,10 @@ def _installed() -> Any:
     return inductor_config.pre_grad_custom_pass
 
 
-def _find_ours(hook: Any) -> Optional[CCEGraphPass]:
-    return hook if isinstance(hook, CCEGraphPass) else None
+def _find_ours(hook: Any) -> Optional[Any]:
+    """Our pass in the hook, or the pass that refuses every compile where ``CCE_INDUCTOR`` could not be honoured
+    (``cce_inductor_autoload.refuse``): ``enable``, ``disable`` and the backends replace either, keeping its chain."""
+    return hook if isinstance(hook, CCEGraphPass) or getattr(hook, "refused", None) else None
 
 
 def enable(options: Optional[CCEOptions] = None, **overrides: Any) -> CCEGraphPass:
@@ -94,4 +97,18 @@ def disable() -> None:
 
 
 def is_enabled() -> bool:
-    return _find_ours(_installed()) is not None
+    return isinstance(_installed(), CCEGraphPass)
+
+
+def describe() -> tuple[str, str]:
+    """Whether plain ``torch.compile`` runs the pass, and why: ``("on" | "off" | "refused", a sentence)``, the sentence
+    ``stats()["pass"]``. ``"refused"``: ``CCE_INDUCTOR`` asks for the pass and could not get it."""
+    hook = _installed()
+    if isinstance(hook, CCEGraphPass):
+        return "on", "on for every torch.compile (enable() or CCE_INDUCTOR)"
+    if getattr(hook, "refused", None):
+        return "refused", f"off: {hook.refused}; every torch.compile raises this until it is fixed"
+    flag = os.environ.get("CCE_INDUCTOR")
+    return "off", (f"off for plain torch.compile (CCE_INDUCTOR is {'unset' if flag is None else repr(flag)} and "
+                   "enable() is not in effect); on in the compiles that name it: backend=cce_inductor.backend, "
+                   "\"cce\" or make_backend()")

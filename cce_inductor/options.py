@@ -106,16 +106,18 @@ class CCEOptions:
     @classmethod
     def from_env(cls, **overrides: Any) -> "CCEOptions":
         """Options from the ``CCE_INDUCTOR_*`` environment, then ``overrides`` (keywords named like the fields;
-        ``None`` leaves a field to the environment)."""
+        ``None`` leaves a field to the environment). A bad value or an unknown ``CCE_INDUCTOR_*`` name raises a
+        ``ValueError`` / ``TypeError`` that names the variable: a typo never leaves an option at its default."""
         for name, why in _RETIRED_ENV.items():
             if os.environ.get(name, "").strip():
                 warnings.warn(f"{name} is ignored: {why}", FutureWarning, stacklevel=3)
         _check_names(overrides)
+        _check_env_names()
         values: dict[str, Any] = {}
         for name, field in _FIELDS.items():
             raw = os.environ.get(_env_name(name), "").strip()
             if raw:
-                values[name] = _parse(_env_name(name), raw, field.type)
+                values[name] = _from_env_value(name, raw, field)
         values.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**values)
 
@@ -139,6 +141,25 @@ _OP_FIELDS = ("exact", "products", "backward_row_chunk", "path", "scratch_mb")
 
 def _env_name(field: str) -> str:
     return f"CCE_INDUCTOR_{field.upper()}"
+
+
+def _check_env_names() -> None:
+    known = {_env_name(name) for name in _FIELDS} | set(_RETIRED_ENV)
+    unknown = sorted(name for name in os.environ if name.startswith("CCE_INDUCTOR_") and name not in known)
+    if unknown:
+        raise ValueError(f"unknown cce_inductor environment option(s) {unknown}; the options are "
+                         f"{sorted(_env_name(name) for name in _FIELDS)}")
+
+
+def _from_env_value(name: str, raw: str, field: dataclasses.Field) -> Any:
+    """One field's value from its variable, checked as the field checks it; an error names the variable."""
+    variable = _env_name(name)
+    value = _parse(variable, raw, field.type)
+    try:
+        CCEOptions(**{name: value})
+    except (TypeError, ValueError) as exc:
+        raise type(exc)(f"{variable}={raw!r}: {exc}") from None
+    return value
 
 
 def _parse(name: str, raw: str, annotation: Any) -> Any:

@@ -220,6 +220,158 @@ def test_int32_targets_raise_like_eager():
 
 
 # ----------------------------------------------------------------------------------------------------------------
+# Operands eager refuses: dtypes autocast does not reconcile, devices
+# ----------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "hidden, weight, bias, autocast, refused",
+    [(torch.float32, torch.float32, None, None, False), (torch.float32, torch.bfloat16, None, None, True),
+     (torch.bfloat16, torch.float16, None, None, True), (torch.float32, torch.float32, torch.bfloat16, None, True),
+     (torch.float64, torch.float32, None, None, True), (torch.float32, torch.bfloat16, None, torch.bfloat16, False),
+     (torch.bfloat16, torch.float16, torch.float32, torch.bfloat16, False),
+     (torch.float64, torch.float32, None, torch.bfloat16, True),
+     (torch.float64, torch.float64, None, torch.bfloat16, False)],
+)
+def test_head_dtype_error_follows_eager(hidden, weight, bias, autocast, refused):
+    """Eager's linear / matmul / addmm: one dtype for every operand, after autocast cast fp16 / bf16 / fp32 ones."""
+    why = _checks.head_dtype_error(hidden, weight, bias, autocast)
+    assert (why is not None) == refused, why
+    if refused:
+        assert why.startswith("the head's operands have two dtypes (hidden states ") and "eager raises" in why
+
+
+def _linear_head(h, w, y):
+    return F.cross_entropy(F.linear(h, w).float(), y)
+
+
+def _linear_head_with_bias(h, w, b, y):
+    return F.cross_entropy(F.linear(h, w, b).float(), y)
+
+
+def _matmul_head(h, w, y):
+    return F.cross_entropy((h @ w.T).float(), y)
+
+
+def _addmm_head(h, w, b, y):
+    return F.cross_entropy(torch.addmm(b, h, w.t()).float(), y)
+
+
+def _autocast_off_inside(h, w, y):
+    with torch.autocast("cpu", enabled=False):
+        logits = F.linear(h, w)
+    return F.cross_entropy(logits.float(), y)
+
+
+def _dtype_case(dtypes, with_bias):
+    hidden, weight, labels, bias = inputs(6, bias=True)
+    tensors = [hidden.detach().to(dtypes[0]), weight.detach().to(dtypes[1])]
+    if with_bias:
+        tensors.append(bias.detach().to(dtypes[2]))
+    return tuple(tensors) + (labels,)
+
+
+EAGER_REFUSES = {  # name: (fn, (hidden, weight, bias) dtypes), run without autocast unless the name says so
+    "fp32_hidden_bf16_weight": (_linear_head, (torch.float32, torch.bfloat16)),
+    "bf16_hidden_fp16_weight": (_linear_head, (torch.bfloat16, torch.float16)),
+    "bias_of_another_dtype": (_linear_head_with_bias, (torch.float32, torch.float32, torch.bfloat16)),
+    "matmul_fp32_hidden_bf16_weight": (_matmul_head, (torch.float32, torch.bfloat16)),
+    "addmm_bias_of_another_dtype": (_addmm_head, (torch.float32, torch.float32, torch.float16)),
+    "autocast_off_inside_autocast": (_autocast_off_inside, (torch.float32, torch.bfloat16)),
+}
+
+
+@pytest.mark.parametrize("case", list(EAGER_REFUSES))
+def test_operand_dtypes_eager_refuses_are_left_to_eager(case):
+    """Regression (issue 55): the rewrite computed in the head's dtype, upcasting the odd operand, and returned a loss
+    where eager raises ``expected m1 and m2 to have the same dtype``. Now the site is left alone and eager's error is
+    the compiled code's."""
+    fn, dtypes = EAGER_REFUSES[case]
+    args = _dtype_case(dtypes, with_bias=len(dtypes) == 3)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=case.startswith("autocast")):
+        want = _eager_error(fn, args)
+        compiled, capture = compile_capture(fn)
+        with pytest.raises(type(want)) as got:
+            compiled(*args)
+    assert str(got.value) == str(want)
+    assert capture.rewrites == [0]
+    (reason,) = cce_inductor.stats()["reasons"]
+    assert "the head's operands have two dtypes" in reason and "eager raises" in reason, reason
+
+
+@pytest.mark.slow
+def test_fp32_hidden_bf16_weight_through_inductor_raises_like_eager(no_inductor_caches):
+    fn, dtypes = EAGER_REFUSES["fp32_hidden_bf16_weight"]
+    args = _dtype_case(dtypes, with_bias=False)
+    want = _eager_error(fn, args)
+    with pytest.raises(type(want), match="expected m1 and m2 to have the same dtype"):
+        torch.compile(fn, backend=cce_inductor.backend, fullgraph=True)(*args)
+    assert cce_inductor.stats()["rewritten"] == 0
+
+
+AUTOCAST_RECONCILES = {  # under CPU bf16 autocast eager casts every operand: rewritten, with eager's numbers
+    "fp32_hidden_bf16_weight": (_linear_head, (torch.float32, torch.bfloat16)),
+    "bf16_hidden_fp32_weight": (_matmul_head, (torch.bfloat16, torch.float32)),
+    "fp16_hidden_and_weight": (_linear_head, (torch.float16, torch.float16)),
+    "bias_of_another_dtype": (_linear_head_with_bias, (torch.float32, torch.float32, torch.float16)),
+}
+
+
+@pytest.mark.parametrize("case", list(AUTOCAST_RECONCILES))
+def test_operand_dtypes_autocast_reconciles_are_rewritten(case):
+    fn, dtypes = AUTOCAST_RECONCILES[case]
+    args = _dtype_case(dtypes, with_bias=len(dtypes) == 3)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want = fn(*args)
+        compiled, capture = compile_capture(fn)
+        got = compiled(*args)
+    assert capture.rewrites == [1], cce_inductor.stats()["reasons"]
+    torch.testing.assert_close(got, want, **AUTOCAST_TOL)
+
+
+def test_head_on_two_devices_is_left_alone():
+    """Dynamo refuses a head on two devices while tracing (below), so the pass never sees one; should it, the walk
+    leaves it to eager's error rather than moving an operand. A graph as Dynamo records it, example values on a
+    CUDA device (fake: no GPU needed) but for the bias."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from cce_inductor.fx_passes.head_chain import NoMatch, walk_logits
+
+    graph = torch.fx.Graph()
+    h, w, b, y = (graph.placeholder(name) for name in ("h", "w", "b", "y"))
+    linear = graph.call_function(torch._C._nn.linear, (h, w, b))
+    ce = graph.call_function(F.cross_entropy, (linear, y))
+    graph.output((ce,))
+    with FakeTensorMode():
+        values = {
+            h: torch.empty(6, 7, device="cuda"),
+            w: torch.empty(V, 7, device="cuda"),
+            b: torch.empty(V),
+            y: torch.empty(6, dtype=torch.long, device="cuda"),
+            linear: torch.empty(6, V, device="cuda"),
+            ce: torch.empty((), device="cuda"),
+        }
+    for node, value in values.items():
+        node.meta["example_value"] = value
+    with pytest.raises(NoMatch, match="the head's bias on cpu, its output on cuda"):
+        walk_logits(linear, ce)
+
+
+def test_targets_on_another_device_fail_as_stock_torch_compile():
+    """Targets on another device than the logits: Dynamo's tracing raises before any pass runs, with our backend as
+    with Inductor's."""
+    hidden, weight, labels = (t.detach() for t in inputs(6))
+    errors = []
+    for backend in ("inductor", cce_inductor.backend):
+        torch._dynamo.reset()
+        with pytest.raises(Exception, match="Expected all tensors to be on the same device") as info:
+            torch.compile(make_fn(), backend=backend, fullgraph=True)(hidden, weight, labels.to("meta"))
+        errors.append(type(info.value))
+    assert errors[0] is errors[1]
+    assert cce_inductor.stats()["graphs"] == 0
+
+
+# ----------------------------------------------------------------------------------------------------------------
 # Bad input: NaN and Inf
 # ----------------------------------------------------------------------------------------------------------------
 

@@ -114,6 +114,23 @@ def test_bad_environment_options_fail_loudly(monkeypatch, variable, value, error
 
 
 @pytest.mark.parametrize(
+    "variable, value, error",
+    [("CCE_INDUCTOR_PATH", "fast", "CCE_INDUCTOR_PATH='fast': path must be 'auto', 'lean' or 'balanced'"),
+     ("CCE_INDUCTOR_SCRATCH_MB", "-5", "CCE_INDUCTOR_SCRATCH_MB='-5': scratch_mb must be >= 0"),
+     ("CCE_INDUCTOR_SCRATCH_MB", "abc", "CCE_INDUCTOR_SCRATCH_MB='abc' is not an integer"),
+     ("CCE_INDUCTOR_PATHS", "lean", r"unknown cce_inductor environment option\(s\) \['CCE_INDUCTOR_PATHS'\]")],
+)
+def test_environment_errors_name_the_variable(monkeypatch, clean_env, variable, value, error):
+    """A bad value says which variable holds it, and a misspelt name is an error, not an option left at its default;
+    a keyword override does not hide a bad value in the environment."""
+    monkeypatch.setenv(variable, value)
+    with pytest.raises(ValueError, match=error):
+        CCEOptions.from_env()
+    with pytest.raises(ValueError, match=error):
+        cce_inductor.make_backend(path="lean", scratch_mb=0)
+
+
+@pytest.mark.parametrize(
     "kwargs, error",
     [(dict(exact=1), "must be a bool"), (dict(products="TRITON"), "'cublas' or"), (dict(backward_row_chunk=2.0), "int"),
      (dict(backward_row_chunk=True), "int"), (dict(scratch_mb=-1), ">= 0"), (dict(scratch_mb=0.5), "int"),

@@ -6,7 +6,11 @@ from the node a loss reads (:func:`walk_logits`)::
     hidden (..., D)   weight (V, D) | weight_t (D, V)   [bias (V,)]
           \\                 |                           /
            linear(hidden, weight, bias) | hidden @ weight.T | matmul(hidden, weight_t)      <- the head
+             | addmm(bias, hidden, weight.t() | weight_t)
                   |
+                  |   bias:       logits + bias, bias + logits, torch.add / .add, in place (logits += bias,
+                  |               logits.add_(bias)), for a (V,) bias, at most one; row views before it, never a
+                  |               scale or softcap (only the head's product gets the bias)
                   |   row views:  view / reshape / flatten over leading dims, contiguous, getitem slices of leading
                   |               dims (the label shift ``logits[..., :-1, :]``)
                   |   upcasts:    .float(), .to(torch.float32)
@@ -18,7 +22,9 @@ from the node a loss reads (:func:`walk_logits`)::
 gives a :class:`Logits`: the head's operands, the row views in forward order (to be replayed on the hidden
 states), the scale, the softcap and the chain's nodes. Anything else in the chain (a vocabulary slice, a downcast,
 a non-tanh softcap, an in-place update of an operand, a switch back to grad mode) raises :class:`NoMatch` with
-the reason ``stats()`` shows. :func:`private_chain` then checks that nothing else reads the chain.
+the reason ``stats()`` shows, and so does a head eager PyTorch would refuse (operands of two dtypes that autocast
+does not reconcile, or on two devices): a rewrite must fail where eager fails. :func:`private_chain` then checks
+that nothing else reads the chain.
 """
 
 from __future__ import annotations
@@ -30,11 +36,11 @@ from typing import Any, Optional
 import torch
 import torch.fx as fx
 
-from .._checks import SUPPORTED_DTYPES
+from .._checks import SUPPORTED_DTYPES, head_dtype_error
 from .spellings import (
-    DIV, FLATTEN, GETITEM, GRAD_MODE, IDENTITY_VIEW, INPLACE_FUNCTIONS, LINEAR, MATMUL, MUL, RESHAPE, TANH, TO_DTYPE,
-    DTYPE_METHODS, TRANSPOSE_2D, TRANSPOSE_ATTR_OPS, TRANSPOSE_ATTRS, VIEW_LIKE, call_arg, const_float, example_value,
-    matches, normalize_dim, short, spelling,
+    ADD, ADDMM, AUTOCAST_ENTER, AUTOCAST_EXIT, DIV, FLATTEN, GETITEM, GRAD_MODE, IDENTITY_VIEW, INPLACE_ADD,
+    INPLACE_FUNCTIONS, LINEAR, MATMUL, MUL, RESHAPE, TANH, TO_DTYPE, DTYPE_METHODS, TRANSPOSE_2D, TRANSPOSE_ATTR_OPS,
+    TRANSPOSE_ATTRS, VIEW_LIKE, call_arg, const_float, example_value, matches, normalize_dim, short, spelling,
 )
 
 SUPPORTED_DEVICES = ("cpu", "cuda")
@@ -178,19 +184,90 @@ def _match_head(node: fx.Node) -> tuple[fx.Node, fx.Node, bool, Optional[fx.Node
             raise NoMatch(f"{node.name} has a non-tensor bias")
         return call_arg(node, 0, "input"), call_arg(node, 1, "weight"), False, bias
     if matches(node, MATMUL):
-        hidden = node.args[0]
-        rhs = call_arg(node, 1, "other")
-        rhs_meta = example_value(rhs)
-        if not isinstance(rhs_meta, torch.Tensor) or rhs_meta.dim() != 2:
-            raise NoMatch(f"{node.name} multiplies by a {getattr(rhs_meta, 'dim', lambda: '?')()}-D tensor, not a weight matrix")
-        weight = transposed_source(rhs)
-        if weight is not None:
-            return hidden, weight, False, None
-        return hidden, rhs, True, None
+        return (node.args[0], *_weight_operand(node, call_arg(node, 1, "other")), None)
+    if matches(node, ADDMM):
+        if const_float(node.kwargs.get("beta", 1)) != 1.0 or const_float(node.kwargs.get("alpha", 1)) != 1.0:
+            raise NoMatch(f"{short(node)} scales its bias or its product (beta, alpha)")
+        bias = call_arg(node, 0, "input")
+        if not isinstance(bias, fx.Node):
+            raise NoMatch(f"{node.name} has a non-tensor bias")
+        return (call_arg(node, 1, "mat1"), *_weight_operand(node, call_arg(node, 2, "mat2")), bias)
     raise NoMatch(
         f"the input of cross_entropy comes from {short(node)}, "
         "not from a linear layer in the same graph (a graph break between the head and the loss?)"
     )
+
+
+def _weight_operand(head: fx.Node, rhs: Any) -> tuple[fx.Node, bool]:
+    """The weight of ``hidden @ rhs``: ``w`` for ``rhs = w.T`` (weight_is_transposed False), else ``rhs`` (D, V)."""
+    rhs_meta = example_value(rhs)
+    if not isinstance(rhs_meta, torch.Tensor) or rhs_meta.dim() != 2:
+        raise NoMatch(f"{head.name} multiplies by a {getattr(rhs_meta, 'dim', lambda: '?')()}-D tensor, not a weight matrix")
+    weight = transposed_source(rhs)
+    return (weight, False) if weight is not None else (rhs, True)
+
+
+def _match_bias_add(node: fx.Node, vocab: Any) -> Optional[tuple[fx.Node, fx.Node]]:
+    """``(x, bias)`` where ``node`` adds a ``(V,)`` tensor to ``x`` (logits rows): ``x + bias``, ``bias + x``,
+    ``torch.add(x, bias)``, ``x.add(bias)``, or in place, ``x += bias`` / ``x.add_(bias)``; None for any other node."""
+    inplace = matches(node, INPLACE_ADD)
+    if not (inplace or matches(node, ADD)) or set(node.kwargs) - {"other", "alpha"} or len(node.args) > 2:
+        return None
+    if const_float(node.kwargs.get("alpha", 1)) != 1.0:
+        return None
+    operands = list(node.args) + ([node.kwargs["other"]] if "other" in node.kwargs else [])
+    if len(operands) != 2 or not all(isinstance(o, fx.Node) for o in operands):
+        return None
+    metas = [example_value(o) for o in operands]
+    if not all(isinstance(m, torch.Tensor) for m in metas):
+        return None
+
+    def is_bias(i: int) -> bool:
+        return metas[i].dim() == 1 and metas[i].shape[0] == vocab and metas[1 - i].dim() >= 2
+
+    for i in ([1] if inplace else [1, 0]):  # in place, the updated tensor is the first operand
+        if is_bias(i) and tuple(example_value(node).shape) == tuple(metas[1 - i].shape):
+            return operands[1 - i], operands[i]
+    return None
+
+
+def _through_inplace_add(node: fx.Node, reader: fx.Node, vocab: Any) -> fx.Node:
+    """Where ``node.add_(bias)`` comes before ``reader`` reads ``node`` (``logits.add_(b); loss(logits)``): ``reader``
+    and every later reader of ``node`` are pointed at the add's result, which is ``node`` itself, updated (no value
+    changes), so that the chain runs through the add; returns the add. Otherwise ``node`` (an update after the read,
+    or two of them, are other users of the logits: :func:`private_chain` refuses them)."""
+    updates = [user for user in node.users
+               if user is not reader and matches(user, INPLACE_ADD) and user.args and user.args[0] is node]
+    if len(updates) != 1 or _match_bias_add(updates[0], vocab) is None:
+        return node
+    update = updates[0]
+    position = {n: i for i, n in enumerate(node.graph.nodes)}
+    if position[update] > position[reader]:
+        return node
+    for user in list(node.users):
+        if user is not update and position[user] > position[update]:
+            user.replace_input_with(node, update)
+    return update
+
+
+def _autocast_at(node: fx.Node, device_type: str) -> Optional[torch.dtype]:
+    """The autocast dtype in effect where the graph computes ``node`` on ``device_type``, or None (autocast off): the
+    state this compile runs under (Dynamo guards on it), changed by the graph's own autocast regions before ``node``."""
+    enabled = torch.is_autocast_enabled(device_type)
+    states = [torch.get_autocast_dtype(device_type) if enabled else None]
+    for current in node.graph.nodes:
+        if current is node:
+            break
+        if matches(current, AUTOCAST_ENTER):
+            device, dtype = call_arg(current, 0, "device_type"), call_arg(current, 1, "dtype")
+            on = call_arg(current, 2, "enabled", True)
+            if device != device_type:
+                states.append(states[-1])
+            else:
+                states.append((dtype or torch.get_autocast_dtype(device_type)) if on else None)
+        elif matches(current, AUTOCAST_EXIT) and len(states) > 1:
+            states.pop()
+    return states[-1]
 
 
 def transposed_source(node: fx.Node) -> Optional[fx.Node]:
@@ -275,19 +352,25 @@ def walk_logits(logits: fx.Node, consumer: fx.Node) -> Logits:
     softcap: Optional[float] = None
     scale = 1.0
     scaled_after_softcap = False  # a factor met before the softcap on the way back is applied after it
-    node = logits
+    bias_add: Optional[tuple[fx.Node, fx.Node]] = None  # (the add node, the bias) of a bias added to the product
+    node, reader = logits, consumer
     while True:
         if not isinstance(node, fx.Node):
             raise NoMatch(f"the input of {short(consumer)} is not computed in the graph")
+        node = _through_inplace_add(node, reader, vocab)
         chain.append(node)
+        reader = node
         softcap_match = _match_softcap(node)
         if softcap_match is not None:
             if softcap is not None:
                 raise NoMatch("logits are soft-capped twice")
             if scaled_after_softcap:
                 raise NoMatch("logits are scaled after the softcap")
+            if bias_add is not None:
+                raise NoMatch("logits are soft-capped before the bias is added")
             softcap, node, inner = softcap_match
             chain.extend(inner[::-1])
+            reader = inner[0]
             continue
         if matches(node, RESHAPE) or matches(node, FLATTEN) or matches(node, GETITEM):
             row_steps.append(_row_step(node, vocab))
@@ -296,8 +379,17 @@ def walk_logits(logits: fx.Node, consumer: fx.Node) -> Logits:
         if matches(node, IDENTITY_VIEW):
             node = node.args[0]
             continue
+        bias_match = _match_bias_add(node, vocab)
+        if bias_match is not None:
+            if bias_add is not None:
+                raise NoMatch("two biases are added to the logits")
+            bias_add = (node, bias_match[1])
+            node = bias_match[0]
+            continue
         scale_match = _match_scale(node)
         if scale_match is not None:
+            if bias_add is not None:
+                raise NoMatch("logits are scaled before the bias is added")
             factor, node = scale_match
             scale *= factor
             scaled_after_softcap = scaled_after_softcap or softcap is None
@@ -328,6 +420,12 @@ def walk_logits(logits: fx.Node, consumer: fx.Node) -> Logits:
         bias_meta = example_value(bias)
         if not isinstance(bias_meta, torch.Tensor) or tuple(bias_meta.shape) != (vocab,):
             raise NoMatch(f"the bias has shape {tuple(getattr(bias_meta, 'shape', ()))}, not (V,)")
+    _check_as_eager(head, hidden, weight, bias)
+    if bias_add is not None:
+        if bias is not None:
+            raise NoMatch(f"{head.name} has a bias and {bias_add[0].name} adds another")
+        bias = bias_add[1]
+        _check_added_bias(bias_add[0], bias, chain, compute_dtype, device)
     if scale != 1.0 and compute_dtype == torch.float16:
         # Folding the factor into fp16 hidden states could overflow where the fp32 logits would not.
         raise NoMatch("a constant logit scale on fp16 logits cannot be folded safely")
@@ -335,6 +433,44 @@ def walk_logits(logits: fx.Node, consumer: fx.Node) -> Logits:
     chain.reverse()
     return Logits(head=head, hidden=hidden, weight=weight, weight_is_transposed=weight_is_transposed, bias=bias,
                   compute_dtype=compute_dtype, row_steps=row_steps[::-1], softcap=softcap, scale=scale, chain=chain)
+
+
+def _check_as_eager(head: fx.Node, hidden: fx.Node, weight: fx.Node, bias: Optional[fx.Node]) -> None:
+    """NoMatch where eager's head would raise and the fused call would not: operands on two devices, or of two
+    dtypes that autocast (if on where the head runs) does not reconcile. The site is left alone, so eager's error
+    is what the compiled code raises (a rewrite would compute in the head's dtype: a bf16 weight upcast beside
+    fp32 hidden states, say)."""
+    device = example_value(head).device
+    operands = {"hidden states": hidden, "weight": weight, "bias": bias}
+    metas = {name: example_value(node) for name, node in operands.items() if node is not None}
+    for name, meta in metas.items():
+        if meta.device != device:
+            raise NoMatch(f"the head's {name} on {meta.device}, its output on {device}: eager raises, so the site is "
+                          "left to it")
+    why = head_dtype_error(metas["hidden states"].dtype, metas["weight"].dtype,
+                           metas["bias"].dtype if "bias" in metas else None, _autocast_at(head, device.type))
+    if why:
+        raise NoMatch(why)
+
+
+def _check_added_bias(add: fx.Node, bias: fx.Node, chain: list[fx.Node], compute_dtype: torch.dtype,
+                      device: torch.device) -> None:
+    """A bias added to the head's product is the op's bias where it changes nothing else: the add neither promotes
+    the logits nor moves them (the op adds the bias in the head's dtype), and an add in place updates a tensor that
+    nothing else reads (it would see the bias, or miss it, where the rewrite computes no logits at all)."""
+    bias_meta, logits_meta = example_value(bias), example_value(add)
+    if bias_meta.device != device:
+        raise NoMatch(f"the bias {bias.name} is on {bias_meta.device}, the logits on {device}: eager raises, so the "
+                      "site is left to it")
+    if bias_meta.dtype != compute_dtype or logits_meta.dtype != compute_dtype:
+        raise NoMatch(f"{add.name} adds a {bias_meta.dtype} bias to {compute_dtype} logits (into "
+                      f"{logits_meta.dtype}): only a bias in the head's dtype is fused")
+    if matches(add, INPLACE_ADD):
+        updated = chain[chain.index(add) + 1:]  # the updated tensor back to the head: views of one buffer
+        shared = next((n for n in updated if len(n.users) != 1), None)
+        if shared is not None:
+            others = ", ".join(u.name for u in shared.users if u not in chain)
+            raise NoMatch(f"{add.name} adds the bias in place to {shared.name}, which {others} reads too")
 
 
 def private_chain(chain: list[fx.Node], consumer: fx.Node, allowed: list[fx.Node] = ()) -> list[fx.Node]:
@@ -389,9 +525,12 @@ def is_replayable_view(node: fx.Node) -> bool:
 
 
 def branch_path(node: fx.Node, chain: list[fx.Node]) -> list[fx.Node]:
-    """The nodes from the head to ``node`` (a chain node, or the end of a returned branch), forward order."""
+    """The nodes from the head to ``node`` (a chain node, or the end of a returned branch), forward order, without a
+    bias added to the head's product: the bias is the head's, as ``F.linear``'s is."""
     tail = []
     while node not in chain:
         tail.append(node)
         node = node.args[0]
-    return chain[: chain.index(node) + 1] + tail[::-1]
+    vocab = example_value(chain[0]).shape[-1]
+    path = chain[: chain.index(node) + 1] + tail[::-1]
+    return [path[0]] + [n for n in path[1:] if _match_bias_add(n, vocab) is None]

@@ -29,6 +29,11 @@ def methods(*names) -> set:
 CROSS_ENTROPY = functions(F.cross_entropy)
 LINEAR = functions(F.linear, torch._C._nn.linear)
 MATMUL = functions(operator.matmul, torch.matmul, torch.mm) | methods("matmul", "mm", "__matmul__")
+ADDMM = functions(torch.addmm) | methods("addmm")  # addmm(bias, hidden, weight.t()): beta * bias + alpha * (h @ w)
+ADD = functions(operator.add, torch.add) | methods("add")
+# `x += b` is `operator.iadd(x, b)` (read through its result), `x.add_(b)` a method call (read through x): both return
+# x, updated in place.
+INPLACE_ADD = functions(operator.iadd) | methods("add_")
 TRANSPOSE_2D = functions(torch.t, torch.transpose, torch.permute) | methods("t", "transpose", "permute")
 TRANSPOSE_ATTRS = ("T", "mT")
 # From torch 2.14 Dynamo records the view attributes as calls of the aten ops behind them, `w.T` as
@@ -47,6 +52,10 @@ MUL = functions(operator.mul, torch.mul) | methods("mul")
 DIV = functions(operator.truediv, torch.div, torch.true_divide) | methods("div", "true_divide")
 SUB = functions(operator.sub, torch.sub) | methods("sub")
 GRAD_MODE = functions(torch._C._set_grad_enabled)
+# An autocast region inside the compiled code: `_enter_autocast(device_type, dtype, enabled, cache_enabled)` returns the
+# context `_exit_autocast(context)` closes.
+AUTOCAST_ENTER = functions(torch.amp.autocast_mode._enter_autocast)
+AUTOCAST_EXIT = functions(torch.amp.autocast_mode._exit_autocast)
 # With VIEW_ATTR_OPS: torch 2.14's spelling of the view attributes, which are getattr nodes before.
 VIEW_LIKE = (
     RESHAPE | FLATTEN | GETITEM | IDENTITY_VIEW | TRANSPOSE_2D | VIEW_ATTR_OPS | methods("expand", "narrow", "detach")

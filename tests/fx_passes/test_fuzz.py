@@ -63,8 +63,15 @@ LOW_PRECISION_FLOOR = {torch.bfloat16: 2e-2, torch.float16: 4e-3}
 
 HEADS_ANY_RANK = ["linear", "linear_kw", "module", "matmul_T", "torch_matmul_t", "method_matmul", "stored",
                   "transpose", "transpose_neg", "permute", "mT", "t_method"]
-HEADS_2D_ONLY = ["mm_t"]
-HEADS_WITH_BIAS = {"linear", "linear_kw", "module"}
+HEADS_2D_ONLY = ["mm_t", "addmm"]
+HEADS_WITH_BIAS = {"linear", "linear_kw", "module"}  # the bias inside the call; other heads add it after (_bias_add)
+HEADS_BIAS_ONLY = {"addmm"}
+
+
+def _bias_add(x: str, b: str, form: int) -> str:
+    """A (V,) bias added to the head's product ``x``, as real code and reference formulas spell it."""
+    return [f"{x} = {x} + {b}", f"{x} = {b} + {x}", f"{x} += {b}", f"{x}.add_({b})", f"{x} = torch.add({x}, {b})",
+            f"{x} = {x}.add({b})"][form % 6]
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -82,7 +89,7 @@ class SiteSpec:
     vocab: int
     hidden_size: int
     head: str
-    bias: bool
+    bias: bool  # linear heads: inside the call; addmm: its input; other heads: added to the product (bias_form)
     chain: list  # tokens, see _render_chain
     chain_forms: list  # one drawn spelling per token
     softcap: Optional[float]
@@ -97,6 +104,7 @@ class SiteSpec:
     ce_style: str = "functional"  # functional | positional | explicit_defaults | smoothed | module (nn.CrossEntropyLoss)
     shares: Optional[int] = None  # index of an earlier site whose hidden states, head and bias this one reuses
     frozen: str = ""  # "" | "hidden" | "weight" | "bias": that input does not require grad
+    bias_form: int = 0  # how a head without a bias argument gets one (_bias_add)
 
 
 def note(text: str) -> None:
@@ -120,7 +128,7 @@ def site_specs(draw, index: int, dtype: torch.dtype, min_vocab: int = 1):
     vocab = draw(st.integers(min_vocab, 70))
     hidden_size = draw(st.integers(1, 24))
     head = draw(st.sampled_from(HEADS_ANY_RANK + (HEADS_2D_ONLY if rank == 2 else [])))
-    bias = head in HEADS_WITH_BIAS and draw(st.booleans())
+    bias = head in HEADS_BIAS_ONLY or draw(st.booleans())
     shift = draw(st.sampled_from(["none", "slice", "pad"]))
     softcap = draw(st.one_of(st.none(), st.floats(0.5, 50.0).map(lambda c: round(c, 3))))
 
@@ -154,7 +162,7 @@ def site_specs(draw, index: int, dtype: torch.dtype, min_vocab: int = 1):
         reduction=reduction, ignore_index=ignore_index, ignored_share=ignored_share, post=post,
         ce_style=draw(st.sampled_from(["functional", "functional", "positional", "explicit_defaults", "smoothed",
                                        "module"])),
-        frozen=draw(st.sampled_from(["", "", "", "hidden", "weight", "bias"])),
+        frozen=draw(st.sampled_from(["", "", "", "hidden", "weight", "bias"])), bias_form=draw(st.integers(0, 5)),
     )  # fmt: skip
 
 
@@ -214,6 +222,7 @@ def _head_expr(spec: SiteSpec, h: str, w: str, b: str) -> str:
         "mT": f"{h} @ {w}.mT",
         "t_method": f"{h} @ torch.t({w})",
         "mm_t": f"torch.mm({h}, {w}.t())",
+        "addmm": f"torch.addmm({b}, {h}, {w}.t())",
     }[spec.head]
 
 
@@ -223,6 +232,8 @@ def _render_site(spec: SiteSpec, dtype: torch.dtype) -> list[str]:
     j = i if spec.shares is None else spec.shares
     h, y, w, b, x = f"h{j}", f"y{i}", f"w{j}", f"b{j}", f"x{i}"
     lines = [f"{x} = {_head_expr(spec, h, w, b)}"]
+    if spec.bias and spec.head not in HEADS_WITH_BIAS | HEADS_BIAS_ONLY:
+        lines.append(_bias_add(x, b, spec.bias_form))
     cur_dtype, ndim, noncontiguous = dtype, spec.rank, False
     for token, form in zip(spec.chain, spec.chain_forms):
         if token == "contiguous":
@@ -510,7 +521,8 @@ def test_fuzz_matched_low_precision(drawn):
 # Poisons, rendered by _near_miss_site: each makes the site something the pass does not claim.
 NEAR_MISSES = [
     "class_weights", "metric", "second_loss", "sigmoid_cap", "clamp_cap",
-    "tanh_no_scale", "mismatched_cap", "double_cap", "negative_cap", "atan_cap", "plus_tensor", "matmul_plus_bias",
+    "tanh_no_scale", "mismatched_cap", "double_cap", "negative_cap", "atan_cap", "plus_tensor", "bias_after_scale",
+    "bias_after_cap",
     "times_tensor", "scale_after_cap", "tensor_scale", "vocab_slice", "vocab_narrow", "downcast",
     "class_dim_not_last", "floor_div_cap", "floor_div_scale", "fp16_bf16_cast",
 ]  # fmt: skip
@@ -554,11 +566,14 @@ def _near_miss_site(spec: SiteSpec, dtype: torch.dtype) -> tuple[list[str], dict
         lines += [f"{x} = torch.atan({x} / {c}) * {c}", to_2d]
     elif kind == "floor_div_cap":
         lines += [f"{x} = torch.tanh(torch.div({x}, {c}, rounding_mode='floor')) * {c}", to_2d]
-    elif kind == "plus_tensor":
+    elif kind == "plus_tensor":  # one offset per row: not a bias (a (V,) one is, see _bias_add)
         lines += [f"{x} = {x} + off{i}", to_2d]
+        extra[f"off{i}"] = ("offset", (*spec.lead, V))
+    elif kind == "bias_after_scale":  # only a bias added to the head's product is the head's
+        lines = [f"{x} = h{i} @ {w}.T * {c} + off{i}", to_2d]
         extra[f"off{i}"] = ("offset", V)
-    elif kind == "matmul_plus_bias":
-        lines = [f"{x} = h{i} @ {w}.T + off{i}", to_2d]
+    elif kind == "bias_after_cap":
+        lines += [f"{x} = torch.tanh({x} / {c}) * {c} + off{i}", to_2d]
         extra[f"off{i}"] = ("offset", V)
     elif kind == "times_tensor":
         lines += [f"{x} = {x} * off{i}", to_2d]
@@ -674,7 +689,7 @@ def test_fuzz_near_miss_next_to_a_matched_site(matched, near):
     values, leaves = _make_inputs(all_sites, dtype, seed, logit_scale)
     gen = torch.Generator().manual_seed(seed + 7)
     for name in sorted(extra):
-        values[name] = torch.randn(bad.vocab, generator=gen).requires_grad_()
+        values[name] = torch.randn(extra[name][1], generator=gen).requires_grad_()
         leaves.append(values[name])
     _fresh()
     expected = _run(fn, args, values, leaves, grad_seed=seed + 1)

@@ -608,6 +608,265 @@ def forward(self, L_hidden_ : torch.Tensor, L_labels_ : torch.Tensor, L_weight_ 
     return (getitem, dropped_logits_default)""")
 
 
+def _bias_forms():
+    """Every way real code (and peers' reference formulas) adds a (V,) bias to the head's product: name -> (fn of
+    (hidden (B, T, D), labels (B, T)), its tensors), each head stored (V, D) or (D, V)."""
+    weight, weight_t, bias = rand_weight(V, D), rand_weight(D, V), torch.randn(V, requires_grad=True)
+
+    def add_after(hidden, labels):
+        logits = hidden @ weight.T
+        logits = logits + bias
+        return F.cross_entropy(logits.view(-1, V), labels.view(-1))
+
+    def add_in_place(hidden, labels):
+        logits = hidden @ weight.T
+        logits += bias
+        return F.cross_entropy(logits.view(-1, V), labels.view(-1))
+
+    def add_in_place_method(hidden, labels):
+        logits = hidden @ weight.T
+        logits.add_(bias)  # read afterwards through `logits`
+        return F.cross_entropy(logits.view(-1, V), labels.view(-1))
+
+    def add_in_place_after_a_view(hidden, labels):
+        logits = (hidden @ weight.T).view(-1, V)
+        logits += bias
+        return F.cross_entropy(logits, labels.view(-1))
+
+    def bias_first_after_views(hidden, labels):
+        logits = torch.matmul(hidden.view(-1, D), weight_t).view(-1, V)
+        return F.cross_entropy(bias + logits, labels.view(-1))
+
+    def torch_add_and_method(hidden, labels):
+        first = F.cross_entropy(torch.add(hidden @ weight.T, bias).flatten(0, 1), labels.flatten())
+        return first + F.cross_entropy((hidden @ weight_t).add(bias).view(-1, V), labels.view(-1), reduction="sum")
+
+    def addmm(hidden, labels):
+        return F.cross_entropy(torch.addmm(bias, hidden.view(-1, D), weight.t()), labels.view(-1))
+
+    def addmm_weight_stored_transposed(hidden, labels):
+        return F.cross_entropy(torch.addmm(bias, hidden.view(-1, D), weight_t), labels.view(-1))
+
+    def bias_then_gemma_softcap_and_shift(hidden, labels):
+        logits = F.linear(hidden, weight) + bias
+        logits = torch.tanh(logits.float() / 30.0) * 30.0
+        return F.cross_entropy(logits[..., :-1, :].reshape(-1, V), labels[..., 1:].reshape(-1))
+
+    def in_place_bias_then_scale_and_softcap(hidden, labels):
+        logits = hidden @ weight.T
+        logits += bias
+        logits = torch.tanh(logits * 0.5 / 10.0) * 10.0
+        return F.cross_entropy(logits.view(-1, V), labels.view(-1), label_smoothing=0.1)
+
+    forms = dict(add_after=add_after, add_in_place=add_in_place, add_in_place_method=add_in_place_method,
+                 add_in_place_after_a_view=add_in_place_after_a_view, bias_first_after_views=bias_first_after_views,
+                 torch_add_and_method=torch_add_and_method, addmm=addmm,
+                 addmm_weight_stored_transposed=addmm_weight_stored_transposed,
+                 bias_then_gemma_softcap_and_shift=bias_then_gemma_softcap_and_shift,
+                 in_place_bias_then_scale_and_softcap=in_place_bias_then_scale_and_softcap)
+    return forms, [weight, weight_t, bias]
+
+
+class TestBiasAddedToTheProduct(PatternTestCase):
+    """A (V,) bias added to the head's product, in every spelling, is the fused op's bias: graphs, then parity with
+    eager on both paths (the rewritten graph runs the chunked CPU path)."""
+
+    def setUp(self):
+        super().setUp()
+        torch.manual_seed(0)
+
+    def test_every_form_is_rewritten_with_eager_numbers_on_both_paths(self):
+        forms, params = _bias_forms()
+        for name, fn in forms.items():
+            for path in ("lean", "balanced"):
+                with self.subTest(form=name, path=path):
+                    torch._dynamo.reset()
+                    cce_inductor.reset_stats()
+                    rewrites = 2 if name == "torch_add_and_method" else 1
+                    cap = self.run_pass(fn, rand_hidden(B, T, D), rand_labels(B, T), rewrites=rewrites,
+                                        params=params, options=CCEOptions(path=path))
+                    for product_or_bias in (" @ ", "matmul", "addmm", "+=", "add_(", "add(", "+ l_bias_", "l_bias_ +"):
+                        self.assertNotIn(product_or_bias, cap.after[0])
+                    sites = cce_inductor.stats()["sites"]
+                    self.assertTrue(all(site["path"] == path and ": matmul, bias" in site["reason"]
+                                        or ": linear, bias" in site["reason"] for site in sites), sites)
+
+    def test_in_place_add_graph(self):
+        forms, params = _bias_forms()
+        cap = self.run_pass(forms["add_in_place"], rand_hidden(B, T, D), rand_labels(B, T), params=params)
+        self.assertExpectedInline(cap.before[0], """\
+def forward(self, L_bias_ : torch.Tensor, L_hidden_ : torch.Tensor, L_labels_ : torch.Tensor, L_weight_ : torch.Tensor):
+    l_bias_ = L_bias_
+    l_hidden_ = L_hidden_
+    l_labels_ = L_labels_
+    l_weight_ = L_weight_
+    numpy_t = torch.ops.aten.numpy_T(l_weight_)
+    logits = l_hidden_ @ numpy_t
+    logits += l_bias_;  logits_1 = logits
+    view = logits_1.view(-1, 37)
+    view_1 = l_labels_.view(-1)
+    cross_entropy = torch.nn.functional.cross_entropy(view, view_1)
+    return (cross_entropy,)""")
+        self.assertExpectedInline(cap.after[0], """\
+def forward(self, L_bias_ : torch.Tensor, L_hidden_ : torch.Tensor, L_labels_ : torch.Tensor, L_weight_ : torch.Tensor):
+    l_bias_ = L_bias_
+    l_hidden_ = L_hidden_
+    l_labels_ = L_labels_
+    l_weight_ = L_weight_
+    view_1 = l_labels_.view(-1)
+    reshape = l_hidden_.reshape(-1, 16)
+    linear_cross_entropy_default = torch.ops.cce_inductor.linear_cross_entropy.default(reshape, l_weight_, view_1, l_bias_, None, -100, 'mean', 0.0, 'exact=False;products=auto;backward_row_chunk=8192;path=auto;scratch_mb=0', False, False)
+    getitem = linear_cross_entropy_default[0]
+    return (getitem,)""")
+
+    def test_add_in_place_method_graph(self):
+        forms, params = _bias_forms()
+        cap = self.run_pass(forms["add_in_place_method"], rand_hidden(B, T, D), rand_labels(B, T), params=params)
+        self.assertExpectedInline(cap.before[0], """\
+def forward(self, L_bias_ : torch.Tensor, L_hidden_ : torch.Tensor, L_labels_ : torch.Tensor, L_weight_ : torch.Tensor):
+    l_bias_ = L_bias_
+    l_hidden_ = L_hidden_
+    l_labels_ = L_labels_
+    l_weight_ = L_weight_
+    numpy_t = torch.ops.aten.numpy_T(l_weight_)
+    logits = l_hidden_ @ numpy_t
+    add_ = logits.add_(l_bias_)
+    view = logits.view(-1, 37)
+    view_1 = l_labels_.view(-1)
+    cross_entropy = torch.nn.functional.cross_entropy(view, view_1)
+    return (cross_entropy,)""")
+        self.assertExpectedInline(cap.after[0], """\
+def forward(self, L_bias_ : torch.Tensor, L_hidden_ : torch.Tensor, L_labels_ : torch.Tensor, L_weight_ : torch.Tensor):
+    l_bias_ = L_bias_
+    l_hidden_ = L_hidden_
+    l_labels_ = L_labels_
+    l_weight_ = L_weight_
+    view_1 = l_labels_.view(-1)
+    reshape = l_hidden_.reshape(-1, 16)
+    linear_cross_entropy_default = torch.ops.cce_inductor.linear_cross_entropy.default(reshape, l_weight_, view_1, l_bias_, None, -100, 'mean', 0.0, 'exact=False;products=auto;backward_row_chunk=8192;path=auto;scratch_mb=0', False, False)
+    getitem = linear_cross_entropy_default[0]
+    return (getitem,)""")
+
+    def test_addmm_graph(self):
+        forms, params = _bias_forms()
+        cap = self.run_pass(forms["addmm"], rand_hidden(B, T, D), rand_labels(B, T), params=params)
+        self.assertExpectedInline(cap.before[0], """\
+def forward(self, L_bias_ : torch.Tensor, L_hidden_ : torch.Tensor, L_labels_ : torch.Tensor, L_weight_ : torch.Tensor):
+    l_bias_ = L_bias_
+    l_hidden_ = L_hidden_
+    l_labels_ = L_labels_
+    l_weight_ = L_weight_
+    view = l_hidden_.view(-1, 16)
+    t = l_weight_.t()
+    addmm = torch.addmm(l_bias_, view, t)
+    view_1 = l_labels_.view(-1)
+    cross_entropy = torch.nn.functional.cross_entropy(addmm, view_1)
+    return (cross_entropy,)""")
+        self.assertExpectedInline(cap.after[0], """\
+def forward(self, L_bias_ : torch.Tensor, L_hidden_ : torch.Tensor, L_labels_ : torch.Tensor, L_weight_ : torch.Tensor):
+    l_bias_ = L_bias_
+    l_hidden_ = L_hidden_
+    l_labels_ = L_labels_
+    l_weight_ = L_weight_
+    view = l_hidden_.view(-1, 16)
+    t = l_weight_.t()
+    view_1 = l_labels_.view(-1)
+    linear_cross_entropy_default = torch.ops.cce_inductor.linear_cross_entropy.default(view, l_weight_, view_1, l_bias_, None, -100, 'mean', 0.0, 'exact=False;products=auto;backward_row_chunk=8192;path=auto;scratch_mb=0', False, False)
+    getitem = linear_cross_entropy_default[0]
+    return (getitem,)""")
+
+    def test_bias_then_softcap_graph(self):
+        forms, params = _bias_forms()
+        cap = self.run_pass(forms["bias_then_gemma_softcap_and_shift"], rand_hidden(B, T, D), rand_labels(B, T),
+                            params=params)
+        self.assertExpectedInline(cap.before[0], """\
+def forward(self, L_bias_ : torch.Tensor, L_hidden_ : torch.Tensor, L_labels_ : torch.Tensor, L_weight_ : torch.Tensor):
+    l_bias_ = L_bias_
+    l_hidden_ = L_hidden_
+    l_labels_ = L_labels_
+    l_weight_ = L_weight_
+    linear = torch._C._nn.linear(l_hidden_, l_weight_)
+    logits = linear + l_bias_
+    float_1 = logits.float()
+    truediv = float_1 / 30.0
+    tanh = torch.tanh(truediv)
+    logits_1 = tanh * 30.0
+    getitem = logits_1[(Ellipsis, slice(None, -1, None), slice(None, None, None))]
+    reshape = getitem.reshape(-1, 37)
+    getitem_1 = l_labels_[(Ellipsis, slice(1, None, None))]
+    reshape_1 = getitem_1.reshape(-1)
+    cross_entropy = torch.nn.functional.cross_entropy(reshape, reshape_1)
+    return (cross_entropy,)""")
+        self.assertExpectedInline(cap.after[0], """\
+def forward(self, L_bias_ : torch.Tensor, L_hidden_ : torch.Tensor, L_labels_ : torch.Tensor, L_weight_ : torch.Tensor):
+    l_bias_ = L_bias_
+    l_hidden_ = L_hidden_
+    l_labels_ = L_labels_
+    l_weight_ = L_weight_
+    getitem_1 = l_labels_[(Ellipsis, slice(1, None, None))]
+    reshape_1 = getitem_1.reshape(-1)
+    getitem_2 = l_hidden_[(Ellipsis, slice(None, -1, None), slice(None, None, None))]
+    reshape_2 = getitem_2.reshape(-1, 16)
+    linear_cross_entropy_default = torch.ops.cce_inductor.linear_cross_entropy.default(reshape_2, l_weight_, reshape_1, l_bias_, 30.0, -100, 'mean', 0.0, 'exact=False;products=auto;backward_row_chunk=8192;path=auto;scratch_mb=0', False, False)
+    getitem_3 = linear_cross_entropy_default[0]
+    return (getitem_3,)""")
+
+    def test_returned_logits_with_an_added_bias_come_back_lazy(self):
+        weight, bias = rand_weight(V, D), torch.randn(V, requires_grad=True)
+
+        def f(hidden, labels):
+            logits = hidden @ weight.T
+            logits += bias
+            return F.cross_entropy(logits.view(-1, V), labels.view(-1)), logits
+
+        hidden = rand_hidden(B, T, D)
+        self.run_pass(f, hidden, rand_labels(B, T), params=[weight, bias])
+        logits = self.compiled_output[1]
+        self.assertIsInstance(logits, cce_inductor.LazyLogits)
+        torch.testing.assert_close(logits.materialize(), (hidden @ weight.T + bias).detach())
+
+    def test_refused_bias_forms(self):
+        weight, bias = rand_weight(V, D), torch.randn(V, requires_grad=True)
+        cases = {
+            "scaled first": (lambda h, y: F.cross_entropy((h @ weight.T) * 2.0 + bias, y),
+                             "logits are scaled before the bias is added"),
+            "soft-capped first": (lambda h, y: F.cross_entropy(torch.tanh(h @ weight.T / 5.0) * 5.0 + bias, y),
+                                  "logits are soft-capped before the bias is added"),
+            "two biases": (lambda h, y: F.cross_entropy(F.linear(h, weight, bias) + bias, y),
+                           "linear has a bias and add adds another"),
+            "addmm beta": (lambda h, y: F.cross_entropy(torch.addmm(bias, h, weight.t(), beta=0.5), y),
+                           "addmm (addmm) scales its bias or its product (beta, alpha)"),
+            "add alpha": (lambda h, y: F.cross_entropy(torch.add(h @ weight.T, bias, alpha=2.0), y),
+                          "the input of cross_entropy comes from add (add)"),
+        }
+        for name, (f, reason) in cases.items():
+            with self.subTest(name):
+                torch._dynamo.reset()
+                cce_inductor.reset_stats()
+                self.assertIn(reason, self.assert_refused(f, rand_hidden(B * T, D), rand_labels(B * T), reason=reason))
+
+    def test_in_place_bias_on_logits_read_before_the_add_is_refused(self):
+        weight, bias = rand_weight(V, D), torch.randn(V, requires_grad=True)
+
+        def f(hidden, labels):
+            logits = hidden @ weight.T
+            accuracy = (logits.argmax(-1) == labels).float().mean()  # of the logits without the bias
+            logits += bias
+            return F.cross_entropy(logits, labels) + accuracy
+
+        reason = self.assert_refused(f, rand_hidden(B * T, D), rand_labels(B * T), reason="in place")
+        self.assertExpectedInline(reason, """logits_1 adds the bias in place to logits, which argmax reads too""")
+
+    def test_bias_of_another_dtype_than_the_product_is_refused(self):
+        weight, bias = rand_weight(V, D).bfloat16(), torch.randn(V)  # bf16 + fp32: the add promotes to fp32
+
+        def f(hidden, labels):
+            return F.cross_entropy(hidden.bfloat16() @ weight.T + bias, labels)
+
+        reason = self.assert_refused(f, rand_hidden(B * T, D), rand_labels(B * T), reason="bias to")
+        self.assertExpectedInline(reason, """add adds a torch.float32 bias to torch.bfloat16 logits (into torch.float32): only a bias in the head's dtype is fused""")
+
+
 class TestRefusals(PatternTestCase):
     """Sites the pass must leave alone, each with the reason it reports."""
     def setUp(self):
@@ -679,7 +938,7 @@ class TestRefusals(PatternTestCase):
 
     def test_linear_output_is_not_the_cross_entropy_input(self):
         weight = rand_weight(V, D)
-        offset = torch.randn(V)
+        offset = torch.randn(B * T, V)  # a tensor per row, not a bias (a (V,) one is: TestBiasAddedToTheProduct)
         f = lambda h, y: F.cross_entropy(F.linear(h, weight) + offset, y)  # noqa: E731
         reason = self.assert_refused(f, rand_hidden(B * T, D), rand_labels(B * T), reason="not from a linear layer")
         self.assertExpectedInline(reason, """the input of cross_entropy comes from add (add), not from a linear layer in the same graph (a graph break between the head and the loss?)""")
@@ -759,3 +1018,30 @@ class TestThroughInductor(PatternTestCase):
                 torch.testing.assert_close(got, want)
         self.assertEqual(cce_inductor.stats()["rewritten"], 1)  # compiled once for all lengths
         self.assertEqual(torch._dynamo.utils.counters["stats"]["unique_graphs"], 1)
+
+    def test_bias_added_in_place_then_softcap_both_paths(self):
+        """``logits += b`` then the Gemma-2 softcap through AOTAutograd + Inductor (which functionalises the in-place
+        add before the rewritten graph is compiled), on each path: eager's loss and gradients."""
+        torch.manual_seed(0)
+        forms, params = _bias_forms()
+        f = forms["in_place_bias_then_scale_and_softcap"]
+        caches_off = inductor_caches_off()
+        caches_off.__enter__()
+        self.addCleanup(caches_off.__exit__, None, None, None)
+        hidden, labels = rand_hidden(B, T, D), rand_labels(B, T)
+        leaves = [hidden] + params
+        expected = f(hidden, labels)
+        expected_grads = torch.autograd.grad(expected, leaves, allow_unused=True)
+        for path in ("lean", "balanced"):
+            with self.subTest(path=path):
+                torch._dynamo.reset()
+                cce_inductor.reset_stats()
+                actual = torch.compile(f, backend=cce_inductor.make_backend(path=path), fullgraph=True)(hidden, labels)
+                actual_grads = torch.autograd.grad(actual, leaves, allow_unused=True)
+                self.assertEqual([site["path"] for site in cce_inductor.stats()["sites"]], [path])
+                torch.testing.assert_close(actual, expected)
+                for got, want in zip(actual_grads, expected_grads):
+                    if want is None:
+                        self.assertIsNone(got)
+                    else:
+                        torch.testing.assert_close(got, want)
