@@ -252,7 +252,7 @@ def kernels_on_cpu(monkeypatch):
 @pytest.mark.parametrize("ignored", ["some", "all"])
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
 def test_op_with_class_weights_and_argmax_through_the_kernels(kernels_on_cpu, reduction, ignored):
-    from cce_inductor.ops import linear_cross_entropy_ext_op
+    from cce_inductor.ops import lean_call
     from cce_inductor.options import CCEOptions
 
     e, c = _tied_inputs(n=29, v=70, d=16)
@@ -264,8 +264,8 @@ def test_op_with_class_weights_and_argmax_through_the_kernels(kernels_on_cpu, re
     w = torch.rand(70, generator=torch.Generator().manual_seed(2)) + 0.5
     logits = e @ c.T
     want = F.cross_entropy(logits, targets, weight=w, reduction=reduction)
-    loss, _, _, argmax = linear_cross_entropy_ext_op(e, c, targets, None, w, None, -100, reduction, 0.0,
-                                                     CCEOptions().encode(), False, False, "float32")  # fmt: skip
+    loss, _, _, argmax = lean_call(e, c, targets, reduction=reduction, options=CCEOptions().encode(), class_weights=w,
+                                   argmax="float32")()
     assert torch.equal(argmax, logits.argmax(-1))  # every row, ignored ones too; exact ties: the first index
     torch.testing.assert_close(loss, want, equal_nan=True)
     if ignored == "some":
