@@ -15,7 +15,7 @@ call reads the copies whose events have completed (``Event.query``, which does n
                                        whole 128-row tiles, the row-skipping products over the rows past them
                                        (which do nothing unless this call counts more)
     <= ROW_SKIPPING_AT_MOST (0.4),     the row-skipping products alone, G blocks made wider by the 20th
-    or <= 0.6 while the share moves    percentile's share (``kernels/_backward.py``, ``row_skipping_widen``)
+    or <= 0.6 while the share moves    percentile's share (``cce_inductor/_planning.py``, ``row_skipping_widen``)
 
 Why (measured: see docs/engineering-log.md): at half the rows ignored the counted prefix is the fastest of the
 three, well under cuBLAS over every row; at three quarters ignored its host work per vocabulary chunk (four launches

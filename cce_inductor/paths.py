@@ -202,7 +202,7 @@ def lean_peak(f: HeadFacts, backward_row_chunk: int = 8192, widen: int = 1, coun
 
 @functools.lru_cache(maxsize=256)
 def lean_widen(f: HeadFacts, backward_row_chunk: int = 8192, counted_prefix: bool = False) -> int:
-    """How many times wider than its tuned width the lean backward's G block is made (``kernels.backward``'s
+    """How many times wider than its tuned width the lean backward's G block is made (``_planning.backward_plan``'s
     ``block_widen``, for its cuBLAS products over every row or, ``counted_prefix``, over the counted rows first): the
     largest of 4, 2, 1 whose :func:`lean_peak` stays within the :func:`budget`. A wider block gives each dE / dC
     product a longer K, reads and writes dE's fp32 rows fewer times and costs the host fewer launches (a few percent
