@@ -15,7 +15,8 @@ plain matmuls over row chunks of ``e`` and vocabulary chunks of ``c``, so at mos
     dE = draw @ c,   dC = draw^T @ e,   dbias = sum_n draw
 
 The backward walks the vocabulary in the outer loop so each ``dC`` chunk is accumulated in full precision
-and written once in ``c``'s dtype; ``dE`` is accumulated in full precision (O(N*D)).
+and written once in ``c``'s dtype; ``dE`` is accumulated in full precision (O(N*D)); with ``in_accumulation_dtype``
+every gradient is returned in the accumulation dtype, unrounded (the balanced path's split into 16-bit pairs).
 """
 
 from __future__ import annotations

@@ -15,15 +15,14 @@ call reads the copies whose events have completed (``Event.query``, which does n
                                        whole 128-row tiles, the row-skipping products over the rows past them
                                        (which do nothing unless this call counts more)
     <= ROW_SKIPPING_AT_MOST (0.4),     the row-skipping products alone, G blocks made wider by the 20th
-    or <= 0.6 while the share moves    percentile's share (``kernels/_backward.py``, ``row_skipping_widen``)
+    or <= 0.6 while the share moves    percentile's share (``cce_inductor/_planning.py``, ``row_skipping_widen``)
 
-Why (engineering log v20 / v21; bf16, N 8192, fwd + bwd against torch.compile's in the same process): at 50%
-ignored the counted prefix measured 0.74-0.77x torch.compile's time (cuBLAS over every row 0.97-1.04x, the
-row-skipping products 0.75-0.80x); at 75% ignored its host work per vocabulary chunk (four launches whatever the
-rows) left it waiting on the host, 0.84x against 0.39-0.41x for the widened row-skipping products; and where the
-share moves from call to call (25-75% in turn) its prefix mispredicts and its calls with few counted rows wait on
-the host (Llama-3's head: 0.88-1.03x against the row-skipping products' 0.86-0.88x). A share that mispredicts costs
-time, never a different result beyond rounding. The first call of a head, a call under CUDA graph capture that has
+Why (measured: see docs/engineering-log.md): at half the rows ignored the counted prefix is the fastest of the
+three, well under cuBLAS over every row; at three quarters ignored its host work per vocabulary chunk (four launches
+whatever the rows) leaves it waiting on the host, and the widened row-skipping products take about half its time;
+and where the share moves from call to call its prefix mispredicts and its calls with few counted rows wait on the
+host, so the row-skipping products alone win there from a higher share. A share that mispredicts costs time, never
+a different result beyond rounding. The first call of a head, a call under CUDA graph capture that has
 no earlier count, and runs with ``torch.use_deterministic_algorithms(True)`` (whose bits must not depend on when a
 copy completed) multiply every row with cuBLAS. ``stats()['backward_products']`` counts what ran.
 """
@@ -38,13 +37,12 @@ import torch
 
 # The counted-prefix products where at most this share of an earlier call's rows counted (at least 10% ignored).
 COUNTED_PREFIX_AT_MOST = 0.9
-# The row-skipping products alone where at most this share counted (at least 60% ignored): at 75% ignored on
-# Gemma-2's head (H100, N 8192) they took 20.8 ms fwd + bwd against the counted prefix's 35.5 (engineering log v21).
+# The row-skipping products alone where at most this share counted (at least 60% ignored): at 75% ignored the
+# counted prefix's fixed host work per vocabulary chunk outweighs the rows it saves.
 ROW_SKIPPING_AT_MOST = 0.4
 # ... and up to this share where the share moves from call to call (the last shares' median and low quantile more
 # than STEADY_SPREAD apart): the counted prefix's host work per vocabulary chunk is fixed, so its calls with few
-# counted rows wait on the host, and its prefix mispredicts (Llama-3's head, H100, shares 25-75% in turn: 38.1 /
-# 32.8 ms with the counted prefix, 32.4 / 32.1 with the row-skipping products; engineering log v21).
+# counted rows wait on the host, and its prefix mispredicts.
 MOVING_ROW_SKIPPING_AT_MOST = 0.6
 STEADY_SPREAD = 0.1
 # Copies in flight per head; more are not enqueued (a host running many calls ahead of the device).
@@ -59,8 +57,7 @@ class Seen(NamedTuple):
     products' G blocks, whose calls with fewest counted rows wait on the host). A prefix too long multiplies ignored
     rows' zeros at cuBLAS's full cost per row; one too short leaves counted rows to the Triton products, which cost
     ~1.25x cuBLAS per row, so ~0.25x more: the cheapest prefix over a spread of shares is their 20th percentile (the
-    newsvendor's ratio 0.25 / 1.25). (Gemma-2's head, H100, shares 25-75% in turn: 0.85x torch.compile's time with
-    the prefix sized by the latest share, 0.82x by this quantile; 0.73x at a steady 50%: engineering log v21.)"""
+    newsvendor's ratio 0.25 / 1.25); with moving shares it beats a prefix sized by the latest share."""
 
     typical: float
     low: float

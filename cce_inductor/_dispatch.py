@@ -37,8 +37,7 @@ def triton_kernels():
     The kernels live in the repository's top-level ``kernels/`` folder, which an install maps to
     ``cce_inductor.kernels`` (``pyproject.toml``'s package-dir). A source checkout put on ``sys.path`` without an
     install has no such mapping: there the folder beside the package is loaded under that name, so such a setup runs
-    the kernels rather than, silently, the chunked path (1.50x torch.compile's step for a Llama-3.2-1B Trainer on an
-    H200)."""
+    the kernels rather than, silently, the chunked path (much slower on a real model's step: docs/design.md)."""
     global _kernels_error
     name = f"{__package__}.kernels"
     try:  # imports triton, optional on CPU-only installs
@@ -96,8 +95,8 @@ def no_kernels_note(device: torch.device, dtype: torch.dtype) -> str:
     return f"; no Triton kernels on this CUDA device ({_kernels_error}): {_NO_KERNELS_FIX}"
 
 
-_NO_KERNELS_FIX = ("the chunked PyTorch path runs instead, slower (a Llama-3.2-1B Trainer's step: 1.5x "
-                   "torch.compile's on an H200); install Triton and the package (pip install -e . from a checkout)")
+_NO_KERNELS_FIX = ("the chunked PyTorch path runs instead, much slower on a real model's step; install Triton and "
+                   "the package (pip install -e . from a checkout)")
 
 
 @functools.lru_cache(maxsize=None)

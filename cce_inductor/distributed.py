@@ -10,10 +10,10 @@ With a column-parallel (vocabulary-sharded) output head each rank of a tensor-pa
 from the shards without materialising any logits, neither the full ``N x V`` nor the local ``N x V_local``:
 
 forward
-    every rank runs the chunked path (``cce_inductor._chunked.forward``; on CUDA the Triton kernels) on its
-    shard and gets, per row, the log-sum-exp over its shard ``lse_r`` and the target logit if the target lies
-    in its shard (else 0). **One collective**: an all-gather of the ``(2, N)`` pair (``2 * N * world``
-    floats, a few KB), after which every rank has ``lse = logsumexp_r(lse_r)`` and
+    every rank runs the dispatched implementation (``cce_inductor._dispatch.forward``: the Triton kernels on CUDA,
+    else the chunked path) on its shard and gets, per row, the log-sum-exp over its shard ``lse_r`` and the target
+    logit if the target lies in its shard (else 0). **One collective**: an all-gather of the ``(2, N)`` pair
+    (``2 * N * world`` floats, a few KB), after which every rank has ``lse = logsumexp_r(lse_r)`` and
     ``target_logit = sum_r target_logit_r``; the loss is ``lse - target_logit`` at non-ignored rows, reduced
     as ``F.cross_entropy`` does (``mean`` over non-ignored rows, NaN if there are none).
 

@@ -74,10 +74,9 @@ _CLEARLY_LEANER = 0.9
 # Below this many rows a chunk loop is not worth it (and the scratch would be tiny): lean.
 _MIN_BALANCED_ROWS = 256
 # Below this many multiply-adds per logits product (N V D), a lean fwd + bwd on the kernels waits on the host's
-# launch work (~25 Triton / cuBLAS launches and the layers around the op: ~3.5-7 ms per step on the device pool's
-# hosts), not on the GPU: GPT-2's head at N 4096 (1.6e11) measured 1.3-2.3x torch.compile's time across processes on
-# an H100 and 1.96x on an H200, GPT-2 medium's (2.1e11) 1.5-2.1x; Qwen2.5-0.5B's (5.6e11, GPU-bound) 1.20x
-# (engineering log v15 / v16). stats() says so where the default keeps such a head on the lean path.
+# launch work (~25 Triton / cuBLAS launches and the layers around the op), not on the GPU: GPT-2's and GPT-2
+# medium's heads at N 4096 lie below it, Qwen2.5-0.5B's (GPU-bound) above (measured: see docs/engineering-log.md).
+# stats() says so where the default keeps such a head on the lean path.
 _HOST_BOUND_MACS = 3e11
 
 
@@ -152,27 +151,25 @@ def compile_peak(f: HeadFacts, padded: bool = False) -> int:
     where the graph returns the logits (``f.returned_logits``; :func:`compile_bytes_per_logit`); ``padded``: at 4
     bytes a logit, as it held them where it padded an unaligned vocabulary's products (:func:`pads_product`). Under
     autocast (inputs stored wider than the products' dtype) the same: the logits at the products' width and the
-    gradients at the inputs' (its copies of the inputs did not add to its peak where measured)."""
+    gradients at the inputs' (its copies of the inputs are not counted: they did not add to its peak in
+    ``benchmarks/head_memory.py``'s runs)."""
     per_logit = _PADDED_LOGIT_BYTES if padded else compile_bytes_per_logit(f)
     return f.rows * f.vocab * per_logit + gradient_bytes(f)
 
 
 # torch.compile's bytes per logit in the loss-only graph of a 16-bit head whose V is not a multiple of 8 elements
-# (Inductor pads its products): 4, to within 3 MiB, in 12 of the 15 such grid cells measured (GPT-2 medium at N
-# 2048-8192 and V 65535 at N 8192 on an H100 and an H200, GPT-2 on the H200); the three others, GPT-2 on the H100,
-# held 2 bytes a logit and a padded copy of the weight (engineering log v28). The 4 bytes are two 16-bit N x V
-# buffers: the padded logits, overwritten by their gradient, and a second, padded copy of that gradient for the
-# weight's gradient product; where Inductor's timing of that product (pad_mm, on the device) leaves it unpadded,
-# as for GPT-2's on the H100, there is no second copy (the generated code, engineering log v29). The pass cannot
-# see which.
+# (Inductor pads its products): 4, as most such heads held them (docs/design.md, "Unaligned vocabularies"). The 4
+# bytes are two 16-bit N x V buffers: the padded logits, overwritten by their gradient, and a second, padded copy
+# of that gradient for the weight's gradient product; where Inductor's timing of that product (pad_mm, on the
+# device) leaves it unpadded there is no second copy and 2 bytes a logit. The pass cannot see which: it counts 4.
 _PADDED_LOGIT_BYTES = 4
 
 
 def pads_product(f: HeadFacts) -> bool:
     """Whether torch.compile's head likely pads its products and holds 4 bytes a logit (``_PADDED_LOGIT_BYTES``): a
     16-bit head on the kernels whose V is not a multiple of 8 elements, in a loss-only graph (a graph that returns
-    the logits was measured at its own bytes per logit, :func:`compile_bytes_per_logit`, unaligned or not). Measured
-    in bf16; fp16 pads at the same alignment and is taken to hold the same."""
+    the logits holds its own bytes per logit, :func:`compile_bytes_per_logit`, unaligned or not). Established in
+    bf16; fp16 pads at the same alignment and is taken to hold the same."""
     return f.kernels and f.element_size == 2 and f.vocab % 8 != 0 and not f.returned_logits
 
 
@@ -205,13 +202,12 @@ def lean_peak(f: HeadFacts, backward_row_chunk: int = 8192, widen: int = 1, coun
 
 @functools.lru_cache(maxsize=256)
 def lean_widen(f: HeadFacts, backward_row_chunk: int = 8192, counted_prefix: bool = False) -> int:
-    """How many times wider than its tuned width the lean backward's G block is made (``kernels.backward``'s
+    """How many times wider than its tuned width the lean backward's G block is made (``_planning.backward_plan``'s
     ``block_widen``, for its cuBLAS products over every row or, ``counted_prefix``, over the counted rows first): the
     largest of 4, 2, 1 whose :func:`lean_peak` stays within the :func:`budget`. A wider block gives each dE / dC
-    product a longer K, reads and writes dE's fp32 rows fewer times and costs the host fewer launches (H200, N
-    2048-16384, eight heads, every row counted: 0.9-4.3% less fwd + bwd time in 18 of 19 same-process comparisons,
-    for 64-384 MB; engineering log v33); the budget keeps the head within half of torch.compile's peak, as the path
-    choice does, that of the loss-only graph (the op, which decides at run time, does not know whether the site
+    product a longer K, reads and writes dE's fp32 rows fewer times and costs the host fewer launches (a few percent
+    less fwd + bwd time: docs/performance.md); the budget keeps the head within half of torch.compile's peak, as the
+    path choice does, that of the loss-only graph (the op, which decides at run time, does not know whether the site
     returns the logits). A row chunk other than the default (``CCEOptions.backward_row_chunk``) is a choice about
     memory: its block stays as tuned."""
     if backward_row_chunk != _LEAN_LAYOUT["block_rows"]:
@@ -243,8 +239,8 @@ def balanced_budget(f: HeadFacts) -> tuple[int, bool]:
     """The budget the default sizes the balanced path against, and whether it counts 4 bytes a logit for torch.compile:
     :func:`budget`, or where that leaves no scratch and torch.compile pads the products (:func:`pads_product`), the
     budget of its padded peak. The second moves V 65535 at N 8192 and GPT-2's and GPT-2 medium's heads at N 4096
-    from the lean path (1.2-2.2x torch.compile's time) to two balanced chunks (0.99-1.22x, a spread that is the host's;
-    0.41-0.65x its peak: engineering log v28 / v29); heads that fit the first keep its smaller scratch."""
+    from the lean path to two balanced chunks, faster at well under torch.compile's peak (docs/performance.md);
+    heads that fit the first keep its smaller scratch."""
     limit = budget(f)
     if _scratch_within(f, limit) or not pads_product(f):
         return limit, False
@@ -254,8 +250,7 @@ def balanced_budget(f: HeadFacts) -> tuple[int, bool]:
 def scratch_row_pitch(vocab: int) -> int:
     """Elements per scratch row, as the balanced kernels lay it out (``kernels/_balanced.py``, ``ROW_ALIGN``): V
     rounded up to a multiple of 64, so that the products over the scratch see aligned leading dimensions whatever V
-    is (cuBLAS is ~6x slower on a 16-bit matrix whose rows are not a multiple of 8 elements: H100, V 65535 against
-    65536)."""
+    is (cuBLAS is several times slower on a 16-bit matrix whose rows are not a multiple of 8 elements)."""
     return -(-vocab // _planning.VOCAB_ALIGN) * _planning.VOCAB_ALIGN
 
 
@@ -400,7 +395,8 @@ def _choose(f: HeadFacts, path: str, scratch_mb: int, backward_row_chunk: int) -
                               f"an element, {_mib(4 * (f.vocab + f.rows) * f.hidden)}) exceeds the budget "
                               f"{_mib(limit)} (half of "
                               f"torch.compile's est. {_compile_estimate(f, padded)}); four matmuls where "
-                              f"torch.compile does three (~1.3-1.5x its time on the head){over}{_host_bound_note(f)}"
+                              "torch.compile does three (more time on the head: docs/performance.md)"
+                              f"{over}{_host_bound_note(f)}"
                               f"{_balanced_instead_note(f)}")
 
 
@@ -426,34 +422,31 @@ def _fat_note(f: HeadFacts, scratch: int) -> str:
 def _balanced_instead_note(f: HeadFacts) -> str:
     """Where the default keeps a head lean for memory, the way to trade memory for time instead: the balanced path
     with the largest scratch (at most 1 GiB) that keeps its estimated peak under 0.9x torch.compile's (clearly
-    leaner, with room for the estimates' error), as a ``scratch_mb`` to set. Measured at N 8192 on the H100, forced
-    balanced: 1.02-1.11x torch.compile's time at 0.66-0.93x its peak on V 65535, V 100352, Gemma-2 and Gemma-3,
-    against the lean path's 1.24-1.40x."""
+    leaner, with room for the estimates' error), as a ``scratch_mb`` to set: three matmuls instead of four, about
+    torch.compile's time (docs/performance.md)."""
     scratch = balanced_scratch(f, limit=int(_CLEARLY_LEANER * compile_peak(f))) // 2**20 * 2**20
     if scratch < 2**20:
         return ""
     peak = balanced_peak(f, scratch)
     return (f"; scratch_mb={scratch // 2**20} (CCE_INDUCTOR_SCRATCH_MB) would take the balanced path instead: three "
-            f"matmuls (~1.0-1.1x torch.compile's time) at est. peak {_mib(peak)}, "
+            f"matmuls (about torch.compile's time) at est. peak {_mib(peak)}, "
             f"{peak / compile_peak(f):.2f}x torch.compile's")
 
 
 def _host_bound_note(f: HeadFacts, path: Path = "lean") -> str:
-    """Where a head is too small for its launches to hide behind its kernels (``_HOST_BOUND_MACS``), what that cost
-    where measured: the lean path's ~25 launches up to ~2x torch.compile's time on the head alone; the balanced path's
-    fewer ones less, but a whole step that small waits on the host as well (engineering log v25-v28)."""
+    """Where a head is too small for its launches to hide behind its kernels (``_HOST_BOUND_MACS``), what that costs:
+    the lean path's ~25 launches up to ~2x torch.compile's time on the head alone; the balanced path's fewer ones
+    less, but a whole step that small waits on the host as well (docs/performance.md)."""
     macs = f.rows * f.vocab * f.hidden
     if not f.kernels or macs >= _HOST_BOUND_MACS:
         return ""
     if path == "balanced":
         return (f"; at this size ({macs:.1e} multiply-adds per logits product) the step may wait on the host's "
-                "launch work: the balanced head alone takes longer to launch than to run (GPT-2 medium's at 2048 "
-                "rows: 2.70 ms on 1.42 ms of kernels, torch.compile's 1.52; H100), and whole steps this small wait on "
-                "the host, reading 0.93-1.10x torch.compile's from one process to the next with the GPU's work equal "
-                "(H100 / H200)")
+                "launch work: the balanced head alone can take longer to launch than to run, and whole steps this "
+                "small wait on the host, their time against torch.compile's varying from one process to the next "
+                "with the GPU's work equal (docs/performance.md)")
     return (f"; at this size ({macs:.1e} multiply-adds per logits product) the step likely waits on the host's "
-            "launch work, not the GPU: up to ~2x torch.compile's time (GPT-2's head at N 4096: 1.3-2.3x on H100 / "
-            "H200 hosts)")
+            "launch work, not the GPU: up to ~2x torch.compile's time (docs/performance.md)")
 
 
 def _lean_cost_note(f: HeadFacts, backward_row_chunk: int) -> str:

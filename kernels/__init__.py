@@ -2,19 +2,27 @@
 
 Interface used by the custom op and the vocabulary-parallel loss:
 
-* ``forward(e, c, targets, bias, *, softcap, ignore_index, logit_sum=False, mean_logit=False, every_row=False)
-  -> RowStats(lse, target_logit, logit_sum | None, mean_logit | None)`` (``mean_logit``: the softmax-weighted mean
-  logit of each row; the entropy is ``lse - mean_logit``)
+* ``forward(e, c, targets, bias, *, softcap, ignore_index, logit_sum=False, mean_logit=False, every_row=False,
+  argmax_out=None, argmax_round=None) -> RowStats(lse, target_logit, logit_sum | None, mean_logit | None)``
+  (``mean_logit``: the softmax-weighted mean logit of each row, the entropy being ``lse - mean_logit``;
+  ``argmax_out``: an int64 ``(N,)`` tensor that receives each counted row's argmax over the logits rounded to
+  ``argmax_round``)
 * ``backward(e, c, targets, bias, lse, grad_rows, *, softcap, ignore_index, need_e, need_c, need_bias, row_chunk,
   block_width, split_g, products, counted_hint=None, label_smoothing=0.0, grad_lse=None, grad_entropy=None,
-  mean_logit=None, observe_counted=None) -> (dE | None, dC | None, dbias | None)``: the plan's fields
-  (``cce_inductor._planning.BackwardPlan``) are explicit arguments
+  mean_logit=None, observe_counted=None, de_dtype=None, dc_dtype=None, compute_dtype=None) -> (dE | None, dC | None,
+  dbias | None)``: the plan's fields (``cce_inductor._planning.BackwardPlan``: ``row_chunk``, ``block_width``,
+  ``split_g``, ``products`` ``"cublas"`` / ``"triton"`` / ``"prefix"``, ``counted_hint``) are explicit arguments;
+  ``de_dtype`` / ``dc_dtype`` / ``compute_dtype``: the gradients' and the products' dtypes where not the operands'
+  (autocast)
 * ``row_skipping_ok(e, c, exact) -> bool``: whether the row-skipping products can read these operands
 * ``loss_and_grads(e, c, targets, bias, *, softcap, ignore_index, reduction, label_smoothing=0.0, chunk_rows,
-  need_e=True, need_c=True, need_bias=True, check_range=False) -> LossAndGrads(loss, dE | None, dC | None,
-  dbias | None)``: the balanced path (mean / sum losses whose head needs gradients): the gradients computed with the
-  loss, ``chunk_rows`` rows at a time through one scratch of logits (its rows padded to aligned leading dimensions);
-  ``check_range=True``: a device-side assert where a counted target lies outside ``[0, V)``, as eager's
+  compute_dtype=None, need_e=True, need_c=True, need_bias=True, check_range=False) -> LossAndGrads(loss, grad_e,
+  grad_c, grad_bias, grad_e_lo, grad_c_lo)``: the balanced path (mean / sum losses whose head needs gradients): the
+  gradients computed with the loss, ``chunk_rows`` rows at a time through one scratch of logits (its rows padded to
+  aligned leading dimensions), each in its input's dtype (a 16-bit one as the pair ``grad`` + ``grad_lo``, an fp32
+  one whole with ``grad_lo`` None; ``grad_bias`` fp32; None where not asked for); ``compute_dtype``: the products'
+  dtype where not the inputs' (autocast); ``check_range=True``: a device-side assert where a counted target lies
+  outside ``[0, V)``, as eager's
 * ``count_targets(targets, ignore_index, *, mean, check_vocab=None) -> (num_counted, row_scale)``: the rows that
   count, on the device, and with ``check_vocab`` V the same range check, in one launch
 
@@ -22,12 +30,14 @@ with ``logits[n, v] = softcap * tanh((e[n] . c[v] + bias[v]) / softcap)`` (no ta
 ``backward`` rows whose target is ``ignore_index`` cost nothing; a target outside ``[0, V)`` counts with no one-hot term.
 
 Kernel files, each opening with its math, block layout and memory, and keeping its own block sizes:
-``_forward`` (fused log-sum-exp / target logit), ``_balanced`` (cuBLAS logits per row chunk, the softmax gradient
-in place, cuBLAS dE / dC), ``_backward`` (a Triton kernel recomputes each logit block into
-the softmax gradient; cuBLAS does dE and dC; exact mode), ``_products`` (Triton dE / dC products that skip
-ignored rows, ``options.products="triton"``), ``_targets`` (the count of counted rows and the range check, one
-launch), ``_tile`` (the logit tile and softmax gradient shared by the kernels), ``_launch`` (host-side helpers: device
-facts, row compaction).
+``_forward`` (fused log-sum-exp / target logit, the argmax), ``_balanced`` (cuBLAS logits per row chunk, the softmax
+gradient in place, cuBLAS dE, dC summed chunk by chunk), ``_pair_sums`` (a 16-bit gradient summed over the balanced
+path's row chunks as a pair ``hi + lo``: the dC product with the pair in its epilogue), ``_backward`` (a Triton
+kernel recomputes each logit block into the softmax gradient; cuBLAS does dE and dC, or over the counted prefix only;
+exact mode), ``_row_chunks`` (the lean backward's host-side row chunks: compaction, the counted prefix's split, the
+target logits), ``_products`` (Triton dE / dC products that skip ignored rows), ``_targets`` (the count of counted
+rows and the range check, one launch), ``_tile`` (the logit tile and softmax gradient shared by the kernels),
+``_launch`` (host-side helpers: device facts, tunings, row compaction, products into fp32 sums).
 No host synchronisation: ignored rows are compacted on the device and the kernels read the count.
 """
 from ._backward import backward, row_skipping_ok

@@ -65,6 +65,9 @@ rows and writes the 16-bit chunk, one rounding.  With compacted G (the counted p
 recompute stores ignored positions only as far as a product reads them (the counted rows' row blocks and the
 prefix), unless a bias gradient sums all of G's rows.
 
+The host-side part of each row chunk (its compaction, the counted prefix's split, the target logits, dE put back
+in row order) is ``_row_chunks``.
+
 With TMA (16-bit inputs, ``_forward.tma_operands``) the recompute reads its E tiles from a compacted copy of each
 chunk's rows, which lives in those rows of the dE output until dE is written there at the end, so it costs no
 memory.
@@ -77,14 +80,12 @@ the products, as eager PyTorch does for the logits' gradient. No atomics, so the
 """
 from __future__ import annotations
 
-import math
-from typing import NamedTuple, Optional
-
 import torch
 import triton
 import triton.language as tl
 
 from . import _forward, _launch, _products
+from ._row_chunks import _PrefixTail, _RowChunk, _block, _target_logits, _uncompact_rows, counted_prefix
 from ._tile import logit_tile, softmax_grad
 
 # Hopper; the interpreter's tiny blocks keep the CPU tests fast.  The G block's width is the caller's
@@ -234,118 +235,11 @@ def _grad_tile(
         tl.store(GLo + g_rows + target, (at_target - at_target_hi.to(tl.float32)).to(G.dtype.element_ty), mask=hit)
 
 
-class _RowChunk(NamedTuple):
-    """One row chunk of the backward: its rows, their compaction (counted rows first, their number on the device),
-    each row's poison (0, or NaN where eager's gradient of an ignored row is NaN), and where the recompute reads E."""
-
-    r0: int
-    rows: int
-    e_rows: torch.Tensor
-    row_order: torch.Tensor
-    num_counted: torch.Tensor
-    row_poison: torch.Tensor
-    e_compact: Optional[torch.Tensor]
-    e_op: object  # E's rows as the recompute reads them: the rows themselves, or a descriptor over e_compact
-    ignored_poison: Optional[torch.Tensor]  # what eager's dC receives from the ignored rows (Triton products)
-
-    @classmethod
-    def of(cls, e, counted, r0, rows, weight_poison, de_out, block_n, block_d, *, compact, tma, poison_sum):
-        e_rows = e[r0 : r0 + rows]
-        counted_rows = counted[r0 : r0 + rows]
-        row_order, num_counted = _launch.compact_counted(counted_rows)
-        row_poison = _launch.nonfinite_rows(e_rows) + weight_poison
-        e_compact = None
-        if compact:
-            # in dE's own rows while they are free (dE is written from its fp32 sums at the very end), so the copy
-            # costs no memory where dE is wanted
-            e_compact = torch.index_select(e_rows, 0, row_order, out=de_out[r0 : r0 + rows]) \
-                if de_out is not None else e_rows.index_select(0, row_order)
-        e_op = _launch.descriptor(e_compact, [block_n, block_d]) if tma else e_rows
-        ignored_poison = torch.where(counted_rows, 0.0, row_poison).sum().reshape(1) if poison_sum else None
-        return cls(r0, rows, e_rows, row_order, num_counted, row_poison, e_compact, e_op, ignored_poison)
-
-
-class _PrefixTail(NamedTuple):
-    """One row chunk's split of its compacted rows: cuBLAS multiplies positions ``[0, h)``, the row-skipping Triton
-    products ``[h, rows)`` (sized by ``tail_counted``, the counted positions past h: 0 where the hint held)."""
-
-    h: int
-    tail_counted: Optional[torch.Tensor]  # int32 (1,), on the device
-    tail_poison: Optional[torch.Tensor]  # per tail position, the poison of its row (dE of ignored positions)
-    tail_ids: Optional[torch.Tensor]  # 0 .. rows - h - 1: the tail's dE rows are its own positions
-
-    @classmethod
-    def of(cls, chunk: "_RowChunk", h: int):
-        if h >= chunk.rows:
-            return cls(chunk.rows, None, None, None)
-        tail_counted = torch.clamp(chunk.num_counted - h, min=0)
-        tail_poison = chunk.row_poison[chunk.row_order[h:]]
-        tail_ids = torch.arange(chunk.rows - h, device=chunk.row_order.device)
-        return cls(h, tail_counted, tail_poison, tail_ids)
-
-    def products(self, grad, c_chunk, chunk, de_rows, dc_chunk, dc32, *, upcast, first_vocab, first_rows,
-                 **out_dtype):
-        """dE rows (compacted order, fp32) and dC of one G block (compacted rows). dC: where ``dc_chunk`` is the
-        16-bit output (one row chunk), cuBLAS sums its prefix in ``dc32`` and the tail adds it and writes
-        ``dc_chunk``, one rounding; where it is ``dc32`` itself (several row chunks), both add to it."""
-        h, has_tail = self.h, self.tail_counted is not None
-        grad_mm = grad.float() if upcast else grad
-        if de_rows is not None:
-            _launch.product_into(de_rows[:h], grad_mm[:h], c_chunk, accumulate=not first_vocab, vocab_dim="k",
-                                 **out_dtype)
-        if dc_chunk is not None:
-            ec = chunk.e_compact.float() if upcast else chunk.e_compact
-            sums_in_dc = dc_chunk.data_ptr() == dc32.data_ptr()
-            _launch.product_into(dc32, grad_mm[:h].T, ec[:h], accumulate=sums_in_dc and not first_rows,
-                                 vocab_dim="m", **out_dtype)
-        # (a chunk without a tail is one of several row chunks, h being shorter than the first: its dC sums stay in
-        # dc32, which the caller rounds once into dC)
-        if has_tail:  # both tails in one launch, after the cuBLAS products (the dC tail adds to their dc32 sums)
-            _products.grad_products(
-                grad[h:], self.tail_counted, c_chunk=c_chunk if not upcast else c_chunk.to(grad.dtype),
-                de32=None if de_rows is None else de_rows[h:], row_order=self.tail_ids, row_poison=self.tail_poison,
-                accumulate_e=not first_vocab, e_compact=None if dc_chunk is None else chunk.e_compact[h:],
-                dc_chunk=dc_chunk, ignored_poison=chunk.ignored_poison, accumulate_c=True, acc_in=dc32)
-
-
-def _target_logits(e, c, targets, bias, softcap, compute_dtype):
-    """Every row's target logit, fp32 (0 where the target is outside ``[0, V)``); with ``compute_dtype`` (C and bias
-    stored wider than the products' dtype) from the targets' rows of C, converted: ``N x D``, not all of C."""
-    if compute_dtype is None:
-        return _forward.target_logits(e, c, targets, bias, softcap=softcap, ignore_index=_forward.EVERY_ROW)
-    v = c.shape[0]
-    inside = (targets >= 0) & (targets < v)
-    ids = torch.where(inside, targets, 0)
-    rows = c.index_select(0, ids).to(compute_dtype)
-    own = torch.arange(targets.shape[0], device=targets.device)
-    logit = _forward.target_logits(e, rows, own, None if bias is None else bias.index_select(0, ids), softcap=softcap,
-                                   ignore_index=_forward.EVERY_ROW)
-    return torch.where(inside, logit, 0.0)
-
-
-def _uncompact_rows(out: torch.Tensor, compact32: torch.Tensor, row_order: torch.Tensor, step: int = 2048) -> None:
-    """``out[row_order[p]] = compact32[p]`` (rounded to ``out``'s dtype), ``step`` rows at a time (a small
-    temporary)."""
-    for p0 in range(0, out.shape[0], step):
-        out.index_copy_(0, row_order[p0 : p0 + step], compact32[p0 : p0 + step].to(out.dtype))
-
-
-def _block(buffer: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
-    """A contiguous ``rows x cols`` view at the start of a flat scratch buffer (last chunks are narrower)."""
-    return buffer[: rows * cols].view(rows, cols)
-
-
 def row_skipping_ok(e: torch.Tensor, c: torch.Tensor, exact: bool) -> bool:
     """Whether the row-skipping products (``products="triton"``) can run for these operands: not in 16-bit exact
     mode (G in two halves), and C and E rows that the tensor-memory accelerator can read."""
     split_g = exact and e.dtype in (torch.bfloat16, torch.float16)
     return not split_g and _launch.tma_ok(c) and (e.shape[1] * e.element_size()) % 16 == 0
-
-
-def counted_prefix(counted_hint: float, rows: int, block: int = 128) -> int:
-    """The compacted rows cuBLAS multiplies where an earlier call counted ``counted_hint`` of its rows: that share of
-    ``rows``, rounded up to whole ``block``-row tiles, at most ``rows``."""
-    return min(rows, -(-math.ceil(counted_hint * rows) // block) * block)
 
 
 def backward(e, c, targets, bias, lse, grad_rows, *, softcap, ignore_index, need_e, need_c, need_bias,

@@ -79,7 +79,7 @@ from . import _launch, _pair_sums, _targets
 from ._tile import softmax_grad, tanh
 
 # One program streams one row in BLOCK_V columns; 16-byte vector loads of bf16 need BLOCK_V / (32 * num_warps) >= 8.
-# Rows up to short_row entries take wider blocks (the engineering log's row-kernel probe chose these).
+# Rows up to short_row entries take wider blocks (measured: see docs/engineering-log.md).
 _TUNING = {
     "gpu": dict(block_v=2048, num_warps=8, short_row=65536, short_row_block_v=4096),
     "interpret": dict(block_v=64, num_warps=4, short_row=0, short_row_block_v=64),
@@ -143,8 +143,8 @@ def _softmax_grad_in_place_kernel(
         return
 
     # pass 1: online log-sum-exp with one (max, sum) pair per *lane* of the block, reduced across lanes once after
-    # the loop (no cross-warp reduction, with its barriers, inside the loop; on GPT-2's short rows 0.44 -> 0.37 ms
-    # per 2048-row chunk).  One exp per element: the larger of (z, m) becomes the lane's max and the smaller enters
+    # the loop (no cross-warp reduction, with its barriers, inside the loop, where short rows would pay for it).
+    # One exp per element: the larger of (z, m) becomes the lane's max and the smaller enters
     # as exp(smaller - larger).  evict_last: ask L2 to keep the row for pass 2.
     m = tl.full((BLOCK_V,), float("-inf"), tl.float32)
     s = tl.zeros((BLOCK_V,), tl.float32)

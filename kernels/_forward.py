@@ -25,13 +25,13 @@ is row-block fastest, so the programs resident at one time share the same split 
 from HBM about once while E (small) stays in L2.  Row blocks past the device-side count of counted rows
 return at once, so ignored rows cost nothing.  For 16-bit inputs the operand tiles come through the tensor-memory
 accelerator (``_tile``, ``tma_operands``) from a compacted copy of E (the counted rows first, ``N x D``, built per
-call) and from C: 7-15% less forward time than per-thread ``cp.async`` loads on the H100 (engineering log v12).
+call) and from C: less forward time than per-thread ``cp.async`` loads (measured: see docs/engineering-log.md).
 
 The target logit is not picked out of the tiles: comparing every column of a tile with the row's target kept a
-tile-sized mask live beside the accumulator, and the kernel spilled registers (Hopper: 255 used, ~50 spilled;
-~200 and none without it).  ``_target_logit_kernel`` (grid ``cdiv(N, 16)``) computes it as one dot product
-``E[n] . C[targets[n]]`` per row (+ bias, softcap), fp32 sums of exact bf16 products: N * D reads, ~0.05 ms at
-N = 8192.  The lean backward uses the same kernel (``target_logits``) for the one-hot entries of its gradient.
+tile-sized mask live beside the accumulator, and the kernel spilled registers on Hopper (none without it).
+``_target_logit_kernel`` (grid ``cdiv(N, 16)``) computes it as one dot product ``E[n] . C[targets[n]]`` per row
+(+ bias, softcap), fp32 sums of exact bf16 products: N * D reads, small beside the tiles' N * V * D.  The lean
+backward uses the same kernel (``target_logits``) for the one-hot entries of its gradient.
 
 Each program writes its partial ``(max, sumexp[, logit_sum][, zexp][, best, best_index])`` for its rows into
 ``(splits, N)`` fp32 buffers (int32 for the index); ``_combine_kernel`` (grid ``cdiv(N, BLOCK)``) merges the splits
@@ -53,7 +53,7 @@ import triton.language as tl
 from . import _launch
 from ._tile import logit_tile, round_to_tf32, tanh
 
-# Hopper (H100 / H200); the interpreter's tiny blocks keep the CPU tests fast.
+# Hopper; the interpreter's tiny blocks keep the CPU tests fast.
 # target_rows / target_block_d: _target_logit_kernel's rows and D step per program.
 _TUNING = {
     "gpu": dict(block_n=128, block_v=256, block_d=64, num_warps=8, num_stages=3, waves=16, tma=True,
@@ -250,7 +250,7 @@ def target_logits(e, c, targets, bias, *, softcap, ignore_index, out=None):
     """Launch helper: ``logits[n, targets[n]]`` per row, fp32 ``(N,)``; 0 where the target is ``ignore_index`` or
     outside ``[0, V)``.  One dot product of D per row (``N * D`` reads of E and of C's target rows): the forward's
     and the recompute's tile loops then need no per-column comparison with the target, which cost the tile kernels
-    ~50 registers (spills) on Hopper."""
+    registers (spills) on Hopper."""
     n, d = e.shape
     if out is None:
         out = torch.empty((n,), dtype=torch.float32, device=e.device)

@@ -49,9 +49,9 @@ _PIPELINE_SMEM_BYTES = 200 * 1024
 
 def fit_num_stages(num_stages: int, block_rows: int, block_cols: int, block_d: int, element_size: int) -> int:
     """``num_stages`` lowered until the operand buffers fit: a loop pipelined over ``num_stages`` keeps one pair
-    of ``block_rows x block_d`` and ``block_cols x block_d`` tiles in shared memory per stage (Triton 3.6 on an
-    H100 asked for 294912 bytes = 3 x 98304 for fp32 128 x 256 x 64 tiles at 3 stages, TF32 dots; engineering log
-    v19). fp32 inputs need twice what 16-bit ones do; every 16-bit tuning here fits as it is."""
+    of ``block_rows x block_d`` and ``block_cols x block_d`` tiles in shared memory per stage (fp32 128 x 256 x 64
+    tiles at 3 stages ask for 3 x 98304 bytes, over Hopper's limit). fp32 inputs need twice what 16-bit ones do;
+    every 16-bit tuning here fits as it is."""
     per_stage = (block_rows + block_cols) * block_d * element_size
     while num_stages > 2 and num_stages * per_stage > _PIPELINE_SMEM_BYTES:
         num_stages -= 1
@@ -62,10 +62,9 @@ def dot_precision(dtype: torch.dtype) -> str:
     """How ``tl.dot`` (``_tile.dot``) multiplies fp32 operands: as torch's own CUDA matmuls do, read at each launch
     as cuBLAS reads it (``torch.set_float32_matmul_precision`` / ``torch.backends.cuda.matmul``). At the default
     ``"highest"``, true fp32 products ("ieee"); at ``"high"`` / ``"medium"``, TF32 tensor cores with the operands
-    rounded to nearest first ("tf32_rn"), as cuBLAS's TF32 GEMMs give them. Measured on an H200 (engineering log
-    v19): "ieee" ran the lean path on the CUDA cores at 23.7x torch.compile's time on Llama-3's head in fp32; plain
-    "tf32" truncates the operands (7.8e-4 matmul error against cuBLAS's 2.9e-4, 2.1e-4 loss error against
-    torch.compile's 1.9e-6); "tf32_rn" matches cuBLAS's error at 1.68x torch.compile's time. 16-bit operands
+    rounded to nearest first ("tf32_rn"), as cuBLAS's TF32 GEMMs give them: at "high", "ieee" would run on the CUDA
+    cores, many times slower than torch.compile's TF32 matmuls; plain "tf32" truncates the operands, a biased error
+    well above cuBLAS's; "tf32_rn" matches cuBLAS's error (measured: see docs/engineering-log.md). 16-bit operands
     ignore it."""
     if dtype != torch.float32:
         return "tf32"

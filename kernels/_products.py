@@ -38,18 +38,17 @@ operand tiles in L2 (Triton's matmul tutorial):
 
 One launch (``_grad_products_kernel``) takes both: its first programs the dE tiles, the rest the dC tiles (the two
 products read the same G and write disjoint outputs; one launch per vocabulary chunk instead of two, where the
-backward at >= 50% ignored rows waited on the host's launch work: engineering log v20).
+backward at >= 50% ignored rows waits on the host's launch work).
 
 Descriptors need 16-byte aligned bases and row strides (:func:`_launch.tma_ok`): the caller pads G's row pitch and falls
 back to cuBLAS products for a C that is not aligned.  Ec is a compacted copy of the chunk's rows of E (one
-``rows x D`` buffer): gathering through row_order inside the K loop instead measured 2x slower (no TMA gather
-on Hopper).
+``rows x D`` buffer): gathering through row_order inside the K loop instead is slower (no TMA gather on
+Hopper).
 
-Measured (H200, bf16, 8192 x 2048 blocks; ``benchmarks/bench_dense_parts.py``): dE 0.163-0.165 ms vs cuBLAS addmm
-0.136, dC 0.142-0.146 vs cuBLAS mm 0.100 at D = 2304; at D = 4096 dE 0.29-0.30 vs 0.22, dC 0.20 vs 0.18.  With
-half the rows ignored the Triton products take about 55 % of that, cuBLAS the same.  Whole op: 50 % ignored
-rows cost 0.49-0.54x of 0 % (cuBLAS products: 0.67-0.72x), 0 % ignored costs 5-16 % more; break-even at roughly
-20-25 % ignored rows (``docs/engineering-log.md``, v7; v20: 17-19 %); hence the counted prefix by default.
+Cost (``benchmarks/bench_dense_parts.py``; measured: see docs/engineering-log.md): per row, these products are
+slower than cuBLAS's, so over every row they lose; with ignored rows they skip work cuBLAS cannot, and past a
+break-even share of ignored rows they win.  Hence, by default, cuBLAS over the counted prefix and these products
+only past it (or alone where most rows are ignored).
 """
 from __future__ import annotations
 
@@ -62,7 +61,7 @@ import triton.language as tl
 from . import _launch
 from ._tile import dot
 
-# Hopper (H100 / H200); the interpreter's tiny blocks keep the CPU tests fast.
+# Hopper; the interpreter's tiny blocks keep the CPU tests fast.
 _TUNING = {
     "gpu": dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=4),
     "interpret": dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, GROUP_M=2, num_warps=4, num_stages=1),
@@ -145,7 +144,7 @@ def _grad_products_kernel(
 ):
     """dE's tiles (programs ``[0, e_tiles)``) and dC's (the rest) of one G block in one launch: the two products
     read the same G and write disjoint outputs, and one launch is one host call fewer per vocabulary chunk (the
-    backward at >= 50% ignored rows waited on the host's launches: engineering log v20)."""
+    backward at >= 50% ignored rows waits on the host's launches)."""
     pid = tl.program_id(0)
     if pid < e_tiles:
         if HAS_E:

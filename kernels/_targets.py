@@ -13,11 +13,10 @@ Grid / memory
 One program walks the N targets ``BLOCK`` at a time (8 bytes each: N 4096-65536 is 32-512 KB, a few microseconds)
 and writes two fp32 scalars. One program, so the count needs no atomics and gives the same bits on every run.
 
-Why a kernel: the same work in eager PyTorch is ~12 small launches (comparisons, a sum, a reciprocal, the assert)
-of ~20 us of host time each on the device pool's hosts, where a small head's fused call waits on the host
-(engineering log v30). The assert is compiled in for this kernel alone (``debug=True``: Triton drops
-``tl.device_assert`` otherwise); the interpreter never asserts, so the CPU tests check the count and the CUDA suite
-the assert.
+Why a kernel: the same work in eager PyTorch is ~12 small launches (comparisons, a sum, a reciprocal, the assert),
+each with its own host time, where a small head's fused call waits on the host. The assert is compiled in for
+this kernel alone (``debug=True``: Triton drops ``tl.device_assert`` otherwise); the interpreter never asserts, so
+the CPU tests check the count and the CUDA suite the assert.
 """
 from __future__ import annotations
 

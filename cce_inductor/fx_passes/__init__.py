@@ -4,6 +4,7 @@ The machinery every pass shares, as Inductor keeps ``pattern_matcher.py`` apart 
 
 * ``spellings.py``: how each operation can be spelled in a Dynamo graph (the matchers' vocabulary, as data);
 * ``head_chain.py``: the walk from what a loss reads back to the linear head (row views, upcasts, scale, softcap);
+* ``added_bias.py``: a bias added to the head's product on its own, which the walk takes as the head's bias;
 * ``sites.py``: a matched site, its replacement by a fused call, and the record ``stats()`` keeps of it.
 
 The matched forms, each module's docstring showing the graph it matches:

@@ -10,7 +10,7 @@ from the node a loss reads (:func:`walk_logits`)::
                   |
                   |   bias:       logits + bias, bias + logits, torch.add / .add, in place (logits += bias,
                   |               logits.add_(bias)), for a (V,) bias, at most one; row views before it, never a
-                  |               scale or softcap (only the head's product gets the bias)
+                  |               scale or softcap (only the head's product gets the bias; ``added_bias.py``)
                   |   row views:  view / reshape / flatten over leading dims, contiguous, getitem slices of leading
                   |               dims (the label shift ``logits[..., :-1, :]``)
                   |   upcasts:    .float(), .to(torch.float32)
@@ -37,8 +37,9 @@ import torch
 import torch.fx as fx
 
 from .._checks import SUPPORTED_DTYPES, head_dtype_error
+from .added_bias import added_bias_error, match_bias_add, through_inplace_add
 from .spellings import (
-    ADD, ADDMM, AUTOCAST_ENTER, AUTOCAST_EXIT, DIV, FLATTEN, GETITEM, GRAD_MODE, IDENTITY_VIEW, INPLACE_ADD,
+    ADDMM, AUTOCAST_ENTER, AUTOCAST_EXIT, DIV, FLATTEN, GETITEM, GRAD_MODE, IDENTITY_VIEW,
     INPLACE_FUNCTIONS, LINEAR, MATMUL, MUL, RESHAPE, TANH, TO_DTYPE, DTYPE_METHODS, TRANSPOSE_2D, TRANSPOSE_ATTR_OPS,
     TRANSPOSE_ATTRS, VIEW_LIKE, call_arg, const_float, example_value, matches, normalize_dim, short, spelling,
 )
@@ -207,49 +208,6 @@ def _weight_operand(head: fx.Node, rhs: Any) -> tuple[fx.Node, bool]:
     return (weight, False) if weight is not None else (rhs, True)
 
 
-def _match_bias_add(node: fx.Node, vocab: Any) -> Optional[tuple[fx.Node, fx.Node]]:
-    """``(x, bias)`` where ``node`` adds a ``(V,)`` tensor to ``x`` (logits rows): ``x + bias``, ``bias + x``,
-    ``torch.add(x, bias)``, ``x.add(bias)``, or in place, ``x += bias`` / ``x.add_(bias)``; None for any other node."""
-    inplace = matches(node, INPLACE_ADD)
-    if not (inplace or matches(node, ADD)) or set(node.kwargs) - {"other", "alpha"} or len(node.args) > 2:
-        return None
-    if const_float(node.kwargs.get("alpha", 1)) != 1.0:
-        return None
-    operands = list(node.args) + ([node.kwargs["other"]] if "other" in node.kwargs else [])
-    if len(operands) != 2 or not all(isinstance(o, fx.Node) for o in operands):
-        return None
-    metas = [example_value(o) for o in operands]
-    if not all(isinstance(m, torch.Tensor) for m in metas):
-        return None
-
-    def is_bias(i: int) -> bool:
-        return metas[i].dim() == 1 and metas[i].shape[0] == vocab and metas[1 - i].dim() >= 2
-
-    for i in ([1] if inplace else [1, 0]):  # in place, the updated tensor is the first operand
-        if is_bias(i) and tuple(example_value(node).shape) == tuple(metas[1 - i].shape):
-            return operands[1 - i], operands[i]
-    return None
-
-
-def _through_inplace_add(node: fx.Node, reader: fx.Node, vocab: Any) -> fx.Node:
-    """Where ``node.add_(bias)`` comes before ``reader`` reads ``node`` (``logits.add_(b); loss(logits)``): ``reader``
-    and every later reader of ``node`` are pointed at the add's result, which is ``node`` itself, updated (no value
-    changes), so that the chain runs through the add; returns the add. Otherwise ``node`` (an update after the read,
-    or two of them, are other users of the logits: :func:`private_chain` refuses them)."""
-    updates = [user for user in node.users
-               if user is not reader and matches(user, INPLACE_ADD) and user.args and user.args[0] is node]
-    if len(updates) != 1 or _match_bias_add(updates[0], vocab) is None:
-        return node
-    update = updates[0]
-    position = {n: i for i, n in enumerate(node.graph.nodes)}
-    if position[update] > position[reader]:
-        return node
-    for user in list(node.users):
-        if user is not update and position[user] > position[update]:
-            user.replace_input_with(node, update)
-    return update
-
-
 def _autocast_at(node: fx.Node, device_type: str) -> Optional[torch.dtype]:
     """The autocast dtype in effect where the graph computes ``node`` on ``device_type``, or None (autocast off): the
     state this compile runs under (Dynamo guards on it), changed by the graph's own autocast regions before ``node``."""
@@ -357,7 +315,7 @@ def walk_logits(logits: fx.Node, consumer: fx.Node) -> Logits:
     while True:
         if not isinstance(node, fx.Node):
             raise NoMatch(f"the input of {short(consumer)} is not computed in the graph")
-        node = _through_inplace_add(node, reader, vocab)
+        node = through_inplace_add(node, reader, vocab)
         chain.append(node)
         reader = node
         softcap_match = _match_softcap(node)
@@ -379,7 +337,7 @@ def walk_logits(logits: fx.Node, consumer: fx.Node) -> Logits:
         if matches(node, IDENTITY_VIEW):
             node = node.args[0]
             continue
-        bias_match = _match_bias_add(node, vocab)
+        bias_match = match_bias_add(node, vocab)
         if bias_match is not None:
             if bias_add is not None:
                 raise NoMatch("two biases are added to the logits")
@@ -425,7 +383,9 @@ def walk_logits(logits: fx.Node, consumer: fx.Node) -> Logits:
         if bias is not None:
             raise NoMatch(f"{head.name} has a bias and {bias_add[0].name} adds another")
         bias = bias_add[1]
-        _check_added_bias(bias_add[0], bias, chain, compute_dtype, device)
+        why = added_bias_error(bias_add[0], bias, chain, compute_dtype, device)
+        if why:
+            raise NoMatch(why)
     if scale != 1.0 and compute_dtype == torch.float16:
         # Folding the factor into fp16 hidden states could overflow where the fp32 logits would not.
         raise NoMatch("a constant logit scale on fp16 logits cannot be folded safely")
@@ -451,26 +411,6 @@ def _check_as_eager(head: fx.Node, hidden: fx.Node, weight: fx.Node, bias: Optio
                            metas["bias"].dtype if "bias" in metas else None, _autocast_at(head, device.type))
     if why:
         raise NoMatch(why)
-
-
-def _check_added_bias(add: fx.Node, bias: fx.Node, chain: list[fx.Node], compute_dtype: torch.dtype,
-                      device: torch.device) -> None:
-    """A bias added to the head's product is the op's bias where it changes nothing else: the add neither promotes
-    the logits nor moves them (the op adds the bias in the head's dtype), and an add in place updates a tensor that
-    nothing else reads (it would see the bias, or miss it, where the rewrite computes no logits at all)."""
-    bias_meta, logits_meta = example_value(bias), example_value(add)
-    if bias_meta.device != device:
-        raise NoMatch(f"the bias {bias.name} is on {bias_meta.device}, the logits on {device}: eager raises, so the "
-                      "site is left to it")
-    if bias_meta.dtype != compute_dtype or logits_meta.dtype != compute_dtype:
-        raise NoMatch(f"{add.name} adds a {bias_meta.dtype} bias to {compute_dtype} logits (into "
-                      f"{logits_meta.dtype}): only a bias in the head's dtype is fused")
-    if matches(add, INPLACE_ADD):
-        updated = chain[chain.index(add) + 1:]  # the updated tensor back to the head: views of one buffer
-        shared = next((n for n in updated if len(n.users) != 1), None)
-        if shared is not None:
-            others = ", ".join(u.name for u in shared.users if u not in chain)
-            raise NoMatch(f"{add.name} adds the bias in place to {shared.name}, which {others} reads too")
 
 
 def private_chain(chain: list[fx.Node], consumer: fx.Node, allowed: list[fx.Node] = ()) -> list[fx.Node]:
@@ -533,4 +473,4 @@ def branch_path(node: fx.Node, chain: list[fx.Node]) -> list[fx.Node]:
         node = node.args[0]
     vocab = example_value(chain[0]).shape[-1]
     path = chain[: chain.index(node) + 1] + tail[::-1]
-    return [path[0]] + [n for n in path[1:] if _match_bias_add(n, vocab) is None]
+    return [path[0]] + [n for n in path[1:] if match_bias_add(n, vocab) is None]
