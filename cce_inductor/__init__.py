@@ -7,27 +7,23 @@
 * :func:`stats` -- which loss sites were rewritten and why the others were not.
 """
 
-# False while this package is being imported: the CCE_INDUCTOR flag is applied at the end (cce_inductor_autoload).
-_ready = False
-
 from ._version import __version__  # noqa: E402
 from .ops import linear_cross_entropy  # noqa: E402  (registers torch.ops.cce_inductor.*)
 from ._dropped_logits import DroppedLogits  # noqa: E402  (registers torch.ops.cce_inductor.dropped_logits)
 from ._lazy_logits import LazyLogits  # noqa: E402  (registers torch.ops.cce_inductor.lazy_logits)
 from .options import CCEOptions  # noqa: E402
-from .diagnostics import reset_stats, stats  # noqa: E402
-from .graph_pass import CCEGraphPass, disable, enable, is_enabled  # noqa: E402
+from .diagnostics import reset_stats  # noqa: E402
+from .graph_pass import CCEGraphPass, disable, enable, is_enabled, stats  # noqa: E402
 from .backend import backend, make_backend  # noqa: E402
 from . import _compat  # noqa: E402
 from .backend import register_name as _register_name  # noqa: E402
 
 _compat.install()
 _register_name()
-_ready = True
 
-import cce_inductor_autoload as _autoload  # noqa: E402
+from . import _flag  # noqa: E402
 
-_autoload.on_package_import()
+_flag.on_package_import()  # the CCE_INDUCTOR flag, applied once the package is whole
 
 __all__ = [
     "__version__",

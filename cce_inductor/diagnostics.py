@@ -72,8 +72,10 @@ def record(decision: SiteDecision) -> None:
         log.info("cce_inductor: graph %d: left %s alone: %s", decision.graph, decision.node, decision.reason)
 
 
-def stats() -> dict[str, Any]:
-    """Counts over every graph the pass has seen in this process (see :func:`reset_stats`)."""
+def stats(switch: tuple[str, str]) -> dict[str, Any]:
+    """Counts over every graph the pass has seen in this process (see :func:`reset_stats`); ``switch``: whether
+    plain ``torch.compile`` runs the pass, and why (``cce_inductor.graph_pass.describe``, which ``cce_inductor.stats``
+    hands in: the pass sits above this module)."""
     with _lock:
         sites = list(_sites)
         graphs = _graphs
@@ -81,9 +83,7 @@ def stats() -> dict[str, Any]:
         products = dict(_products)
     reasons = collections.Counter(site.reason for site in sites if not site.rewritten)
     rewritten = sum(site.rewritten for site in sites)
-    from .graph_pass import describe  # noqa: PLC0415 - graph_pass imports the passes, which import this module
-
-    switch, switch_line = describe()
+    switch, switch_line = switch
     return {
         "pass": switch_line,
         "graphs": graphs,

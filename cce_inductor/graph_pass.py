@@ -19,7 +19,7 @@ import torch
 import torch._inductor.config as inductor_config
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
-from . import _compat
+from . import _compat, diagnostics
 from ._version import __version__
 from .fx_passes import rewrite_graph
 from .options import CCEOptions, resolve
@@ -68,7 +68,7 @@ def _installed() -> Any:
 
 def _find_ours(hook: Any) -> Optional[Any]:
     """Our pass in the hook, or the pass that refuses every compile where ``CCE_INDUCTOR`` could not be honoured
-    (``cce_inductor_autoload.refuse``): ``enable``, ``disable`` and the backends replace either, keeping its chain."""
+    (``cce_inductor._flag.refuse``): ``enable``, ``disable`` and the backends replace either, keeping its chain."""
     return hook if isinstance(hook, CCEGraphPass) or getattr(hook, "refused", None) else None
 
 
@@ -98,6 +98,12 @@ def disable() -> None:
 
 def is_enabled() -> bool:
     return isinstance(_installed(), CCEGraphPass)
+
+
+def stats() -> dict[str, Any]:
+    """Which loss sites the pass rewrote and why the others were not, the fused ops' executions, and whether plain
+    ``torch.compile`` runs the pass (``stats()["pass"]``); counts over this process (``reset_stats``)."""
+    return diagnostics.stats(describe())
 
 
 def describe() -> tuple[str, str]:

@@ -1,4 +1,5 @@
-"""The ``CCE_INDUCTOR`` flag (``cce_inductor_autoload.py``): on for 1 / true / yes / on (any case), off for 0 / false /
+"""The ``CCE_INDUCTOR`` flag (``cce_inductor/_flag.py``, applied through ``cce_inductor_autoload.py`` at ``import
+torch``): on for 1 / true / yes / on (any case), off for 0 / false /
 no / off / unset, and never silent otherwise: a value that is neither, a bad ``CCE_INDUCTOR_*`` option or a broken
 install warns once at ``import torch`` and makes every ``torch.compile`` raise the reason, which ``stats()`` gives
 too. Also the ways the flag is applied when torch does not apply it: ``import cce_inductor`` before ``import torch``,
@@ -17,7 +18,7 @@ import torch._inductor.config as inductor_config
 import torch.nn.functional as F
 
 import cce_inductor
-import cce_inductor_autoload
+from cce_inductor import _flag
 from tests.support.processes import last_json, run_python, subprocess_env
 
 REPO = Path(__file__).resolve().parents[1]
@@ -177,9 +178,9 @@ def _inputs():
 
 def test_refusing_pass_stops_compiles_until_enable_or_disable(no_inductor_caches, clean_env, restore_hook):
     inductor_config.pre_grad_custom_pass = None
-    refusing = cce_inductor_autoload._refusing_pass("CCE_INDUCTOR='2' is neither on nor off", None)
+    refusing = _flag._refusing_pass("CCE_INDUCTOR='2' is neither on nor off", None)
     inductor_config.pre_grad_custom_pass = refusing
-    assert refusing.uuid() != cce_inductor_autoload._refusing_pass("same", None).uuid()  # caches never skip it
+    assert refusing.uuid() != _flag._refusing_pass("same", None).uuid()  # caches never skip it
     with pytest.raises(torch._dynamo.exc.BackendCompilerFailed, match="CCE_INDUCTOR='2' is neither on nor off"):
         torch.compile(_head_loss)(*_inputs())
     stats = cce_inductor.stats()
