@@ -24,8 +24,10 @@ def autoload() -> None:
     try:
         import cce_inductor  # noqa: F401 - its import applies the flag (cce_inductor/_flag.py)
     except Exception as exc:  # noqa: BLE001 - anything raised here would abort `import torch`
-        _refuse(f"CCE_INDUCTOR={os.environ['CCE_INDUCTOR']!r} is set but cce_inductor could not be enabled "
-                f"({type(exc).__name__}: {exc})")
+        _refuse(
+            f"CCE_INDUCTOR={os.environ['CCE_INDUCTOR']!r} is set but cce_inductor could not be enabled "
+            f"({type(exc).__name__}: {exc})"
+        )
 
 
 def _refuse(reason: str) -> None:
@@ -36,8 +38,10 @@ def _refuse(reason: str) -> None:
     warnings.warn(f"{reason}; every torch.compile raises this until it is fixed", RuntimeWarning, stacklevel=2)
 
     def refusing_pass(graph) -> None:
-        raise RuntimeError(f"cce_inductor: {reason}. torch.compile stops here instead of compiling without the pass "
-                           "that CCE_INDUCTOR asks for: fix the install, or unset CCE_INDUCTOR.")
+        raise RuntimeError(
+            f"cce_inductor: {reason}. torch.compile stops here instead of compiling without the pass "
+            "that CCE_INDUCTOR asks for: fix the install, or unset CCE_INDUCTOR."
+        )
 
     refusing_pass.refused = reason
     try:
@@ -45,5 +49,6 @@ def _refuse(reason: str) -> None:
 
         inductor_config.pre_grad_custom_pass = refusing_pass
     except Exception as exc:  # noqa: BLE001 - a torch without Inductor compiles nothing the pass could see
-        warnings.warn(f"cce_inductor could not stop torch.compile ({type(exc).__name__}: {exc})", RuntimeWarning,
-                      stacklevel=3)
+        warnings.warn(
+            f"cce_inductor could not stop torch.compile ({type(exc).__name__}: {exc})", RuntimeWarning, stacklevel=3
+        )

@@ -1,6 +1,7 @@
 """Helpers shared by benchmarks/vocab_grid.py and benchmarks/full_depth.py: the methods as data, the results file
 (JSON lines, appended as rows finish), the driver that runs one worker process per unit, timing and the pass's
 per-site decisions. Nothing here imports from examples/."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -20,10 +21,19 @@ import torch
 
 # make_backend keywords per method. CCEOptions.path ("auto" | "lean" | "balanced") is being added; until it is
 # there, lean / balanced fall back to the scratch_mb spelling of the same choice (see resolve_methods).
-METHODS = {"default": {}, "lean": {"path": "lean"}, "balanced": {"path": "balanced"},
-           "rowskip": {"path": "lean", "products": "triton"}, "lean_cublas": {"path": "lean", "products": "cublas"}}
-FALLBACK = {"lean": {"scratch_mb": 0}, "balanced": {"scratch_mb": 1024}, "rowskip": {"products": "triton"},
-            "lean_cublas": {"products": "cublas"}}
+METHODS = {
+    "default": {},
+    "lean": {"path": "lean"},
+    "balanced": {"path": "balanced"},
+    "rowskip": {"path": "lean", "products": "triton"},
+    "lean_cublas": {"path": "lean", "products": "cublas"},
+}
+FALLBACK = {
+    "lean": {"scratch_mb": 0},
+    "balanced": {"scratch_mb": 1024},
+    "rowskip": {"products": "triton"},
+    "lean_cublas": {"products": "cublas"},
+}
 
 
 # "balanced_mb<k>": the balanced path with a scratch of k MiB (as many row chunks as that scratch needs), for cells
@@ -57,8 +67,11 @@ def resolve_methods(names=None, quiet=False):
             kw = dict(FALLBACK[name]) if name in FALLBACK else {k: v for k, v in kw.items() if k != "path"}
         out[name] = kw
     if not quiet:
-        how = "CCEOptions.path exists" if has_path else \
-            "CCEOptions has no `path` field: lean/balanced fall back to scratch_mb"
+        how = (
+            "CCEOptions.path exists"
+            if has_path
+            else "CCEOptions has no `path` field: lean/balanced fall back to scratch_mb"
+        )
         print(f"# methods ({how}): " + ", ".join(f"{k}={v}" for k, v in out.items()), flush=True)
     return out
 
@@ -67,9 +80,10 @@ def setup_compile():
     """Inductor's on-disk caches off (a cache hit skips the pass, so stats() would see no site, and a first step
     would not include its compile); room for the recompiles of one process; the global pass off (CCE_INDUCTOR=1)
     so that plain torch.compile stays plain."""
-    import cce_inductor
     import torch._dynamo.config as dyn
     import torch._inductor.config as ind
+
+    import cce_inductor
 
     ind.force_disable_caches = True
     warnings.filterwarnings("ignore", message=".*force disabled by torch.compiler.config.force_disable_caches")
@@ -134,8 +148,10 @@ def fresh_loss(tag, ignore_index=-100):
     compiled code per code object, so two methods compiling one function would share it."""
     import torch.nn.functional as F
 
-    src = (f"def loss_{tag}(e, c, t):\n"
-           f"    return F.cross_entropy(F.linear(e, c).float(), t, ignore_index={ignore_index})\n")
+    src = (
+        f"def loss_{tag}(e, c, t):\n"
+        f"    return F.cross_entropy(F.linear(e, c).float(), t, ignore_index={ignore_index})\n"
+    )
     scope = {"F": F}
     exec(compile(src, f"<benchmark loss_{tag}>", "exec"), scope)
     return scope[f"loss_{tag}"]
@@ -218,10 +234,14 @@ def default_out(name):
 
 
 def header(device, extra=None):
-    h = dict(kind="header", device=torch.cuda.get_device_name() if device == "cuda" else "cpu",
-             torch=torch.__version__, date=datetime.datetime.now().isoformat(timespec="seconds"),
-             command=" ".join(shlex.quote(a) for a in sys.argv),
-             env={k: v for k, v in os.environ.items() if k.startswith(("CCE_INDUCTOR", "TORCHINDUCTOR"))})
+    h = dict(
+        kind="header",
+        device=torch.cuda.get_device_name() if device == "cuda" else "cpu",
+        torch=torch.__version__,
+        date=datetime.datetime.now().isoformat(timespec="seconds"),
+        command=" ".join(shlex.quote(a) for a in sys.argv),
+        env={k: v for k, v in os.environ.items() if k.startswith(("CCE_INDUCTOR", "TORCHINDUCTOR"))},
+    )
     try:
         import triton
 
@@ -356,15 +376,14 @@ def fp32_reference_grads(e, c, t, ignore_index=-100, chunk=1024):
         de = torch.empty(e.shape, dtype=torch.float32, device=e.device)
         dc = torch.zeros(c.shape, dtype=torch.float32, device=e.device)
         for s in range(0, e.shape[0], chunk):
-            e32, tt = e[s:s + chunk].float(), t[s:s + chunk]
+            e32, tt = e[s : s + chunk].float(), t[s : s + chunk]
             grad = torch.softmax(e32 @ c32.T, -1)
             vv = tt != ignore_index
             grad[vv.nonzero()[:, 0], tt[vv]] -= 1.0
             grad *= (vv.float() / count)[:, None]
-            de[s:s + chunk] = grad @ c32
+            de[s : s + chunk] = grad @ c32
             dc += grad.T @ e32
             del grad
         return de, dc
     finally:
         torch.backends.cuda.matmul.allow_tf32 = prev
-

@@ -12,6 +12,7 @@ skipped) under each ``--prod`` tile config (BLOCK_M, BLOCK_N, BLOCK_K, num_warps
 ignored).  Median of CUDA-event timings (``triton.testing.do_bench``); TFLOP/s counts the counted rows only.  The
 Triton products are checked against an fp32 product of the counted rows.  Prints one markdown table.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -41,7 +42,7 @@ def main():
         d, _ = SHAPES[shape]
         gen = torch.Generator(device="cuda").manual_seed(0)
         e = torch.randn(rows, d, device="cuda", generator=gen).bfloat16()
-        c_chunk = torch.randn(width, d, device="cuda", generator=gen).bfloat16() / d ** 0.5
+        c_chunk = torch.randn(width, d, device="cuda", generator=gen).bfloat16() / d**0.5
         grad = (torch.randn(rows, width, device="cuda", generator=gen) * 1e-4).bfloat16()
         de32 = torch.zeros(rows, d, device="cuda")
         dc = torch.empty(width, d, device="cuda", dtype=torch.bfloat16)
@@ -68,17 +69,36 @@ def main():
                 _products._TUNING["gpu"] = {**saved, **dict(zip(PROD_KEYS, map(int, spec.split(","))))}
                 try:
                     de32.zero_()
-                    _products.grad_products(grad, num_counted, c_chunk=c_chunk, de32=de32, row_order=row_order,
-                                            row_poison=poison, accumulate_e=True)
+                    _products.grad_products(
+                        grad,
+                        num_counted,
+                        c_chunk=c_chunk,
+                        de32=de32,
+                        row_order=row_order,
+                        row_poison=poison,
+                        accumulate_e=True,
+                    )
                     err_de = ((de32[row_order[:k]] - ref_de).norm() / ref_de.norm()).item()
-                    _products.grad_products(grad_k, num_counted, e_compact=e_compact, dc_chunk=dc,
-                                            ignored_poison=ignored_zero)
+                    _products.grad_products(
+                        grad_k, num_counted, e_compact=e_compact, dc_chunk=dc, ignored_poison=ignored_zero
+                    )
                     err_dc = ((dc.float() - ref_dc).norm() / ref_dc.norm()).item()
-                    t_e = ms(lambda: _products.grad_products(grad, num_counted, c_chunk=c_chunk, de32=de32,
-                                                             row_order=row_order, row_poison=poison,
-                                                             accumulate_e=True))
-                    t_c = ms(lambda: _products.grad_products(grad_k, num_counted, e_compact=e_compact, dc_chunk=dc,
-                                                             ignored_poison=ignored_zero))
+                    t_e = ms(
+                        lambda: _products.grad_products(
+                            grad,
+                            num_counted,
+                            c_chunk=c_chunk,
+                            de32=de32,
+                            row_order=row_order,
+                            row_poison=poison,
+                            accumulate_e=True,
+                        )
+                    )
+                    t_c = ms(
+                        lambda: _products.grad_products(
+                            grad_k, num_counted, e_compact=e_compact, dc_chunk=dc, ignored_poison=ignored_zero
+                        )
+                    )
                 except Exception as exc:  # noqa: BLE001
                     print(f"{shape} {spec} FAILED {type(exc).__name__}: {str(exc)[:200]}", flush=True)
                     continue

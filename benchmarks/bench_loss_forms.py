@@ -40,6 +40,7 @@ the op is marked "!! PASS ACTIVE"). Every ratio compares methods timed in this p
 Output: per-method lines as the run goes, the JSON (--out, rewritten after each case), and last a table.
 --tiny: CPU shapes, bf16, 1 warm-up + 1 timed step, no memory figures: exercises every code path and check.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -71,8 +72,9 @@ FULL = dict(
     ls_sft=dict(N=8192, seq=2048, heads={"gemma2": (2304, 256000), "llama3": (4096, 128256)}),
     chunked=dict(B=4, T=2048, D=2048, V=128256, prompt=512),
     zloss=dict(N=8192, D=4096, V=128256),
-    hf=dict(hidden=1024, layers=2, heads=16, kv_heads=8, intermediate=4096, vocab=128256, batch=2, seq=2048,
-            prompt=256),
+    hf=dict(
+        hidden=1024, layers=2, heads=16, kv_heads=8, intermediate=4096, vocab=128256, batch=2, seq=2048, prompt=256
+    ),
 )
 TINY = dict(
     grpo=dict(B=2, T=16, D=32, V=512),
@@ -147,8 +149,9 @@ def chunked_loss(hidden, weight, labels):
 def unchunked_loss(hidden, weight, labels):
     """The same loss without chunks: one linear, one cross_entropy over all rows."""
     logits = F.linear(hidden, weight)
-    total = F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), labels.reshape(-1), ignore_index=IGNORE,
-                            reduction="sum")
+    total = F.cross_entropy(
+        logits.reshape(-1, logits.size(-1)).float(), labels.reshape(-1), ignore_index=IGNORE, reduction="sum"
+    )
     return total / (labels != IGNORE).sum()
 
 
@@ -278,14 +281,20 @@ class Bench:
                 self.compile_stats[id(key)] = (st, f"{case} {variant}", key)
             elif id(key) in self.compile_stats:  # reused: the site decisions are those of its compile
                 prior, where, _ = self.compile_stats[id(key)]
-                st = dict(prior, executions=st["executions"],
-                          summary=f"compiled during {where}: {prior['summary']}; reused here, the fused op ran "
-                                  f"{sum(st['executions'].values())} times in this method's steps")
+                st = dict(
+                    prior,
+                    executions=st["executions"],
+                    summary=f"compiled during {where}: {prior['summary']}; reused here, the fused op ran "
+                    f"{sum(st['executions'].values())} times in this method's steps",
+                )
         row.update(rewrite_report(method, steps, expect, st))
         self.rows.append(row)
-        print(f"   {_fmt(row.get('ms'))} ms, peak {_fmt(row.get('peak_mb'), 0)} MB, first call "
-              f"{_fmt(row.get('first_call_s'), 1)} s, loss err {_fmt_e(row.get('loss_err'))}, grad err "
-              f"{_fmt_e(row.get('grad_err'))} ({row.get('grad_err_leaf', '')}); {row['rewrite']}", flush=True)
+        print(
+            f"   {_fmt(row.get('ms'))} ms, peak {_fmt(row.get('peak_mb'), 0)} MB, first call "
+            f"{_fmt(row.get('first_call_s'), 1)} s, loss err {_fmt_e(row.get('loss_err'))}, grad err "
+            f"{_fmt_e(row.get('grad_err'))} ({row.get('grad_err_leaf', '')}); {row['rewrite']}",
+            flush=True,
+        )
         if method != "eager":
             print(f"   stats: {row['stats_summary']}", flush=True)
         if row["rewrite"].startswith("!!"):
@@ -319,9 +328,16 @@ def rewrite_report(method, steps, expect, st):
     """What the pass did (``st``: stats() of this method's steps); loud when it is not what the case intends."""
     calls = st["executions"].get("linear_cross_entropy", 0) + st["executions"].get("vocab_parallel", 0)
     per_step = calls / steps if steps else 0.0
-    rep = dict(sites_rewritten=st["rewritten"], sites_skipped=st["skipped"], graphs=st["graphs"],
-               skip_reasons=st["reasons"], site_reasons=[s["reason"] for s in st["sites"]],
-               executions=st["executions"], fused_calls_per_step=per_step, stats_summary=st["summary"])
+    rep = dict(
+        sites_rewritten=st["rewritten"],
+        sites_skipped=st["skipped"],
+        graphs=st["graphs"],
+        skip_reasons=st["reasons"],
+        site_reasons=[s["reason"] for s in st["sites"]],
+        executions=st["executions"],
+        fused_calls_per_step=per_step,
+        stats_summary=st["summary"],
+    )
     sites = f"{st['rewritten']}/{st['rewritten'] + st['skipped']} sites rewritten, {per_step:g} fused call(s)/step"
     if method != "ours":
         rep["rewrite"] = "pass off" if calls == 0 and st["rewritten"] == 0 else f"!! PASS ACTIVE ({sites})"
@@ -391,13 +407,16 @@ def case_grpo(bench, shapes):
     B, T, D, V = s["B"], s["T"], s["D"], s["V"]
     g = torch.Generator(device=dev).manual_seed(1)
     hidden = bf16_param((B, T, D), dev, seed=2)
-    weight = bf16_param((V, D), dev, scale=D ** -0.5, seed=3)
+    weight = bf16_param((V, D), dev, scale=D**-0.5, seed=3)
     ids = torch.randint(0, V, (B, T), device=dev, generator=g)
     with torch.no_grad():  # old log-probs: this policy's own (fp32, by row blocks) plus noise, so ratios are ~1
         w32 = weight.float()
-        lp = torch.cat([
-            torch.gather((h.float() @ w32.T / TEMPERATURE).log_softmax(-1), -1, i[:, None])[:, 0]
-            for h, i in zip(hidden.detach().reshape(-1, D).split(1024), ids.reshape(-1).split(1024))]).view(B, T)
+        lp = torch.cat(
+            [
+                torch.gather((h.float() @ w32.T / TEMPERATURE).log_softmax(-1), -1, i[:, None])[:, 0]
+                for h, i in zip(hidden.detach().reshape(-1, D).split(1024), ids.reshape(-1).split(1024))
+            ]
+        ).view(B, T)
         old_logps = lp + 0.05 * torch.randn(B, T, device=dev, generator=g)
         del w32, lp
     advantages = torch.randn(B, device=dev, generator=g)
@@ -407,12 +426,28 @@ def case_grpo(bench, shapes):
     leaf_names = ("hidden", "weight")
     ref = make_ref(bench, grpo_loss, inputs, leaf_names)
     variant = f"B{B} T{T} D{D} V{V}"
-    run_loss_methods(bench, "grpo", variant, methods_for(bench, grpo_loss), inputs, leaf_names, ref,
-                     dict(sites=1, reason="token log-probs"))
+    run_loss_methods(
+        bench,
+        "grpo",
+        variant,
+        methods_for(bench, grpo_loss),
+        inputs,
+        leaf_names,
+        ref,
+        dict(sites=1, reason="token log-probs"),
+    )
     bench.free()
     ref = make_ref(bench, grpo_entropy_loss, inputs, leaf_names)
-    run_loss_methods(bench, "grpo", variant + " +entropy", methods_for(bench, grpo_entropy_loss), inputs, leaf_names,
-                     ref, dict(sites=1, reason="entropy and token log-probs"))
+    run_loss_methods(
+        bench,
+        "grpo",
+        variant + " +entropy",
+        methods_for(bench, grpo_entropy_loss),
+        inputs,
+        leaf_names,
+        ref,
+        dict(sites=1, reason="entropy and token log-probs"),
+    )
 
 
 def case_ls_sft(bench, shapes):
@@ -421,7 +456,7 @@ def case_ls_sft(bench, shapes):
     for head, (D, V) in s["heads"].items():
         g = torch.Generator(device=dev).manual_seed(1)
         hidden = bf16_param((N, D), dev, seed=2)
-        weight = bf16_param((V, D), dev, scale=D ** -0.5, seed=3)
+        weight = bf16_param((V, D), dev, scale=D**-0.5, seed=3)
         labels0 = torch.randint(0, V, (N,), device=dev, generator=g)
         prompt = (torch.arange(N, device=dev) % seq) < seq // 2  # the first half of every sequence: a prompt
         labels50 = torch.where(prompt, torch.full_like(labels0, IGNORE), labels0)
@@ -429,8 +464,16 @@ def case_ls_sft(bench, shapes):
         for tag, labels in (("ign50", labels50), ("ign0", labels0)):
             inputs = dict(hidden=hidden, weight=weight, labels=labels)
             ref = make_ref(bench, ls_sft_loss, inputs, ("hidden", "weight"))
-            run_loss_methods(bench, "ls_sft", f"{head} D{D} V{V} N{N} {tag}", fns, inputs, ("hidden", "weight"), ref,
-                             dict(sites=1, reason=f"label_smoothing={LABEL_SMOOTHING}"))
+            run_loss_methods(
+                bench,
+                "ls_sft",
+                f"{head} D{D} V{V} N{N} {tag}",
+                fns,
+                inputs,
+                ("hidden", "weight"),
+                ref,
+                dict(sites=1, reason=f"label_smoothing={LABEL_SMOOTHING}"),
+            )
             del ref
             bench.free()
         del fns, hidden, weight
@@ -443,17 +486,33 @@ def case_chunked(bench, shapes):
     B, T, D, V = s["B"], s["T"], s["D"], s["V"]
     g = torch.Generator(device=dev).manual_seed(1)
     hidden = bf16_param((B, T, D), dev, seed=2)
-    weight = bf16_param((V, D), dev, scale=D ** -0.5, seed=3)
+    weight = bf16_param((V, D), dev, scale=D**-0.5, seed=3)
     labels = torch.randint(0, V, (B, T), device=dev, generator=g)
     labels[:, : s["prompt"]] = IGNORE
     inputs = dict(hidden=hidden, weight=weight, labels=labels)
     leaf_names = ("hidden", "weight")
     ref = make_ref(bench, chunked_loss, inputs, leaf_names)
     variant = f"B{B} T{T} D{D} V{V} {N_CHUNKS} chunks"
-    run_loss_methods(bench, "chunked", variant, methods_for(bench, chunked_loss), inputs, leaf_names, ref,
-                     dict(sites=N_CHUNKS, reason=f"one call with {N_CHUNKS - 1} other chunk(s)", calls_per_step=1))
-    run_loss_methods(bench, "chunked", variant.replace(f"{N_CHUNKS} chunks", "unchunked"),
-                     {"ours": bench.compiled(unchunked_loss, "ours")}, inputs, leaf_names, ref, dict(sites=1))
+    run_loss_methods(
+        bench,
+        "chunked",
+        variant,
+        methods_for(bench, chunked_loss),
+        inputs,
+        leaf_names,
+        ref,
+        dict(sites=N_CHUNKS, reason=f"one call with {N_CHUNKS - 1} other chunk(s)", calls_per_step=1),
+    )
+    run_loss_methods(
+        bench,
+        "chunked",
+        variant.replace(f"{N_CHUNKS} chunks", "unchunked"),
+        {"ours": bench.compiled(unchunked_loss, "ours")},
+        inputs,
+        leaf_names,
+        ref,
+        dict(sites=1),
+    )
     by = {(r["variant"].endswith("unchunked"), r["method"]): r for r in bench.rows if r["case"] == "chunked"}
     ours_c, ours_u, comp_c = by.get((False, "ours")), by.get((True, "ours")), by.get((False, "compile"))
     check = dict(check="chunked ours / unchunked ours (target <= 1.05)")
@@ -472,13 +531,21 @@ def case_zloss(bench, shapes):
     N, D, V = s["N"], s["D"], s["V"]
     g = torch.Generator(device=dev).manual_seed(1)
     hidden = bf16_param((N, D), dev, seed=2)
-    weight = bf16_param((V, D), dev, scale=D ** -0.5, seed=3)
+    weight = bf16_param((V, D), dev, scale=D**-0.5, seed=3)
     labels = torch.randint(0, V, (N,), device=dev, generator=g)
     inputs = dict(hidden=hidden, weight=weight, labels=labels)
     leaf_names = ("hidden", "weight")
     ref = make_ref(bench, zloss_loss, inputs, leaf_names)
-    run_loss_methods(bench, "zloss", f"llama3 D{D} V{V} N{N}", methods_for(bench, zloss_loss), inputs, leaf_names,
-                     ref, dict(sites=1, reason="log-sum-exp reused"))
+    run_loss_methods(
+        bench,
+        "zloss",
+        f"llama3 D{D} V{V} N{N}",
+        methods_for(bench, zloss_loss),
+        inputs,
+        leaf_names,
+        ref,
+        dict(sites=1, reason="log-sum-exp reused"),
+    )
 
 
 def hf_loss(model, input_ids, labels):
@@ -490,14 +557,28 @@ def case_hf(bench, shapes):
         import transformers
     except ImportError:
         print("hf: skipped: transformers not installed", flush=True)
-        bench.rows.append(dict(case="hf", variant="-", method="-", skipped="transformers not installed",
-                               rewrite="skipped: transformers not installed"))
+        bench.rows.append(
+            dict(
+                case="hf",
+                variant="-",
+                method="-",
+                skipped="transformers not installed",
+                rewrite="skipped: transformers not installed",
+            )
+        )
         return
     s, dev = shapes["hf"], bench.args.device
     config = transformers.LlamaConfig(
-        vocab_size=s["vocab"], hidden_size=s["hidden"], intermediate_size=s["intermediate"],
-        num_hidden_layers=s["layers"], num_attention_heads=s["heads"], num_key_value_heads=s["kv_heads"],
-        max_position_embeddings=s["seq"], pad_token_id=0, bos_token_id=1, eos_token_id=2,
+        vocab_size=s["vocab"],
+        hidden_size=s["hidden"],
+        intermediate_size=s["intermediate"],
+        num_hidden_layers=s["layers"],
+        num_attention_heads=s["heads"],
+        num_key_value_heads=s["kv_heads"],
+        max_position_embeddings=s["seq"],
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
     )
     torch.manual_seed(0)
     with torch.device(dev):
@@ -514,11 +595,12 @@ def case_hf(bench, shapes):
     bench.free()
 
     leaves = dict(model.named_parameters())
-    variant = (f"Llama h{s['hidden']} L{s['layers']} V{s['vocab']} {s['batch']}x{s['seq']}")
+    variant = f"Llama h{s['hidden']} L{s['layers']} V{s['vocab']} {s['batch']}x{s['seq']}"
     for method in bench.args.methods:
         fn = bench.compiled(model, method, drop_logits=True)
-        bench.measure("hf", variant, method, functools.partial(hf_loss, fn, input_ids, labels), leaves, ref,
-                      dict(sites=1), key=fn)
+        bench.measure(
+            "hf", variant, method, functools.partial(hf_loss, fn, input_ids, labels), leaves, ref, dict(sites=1), key=fn
+        )
         del fn
         bench.free()
 
@@ -544,20 +626,26 @@ def add_ratios(rows):
 
 def print_table(rows, checks):
     print()
-    print("| case | variant | method | ms | peak MB | time x compile | peak x compile | loss err | grad err | rewrite |")
+    print(
+        "| case | variant | method | ms | peak MB | time x compile | peak x compile | loss err | grad err | rewrite |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         status = r.get("error") and f"FAILED {r['error'][:80]}" or r.get("rewrite", "")
         if r.get("error") and r.get("rewrite", "").startswith("!!"):
             status += f"; {r['rewrite']}"
-        print(f"| {r['case']} | {r['variant']} | {r['method']} | {_fmt(r.get('ms'))} | {_fmt(r.get('peak_mb'), 0)} | "
-              f"{_fmt(r.get('time_vs_compile'))} | {_fmt(r.get('peak_vs_compile'))} | {_fmt_e(r.get('loss_err'))} | "
-              f"{_fmt_e(r.get('grad_err'))} | {status} |")
+        print(
+            f"| {r['case']} | {r['variant']} | {r['method']} | {_fmt(r.get('ms'))} | {_fmt(r.get('peak_mb'), 0)} | "
+            f"{_fmt(r.get('time_vs_compile'))} | {_fmt(r.get('peak_vs_compile'))} | {_fmt_e(r.get('loss_err'))} | "
+            f"{_fmt_e(r.get('grad_err'))} | {status} |"
+        )
     for c in checks:
         if "time_ratio" in c:
-            print(f"{c['check']}: time {c['time_ratio']:.3f}x ({'met' if c['met'] else 'NOT MET'}), peak "
-                  f"{_fmt(c.get('peak_ratio'), 3)}x; ours chunked / compile chunked: "
-                  f"{_fmt(c.get('ours_chunked_vs_compile_chunked'), 3)}x")
+            print(
+                f"{c['check']}: time {c['time_ratio']:.3f}x ({'met' if c['met'] else 'NOT MET'}), peak "
+                f"{_fmt(c.get('peak_ratio'), 3)}x; ours chunked / compile chunked: "
+                f"{_fmt(c.get('ours_chunked_vs_compile_chunked'), 3)}x"
+            )
         else:
             print(f"{c['check']}: not measured (a method failed)")
     bad = [r for r in rows if r.get("rewrite", "").startswith("!!") or r.get("error")]
@@ -565,16 +653,24 @@ def print_table(rows, checks):
 
 
 def header(args):
-    h = dict(script="benchmarks/bench_loss_forms.py", torch=torch.__version__, cce_inductor=cce_inductor.__version__,
-             python=sys.version.split()[0], device=args.device, time=time.strftime("%Y-%m-%d %H:%M:%S"),
-             settings={k: v for k, v in vars(args).items()})
+    h = dict(
+        script="benchmarks/bench_loss_forms.py",
+        torch=torch.__version__,
+        cce_inductor=cce_inductor.__version__,
+        python=sys.version.split()[0],
+        device=args.device,
+        time=time.strftime("%Y-%m-%d %H:%M:%S"),
+        settings={k: v for k, v in vars(args).items()},
+    )
     if args.device == "cuda":
         from cce_inductor import _dispatch
+
         h["gpu"] = torch.cuda.get_device_name()
         kernels = _dispatch.triton_kernels()
         h["op_path"] = "triton kernels" if kernels is not None else "!! chunked PyTorch (Triton unavailable)"
         try:
             import triton
+
             h["triton"] = triton.__version__
         except ImportError:
             h["triton"] = None
@@ -631,8 +727,18 @@ def main(argv=None):
         add_ratios(bench.rows)
         if args.out:
             with open(args.out, "w") as fh:
-                json.dump(dict(head, case_seconds=case_times, case_errors=bench.case_errors, checks=bench.checks,
-                               rows=bench.rows), fh, indent=1, default=str)
+                json.dump(
+                    dict(
+                        head,
+                        case_seconds=case_times,
+                        case_errors=bench.case_errors,
+                        checks=bench.checks,
+                        rows=bench.rows,
+                    ),
+                    fh,
+                    indent=1,
+                    default=str,
+                )
 
     for case in args.cases:
         t0 = time.perf_counter()

@@ -52,7 +52,8 @@ forward ms, backward ms (given that forward), the backward's peak memory, gradie
 "k=v,k=v" with
     exact=0|1, products=cublas|triton, backward_row_chunk=N     CCEOptions fields (over --config's)
     fwd.KEY=N, bwd.KEY=N, prod.KEY=N, lean.KEY=N                _TUNING overrides of kernels/_forward.py,
-        _backward.py, _products.py (lean: cce_inductor._planning.LEAN_LAYOUT), e.g. fwd.block_v=128, lean.block_cols=4096, prod.BLOCK_K=32: the entry in
+        _backward.py, _products.py (lean: cce_inductor._planning.LEAN_LAYOUT), e.g. fwd.block_v=128,
+        lean.block_cols=4096, prod.BLOCK_K=32: the entry in
         use ("gpu"; "interpret" under TRITON_INTERPRET=1) is replaced for that config and restored after
     need_e=0|1, need_c=0|1, fwd_only=0|1                        sweep only: what the backward computes
 Output: a "# device ..." header; per case a "## shape N= D= V= regime=" line with the statistics (and for `real` a
@@ -66,6 +67,7 @@ real_text.TINY (20 steps, also bounded by --real-seconds).  On CPU every cce met
 path (its options change nothing there); with --direct or --sweep the Triton kernels run in the interpreter
 (the script sets TRITON_INTERPRET=1).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -114,6 +116,7 @@ REAL_DEFAULTS = dict(real_seconds=90.0, real_vocab=65536, real_dim=2048)
 
 def _kernels():
     from cce_inductor import kernels  # imports Triton; TRITON_INTERPRET must be set before (--tiny does it)
+
     return kernels
 
 
@@ -125,7 +128,7 @@ def _build_e(c, toks, alpha):
     n, k_max = toks.shape
     e = torch.zeros(n, c.shape[1], device=c.device, dtype=torch.float32)
     for k in range(k_max):
-        e += alpha[:, k:k + 1] * c[toks[:, k]].float()
+        e += alpha[:, k : k + 1] * c[toks[:, k]].float()
     return e
 
 
@@ -154,9 +157,12 @@ def make_data(n, d, v, base, device, seed=0, dtype=torch.bfloat16):
         else:
             raise ValueError(base)
         # k distinct plausible tokens per row, drawn from the popularity without replacement (in chunks)
-        toks = torch.cat([
-            torch.multinomial(popularity.expand(min(1024, n - s), v), k, replacement=False, generator=g)
-            for s in range(0, n, 1024)])
+        toks = torch.cat(
+            [
+                torch.multinomial(popularity.expand(min(1024, n - s), v), k, replacement=False, generator=g)
+                for s in range(0, n, 1024)
+            ]
+        )
         e32 = _build_e(c32, toks, alpha)
         # target: one of the row's plausible tokens, chosen with probability ~ softmax(alpha)
         pick = torch.multinomial(torch.softmax(alpha.masked_fill(alpha == 0, -1e4), -1), 1, generator=g)[:, 0]
@@ -197,8 +203,10 @@ def real_head(args):
         if args.real_cache and os.path.exists(args.real_cache):
             cached = torch.load(args.real_cache, map_location="cpu")
             if cached.get("key") != key:
-                print(f"# --real-cache {args.real_cache} holds other settings ({cached.get('key')}); retraining",
-                      flush=True)
+                print(
+                    f"# --real-cache {args.real_cache} holds other settings ({cached.get('key')}); retraining",
+                    flush=True,
+                )
                 cached = None
         if cached is not None:
             source = f"cache {args.real_cache}"
@@ -233,6 +241,7 @@ def regime_stats(e, c, t, rows):
 def _fmt_stats(stats):
     def num(x):
         return f"{x:.4g}" if isinstance(x, float) else str(x)
+
     return " ".join(f"{k}={num(v)}" for k, v in stats.items())
 
 
@@ -277,6 +286,7 @@ def case_data(args, case):
 def parse_config(text):
     """``"k=v,..."`` -> (CCEOptions fields, {(prefix, key): int} _TUNING overrides, sweep knobs)."""
     from cce_inductor import CCEOptions
+
     kinds = {f.name: f.type for f in dataclasses.fields(CCEOptions)}
     fields, tuning, knobs = {}, {}, {}
     for item in filter(None, (s.strip() for s in text.split(","))):
@@ -294,8 +304,10 @@ def parse_config(text):
             kind = str(kinds[key])
             fields[key] = bool(int(raw)) if kind == "bool" else int(raw) if kind == "int" else raw
         else:
-            raise SystemExit(f"unknown config key {key!r}: CCEOptions fields {[k for k in kinds if k != 'drop_logits']}, "
-                             f"tuning prefix.KEY ({', '.join(TUNING_FILES)}), sweep knobs {list(SWEEP_KNOBS)}")
+            raise SystemExit(
+                f"unknown config key {key!r}: CCEOptions fields {[k for k in kinds if k != 'drop_logits']}, "
+                f"tuning prefix.KEY ({', '.join(TUNING_FILES)}), sweep knobs {list(SWEEP_KNOBS)}"
+            )
     return fields, tuning, knobs
 
 
@@ -333,9 +345,15 @@ def kernels_backward(e, c, t, lse, grad_rows, options, **kwargs):
 
     K = _kernels()
     products = "triton" if options.products == "triton" else "cublas"
-    plan = _planning.backward_plan(e.shape[0], c.shape[0], e.dtype, exact=options.exact, products=products,
-                                   backward_row_chunk=options.backward_row_chunk,
-                                   row_skipping=K.row_skipping_ok(e, c, options.exact))
+    plan = _planning.backward_plan(
+        e.shape[0],
+        c.shape[0],
+        e.dtype,
+        exact=options.exact,
+        products=products,
+        backward_row_chunk=options.backward_row_chunk,
+        row_skipping=K.row_skipping_ok(e, c, options.exact),
+    )
     return K.backward(e, c, t, None, lse, grad_rows, softcap=None, ignore_index=IGNORE, **plan._asdict(), **kwargs)
 
 
@@ -380,8 +398,17 @@ class _DirectCCE(torch.autograd.Function):
     def backward(ctx, grad):
         e, c, t, lse, count = ctx.saved_tensors
         grad_rows = (t != IGNORE).float() * (grad / count)
-        de, dc, _ = kernels_backward(e, c, t, lse, grad_rows, ctx.options, need_e=ctx.needs_input_grad[0],
-                                     need_c=ctx.needs_input_grad[1], need_bias=False)
+        de, dc, _ = kernels_backward(
+            e,
+            c,
+            t,
+            lse,
+            grad_rows,
+            ctx.options,
+            need_e=ctx.needs_input_grad[0],
+            need_c=ctx.needs_input_grad[1],
+            need_bias=False,
+        )
         return de, dc, None, None
 
 
@@ -389,6 +416,7 @@ def cce_fn(options, direct):
     if direct:
         return lambda e, c, t: _DirectCCE.apply(e, c, t, options)
     from cce_inductor import linear_cross_entropy
+
     return lambda e, c, t: linear_cross_entropy(e, c, t, ignore_index=IGNORE, options=options)
 
 
@@ -405,8 +433,10 @@ def bench(fn, args, grad_to_none=None):
     for --rep ms (3 to 50)."""
     if args.device == "cuda":
         import triton
-        return triton.testing.do_bench(fn, warmup=args.warmup, rep=args.rep, grad_to_none=grad_to_none,
-                                       return_mode="median")
+
+        return triton.testing.do_bench(
+            fn, warmup=args.warmup, rep=args.rep, grad_to_none=grad_to_none, return_mode="median"
+        )
     times, start = [], time.perf_counter()
     for i in range(51):
         for x in grad_to_none or ():
@@ -423,9 +453,11 @@ def bench(fn, args, grad_to_none=None):
 def measure(fn, e, c, t, mode, args):
     cuda = args.device == "cuda"
     if mode == "fwd":
+
         def run():
             with torch.no_grad():
                 return fn(e, c, t)
+
         grads = None
     else:
         e.requires_grad_(True)
@@ -435,6 +467,7 @@ def measure(fn, e, c, t, mode, args):
             loss = fn(e, c, t)
             loss.backward()
             return loss
+
         grads = [e, c]
     try:
         out = run()  # compile / warm up
@@ -496,23 +529,31 @@ def sweep(args, base_options):
             row = dict(shape=shape, regime=regime, config=text, options=dataclasses.asdict(options), matmul_ms=mm)
             try:
                 with tuning_overrides(tuning):
+
                     def fwd():
                         return K.forward(e, c, t, None, softcap=None, ignore_index=IGNORE)
+
                     lse = fwd().lse
                     row["fwd_ms"] = f_ms = bench(fwd, args)
                     line = f"  {text:60s} fwd {f_ms:7.2f} ms ({f_ms / mm:.2f}x mm)"
                     if not knobs.get("fwd_only", False):
+
                         def bwd():
-                            return kernels_backward(e, c, t, lse, grad_rows, options, need_e=need_e, need_c=need_c,
-                                                    need_bias=False)
+                            return kernels_backward(
+                                e, c, t, lse, grad_rows, options, need_e=need_e, need_c=need_c, need_bias=False
+                            )
+
                         sync(args.device)
                         if args.device == "cuda":
                             torch.cuda.reset_peak_memory_stats()
                             base = torch.cuda.memory_allocated()
                         de, dc, _ = bwd()
                         sync(args.device)
-                        b_mb = (torch.cuda.max_memory_allocated() - base) / 2**20 if args.device == "cuda" \
+                        b_mb = (
+                            (torch.cuda.max_memory_allocated() - base) / 2**20
+                            if args.device == "cuda"
                             else float("nan")
+                        )
                         row["bwd_ms"] = b_ms = bench(bwd, args)
                         row["bwd_mb"] = b_mb
                         line += f" bwd {b_ms:7.2f} ms total {f_ms + b_ms:7.2f} bwd peak {b_mb:7.0f} MB"
@@ -539,37 +580,54 @@ def sweep(args, base_options):
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", default=None, help=f"comma-separated of {', '.join(SHAPES)} (default gemma2)")
-    ap.add_argument("--regimes", default=None,
-                    help="comma-separated of flat, lm, mixed, real, each also *_ign50 (default flat,lm,mixed,lm_ign50)")
-    ap.add_argument("--methods", default=None, help=f"comma-separated of {', '.join(METHODS)} "
-                    "(default matmul,eager,compile,cce,cce_exact)")
+    ap.add_argument(
+        "--regimes",
+        default=None,
+        help="comma-separated of flat, lm, mixed, real, each also *_ign50 (default flat,lm,mixed,lm_ign50)",
+    )
+    ap.add_argument(
+        "--methods",
+        default=None,
+        help=f"comma-separated of {', '.join(METHODS)} (default matmul,eager,compile,cce,cce_exact)",
+    )
     ap.add_argument("--modes", default="fwd,fwdbwd")
     ap.add_argument("--n", type=int, default=None, help="rows (tokens) per case (default 8192)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--direct", action="store_true", help="call cce_inductor.kernels directly, not the custom op")
     ap.add_argument("--check", action="store_true", help="gradient errors against an fp32 reference")
-    ap.add_argument("--config", default="",
-                    help="CCEOptions fields and _TUNING overrides for the whole run, e.g. "
-                         "backward_row_chunk=4096,lean.block_cols=4096,fwd.block_v=128")
+    ap.add_argument(
+        "--config",
+        default="",
+        help="CCEOptions fields and _TUNING overrides for the whole run, e.g. "
+        "backward_row_chunk=4096,lean.block_cols=4096,fwd.block_v=128",
+    )
     ap.add_argument("--sweep", default="", help='";"-separated configs: time the kernels directly under each')
     ap.add_argument("--stats-rows", type=int, default=0, help="counted rows for the softmax statistics (0: all)")
     ap.add_argument("--warmup", type=int, default=25, help="do_bench warm-up (ms)")
     ap.add_argument("--rep", type=int, default=None, help="do_bench repetitions (ms; default 100, --tiny 50)")
-    ap.add_argument("--profile", action="store_true",
-                    help="per method with gradients: one fwd+bwd under torch.profiler, the per-kernel time breakdown")
+    ap.add_argument(
+        "--profile",
+        action="store_true",
+        help="per method with gradients: one fwd+bwd under torch.profiler, the per-kernel time breakdown",
+    )
     ap.add_argument("--json", default="", help="write the rows, cases and settings here")
     ap.add_argument("--tiny", action="store_true", help="CPU smoke run: tiny shapes, chunked path (< 1 minute)")
     real = ap.add_argument_group("real text", "the `real` regime's head (benchmarks/real_text.py)")
     real.add_argument("--real-seconds", type=float, default=None, help="training budget in seconds (default 90)")
     real.add_argument("--real-vocab", type=int, default=None, help="BPE vocabulary size V (default 65536)")
     real.add_argument("--real-dim", type=int, default=None, help="model width D (default 2048)")
-    real.add_argument("--real-cache", default="",
-                      help="torch.save the trained head here; a later run with the same settings loads it")
+    real.add_argument(
+        "--real-cache", default="", help="torch.save the trained head here; a later run with the same settings loads it"
+    )
     args = ap.parse_args(argv)
     tiny = args.tiny
-    defaults = dict(shapes="tiny" if tiny else "gemma2", regimes="lm,lm_ign50" if tiny else "flat,lm,mixed,lm_ign50",
-                    methods="cce" if tiny else "matmul,eager,compile,cce,cce_exact", n=256 if tiny else 8192,
-                    rep=50 if tiny else 100)
+    defaults = dict(
+        shapes="tiny" if tiny else "gemma2",
+        regimes="lm,lm_ign50" if tiny else "flat,lm,mixed,lm_ign50",
+        methods="cce" if tiny else "matmul,eager,compile,cce,cce_exact",
+        n=256 if tiny else 8192,
+        rep=50 if tiny else 100,
+    )
     for key, value in defaults.items():
         if getattr(args, key) is None:
             setattr(args, key, value)
@@ -589,11 +647,13 @@ def main(argv=None):
     if args.device == "cpu" and uses_kernels:
         os.environ.setdefault("TRITON_INTERPRET", "1")  # before cce_inductor.kernels is imported
         if os.environ["TRITON_INTERPRET"] != "1":
-            raise SystemExit("--tiny with --direct / --sweep runs the kernels in the Triton interpreter: "
-                             "TRITON_INTERPRET=1")
+            raise SystemExit(
+                "--tiny with --direct / --sweep runs the kernels in the Triton interpreter: TRITON_INTERPRET=1"
+            )
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("no CUDA device: use --tiny for a CPU smoke run")
     from cce_inductor import CCEOptions
+
     fields, tuning, knobs = parse_config(args.config)
     if knobs:
         raise SystemExit(f"{list(knobs)} are sweep-only keys")
@@ -601,11 +661,15 @@ def main(argv=None):
     with contextlib.ExitStack() as stack:
         if tuning:
             stack.enter_context(tuning_overrides(tuning))
-        header = dict(device=torch.cuda.get_device_name() if args.device == "cuda" else "cpu", torch=torch.__version__,
-                      path="direct kernels" if args.direct or args.sweep else "cce_inductor.linear_cross_entropy",
-                      base_options=dataclasses.asdict(base_options))
+        header = dict(
+            device=torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
+            torch=torch.__version__,
+            path="direct kernels" if args.direct or args.sweep else "cce_inductor.linear_cross_entropy",
+            base_options=dataclasses.asdict(base_options),
+        )
         if uses_kernels:
             import triton
+
             header.update(triton=triton.__version__, tuning=tuning_in_use(), interpret=_kernels().INTERPRET)
         else:
             header.update(path="cce_inductor.linear_cross_entropy (chunked PyTorch on the CPU)")
@@ -689,12 +753,27 @@ def run_methods(args, base_options):
         for (m, mode), r in results.items():
             comp = results.get(("compile", mode))
             mm = matmul_ms.get((n, d, v))
-            rows.append(dict(shape=shape, regime=regime, n=n, d=d, v=v, method=m, mode=mode, ms=r["ms"], mb=r["mb"],
-                             vs_compile=r["ms"] / comp["ms"] if comp else None,
-                             vs_matmul=r["ms"] / mm if mm else None,
-                             mb_vs_lower_bound=(r["mb"] / lower_bound_mb) if mode == "fwdbwd" else None,
-                             err_de=r.get("err_de"), err_dc=r.get("err_dc"), error=r.get("error"), stats=stats,
-                             kernels=r.get("kernels")))
+            rows.append(
+                dict(
+                    shape=shape,
+                    regime=regime,
+                    n=n,
+                    d=d,
+                    v=v,
+                    method=m,
+                    mode=mode,
+                    ms=r["ms"],
+                    mb=r["mb"],
+                    vs_compile=r["ms"] / comp["ms"] if comp else None,
+                    vs_matmul=r["ms"] / mm if mm else None,
+                    mb_vs_lower_bound=(r["mb"] / lower_bound_mb) if mode == "fwdbwd" else None,
+                    err_de=r.get("err_de"),
+                    err_dc=r.get("err_dc"),
+                    error=r.get("error"),
+                    stats=stats,
+                    kernels=r.get("kernels"),
+                )
+            )
         e = c = t = ref = None  # free the case before the next one
     return rows, cases
 
@@ -729,9 +808,11 @@ def print_table(rows):
     f = lambda x, p=2: "" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.{p}f}"  # noqa: E731
     g = lambda x: "" if x is None else f"{x:.1e}"  # noqa: E731
     for r in rows:
-        print(f"| {r['shape']} | {r['regime']} | {r['method']} | {r['mode']} | {f(r['ms'])} | {f(r['mb'], 0)} | "
-              f"{f(r['vs_compile'])} | {f(r['vs_matmul'])} | {f(r['mb_vs_lower_bound'], 3)} | {g(r['err_de'])} | "
-              f"{g(r['err_dc'])} |")
+        print(
+            f"| {r['shape']} | {r['regime']} | {r['method']} | {r['mode']} | {f(r['ms'])} | {f(r['mb'], 0)} | "
+            f"{f(r['vs_compile'])} | {f(r['vs_matmul'])} | {f(r['mb_vs_lower_bound'], 3)} | {g(r['err_de'])} | "
+            f"{g(r['err_dc'])} |"
+        )
 
 
 if __name__ == "__main__":

@@ -316,9 +316,12 @@ def _rel(a, b) -> float:
 
 def _stats_summary(stats):
     return dict(
-        graphs=stats["graphs"], rewritten=stats["rewritten"], skipped=stats["skipped"],
-        reasons=stats["reasons"], summary=stats.get("summary"),
-    )  # fmt: skip
+        graphs=stats["graphs"],
+        rewritten=stats["rewritten"],
+        skipped=stats["skipped"],
+        reasons=stats["reasons"],
+        summary=stats.get("summary"),
+    )
 
 
 def _no_graph_caches():
@@ -395,14 +398,19 @@ def fsdp_variant(ctx: Ctx, variant: str, entry: dict) -> None:
     per_rank = ctx.gather([statistics.median(times), peak, static])
     all_losses = ctx.gather(losses)  # [rank][step]; the same count on every rank
     entry.update(
-        tokens_per_rank=args.batch * args.seq, warmup=done_warmup, timed_steps=len(times),
-        step_ms=_max(r[0] for r in per_rank), step_ms_per_rank=[r[0] for r in per_rank],
+        tokens_per_rank=args.batch * args.seq,
+        warmup=done_warmup,
+        timed_steps=len(times),
+        step_ms=_max(r[0] for r in per_rank),
+        step_ms_per_rank=[r[0] for r in per_rank],
         step_ms_all_rank0=[round(t, 2) for t in times] if ctx.rank == 0 else None,
-        peak_mib=_max(r[1] for r in per_rank), peak_mib_per_rank=[r[1] for r in per_rank],
+        peak_mib=_max(r[1] for r in per_rank),
+        peak_mib_per_rank=[r[1] for r in per_rank],
         static_mib_per_rank=[r[2] for r in per_rank],
-        losses_per_rank=all_losses, losses_mean=[sum(s) / len(s) for s in zip(*all_losses)],
-    )  # fmt: skip
-    del compiled, model, optim, step
+        losses_per_rank=all_losses,
+        losses_mean=[sum(s) / len(s) for s in zip(*all_losses)],
+    )
+    compiled = model = optim = step = None
     torch._dynamo.reset()
 
 
@@ -417,11 +425,14 @@ def fsdp_compare(ctx: Ctx) -> None:
     rels = [abs(x - y) / max(abs(y), 1e-30) for ra, rb in zip(la, lb) for x, y in zip(ra[:n], rb[:n])]
     first = [abs(ra[0] - rb[0]) for ra, rb in zip(la, lb)]
     res["comparison"] = dict(
-        steps_compared=n, loss_max_abs_diff=max(diffs), loss_max_rel_diff=max(rels), first_step_abs_diff=max(first),
+        steps_compared=n,
+        loss_max_abs_diff=max(diffs),
+        loss_max_rel_diff=max(rels),
+        first_step_abs_diff=max(first),
         peak_ratio_cce_over_inductor=(b["peak_mib"] / a["peak_mib"]) if a.get("peak_mib") else None,
         peak_saved_mib=(a["peak_mib"] - b["peak_mib"]) if a.get("peak_mib") is not None else None,
         step_time_ratio_cce_over_inductor=b["step_ms"] / a["step_ms"],
-    )  # fmt: skip
+    )
     ctx.log(f"fsdp comparison: {json.dumps(res['comparison'])}")
     ctx.save()
 
@@ -512,14 +523,19 @@ class TPBench:
         rel = ctx.gather([_rel(a, b) for a, b in zip(got, self.ref)])
         stats = cce_inductor.stats()
         entry.update(
-            loss=got[0].item(), ref_loss=self.ref[0].item(),
-            loss_rel_diff=_max(r[0] for r in rel), dE_rel_diff=_max(r[1] for r in rel),
+            loss=got[0].item(),
+            ref_loss=self.ref[0].item(),
+            loss_rel_diff=_max(r[0] for r in rel),
+            dE_rel_diff=_max(r[1] for r in rel),
             dC_shard_rel_diff=_max(r[2] for r in rel),
-        )  # fmt: skip
+        )
         if stats["graphs"]:
             entry.update(_stats_summary(stats))
-        ctx.log(f"tp/{name}: first call {entry['first_call_s']} s; vs eager loss_parallel: loss {entry['loss_rel_diff']:.2e}"
-                f" dE {entry['dE_rel_diff']:.2e} dC {entry['dC_shard_rel_diff']:.2e}; rewritten {stats['rewritten']}")
+        ctx.log(
+            f"tp/{name}: first call {entry['first_call_s']} s; vs eager loss_parallel: "
+            f"loss {entry['loss_rel_diff']:.2e}"
+            f" dE {entry['dE_rel_diff']:.2e} dC {entry['dC_shard_rel_diff']:.2e}; rewritten {stats['rewritten']}"
+        )
         del got
         self.clear()
         ctx.free()
@@ -532,12 +548,20 @@ class TPBench:
         self.clear()
         per_rank = ctx.gather([statistics.median(times), above])
         entry.update(
-            tokens=args.tokens, vocab=args.vocab, dim=args.dim, warmup=done_warmup, timed_steps=len(times),
-            fwd_bwd_ms=_max(r[0] for r in per_rank), fwd_bwd_ms_per_rank=[r[0] for r in per_rank],
-            peak_above_inputs_mib=_max(r[1] for r in per_rank), peak_above_inputs_mib_per_rank=[r[1] for r in per_rank],
-        )  # fmt: skip
-        ctx.log(f"tp/{name}: {entry['fwd_bwd_ms']:.2f} ms fwd+bwd, "
-                f"peak above inputs {_fmt(entry['peak_above_inputs_mib'], '.0f')} MiB")
+            tokens=args.tokens,
+            vocab=args.vocab,
+            dim=args.dim,
+            warmup=done_warmup,
+            timed_steps=len(times),
+            fwd_bwd_ms=_max(r[0] for r in per_rank),
+            fwd_bwd_ms_per_rank=[r[0] for r in per_rank],
+            peak_above_inputs_mib=_max(r[1] for r in per_rank),
+            peak_above_inputs_mib_per_rank=[r[1] for r in per_rank],
+        )
+        ctx.log(
+            f"tp/{name}: {entry['fwd_bwd_ms']:.2f} ms fwd+bwd, "
+            f"peak above inputs {_fmt(entry['peak_above_inputs_mib'], '.0f')} MiB"
+        )
 
 
 def tp_variants(ctx: Ctx, names: list[str]) -> None:
@@ -571,7 +595,7 @@ def tp_variants(ctx: Ctx, names: list[str]) -> None:
             entry["error"] = f"setup: {setup_status}"
             continue
         run_variant(ctx, "tp", name, lambda entry, name=name: bench.measure(name, make_fn(name), entry))
-    del bench, holder
+    bench = holder = None
     torch._dynamo.reset()
     ctx.free()
 
@@ -591,7 +615,9 @@ def print_table(ctx: Ctx) -> None:
     res = ctx.results
     unit = "" if ctx.device.type == "cuda" else " (CPU: no memory figures)"
     lines = ["", f"== distributed_bench: world {ctx.world}, {res['meta'].get('device_name')}{unit} =="]
-    lines.append(f"{'part':5} {'variant':24} {'status':17} {'ms/step':>9} {'n':>3} {'peak MiB':>9} {'rewritten':>9}  agreement")
+    lines.append(
+        f"{'part':5} {'variant':24} {'status':17} {'ms/step':>9} {'n':>3} {'peak MiB':>9} {'rewritten':>9}  agreement"
+    )
     for name in ("inductor", "cce"):
         e = res["fsdp"].get(name)
         if e is None:
@@ -600,8 +626,10 @@ def print_table(ctx: Ctx) -> None:
         agree = ""
         if name == "cce" and "comparison" in res["fsdp"]:
             c = res["fsdp"]["comparison"]
-            agree = (f"loss vs inductor over {c['steps_compared']} steps: max|d| {c['loss_max_abs_diff']:.2e} "
-                     f"(rel {c['loss_max_rel_diff']:.1e})")
+            agree = (
+                f"loss vs inductor over {c['steps_compared']} steps: max|d| {c['loss_max_abs_diff']:.2e} "
+                f"(rel {c['loss_max_rel_diff']:.1e})"
+            )
         lines.append(
             f"{'fsdp':5} {name:24} {e.get('status', '?'):17} {_fmt(e.get('step_ms') if ok else None):>9} "
             f"{_fmt(e.get('timed_steps') if ok else None, 'd'):>3} "
@@ -615,8 +643,10 @@ def print_table(ctx: Ctx) -> None:
         ok = e.get("status") == "ok"
         agree = ""
         if ok and name != "loss_parallel":
-            agree = (f"vs loss_parallel rel: loss {e['loss_rel_diff']:.1e} dE {e['dE_rel_diff']:.1e} "
-                     f"dC {e['dC_shard_rel_diff']:.1e}")
+            agree = (
+                f"vs loss_parallel rel: loss {e['loss_rel_diff']:.1e} dE {e['dE_rel_diff']:.1e} "
+                f"dC {e['dC_shard_rel_diff']:.1e}"
+            )
         rw = str(e.get("rewritten", "-")) if ok else "-"
         lines.append(
             f"{'tp':5} {name:24} {e.get('status', '?'):17} {_fmt(e.get('fwd_bwd_ms') if ok else None, '.2f'):>9} "
@@ -625,10 +655,14 @@ def print_table(ctx: Ctx) -> None:
         )
     if "comparison" in res["fsdp"]:
         c = res["fsdp"]["comparison"]
-        lines.append(f"fsdp: peak cce/inductor {_fmt(c['peak_ratio_cce_over_inductor'], '.3f')}, "
-                     f"step time cce/inductor {c['step_time_ratio_cce_over_inductor']:.3f}")  # fmt: skip
-    lines.append("fsdp: ms/step = median fwd+bwd+AdamW over n timed steps (after warm-up), peak = max over ranks of "
-                 "max_memory_allocated over warm-up + timed steps; tp: ms = median fwd+bwd, peak above the inputs")  # fmt: skip
+        lines.append(
+            f"fsdp: peak cce/inductor {_fmt(c['peak_ratio_cce_over_inductor'], '.3f')}, "
+            f"step time cce/inductor {c['step_time_ratio_cce_over_inductor']:.3f}"
+        )
+    lines.append(
+        "fsdp: ms/step = median fwd+bwd+AdamW over n timed steps (after warm-up), peak = max over ranks of "
+        "max_memory_allocated over warm-up + timed steps; tp: ms = median fwd+bwd, peak above the inputs"
+    )
     for key, err in res["errors"].items():
         lines.append(f"error {key}: {err}")
     print("\n".join(lines), flush=True)
@@ -648,9 +682,15 @@ SIZES = {
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda" if torch.cuda.is_available() else "cpu",
-                        help="cuda: NCCL, one GPU per rank; cpu: gloo (a dry run, tiny sizes by default)")
-    parser.add_argument("--size", choices=tuple(SIZES), default=None, help="preset (default: llama3 on cuda, tiny on cpu)")
+    parser.add_argument(
+        "--device",
+        choices=("cuda", "cpu"),
+        default="cuda" if torch.cuda.is_available() else "cpu",
+        help="cuda: NCCL, one GPU per rank; cpu: gloo (a dry run, tiny sizes by default)",
+    )
+    parser.add_argument(
+        "--size", choices=tuple(SIZES), default=None, help="preset (default: llama3 on cuda, tiny on cpu)"
+    )
     parser.add_argument("--parts", default="fsdp,tp", help="comma-separated: fsdp, tp")
     parser.add_argument("--no-tp-compiled", action="store_true", help="skip the compiled TP variants")
     for name in ("vocab", "dim", "layers", "heads", "kv_heads", "ffn", "seq", "batch", "tokens"):
@@ -661,11 +701,19 @@ def parse_args(argv=None):
     parser.add_argument("--steps", type=int, default=10, help="timed steps per variant")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps after the compiling first call")
     parser.add_argument("--quick", action="store_true", help="1 warm-up + 3 timed steps")
-    parser.add_argument("--budget-s", type=float, default=0.0,
-                        help="skip variants that would start later than this many seconds after launch, and cut "
-                             "timed loops short (0: no budget)")  # fmt: skip
-    parser.add_argument("--pg-timeout-s", type=float, default=180.0,
-                        help="collective timeout (a rank stuck in a collective aborts after this long)")
+    parser.add_argument(
+        "--budget-s",
+        type=float,
+        default=0.0,
+        help="skip variants that would start later than this many seconds after launch, and cut "
+        "timed loops short (0: no budget)",
+    )
+    parser.add_argument(
+        "--pg-timeout-s",
+        type=float,
+        default=180.0,
+        help="collective timeout (a rank stuck in a collective aborts after this long)",
+    )
     parser.add_argument("--out", default="distributed_bench.json", help="JSON of the results (rank 0 writes it)")
     args = parser.parse_args(argv)
     preset = SIZES[args.size or ("llama3" if args.device == "cuda" else "tiny")]
@@ -701,21 +749,26 @@ def main():
         _no_graph_caches()
         meta = ctx.results["meta"]
         meta.update(
-            torch=torch.__version__, cce_inductor=cce_inductor.__version__, world=ctx.world, device=args.device,
+            torch=torch.__version__,
+            cce_inductor=cce_inductor.__version__,
+            world=ctx.world,
+            device=args.device,
             device_name=torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
             nccl_nvls_enable=os.environ.get("NCCL_NVLS_ENABLE"),
             torch_symm_mem_disable_multicast=os.environ.get("TORCH_SYMM_MEM_DISABLE_MULTICAST"),
             started=time.strftime("%Y-%m-%d %H:%M:%S"),
             args={k: v for k, v in vars(args).items() if k != "torch_dtype"},
-        )  # fmt: skip
+        )
         try:
             import triton
 
             meta["triton"] = triton.__version__
         except ImportError:
             meta["triton"] = None
-        ctx.log(f"torch {torch.__version__}, triton {meta['triton']}, world {ctx.world}, {meta['device_name']}; "
-                f"args {json.dumps(meta['args'])}")  # fmt: skip
+        ctx.log(
+            f"torch {torch.__version__}, triton {meta['triton']}, world {ctx.world}, {meta['device_name']}; "
+            f"args {json.dumps(meta['args'])}"
+        )
         ctx.save()
 
         tp_compiled = [] if args.no_tp_compiled else ["compiled_loss_parallel", "compiled_cce_tp_pass"]

@@ -77,14 +77,23 @@ def main() -> None:
     import transformers
 
     torch.manual_seed(0)
-    config = transformers.LlamaConfig(vocab_size=args.vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
-                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=args.seq)
+    config = transformers.LlamaConfig(
+        vocab_size=args.vocab,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=args.seq,
+    )
     model = transformers.LlamaForCausalLM(config)
     input_ids = torch.randint(0, args.vocab, (args.batch, args.seq))
     labels = input_ids.clone()
     logits_mb = args.batch * args.seq * args.vocab * 4 / 2**20
-    print(f"torch {torch.__version__}, Llama 1 layer, D=64, V={args.vocab}, B={args.batch}, T={args.seq}: "
-          f"fp32 logits = {logits_mb:.0f} MiB")
+    print(
+        f"torch {torch.__version__}, Llama 1 layer, D=64, V={args.vocab}, B={args.batch}, T={args.seq}: "
+        f"fp32 logits = {logits_mb:.0f} MiB"
+    )
 
     variants = {
         "eager": lambda: model,
@@ -115,8 +124,10 @@ def main() -> None:
             peaks.append(rss.delta)
             logits_bytes = out.logits.untyped_storage().nbytes()
             del out
-        print(f"{name:<22} {saved / 2**20:>10.1f} {logits_bytes / 2**20:>11.1f} {min(peaks) / 2**20:>14.1f} "
-              f"{statistics.median(times):>7.2f}  {cce_inductor.stats()['rewritten']}")
+        print(
+            f"{name:<22} {saved / 2**20:>10.1f} {logits_bytes / 2**20:>11.1f} {min(peaks) / 2**20:>14.1f} "
+            f"{statistics.median(times):>7.2f}  {cce_inductor.stats()['rewritten']}"
+        )
 
 
 if __name__ == "__main__":

@@ -64,6 +64,7 @@ best; the first step at the smallest batch without checkpointing, with its ratio
 
 --tiny: CPU, tiny configs (2 layers, hidden 64, vocab 1001), seq 64, batches 1-2, one timed step.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -83,33 +84,105 @@ MODELS = {
     # 1024; 2048 here so that sequences of 2048 fit (one more row block of the position table, nothing else).
     "gpt2-medium": ("gpt2", dict(n_embd=1024, n_layer=24, n_head=16, vocab_size=50257, n_positions=2048), "sdpa"),
     # Qwen/Qwen2.5-0.5B config.json
-    "qwen25-0.5b": ("qwen2", dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
-                                  num_attention_heads=14, num_key_value_heads=2, vocab_size=151936,
-                                  max_position_embeddings=32768, rope_theta=1000000.0, rms_norm_eps=1e-6,
-                                  use_sliding_window=False, tie_word_embeddings=True), "sdpa"),
+    "qwen25-0.5b": (
+        "qwen2",
+        dict(
+            hidden_size=896,
+            intermediate_size=4864,
+            num_hidden_layers=24,
+            num_attention_heads=14,
+            num_key_value_heads=2,
+            vocab_size=151936,
+            max_position_embeddings=32768,
+            rope_theta=1000000.0,
+            rms_norm_eps=1e-6,
+            use_sliding_window=False,
+            tie_word_embeddings=True,
+        ),
+        "sdpa",
+    ),
     # meta-llama/Llama-3.2-1B config.json
-    "llama32-1b": ("llama", dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
-                                 num_attention_heads=32, num_key_value_heads=8, head_dim=64, vocab_size=128256,
-                                 max_position_embeddings=131072, rope_theta=500000.0, rms_norm_eps=1e-5,
-                                 rope_scaling=dict(rope_type="llama3", factor=32.0, low_freq_factor=1.0,
-                                                   high_freq_factor=4.0, original_max_position_embeddings=8192),
-                                 tie_word_embeddings=True), "sdpa"),
+    "llama32-1b": (
+        "llama",
+        dict(
+            hidden_size=2048,
+            intermediate_size=8192,
+            num_hidden_layers=16,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            head_dim=64,
+            vocab_size=128256,
+            max_position_embeddings=131072,
+            rope_theta=500000.0,
+            rms_norm_eps=1e-5,
+            rope_scaling=dict(
+                rope_type="llama3",
+                factor=32.0,
+                low_freq_factor=1.0,
+                high_freq_factor=4.0,
+                original_max_position_embeddings=8192,
+            ),
+            tie_word_embeddings=True,
+        ),
+        "sdpa",
+    ),
     # google/gemma-2-2b config.json (also transformers' Gemma2Config defaults). Attention softcapping runs only in
     # transformers' eager attention, as Gemma-2 trainers are told to use.
-    "gemma2-2b": ("gemma2", dict(hidden_size=2304, intermediate_size=9216, num_hidden_layers=26,
-                                 num_attention_heads=8, num_key_value_heads=4, head_dim=256, vocab_size=256000,
-                                 max_position_embeddings=8192, final_logit_softcapping=30.0,
-                                 attn_logit_softcapping=50.0, query_pre_attn_scalar=256, sliding_window=4096,
-                                 hidden_activation="gelu_pytorch_tanh", rms_norm_eps=1e-6,
-                                 tie_word_embeddings=True), "eager"),
+    "gemma2-2b": (
+        "gemma2",
+        dict(
+            hidden_size=2304,
+            intermediate_size=9216,
+            num_hidden_layers=26,
+            num_attention_heads=8,
+            num_key_value_heads=4,
+            head_dim=256,
+            vocab_size=256000,
+            max_position_embeddings=8192,
+            final_logit_softcapping=30.0,
+            attn_logit_softcapping=50.0,
+            query_pre_attn_scalar=256,
+            sliding_window=4096,
+            hidden_activation="gelu_pytorch_tanh",
+            rms_norm_eps=1e-6,
+            tie_word_embeddings=True,
+        ),
+        "eager",
+    ),
 }
-TINY = dict(gpt2=dict(n_embd=64, n_layer=2, n_head=4, vocab_size=1001, n_positions=64),
-            other=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                       num_key_value_heads=2, head_dim=16, vocab_size=1001, max_position_embeddings=64))
+TINY = dict(
+    gpt2=dict(n_embd=64, n_layer=2, n_head=4, vocab_size=1001, n_positions=64),
+    other=dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        vocab_size=1001,
+        max_position_embeddings=64,
+    ),
+)
 
 
-COLUMNS = ("model", "method", "ckpt", "batch", "seq", "tokens", "round", "first_step_s", "step_ms", "tokens_s",
-           "peak_gb", "pick", "pick_reason", "loss", "oom", "error")
+COLUMNS = (
+    "model",
+    "method",
+    "ckpt",
+    "batch",
+    "seq",
+    "tokens",
+    "round",
+    "first_step_s",
+    "step_ms",
+    "tokens_s",
+    "peak_gb",
+    "pick",
+    "pick_reason",
+    "loss",
+    "oom",
+    "error",
+)
 
 
 def build_model(name, args):
@@ -137,8 +210,9 @@ def compile_model(model, method, backends, static):
         return torch.compile(model, dynamic=dynamic)
     import cce_inductor
 
-    return torch.compile(model, dynamic=dynamic, backend=cce_inductor.make_backend(drop_logits=True,
-                                                                                   **backends[method]))
+    return torch.compile(
+        model, dynamic=dynamic, backend=cce_inductor.make_backend(drop_logits=True, **backends[method])
+    )
 
 
 def enable_checkpointing(model):
@@ -153,6 +227,7 @@ def enable_checkpointing(model):
 def training_step(compiled, opt, tokens, device):
     """One whole step as a trainer runs it: the forward under bf16 autocast, backward, AdamW, zero_grad; returns
     the loss (detached)."""
+
     def step():
         with torch.autocast(device, dtype=torch.bfloat16):
             loss = compiled(input_ids=tokens, labels=tokens).loss
@@ -160,6 +235,7 @@ def training_step(compiled, opt, tokens, device):
         opt.step()
         opt.zero_grad(set_to_none=True)
         return loss.detach()
+
     return step
 
 
@@ -181,9 +257,13 @@ def pool_rounds(rows):
     for group in groups.values():
         steps = [t for r in group for t in (r.get("step_ms_all") or [r["step_ms"]])]
         host = [t for r in group for t in (r.get("host_ms_all") or [])]
-        row = dict(group[0], step_ms=statistics.median(steps), round_ms=[r["step_ms"] for r in group],
-                   host_ms=statistics.median(host) if host else None,
-                   peak_gb=max((r["peak_gb"] for r in group if r.get("peak_gb") is not None), default=None))
+        row = dict(
+            group[0],
+            step_ms=statistics.median(steps),
+            round_ms=[r["step_ms"] for r in group],
+            host_ms=statistics.median(host) if host else None,
+            peak_gb=max((r["peak_gb"] for r in group if r.get("peak_gb") is not None), default=None),
+        )
         row["tokens_s"] = row["tokens"] / (row["step_ms"] / 1e3)
         pooled.append(row)
     return pooled
@@ -198,8 +278,12 @@ def worker(args):
     done = {}
     if args.resume:
         for r in C.read_rows(args.out):
-            if (r.get("kind") == "row" and r.get("model") == args.model and r.get("method") == args.method
-                    and (r.get("round") or 1) == args.round):
+            if (
+                r.get("kind") == "row"
+                and r.get("model") == args.model
+                and r.get("method") == args.method
+                and (r.get("round") or 1) == args.round
+            ):
                 done[unit_key(r)] = r
     slowest, bad = 0.0, 0
     for ckpt in args.ckpt:
@@ -210,9 +294,17 @@ def worker(args):
         try:
             model = build_model(args.model, args)
         except Exception as exc:  # noqa: BLE001
-            row = dict(dict.fromkeys(COLUMNS), kind="row", model=args.model, method=args.method, ckpt=ckpt,
-                       batch=args.batches[0], seq=args.seq, round=args.round,
-                       error=f"building the model: {C.err_text(exc)}")
+            row = dict(
+                dict.fromkeys(COLUMNS),
+                kind="row",
+                model=args.model,
+                method=args.method,
+                ckpt=ckpt,
+                batch=args.batches[0],
+                seq=args.seq,
+                round=args.round,
+                error=f"building the model: {C.err_text(exc)}",
+            )
             C.append_row(args.out, row)
             print_row(row)
             C.free(dev)
@@ -229,8 +321,17 @@ def worker(args):
             if C.past_deadline(args.deadline, 1.5 * slowest):
                 print(f"# {args.model} {args.method}: deadline: stopping before ckpt={ckpt} batch={b}", flush=True)
                 return 0
-            row = dict(dict.fromkeys(COLUMNS), kind="row", model=args.model, method=args.method, ckpt=ckpt, batch=b,
-                       seq=args.seq, tokens=b * args.seq, round=args.round)
+            row = dict(
+                dict.fromkeys(COLUMNS),
+                kind="row",
+                model=args.model,
+                method=args.method,
+                ckpt=ckpt,
+                batch=b,
+                seq=args.seq,
+                tokens=b * args.seq,
+                round=args.round,
+            )
             began = time.time()
             if args.static:
                 torch._dynamo.reset()
@@ -297,10 +398,12 @@ def worker(args):
 
 def print_row(r):
     f = C.fmt
-    line = (f"  {r['model']} {r['method']:8s} ckpt={r['ckpt']:3s} batch={r['batch']:<4d} first step "
-            f"{f(r.get('first_step_s'), '.1f'):>6s} s  step {f(r.get('step_ms'), '.1f'):>8s} ms "
-            f"{f(r.get('tokens_s'), '.0f'):>8s} tok/s  host {f(r.get('host_ms'), '.1f'):>7s} ms  "
-            f"peak {f(r.get('peak_gb'), '.2f'):>6s} GB  {r.get('pick') or ''}")
+    line = (
+        f"  {r['model']} {r['method']:8s} ckpt={r['ckpt']:3s} batch={r['batch']:<4d} first step "
+        f"{f(r.get('first_step_s'), '.1f'):>6s} s  step {f(r.get('step_ms'), '.1f'):>8s} ms "
+        f"{f(r.get('tokens_s'), '.0f'):>8s} tok/s  host {f(r.get('host_ms'), '.1f'):>7s} ms  "
+        f"peak {f(r.get('peak_gb'), '.2f'):>6s} GB  {r.get('pick') or ''}"
+    )
     if r.get("oom") or r.get("error"):
         line += f"  {'OOM' if r.get('oom') else 'FAILED ' + r['error']}"
     print(line, flush=True)
@@ -313,8 +416,11 @@ def summary(rows, args):
     """The final table: one row per model and method."""
     f = C.fmt
     fits = {unit_key(r)[:4]: r for r in pool_rounds([r for r in rows if r.get("step_ms")])}
-    ended = {(r["model"], r["method"], r["ckpt"]): "OOM" if r.get("oom") else "error"
-             for r in rows if r.get("oom") or r.get("error")}
+    ended = {
+        (r["model"], r["method"], r["ckpt"]): "OOM" if r.get("oom") else "error"
+        for r in rows
+        if r.get("oom") or r.get("error")
+    }
     body = []
     for model in args.models:
         for method in args.methods:
@@ -337,14 +443,18 @@ def summary(rows, args):
                     base = fits.get((model, "compile", ckpt, r["batch"]))
                     if base:
                         ratio = "" if method == "compile" else f" ({r['step_ms'] / base['step_ms']:.2f}x)"
-                        rounds = "" if len(r["round_ms"]) < 2 else \
-                            " [rounds " + " / ".join(f"{t:.1f}" for t in r["round_ms"]) + "]"
+                        rounds = (
+                            ""
+                            if len(r["round_ms"]) < 2
+                            else " [rounds " + " / ".join(f"{t:.1f}" for t in r["round_ms"]) + "]"
+                        )
                         parts.append(f"b{r['batch']} {r['step_ms']:.0f}{ratio}{rounds}")
                 cells.append(", ".join(parts))
             best = max((r["tokens_s"] for r in mine), default=None)
             base_best = max((r["tokens_s"] for k, r in fits.items() if k[:2] == (model, "compile")), default=None)
-            cells.append(f(best, ".0f") + (f" ({best / base_best:.2f}x)" if best and base_best and method != "compile"
-                                          else ""))
+            cells.append(
+                f(best, ".0f") + (f" ({best / base_best:.2f}x)" if best and base_best and method != "compile" else "")
+            )
             first = sorted((r for r in mine if r["ckpt"] == "off"), key=lambda r: r["batch"])
             cell = ""
             if first:
@@ -356,8 +466,20 @@ def summary(rows, args):
             cells.append(cell)
             cells.append(next((r["pick"] for r in mine if r.get("pick")), ""))
             body.append(cells)
-    return C.md_table(["model", "method", "max batch", "max batch (ckpt)", "step ms at common batches (x compile)",
-                       "same, ckpt", "best tok/s (x compile's best)", "first step (x compile)", "pick"], body)
+    return C.md_table(
+        [
+            "model",
+            "method",
+            "max batch",
+            "max batch (ckpt)",
+            "step ms at common batches (x compile)",
+            "same, ckpt",
+            "best tok/s (x compile's best)",
+            "first step (x compile)",
+            "pick",
+        ],
+        body,
+    )
 
 
 def time_split(rows):
@@ -369,10 +491,35 @@ def time_split(rows):
         if r.get("host_ms") is None:
             continue
         top = "; ".join(f"{n[:40]} {ms:.2f}" for n, _, ms in (r.get("kernels") or [])[:3])
-        body.append([r["model"], r["method"], r["ckpt"], r["batch"], f"{r['step_ms']:.1f}", f"{r['host_ms']:.1f}",
-                     C.fmt(r.get("kernel_ms"), ".1f"), top])
-    return C.md_table(["model", "method", "ckpt", "batch", "step ms", "host ms", "kernel ms (one step)",
-                       "costliest kernels (ms)"], body) if body else ""
+        body.append(
+            [
+                r["model"],
+                r["method"],
+                r["ckpt"],
+                r["batch"],
+                f"{r['step_ms']:.1f}",
+                f"{r['host_ms']:.1f}",
+                C.fmt(r.get("kernel_ms"), ".1f"),
+                top,
+            ]
+        )
+    return (
+        C.md_table(
+            [
+                "model",
+                "method",
+                "ckpt",
+                "batch",
+                "step ms",
+                "host ms",
+                "kernel ms (one step)",
+                "costliest kernels (ms)",
+            ],
+            body,
+        )
+        if body
+        else ""
+    )
 
 
 def driver(args, argv):
@@ -380,35 +527,80 @@ def driver(args, argv):
 
     backends = C.resolve_methods(args.methods)
     if not args.report:
-        C.append_row(args.out, C.header(args.device, dict(
-            script="full_depth", models=args.models, methods=args.methods, backends=backends, ckpt=args.ckpt,
-            batches=args.batches, seq=args.seq, steps=args.steps, min_timed_s=args.min_timed_s, static=args.static,
-            rounds=args.rounds,
-            configs={m: MODELS[m][1] for m in args.models}, tiny=args.tiny)))
+        C.append_row(
+            args.out,
+            C.header(
+                args.device,
+                dict(
+                    script="full_depth",
+                    models=args.models,
+                    methods=args.methods,
+                    backends=backends,
+                    ckpt=args.ckpt,
+                    batches=args.batches,
+                    seq=args.seq,
+                    steps=args.steps,
+                    min_timed_s=args.min_timed_s,
+                    static=args.static,
+                    rounds=args.rounds,
+                    configs={m: MODELS[m][1] for m in args.models},
+                    tiny=args.tiny,
+                ),
+            ),
+        )
     print(f"# results: {args.out}", flush=True)
     child_argv = C.strip_flags(argv, {"--models", "--methods", "--out", "--budget-s", "--rounds"}) + [
-        "--out", args.out, "--methods", ",".join(args.methods)]
-    units = [["--model", m, "--method", meth, "--round", str(k)]
-             for m in args.models for k in range(1, args.rounds + 1) for meth in args.methods]
+        "--out",
+        args.out,
+        "--methods",
+        ",".join(args.methods),
+    ]
+    units = [
+        ["--model", m, "--method", meth, "--round", str(k)]
+        for m in args.models
+        for k in range(1, args.rounds + 1)
+        for meth in args.methods
+    ]
 
     def crash_row(unit, rc):
-        return dict(dict.fromkeys(COLUMNS), kind="row", model=unit[1], method=unit[3], ckpt="*", batch=0,
-                    round=int(unit[5]), error=f"worker exited with {rc}")
-    left = [] if args.report else \
-        C.run_workers(units, child_argv, os.path.abspath(__file__), args.budget_s, args.out, crash_row)
-    rows = [r for r in C.latest(C.read_rows(args.out), unit_key)
-            if r.get("model") in args.models and r.get("method") in args.methods
-            and r.get("seq") in (args.seq, None)]
+        return dict(
+            dict.fromkeys(COLUMNS),
+            kind="row",
+            model=unit[1],
+            method=unit[3],
+            ckpt="*",
+            batch=0,
+            round=int(unit[5]),
+            error=f"worker exited with {rc}",
+        )
+
+    left = (
+        []
+        if args.report
+        else C.run_workers(units, child_argv, os.path.abspath(__file__), args.budget_s, args.out, crash_row)
+    )
+    rows = [
+        r
+        for r in C.latest(C.read_rows(args.out), unit_key)
+        if r.get("model") in args.models and r.get("method") in args.methods and r.get("seq") in (args.seq, None)
+    ]
     ended = {(r["model"], r["method"], r["ckpt"]) for r in rows if r.get("oom") or r.get("error")}
     have = {unit_key(r) for r in rows}
-    todo = [(m, meth, ck) for m in args.models for meth in args.methods for ck in args.ckpt
-            if (m, meth, ck) not in ended
-            and any((m, meth, ck, b, k) not in have for b in args.batches for k in range(1, args.rounds + 1))]
+    todo = [
+        (m, meth, ck)
+        for m in args.models
+        for meth in args.methods
+        for ck in args.ckpt
+        if (m, meth, ck) not in ended
+        and any((m, meth, ck, b, k) not in have for b in args.batches for k in range(1, args.rounds + 1))
+    ]
     bad = [r for r in rows if "NOT REWRITTEN" in str(r.get("error", ""))]
     print()
     if todo:
-        print(f"# not done: {len(todo)} setting(s), e.g. {todo[:3]}"
-              f"{f' (workers not started: {len(left)})' if left else ''}; re-run the same command with --resume")
+        print(
+            f"# not done: {len(todo)} setting(s), e.g. {todo[:3]}"
+            f"{f' (workers not started: {len(left)})' if left else ''}; re-run the same command with --resume"
+        )
     for r in bad:
         print(f"# !!! {r['model']} {r['method']} ckpt={r['ckpt']} batch={r['batch']}: {r['error']}")
     print(summary(rows, args), flush=True)
@@ -427,12 +619,21 @@ def parse_args(argv):
     ap.add_argument("--max-batch", type=int, default=256)
     ap.add_argument("--seq", type=int, default=None, help="tokens per sequence (default 2048)")
     ap.add_argument("--steps", type=int, default=None, help="timed steps per batch, at least (default 5)")
-    ap.add_argument("--min-timed-s", type=float, default=None,
-                    help="more timed steps until they add up to this many seconds, at most 100 (default 2; tiny 0)")
+    ap.add_argument(
+        "--min-timed-s",
+        type=float,
+        default=None,
+        help="more timed steps until they add up to this many seconds, at most 100 (default 2; tiny 0)",
+    )
     ap.add_argument("--batch-shapes", choices=("dynamic", "static"), default="dynamic")
     ap.add_argument("--rounds", type=int, default=1, help="run every worker this many times, methods alternating")
-    ap.add_argument("--kernels", type=int, default=0, metavar="K",
-                    help="one more step under torch.profiler: its K costliest kernels and their sum in the row")
+    ap.add_argument(
+        "--kernels",
+        type=int,
+        default=0,
+        metavar="K",
+        help="one more step under torch.profiler: its K costliest kernels and their sum in the row",
+    )
     ap.add_argument("--attn", default=None, help="attn_implementation for every model (default: per model)")
     ap.add_argument("--out", default=None, help="JSON lines, appended (default $OUT/full_depth.jsonl)")
     ap.add_argument("--resume", action="store_true", help="skip the batches --out already holds")

@@ -25,6 +25,7 @@ torch.compile's three on Llama-3.2-1B's head had no Python frame, engineering lo
 C++ frames that are not the allocator's or the dispatcher's own.
 CUDA only (the allocator's history); --tiny checks the harness on CPU without it (no blocks listed).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -65,9 +66,20 @@ def peak_blocks(trace, min_bytes):
 # C++ frames of the allocator, of the history's own recording and of the dispatcher between an op's entry
 # (``at::_ops::<op>::call``, kept) and its kernel, skipped when a block is named by C++ frames: v27's one C++-only
 # block on Llama-3.2-1B showed only these in its eight innermost frames (its caller unnamed)
-_PLUMBING_FRAMES = ("CUDACachingAllocator", "c10::cuda::", "CapturedTraceback", "unwind", "gather_with_cpp",
-                    "at::detail::empty", "wrapper_CUDA", "c10::impl::", "::redispatch(", "c10::Dispatcher",
-                    "c10::KernelFunction", "c10::BoxedKernel")
+_PLUMBING_FRAMES = (
+    "CUDACachingAllocator",
+    "c10::cuda::",
+    "CapturedTraceback",
+    "unwind",
+    "gather_with_cpp",
+    "at::detail::empty",
+    "wrapper_CUDA",
+    "c10::impl::",
+    "::redispatch(",
+    "c10::Dispatcher",
+    "c10::KernelFunction",
+    "c10::BoxedKernel",
+)
 
 
 def allocation_site(frames, depth=4):
@@ -89,7 +101,7 @@ def allocation_site(frames, depth=4):
     native = [fr.get("name", "") for fr in frames if fr.get("name") and not fr.get("filename", "").endswith(".py")]
     named = [n[:120] for n in native if not any(skip in n for skip in _PLUMBING_FRAMES)]
     native = named or [n[:120] for n in native]
-    return native[:3 * depth], "(C++)" if native else ""  # the tensor factory's frames first, then its callers'
+    return native[: 3 * depth], "(C++)" if native else ""  # the tensor factory's frames first, then its callers'
 
 
 def run(args):
@@ -103,8 +115,9 @@ def run(args):
     vocab = model.config.vocab_size
     torch._dynamo.reset()
     compiled = FD.compile_model(model, args.method, backends, True)
-    tokens = torch.randint(0, vocab, (args.batch, args.seq), device=dev,
-                           generator=torch.Generator(device=dev).manual_seed(args.seed))
+    tokens = torch.randint(
+        0, vocab, (args.batch, args.seq), device=dev, generator=torch.Generator(device=dev).manual_seed(args.seed)
+    )
     step = FD.training_step(compiled, opt, tokens, dev)
     import cce_inductor
 
@@ -113,8 +126,19 @@ def run(args):
         step()
     C.sync(dev)
     rows = args.batch * args.seq
-    row = dict(kind="row", model=args.model, method=args.method, ckpt=args.ckpt, batch=args.batch, seq=args.seq,
-               rows=rows, vocab=vocab, pick=None, pick_reason=None, logit_blocks=[])
+    row = dict(
+        kind="row",
+        model=args.model,
+        method=args.method,
+        ckpt=args.ckpt,
+        batch=args.batch,
+        seq=args.seq,
+        rows=rows,
+        vocab=vocab,
+        pick=None,
+        pick_reason=None,
+        logit_blocks=[],
+    )
     if args.method != "compile":
         row["pick"], row["pick_reason"] = C.site_pick(cce_inductor.stats())
     if dev == "cuda":
@@ -130,15 +154,19 @@ def run(args):
         row["trace_peak_gb"] = peak / 2**30
         for ev in big:
             where, line = allocation_site(ev.get("frames", []))
-            row["logit_blocks"].append(dict(bytes=ev["size"], per_logit=round(ev["size"] / (rows * vocab), 3),
-                                            where=where, line=line))
+            row["logit_blocks"].append(
+                dict(bytes=ev["size"], per_logit=round(ev["size"] / (rows * vocab), 3), where=where, line=line)
+            )
         row["logit_bytes_per_logit"] = round(sum(b["bytes"] for b in row["logit_blocks"]) / (rows * vocab), 3)
     else:
         step()
     C.append_row(args.out, row)
-    print(f"{args.model} {args.method} batch {args.batch}: step peak {C.fmt(row.get('step_peak_gb'))} GB, "
-          f"trace peak {C.fmt(row.get('trace_peak_gb'))} GB, logits-sized blocks at the peak "
-          f"{row.get('logit_bytes_per_logit')} bytes per logit", flush=True)
+    print(
+        f"{args.model} {args.method} batch {args.batch}: step peak {C.fmt(row.get('step_peak_gb'))} GB, "
+        f"trace peak {C.fmt(row.get('trace_peak_gb'))} GB, logits-sized blocks at the peak "
+        f"{row.get('logit_bytes_per_logit')} bytes per logit",
+        flush=True,
+    )
     for b in row["logit_blocks"]:
         print(f"   {b['bytes'] / 2**30:7.3f} GB  {b['per_logit']:5.2f} B/logit  {b['line']}", flush=True)
         print(f"       {' <- '.join(b['where'])}", flush=True)
@@ -155,8 +183,12 @@ def main(argv=None):
     ap.add_argument("--attn", default=None, help="attn_implementation (default: per model)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=None, help="JSON lines, appended (default $OUT/head_memory.jsonl)")
-    ap.add_argument("--stacks", default="python", choices=("python", "all"),
-                    help="frames recorded per allocation (all: C++ too, to name blocks allocated outside Python)")
+    ap.add_argument(
+        "--stacks",
+        default="python",
+        choices=("python", "all"),
+        help="frames recorded per allocation (all: C++ too, to name blocks allocated outside Python)",
+    )
     ap.add_argument("--tiny", action="store_true", help="CPU smoke run of the harness")
     args = ap.parse_args(argv)
     if args.model not in FD.MODELS:
@@ -166,9 +198,21 @@ def main(argv=None):
     args.device = "cpu" if args.tiny else "cuda"
     args.seq = args.seq or (64 if args.tiny else 2048)
     args.out = args.out or C.default_out("head_memory")
-    C.append_row(args.out, C.header(args.device, dict(script="head_memory", model=args.model, method=args.method,
-                                                       batch=args.batch, seq=args.seq, ckpt=args.ckpt,
-                                                       stacks=args.stacks)))
+    C.append_row(
+        args.out,
+        C.header(
+            args.device,
+            dict(
+                script="head_memory",
+                model=args.model,
+                method=args.method,
+                batch=args.batch,
+                seq=args.seq,
+                ckpt=args.ckpt,
+                stacks=args.stacks,
+            ),
+        ),
+    )
     return run(args)
 
 

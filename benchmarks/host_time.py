@@ -21,6 +21,7 @@ Measured (an H200 host of the device pool, torch 2.11, Triton 3.6, 2026-11-25; e
 1.03 ms host / 2.23 ms wall; the lean path through the pass 4.32 / 4.34 (host-bound), its kernels' launch helpers
 called directly 2.89 / 2.90; balanced in one chunk 2.08 / 2.16. benchmarks/results/2026-11-25_h200_host-time_v15.*
 """
+
 from __future__ import annotations
 
 import argparse
@@ -57,11 +58,15 @@ def timeline(step, reps=20, device="cuda"):
             out = fn(*args, **kwargs)
             marks.append((name + " out", time.perf_counter()))
             return out
+
         return wrapped
 
     saved = _dispatch.forward, _dispatch.backward, _dispatch.loss_and_grads
     _dispatch.forward, _dispatch.backward, _dispatch.loss_and_grads = (
-        stamp("kernels fwd", saved[0]), stamp("kernels bwd", saved[1]), stamp("kernels fwd+grads", saved[2]))
+        stamp("kernels fwd", saved[0]),
+        stamp("kernels bwd", saved[1]),
+        stamp("kernels fwd+grads", saved[2]),
+    )
     try:
         C.sync(device)
         for _ in range(reps):
@@ -82,8 +87,12 @@ def main():
     ap.add_argument("--n", type=int, default=4096)
     ap.add_argument("--d", type=int, default=768)
     ap.add_argument("--v", type=int, default=50257)
-    ap.add_argument("--shapes", choices=["static", "dynamic"], default="static",
-                    help="dynamic: each compiled method is first called with N - 64 rows (automatic dynamic shapes)")
+    ap.add_argument(
+        "--shapes",
+        choices=["static", "dynamic"],
+        default="static",
+        help="dynamic: each compiled method is first called with N - 64 rows (automatic dynamic shapes)",
+    )
     ap.add_argument("--out", default=None, help="JSON results (default: print only)")
     ap.add_argument("--trace", default=None, help="directory for torch.profiler traces of the lean and default steps")
     ap.add_argument("--tiny", action="store_true", help="CPU smoke run: N 256, D 64, V 1001, compiled methods only")
@@ -103,11 +112,16 @@ def main():
             if marks is not None:
                 marks.append(("backward returned", time.perf_counter()))
             e.grad = c.grad = None
+
         return step
 
     results = {}
-    methods = {"torch.compile": None, "lean": {"path": "lean"},
-               "balanced, one chunk": {"path": "balanced", "scratch_mb": 4096}, "default": {}}
+    methods = {
+        "torch.compile": None,
+        "lean": {"path": "lean"},
+        "balanced, one chunk": {"path": "balanced", "scratch_mb": 4096},
+        "default": {},
+    }
     steps = {}
     for i, (name, kw) in enumerate(methods.items()):
         torch._dynamo.reset()
@@ -136,8 +150,9 @@ def main():
     device = f"{torch.cuda.get_device_name() if dev == 'cuda' else 'CPU'}, torch {torch.__version__}"
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"device": device, "n": n, "d": d, "v": v, "shapes": args.shapes, "results": results}, f,
-                      indent=1)
+            json.dump(
+                {"device": device, "n": n, "d": d, "v": v, "shapes": args.shapes, "results": results}, f, indent=1
+            )
     print(f"# {device}; N {n}, D {d}, V {v}, bf16, {args.shapes} shapes")
     print(f"{'way of calling':28s} {'host ms':>8s} {'wall ms':>8s}")
     for name, r in results.items():
@@ -155,10 +170,15 @@ def kernel_helpers(results, train_step, e, c, t, n, dev):
     opts = {"lean": CCEOptions(path="lean"), "balanced": CCEOptions(path="balanced", scratch_mb=4096)}
     for path, opt in opts.items():
         results[f"eager op, {path}"] = host_and_wall(
-            train_step(lambda e_, c_, t_, opt=opt: cce_inductor.linear_cross_entropy(e_, c_, t_, options=opt)), dev)
+            train_step(lambda e_, c_, t_, opt=opt: cce_inductor.linear_cross_entropy(e_, c_, t_, options=opt)), dev
+        )
     ed, cd = e.detach(), c.detach()
-    results["kernels directly, balanced"] = host_and_wall(lambda: _balanced.loss_and_grads(
-        ed, cd, t, None, softcap=None, ignore_index=-100, reduction="mean", chunk_rows=n), dev)
+    results["kernels directly, balanced"] = host_and_wall(
+        lambda: _balanced.loss_and_grads(
+            ed, cd, t, None, softcap=None, ignore_index=-100, reduction="mean", chunk_rows=n
+        ),
+        dev,
+    )
     lse = _forward.forward(ed, cd, t, None, softcap=None, ignore_index=-100)[0]
     grad_rows = torch.full((n,), 1.0 / n, device=dev)
 
@@ -166,8 +186,21 @@ def kernel_helpers(results, train_step, e, c, t, n, dev):
 
     def lean_kernels():
         _forward.forward(ed, cd, t, None, softcap=None, ignore_index=-100)
-        _backward.backward(ed, cd, t, None, lse, grad_rows, softcap=None, ignore_index=-100, need_e=True,
-                           need_c=True, need_bias=False, **plan._asdict())
+        _backward.backward(
+            ed,
+            cd,
+            t,
+            None,
+            lse,
+            grad_rows,
+            softcap=None,
+            ignore_index=-100,
+            need_e=True,
+            need_c=True,
+            need_bias=False,
+            **plan._asdict(),
+        )
+
     results["kernels directly, lean"] = host_and_wall(lean_kernels, dev)
 
 

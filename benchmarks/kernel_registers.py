@@ -15,6 +15,7 @@ the loads, and the figures say nothing about the launched kernel.  With them the
 (v10: 50 / 88 registers spilled, engineering log).  ``wgmma`` counts Hopper's warp-group MMA instructions (0 would
 mean the slower mma.sync path).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -41,8 +42,11 @@ def _signature(fn, constants: dict) -> tuple[dict, dict, dict]:
     signature, attrs = {}, {}
     constants = dict(constants, **{name: 1 for name in _UNIT_STRIDES if name in fn.arg_names})
     # with TMA, E and C are descriptors of (rows x D) and (vocabulary x D) tiles
-    descriptors = {"E": (constants["BLOCK_N"], constants["BLOCK_D"]),
-                   "C": (constants["BLOCK_V"], constants["BLOCK_D"])} if constants.get("TMA") else {}
+    descriptors = (
+        {"E": (constants["BLOCK_N"], constants["BLOCK_D"]), "C": (constants["BLOCK_V"], constants["BLOCK_D"])}
+        if constants.get("TMA")
+        else {}
+    )
     for index, name in enumerate(fn.arg_names):
         if name in constants:
             signature[name] = "constexpr"
@@ -53,8 +57,15 @@ def _signature(fn, constants: dict) -> tuple[dict, dict, dict]:
         if name in _FLOAT_ARGS:
             signature[name] = "fp32"
         elif name[0].isupper() and name not in ("N", "V", "D"):  # (N, V, D: sizes)
-            signature[name] = ("*i64" if name in _INT64_POINTERS else "*i32" if name in _INT32_POINTERS
-                               else "*bf16" if name in _BF16_POINTERS else "*fp32")
+            signature[name] = (
+                "*i64"
+                if name in _INT64_POINTERS
+                else "*i32"
+                if name in _INT32_POINTERS
+                else "*bf16"
+                if name in _BF16_POINTERS
+                else "*fp32"
+            )
         else:
             signature[name] = "i32"
         if signature[name].startswith("*") or name in _MULTIPLE_OF_16:
@@ -64,21 +75,28 @@ def _signature(fn, constants: dict) -> tuple[dict, dict, dict]:
 
 def compile_report(name: str, fn, constants: dict, num_warps: int, num_stages: int) -> str:
     signature, constants, attrs = _signature(fn, constants)
-    source = ASTSource(fn, signature, constexprs={(fn.arg_names.index(k),): v for k, v in constants.items()},
-                       attrs=attrs)
-    kernel = triton.compile(source, target=GPUTarget("cuda", 90, 64),
-                            options=dict(num_warps=num_warps, num_stages=num_stages))
+    source = ASTSource(
+        fn, signature, constexprs={(fn.arg_names.index(k),): v for k, v in constants.items()}, attrs=attrs
+    )
+    kernel = triton.compile(
+        source, target=GPUTarget("cuda", 90, 64), options=dict(num_warps=num_warps, num_stages=num_stages)
+    )
     ptxas = get_ptxas(90)
     with tempfile.NamedTemporaryFile("w", suffix=".ptx") as ptx:
         ptx.write(kernel.asm["ptx"])
         ptx.flush()
-        info = subprocess.run([getattr(ptxas, "path", ptxas), "-v", "--gpu-name=sm_90a", ptx.name, "-o", "/dev/null"],
-                              capture_output=True, text=True).stderr
+        info = subprocess.run(
+            [getattr(ptxas, "path", ptxas), "-v", "--gpu-name=sm_90a", ptx.name, "-o", "/dev/null"],
+            capture_output=True,
+            text=True,
+        ).stderr
     registers = re.search(r"Used (\d+) registers", info)
     spilled = re.search(r"(\d+) bytes spill stores", info)
-    return (f"{name:30s} registers {registers.group(1) if registers else '?':>4s}  spill stores "
-            f"{spilled.group(1) if spilled else '?':>5s} B  shared {kernel.metadata.shared:>6d} B  "
-            f"wgmma {kernel.asm['ptx'].count('wgmma.mma_async')}")
+    return (
+        f"{name:30s} registers {registers.group(1) if registers else '?':>4s}  spill stores "
+        f"{spilled.group(1) if spilled else '?':>5s} B  shared {kernel.metadata.shared:>6d} B  "
+        f"wgmma {kernel.asm['ptx'].count('wgmma.mma_async')}"
+    )
 
 
 def main() -> None:
@@ -88,17 +106,37 @@ def main() -> None:
     args = parser.parse_args()
     print(f"Triton {triton.__version__}, sm_90a")
     for tuning, fn, extra in [
-        (_forward._TUNING["gpu"], _forward._lse_forward_kernel,
-         dict(LOGIT_SUM=False, MEAN_LOGIT=False, EVEN_V=True)),
-        (_backward._TUNING["gpu"], _backward._recompute_grad_kernel,
-         dict(HAS_LSE_GRAD=False, HAS_ENTROPY_GRAD=False, COMPACT_G=False, SPLIT_G=False, EVEN_TILE=True,
-              GROUP_V=_backward._TUNING["gpu"]["recompute_group"] // _backward._TUNING["gpu"]["block_v"])),
+        (_forward._TUNING["gpu"], _forward._lse_forward_kernel, dict(LOGIT_SUM=False, MEAN_LOGIT=False, EVEN_V=True)),
+        (
+            _backward._TUNING["gpu"],
+            _backward._recompute_grad_kernel,
+            dict(
+                HAS_LSE_GRAD=False,
+                HAS_ENTROPY_GRAD=False,
+                COMPACT_G=False,
+                SPLIT_G=False,
+                EVEN_TILE=True,
+                GROUP_V=_backward._TUNING["gpu"]["recompute_group"] // _backward._TUNING["gpu"]["block_v"],
+            ),
+        ),
     ]:
-        tune = {k: getattr(args, k) if getattr(args, k) is not None else tuning[k]
-                for k in ("block_n", "block_v", "block_d", "num_warps", "num_stages")}
+        tune = {
+            k: getattr(args, k) if getattr(args, k) is not None else tuning[k]
+            for k in ("block_n", "block_v", "block_d", "num_warps", "num_stages")
+        }
         for tma, softcap in ((False, False), (False, True), (True, False), (True, True)):
-            constants = dict(extra, HAS_BIAS=False, HAS_SOFTCAP=softcap, TMA=tma, UPCAST=False, DOT_PRECISION="tf32",
-                             EVEN_D=True, BLOCK_N=tune["block_n"], BLOCK_V=tune["block_v"], BLOCK_D=tune["block_d"])
+            constants = dict(
+                extra,
+                HAS_BIAS=False,
+                HAS_SOFTCAP=softcap,
+                TMA=tma,
+                UPCAST=False,
+                DOT_PRECISION="tf32",
+                EVEN_D=True,
+                BLOCK_N=tune["block_n"],
+                BLOCK_V=tune["block_v"],
+                BLOCK_D=tune["block_d"],
+            )
             label = f"{fn.__name__.strip('_')}{' tma' if tma else ''}{' softcap' if softcap else ''}"
             print(compile_report(label, fn, constants, tune["num_warps"], tune["num_stages"]))
 

@@ -13,6 +13,7 @@ Measured (H100 hosts of the device pool, torch 2.11, Triton 3.6, 2026-11-25): a 
 launch with 26 arguments 87 us, the lean backward ~170 us of host time per vocabulary chunk (its recompute kernel
 has 33 runtime arguments): benchmarks/results/2026-11-25_h100_launch-overhead_v14.txt.
 """
+
 import os
 import sys
 
@@ -33,7 +34,7 @@ def host_us(fn, reps=300):
 
 
 @triton.jit
-def _noop(X, a, b, c, d, e, f, g, h, i, j, k, l, m, n, o, p, q, r, s, t, u, w, x, y, z, A: tl.constexpr):
+def _noop(X, a, b, c, d, e, f, g, h, i, j, k, ll, m, n, o, p, q, r, s, t, u, w, x, y, z, A: tl.constexpr):
     pass
 
 
@@ -53,8 +54,9 @@ def main():
     r = {
         "mm bf16 out=": host_us(lambda: torch.mm(a, b, out=o16)),
         "addmm out_dtype fp32": host_us(lambda: torch.addmm(o32, a, b, out=o32, out_dtype=torch.float32)),
-        "product_into dE": host_us(lambda: _launch.product_into(o32, a, b, accumulate=True, vocab_dim="k",
-                                                                out_dtype=torch.float32)),
+        "product_into dE": host_us(
+            lambda: _launch.product_into(o32, a, b, accumulate=True, vocab_dim="k", out_dtype=torch.float32)
+        ),
         "slice": host_us(lambda: a[3:]),
         "descriptor": host_us(lambda: _launch.descriptor(a, [64, 64])),
         "triton noop 26 args": host_us(lambda: _noop[(1,)](ptrs[0], *ptrs, *range(12), A=1)),
@@ -71,13 +73,29 @@ def main():
             lse, *_ = _forward.forward(e, c, t, None, softcap=None, ignore_index=-100)
             g = torch.full((128,), 1 / 128, device=dev)
             # 4096-wide blocks (no short-batch widening): V / 4096 vocabulary steps
-            plan = _planning.BackwardPlan(row_chunk=128, block_width=4096, split_g=False, products="cublas",
-                                          counted_hint=None)
-            r[f"backward {v // 4096} chunks tma={tma}"] = host_us(lambda: _backward.backward(
-                e, c, t, None, lse, g, softcap=None, ignore_index=-100, need_e=True, need_c=True, need_bias=False,
-                **plan._asdict()), reps=30)
+            plan = _planning.BackwardPlan(
+                row_chunk=128, block_width=4096, split_g=False, products="cublas", counted_hint=None
+            )
+            r[f"backward {v // 4096} chunks tma={tma}"] = host_us(
+                lambda: _backward.backward(
+                    e,
+                    c,
+                    t,
+                    None,
+                    lse,
+                    g,
+                    softcap=None,
+                    ignore_index=-100,
+                    need_e=True,
+                    need_c=True,
+                    need_bias=False,
+                    **plan._asdict(),
+                ),
+                reps=30,
+            )
             r[f"forward V {v} tma={tma}"] = host_us(
-                lambda: _forward.forward(e, c, t, None, softcap=None, ignore_index=-100), reps=30)
+                lambda: _forward.forward(e, c, t, None, softcap=None, ignore_index=-100), reps=30
+            )
     tuning.update(saved)
     print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, Triton {triton.__version__}")
     for k, x in r.items():

@@ -9,6 +9,7 @@ launch variants and tile configs of ``PAIR_CONFIGS``; a plain bf16 product (``mm
 Timing: triton.testing.do_bench, median, after one warm-up; the same process for every variant. Prints one table
 (ms, and each variant over cuBLAS's fp32 sum) and writes its rows as JSON lines to --out.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -22,8 +23,8 @@ import triton
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _common as C  # noqa: E402
 import vocab_grid as G  # noqa: E402
-from cce_inductor.kernels import _pair_sums  # noqa: E402
 
+from cce_inductor.kernels import _pair_sums  # noqa: E402
 
 PAIR_CONFIGS = {  # name: _pair_sums._TUNING["gpu"] entries over the default's
     "pair (default: 128x256, 3 stages)": {},
@@ -43,6 +44,7 @@ def variants(hi, lo, acc32, acc16, g, e):
                 _pair_sums.pair_product(hi, lo, g, e, accumulate=True)
             finally:
                 _pair_sums._TUNING["gpu"] = saved
+
         return run
 
     return {
@@ -77,8 +79,16 @@ def main():
                 timings[name] = triton.testing.do_bench(fn, return_mode="median")
             base = timings["addmm fp32 sums"]
             for name, ms in timings.items():
-                row = dict(head=head, v=v, d=d, k=k, variant=name, ms=ms, x_fp32_sums=ms / base,
-                           tflops=2 * k * pitch * d / ms / 1e9)
+                row = dict(
+                    head=head,
+                    v=v,
+                    d=d,
+                    k=k,
+                    variant=name,
+                    ms=ms,
+                    x_fp32_sums=ms / base,
+                    tflops=2 * k * pitch * d / ms / 1e9,
+                )
                 rows_out.append(row)
             del g, e, hi, lo, acc16, acc32
             torch.cuda.empty_cache()
@@ -86,9 +96,15 @@ def main():
         f.write(json.dumps(C.header("cuda", dict(script="pair_sums_ab", shapes=args.shapes, rows=args.rows))) + "\n")
         for row in rows_out:
             f.write(json.dumps(row) + "\n")
-    print(C.md_table(["head", "K", "variant", "ms", "x fp32 sums", "TFLOP/s"],
-                     [(r["head"], r["k"], r["variant"], f"{r['ms']:.3f}", f"{r['x_fp32_sums']:.2f}",
-                       f"{r['tflops']:.0f}") for r in rows_out]))
+    print(
+        C.md_table(
+            ["head", "K", "variant", "ms", "x fp32 sums", "TFLOP/s"],
+            [
+                (r["head"], r["k"], r["variant"], f"{r['ms']:.3f}", f"{r['x_fp32_sums']:.2f}", f"{r['tflops']:.0f}")
+                for r in rows_out
+            ],
+        )
+    )
 
 
 if __name__ == "__main__":

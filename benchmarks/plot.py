@@ -13,7 +13,8 @@ unless named in ``--methods``. Also prints the plotted numbers as a markdown tab
 
 ``grid``: JSON lines written by ``benchmarks/vocab_grid.py`` (several files: a later file's row replaces an earlier
 one's for the same head, N, ignored share, shapes and method): per head, the time and the peak of each method as a
-multiple of torch.compile's in the same process (the same file's torch.compile row for that head), two panels, for one N / ignored share / shapes; the default's pick
+multiple of torch.compile's in the same process (the same file's torch.compile row for that head), two panels, for
+one N / ignored share / shapes; the default's pick
 under its bar. One PNG for all the files (named after the first), and the plotted numbers as a markdown table.
 
 ``curves``: a JSON written by ``benchmarks/train_e2e.py``: the training loss of every mode (torch.compile,
@@ -63,8 +64,10 @@ def ratios(path: str, mode: str, methods: list[str] | None, out: str) -> str:
         run = json.load(handle)
     rows = [r for r in run.get("rows", []) if r.get("mode") == mode and r.get("vs_compile") is not None]
     if not rows:
-        raise SystemExit(f"{path}: no rows of mode {mode!r} with a ratio to torch.compile "
-                         "(is it a benchmarks/benchmark.py --json file?)")  # fmt: skip
+        raise SystemExit(
+            f"{path}: no rows of mode {mode!r} with a ratio to torch.compile "
+            "(is it a benchmarks/benchmark.py --json file?)"
+        )
     skip = {"compile", "matmul"}
     keep = [m for m in OrderedDict.fromkeys(r["method"] for r in rows) if (m in methods if methods else m not in skip)]
     heads = list(OrderedDict.fromkeys((r["shape"], r["regime"]) for r in rows))
@@ -107,8 +110,13 @@ def grid(paths: list[str], n: int, ignore: int, shapes: str, out: str) -> str:
         with open(path) as handle:
             rows = [json.loads(line) for line in handle if line.strip()]
         header = header or next((r for r in rows if r.get("kind") == "header"), {})
-        case = [r for r in rows if r.get("kind") == "row" and r.get("fwdbwd_ms")
-                and (r["n"], r["ignore_pct"], r["shapes"]) == (n, ignore, shapes)]
+        case = [
+            r
+            for r in rows
+            if r.get("kind") == "row"
+            and r.get("fwdbwd_ms")
+            and (r["n"], r["ignore_pct"], r["shapes"]) == (n, ignore, shapes)
+        ]
         compiled = {r["head"]: r for r in case if r["method"] == "compile"}
         for row in case:  # a ratio only against torch.compile timed in the same process (the same file and head)
             if row["head"] in compiled:
@@ -127,8 +135,10 @@ def grid(paths: list[str], n: int, ignore: int, shapes: str, out: str) -> str:
     print("| --- |" + " --- |" * len(keep))
     for head in heads:
         d, v = latest[(head, "compile")][0]["d"], latest[(head, "compile")][0]["v"]
-        cells = [f"{ratio(head, m, 'fwdbwd_ms'):.2f}x / {ratio(head, m, 'peak_mb'):.2f}x" if (head, m) in latest
-                 else "" for m in keep]
+        cells = [
+            f"{ratio(head, m, 'fwdbwd_ms'):.2f}x / {ratio(head, m, 'peak_mb'):.2f}x" if (head, m) in latest else ""
+            for m in keep
+        ]
         print(f"| {head} ({d}, {v}) | " + " | ".join(cells) + " |")
 
     figure, axes = plt.subplots(2, 1, figsize=(max(7.0, 1.1 * len(heads)), 7), sharex=True)

@@ -7,6 +7,7 @@ host / wall ms, and the backward products that ran. CUDA only.
 Usage: HEADS=gemma2,llama3 OUT=DIR python benchmarks/prefix_threshold_ab.py  (rows appended to
 DIR/prefix_threshold_ab.jsonl; HEADS are vocab_grid's names)
 """
+
 import json
 import os
 import sys
@@ -40,8 +41,13 @@ def main():
             f = C.fresh_loss(f"{head}{i}", -100)
             fns[m] = torch.compile(f) if m == "compile" else torch.compile(f, backend=cce_inductor.make_backend())
         for pct, t in cases.items():
-            for m, at_most in (("compile", None), ("cublas", 0.0), ("prefix", 0.999), ("cublas", 0.0),
-                               ("prefix", 0.999)):
+            for m, at_most in (
+                ("compile", None),
+                ("cublas", 0.0),
+                ("prefix", 0.999),
+                ("cublas", 0.0),
+                ("prefix", 0.999),
+            ):
                 fn = fns["compile" if m == "compile" else "default"]
                 if at_most is not None:
                     S.COUNTED_PREFIX_AT_MOST = at_most
@@ -63,13 +69,23 @@ def main():
                 ms = C.bench(timed, "cuda", grad_to_none=[e, c])
                 after = cce_inductor.stats()["backward_products"]
                 ran = {k: after[k] - before.get(k, 0) for k in after if after[k] != before.get(k, 0)}
-                row = dict(device=dev, head=head, ignored_pct=pct, method=m, at_most=at_most, ms=round(ms, 2),
-                           peak_mb=round(peak), host_ms=round(host, 2), wall_ms=round(wall, 2), products_ran=ran)
+                row = dict(
+                    device=dev,
+                    head=head,
+                    ignored_pct=pct,
+                    method=m,
+                    at_most=at_most,
+                    ms=round(ms, 2),
+                    peak_mb=round(peak),
+                    host_ms=round(host, 2),
+                    wall_ms=round(wall, 2),
+                    products_ran=ran,
+                )
                 print(json.dumps(row), flush=True)
                 out.write(json.dumps(row) + "\n")
                 out.flush()
         S.COUNTED_PREFIX_AT_MOST = AT_MOST
-        del e, c, fns
+        e = c = fns = None
         C.free("cuda")
 
 

@@ -27,6 +27,7 @@ most ``b`` probability mass.
 
 Logs go to stderr; stdout gets one JSON line (metadata + statistics).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -108,7 +109,7 @@ class Tokenizer:
         self.merges = merges
         self._cache = segmentations  # piece -> ids; training leaves every corpus piece here
         self._bytes = [bytes([i]) for i in range(256)]
-        for (a, b) in merges:  # insertion order is id order
+        for a, b in merges:  # insertion order is id order
             self._bytes.append(self._bytes[a] + self._bytes[b])
 
     @property
@@ -233,16 +234,31 @@ class LM(nn.Module):
         return self.ln_f(x)
 
 
-def train_lm(model: LM, tokens: torch.Tensor, *, seq_len: int, batch_size: int, train_seconds: float,
-             steps: int | None, lr: float, warmup: int, seed: int, log_every: int = 50) -> dict:
+def train_lm(
+    model: LM,
+    tokens: torch.Tensor,
+    *,
+    seq_len: int,
+    batch_size: int,
+    train_seconds: float,
+    steps: int | None,
+    lr: float,
+    warmup: int,
+    seed: int,
+    log_every: int = 50,
+) -> dict:
     """AdamW on random windows of ``tokens`` until ``train_seconds`` or ``steps`` (whichever comes first); the
     cosine schedule follows whichever of the two is further along. ``train_loss``: mean of the last
     ``log_every`` steps."""
     device = tokens.device
     decay = [p for p in model.parameters() if p.dim() == 2]
     rest = [p for p in model.parameters() if p.dim() < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}],
-                            lr=lr, betas=(0.9, 0.95), fused=device.type == "cuda")
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}],
+        lr=lr,
+        betas=(0.9, 0.95),
+        fused=device.type == "cuda",
+    )
     gen = torch.Generator(device=device).manual_seed(seed)
     offsets = torch.arange(seq_len + 1, device=device)
     recent: deque[torch.Tensor] = deque(maxlen=log_every)  # kept on the device: no sync per step
@@ -265,16 +281,32 @@ def train_lm(model: LM, tokens: torch.Tensor, *, seq_len: int, batch_size: int, 
         step += 1
         recent.append(loss.detach())
         if step % log_every == 0:
-            _log(f"step {step}  train loss {torch.stack(tuple(recent)).mean().item():.4f}  "
-                 f"{time.perf_counter() - t0:.1f} s")
+            _log(
+                f"step {step}  train loss {torch.stack(tuple(recent)).mean().item():.4f}  "
+                f"{time.perf_counter() - t0:.1f} s"
+            )
     train_loss = torch.stack(tuple(recent)).mean().item() if recent else math.nan
     return {"steps": step, "train_loss": train_loss, "train_wall_s": time.perf_counter() - t0}
 
 
-def real_text_head(device: str | torch.device, *, vocab_size: int = 65536, d_model: int = 2048, n_layers: int = 2,
-                   n_heads: int | None = None, seq_len: int = 512, batch_size: int = 16, train_seconds: float = 90.0,
-                   steps: int | None = None, lr: float = 6e-4, warmup: int = 50, n_tokens: int = 8192,
-                   seed: int = 0, dtype: torch.dtype = torch.bfloat16, max_corpus_bytes: int = 40_000_000) -> dict:
+def real_text_head(
+    device: str | torch.device,
+    *,
+    vocab_size: int = 65536,
+    d_model: int = 2048,
+    n_layers: int = 2,
+    n_heads: int | None = None,
+    seq_len: int = 512,
+    batch_size: int = 16,
+    train_seconds: float = 90.0,
+    steps: int | None = None,
+    lr: float = 6e-4,
+    warmup: int = 50,
+    n_tokens: int = 8192,
+    seed: int = 0,
+    dtype: torch.dtype = torch.bfloat16,
+    max_corpus_bytes: int = 40_000_000,
+) -> dict:
     """Train tokenizer + LM, then return the head inputs ``e`` (n_tokens x D), ``c`` (V x D), ``targets`` on the
     held-out last 5% of the corpus, with metadata (losses in nats)."""
     device = torch.device(device)
@@ -283,32 +315,62 @@ def real_text_head(device: str | torch.device, *, vocab_size: int = 65536, d_mod
     tok = train_tokenizer(text, vocab_size)
     tokens = tok.encode(text).to(device)
     tokenizer_s = time.perf_counter() - t0
-    _log(f"corpus {len(text.encode()) / 1e6:.1f} MB -> {len(tokens)} tokens, vocab {tok.vocab_size}, "
-         f"{tokenizer_s:.1f} s")
+    _log(
+        f"corpus {len(text.encode()) / 1e6:.1f} MB -> {len(tokens)} tokens, vocab {tok.vocab_size}, {tokenizer_s:.1f} s"
+    )
     split = int(len(tokens) * 0.95)
     windows = -(-n_tokens // seq_len)
     if len(tokens) - split < windows * seq_len + 1:
-        raise ValueError(f"held-out text has {len(tokens) - split} tokens; need {windows * seq_len + 1}: "
-                         "raise max_corpus_bytes")
+        raise ValueError(
+            f"held-out text has {len(tokens) - split} tokens; need {windows * seq_len + 1}: raise max_corpus_bytes"
+        )
     torch.manual_seed(seed)
     model = LM(tok.vocab_size, d_model, n_layers, n_heads or max(1, d_model // 128), seq_len).to(device)
-    info = train_lm(model, tokens[:split], seq_len=seq_len, batch_size=batch_size, train_seconds=train_seconds,
-                    steps=steps, lr=lr, warmup=warmup, seed=seed)
+    info = train_lm(
+        model,
+        tokens[:split],
+        seq_len=seq_len,
+        batch_size=batch_size,
+        train_seconds=train_seconds,
+        steps=steps,
+        lr=lr,
+        warmup=warmup,
+        seed=seed,
+    )
     # Contiguous windows, so the targets are simply the next tokens of a held-out stretch.
-    held = tokens[split: split + windows * seq_len + 1]
+    held = tokens[split : split + windows * seq_len + 1]
     model.eval()
     with torch.no_grad(), torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
         e = model.hidden(held[:-1].view(windows, seq_len)).flatten(0, 1)[:n_tokens]
     e = e.to(dtype).contiguous()
     c = model.head.weight.detach().to(dtype).contiguous()
-    targets = held[1: n_tokens + 1].clone()
-    eval_loss = sum(F.cross_entropy(e[i: i + 1024].float() @ c.float().T, targets[i: i + 1024], reduction="sum")
-                    for i in range(0, n_tokens, 1024)).item() / n_tokens
-    _log(f"trained {info['steps']} steps in {info['train_wall_s']:.1f} s: train loss {info['train_loss']:.4f}, "
-         f"held-out loss {eval_loss:.4f}")
-    return {"e": e, "c": c, "targets": targets, "corpus_bytes": len(text.encode()), "corpus_tokens": len(tokens),
-            "vocab_size": tok.vocab_size, "d_model": d_model, "n_layers": n_layers, "seq_len": seq_len,
-            "batch_size": batch_size, "tokenizer_s": tokenizer_s, **info, "eval_loss": eval_loss}
+    targets = held[1 : n_tokens + 1].clone()
+    eval_loss = (
+        sum(
+            F.cross_entropy(e[i : i + 1024].float() @ c.float().T, targets[i : i + 1024], reduction="sum")
+            for i in range(0, n_tokens, 1024)
+        ).item()
+        / n_tokens
+    )
+    _log(
+        f"trained {info['steps']} steps in {info['train_wall_s']:.1f} s: train loss {info['train_loss']:.4f}, "
+        f"held-out loss {eval_loss:.4f}"
+    )
+    return {
+        "e": e,
+        "c": c,
+        "targets": targets,
+        "corpus_bytes": len(text.encode()),
+        "corpus_tokens": len(tokens),
+        "vocab_size": tok.vocab_size,
+        "d_model": d_model,
+        "n_layers": n_layers,
+        "seq_len": seq_len,
+        "batch_size": batch_size,
+        "tokenizer_s": tokenizer_s,
+        **info,
+        "eval_loss": eval_loss,
+    }
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -328,8 +390,16 @@ def _dropped_sq(p_tiles: torch.Tensor, drop: torch.Tensor, c_pad: torch.Tensor, 
     return (dropped @ c_pad).square().sum(dtype=torch.float64)
 
 
-def softmax_stats(e: torch.Tensor, c: torch.Tensor, targets: torch.Tensor, *, tile: int = 128, eps: float = 2**-12,
-                  bounds: tuple[float, ...] = (1e-3, 1e-4), chunk_rows: int = 1024) -> dict:
+def softmax_stats(
+    e: torch.Tensor,
+    c: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    tile: int = 128,
+    eps: float = 2**-12,
+    bounds: tuple[float, ...] = (1e-3, 1e-4),
+    chunk_rows: int = 1024,
+) -> dict:
     """Statistics of p = softmax(e.float() @ c.float().T), ``chunk_rows`` rows at a time (see the module doc).
 
     Tiles are (``tile`` rows x ``tile`` vocabulary entries); "active" tiles hold an off-target p >= eps (the
@@ -352,9 +422,9 @@ def softmax_stats(e: torch.Tensor, c: torch.Tensor, targets: torch.Tensor, *, ti
     upper = {b: 0 for b in bounds}
     bounded_sq = {b: 0.0 for b in bounds}
     for s in range(0, n, rows_per_chunk):
-        t = targets[s: s + rows_per_chunk]
+        t = targets[s : s + rows_per_chunk]
         m = len(t)
-        logp = torch.log_softmax(e[s: s + m].float() @ cf.T, dim=1)
+        logp = torch.log_softmax(e[s : s + m].float() @ cf.T, dim=1)
         nll -= logp.gather(1, t[:, None]).sum().item()
         p = logp.exp()
         above.append((p >= eps).sum(1))
@@ -382,11 +452,21 @@ def softmax_stats(e: torch.Tensor, c: torch.Tensor, targets: torch.Tensor, *, ti
             drop = order.argsort(1) < n_skip[:, None]
             bounded_sq[b] += _dropped_sq(pt, drop, c_pad, m).item()
     above_t, tail_t = torch.cat(above).double(), torch.cat(tail).double()
-    out = {"rows": n, "vocab": v, "tile": tile, "eps": eps, "loss": nll / n,
-           "entries_ge_eps_median": above_t.quantile(0.5).item(), "entries_ge_eps_mean": above_t.mean().item(),
-           "active_tile_share": active / tiles, "active_tile_share_sorted": active_sorted / tiles,
-           "tail_mass_mean": tail_t.mean().item(), "tail_mass_median": tail_t.quantile(0.5).item(),
-           "filter_rel_err_dE": math.sqrt(err_sq / de_sq), "filter_rel_err_dE_sorted": math.sqrt(err_sorted_sq / de_sq)}
+    out = {
+        "rows": n,
+        "vocab": v,
+        "tile": tile,
+        "eps": eps,
+        "loss": nll / n,
+        "entries_ge_eps_median": above_t.quantile(0.5).item(),
+        "entries_ge_eps_mean": above_t.mean().item(),
+        "active_tile_share": active / tiles,
+        "active_tile_share_sorted": active_sorted / tiles,
+        "tail_mass_mean": tail_t.mean().item(),
+        "tail_mass_median": tail_t.quantile(0.5).item(),
+        "filter_rel_err_dE": math.sqrt(err_sq / de_sq),
+        "filter_rel_err_dE_sorted": math.sqrt(err_sorted_sq / de_sq),
+    }
     for b in bounds:
         out[f"bounded_{b:g}_skip_share"] = skipped[b] / tiles
         out[f"bounded_{b:g}_skip_share_upper"] = upper[b] / tiles
@@ -394,8 +474,9 @@ def softmax_stats(e: torch.Tensor, c: torch.Tensor, targets: torch.Tensor, *, ti
     return out
 
 
-def _reference_stats(e: torch.Tensor, c: torch.Tensor, t: torch.Tensor, tile: int, eps: float,
-                     bounds: tuple[float, ...]) -> dict:
+def _reference_stats(
+    e: torch.Tensor, c: torch.Tensor, t: torch.Tensor, tile: int, eps: float, bounds: tuple[float, ...]
+) -> dict:
     """``softmax_stats`` by loops over explicit tiles in float64 (slow; for ``_self_check``)."""
     n, v = len(t), len(c)
     p = torch.softmax(e.double() @ c.double().T, 1)
@@ -406,7 +487,7 @@ def _reference_stats(e: torch.Tensor, c: torch.Tensor, t: torch.Tensor, tile: in
     vtiles = [range(j, min(j + tile, v)) for j in range(0, v, tile)]
     mean_logit = (e.double() @ c.double().T).mean(0).tolist()
     by_mean = sorted(range(v), key=lambda k: -mean_logit[k])
-    sorted_tiles = [by_mean[j: j + tile] for j in range(0, v, tile)]
+    sorted_tiles = [by_mean[j : j + tile] for j in range(0, v, tile)]
 
     def off(r: int, k: int) -> float:
         return 0.0 if k == t[r] else p[r, k].item()
@@ -420,15 +501,23 @@ def _reference_stats(e: torch.Tensor, c: torch.Tensor, t: torch.Tensor, tile: in
         return ((dropped @ c.double()).norm() / de).item()
 
     def inactive(tile_cols: list) -> list[tuple[range, list[int]]]:
-        return [(rows, list(cols)) for rows in blocks for cols in tile_cols
-                if all(off(r, k) < eps for r in rows for k in cols)]
+        return [
+            (rows, list(cols))
+            for rows in blocks
+            for cols in tile_cols
+            if all(off(r, k) < eps for r in rows for k in cols)
+        ]
 
     total = len(blocks) * len(vtiles)
     dropped_u, dropped_s = inactive(vtiles), inactive(sorted_tiles)
-    out = {"entries_ge_eps_mean": (p >= eps).sum(1).double().mean().item(),
-           "tail_mass_mean": torch.where(p < eps, p, 0).sum(1).mean().item(),
-           "active_tile_share": 1 - len(dropped_u) / total, "active_tile_share_sorted": 1 - len(dropped_s) / total,
-           "filter_rel_err_dE": err(dropped_u), "filter_rel_err_dE_sorted": err(dropped_s)}
+    out = {
+        "entries_ge_eps_mean": (p >= eps).sum(1).double().mean().item(),
+        "tail_mass_mean": torch.where(p < eps, p, 0).sum(1).mean().item(),
+        "active_tile_share": 1 - len(dropped_u) / total,
+        "active_tile_share_sorted": 1 - len(dropped_s) / total,
+        "filter_rel_err_dE": err(dropped_u),
+        "filter_rel_err_dE_sorted": err(dropped_s),
+    }
     for b in bounds:
         greedy, joint, best, drops = 0, 0, 0, []
         for rows in blocks:
@@ -477,10 +566,34 @@ def _self_check() -> None:
     print("self-check ok")
 
 
-CLI_ARGS = ("vocab_size", "d_model", "n_layers", "n_heads", "seq_len", "batch_size", "train_seconds", "steps", "lr",
-            "warmup", "n_tokens", "max_corpus_bytes", "seed")
-TINY = dict(vocab_size=2048, d_model=64, n_layers=1, seq_len=64, batch_size=8, steps=20, train_seconds=math.inf,
-            lr=3e-3, warmup=5, n_tokens=256, max_corpus_bytes=1_000_000)
+CLI_ARGS = (
+    "vocab_size",
+    "d_model",
+    "n_layers",
+    "n_heads",
+    "seq_len",
+    "batch_size",
+    "train_seconds",
+    "steps",
+    "lr",
+    "warmup",
+    "n_tokens",
+    "max_corpus_bytes",
+    "seed",
+)
+TINY = dict(
+    vocab_size=2048,
+    d_model=64,
+    n_layers=1,
+    seq_len=64,
+    batch_size=8,
+    steps=20,
+    train_seconds=math.inf,
+    lr=3e-3,
+    warmup=5,
+    n_tokens=256,
+    max_corpus_bytes=1_000_000,
+)
 
 
 def main() -> None:

@@ -36,6 +36,7 @@ Run on an H100 and an H200 with torch 2.11 (2026-11-25, engineering log v17; ``b
 there torchtitan 0.3.0 needs ``_older_torch_shim`` below, and its ``ChunkedLossWrapper`` (``stock``) fails in its
 backward, so ``plain`` is the baseline; on torch >= 2.12 neither applies.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -94,9 +95,15 @@ def build(flavor: str, layers: int, device: str, seq: int, method: str, compile_
     config.update_from_config(config=types.SimpleNamespace(parallelism=parallelism))
     with torch.device("meta"):
         model = config.build()
-    model = parallelize_llama(model, parallel_dims=parallel_dims, training=training, parallelism=parallelism,
-                              compile_config=compile_config, ac_config=SelectiveAC.Config(),  # llama3_8b()'s
-                              dump_folder="/tmp/torchtitan_step")
+    model = parallelize_llama(
+        model,
+        parallel_dims=parallel_dims,
+        training=training,
+        parallelism=parallelism,
+        compile_config=compile_config,
+        ac_config=SelectiveAC.Config(),  # llama3_8b()'s
+        dump_folder="/tmp/torchtitan_step",
+    )
     model.to_empty(device=device)
     with torch.no_grad():
         model.init_weights(buffer_device=None)
@@ -106,7 +113,8 @@ def build(flavor: str, layers: int, device: str, seq: int, method: str, compile_
     else:
         if method == "stock":
             loss_config = ChunkedLossWrapper.Config(
-                loss_fn=CrossEntropyLoss.Config(global_vocab_size=config.vocab_size))
+                loss_fn=CrossEntropyLoss.Config(global_vocab_size=config.vocab_size)
+            )
         else:
             from cce_inductor.integrations.torchtitan import CCELoss
 
@@ -135,20 +143,28 @@ def worker(args) -> dict:
     row = {"method": args.method, "batch": args.batch, "seq": args.seq, "flavor": args.flavor}
     try:
         torch.manual_seed(args.seed)  # the same initial weights in every worker
-        model, loss_fn, optimizer, vocab = build(args.flavor, args.layers, args.device, args.seq, args.method,
-                                                 compile_model=not args.no_compile)
+        model, loss_fn, optimizer, vocab = build(
+            args.flavor, args.layers, args.device, args.seq, args.method, compile_model=not args.no_compile
+        )
         if args.method == "cce":  # the path the op takes for these rows (CCELoss calls it directly: no pass)
             from cce_inductor import _dispatch, paths
 
-            facts = _dispatch.head_facts(args.batch * args.seq, model.lm_head.weight.shape[1], vocab, torch.bfloat16,
-                                         torch.device(args.device), "sum", needs_grad=True)
+            facts = _dispatch.head_facts(
+                args.batch * args.seq,
+                model.lm_head.weight.shape[1],
+                vocab,
+                torch.bfloat16,
+                torch.device(args.device),
+                "sum",
+                needs_grad=True,
+            )
             row["pick"] = paths.choose(facts).path
         trainer = types.SimpleNamespace(train_context=contextlib.nullcontext, model_parts=[model], loss_fn=loss_fn)
         gen = torch.Generator().manual_seed(args.seed)
         times, losses = [], []
         if args.device == "cuda":
             torch.cuda.reset_peak_memory_stats()
-        for step in range(args.warmup + args.steps):
+        for _ in range(args.warmup + args.steps):
             tokens = torch.randint(0, vocab, (args.batch, args.seq), generator=gen).to(args.device)
             labels = torch.randint(0, vocab, (args.batch, args.seq), generator=gen)
             labels[torch.rand(labels.shape, generator=gen) < 0.05] = IGNORE_INDEX
@@ -161,11 +177,16 @@ def worker(args) -> dict:
             _sync(args.device)
             times.append(1e3 * (time.perf_counter() - t0))
             losses.append(float(loss))
-        timed = sorted(times[args.warmup:])
-        row.update(first_step_s=times[0] / 1e3, step_ms=timed[len(timed) // 2], times_ms=times, losses=losses,
-                   tokens_s=args.batch * args.seq / (timed[len(timed) // 2] / 1e3),
-                   peak_gb=torch.cuda.max_memory_allocated() / 2**30 if args.device == "cuda" else None,
-                   stats=cce_inductor.stats().get("executions"))
+        timed = sorted(times[args.warmup :])
+        row.update(
+            first_step_s=times[0] / 1e3,
+            step_ms=timed[len(timed) // 2],
+            times_ms=times,
+            losses=losses,
+            tokens_s=args.batch * args.seq / (timed[len(timed) // 2] / 1e3),
+            peak_gb=torch.cuda.max_memory_allocated() / 2**30 if args.device == "cuda" else None,
+            stats=cce_inductor.stats().get("executions"),
+        )
     except torch.OutOfMemoryError:
         row["oom"] = True
     finally:
@@ -207,14 +228,37 @@ def main():
     rows = []
     for batch in map(int, args.batches.split(",")):
         for method in args.methods.split(","):
-            cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--method", method, "--batch", str(batch),
-                   "--seq", str(args.seq), "--flavor", args.flavor, "--layers", str(args.layers), "--steps",
-                   str(args.steps), "--warmup", str(args.warmup), "--device", args.device, "--seed", str(args.seed)]
+            cmd = [
+                sys.executable,
+                os.path.abspath(__file__),
+                "--worker",
+                "--method",
+                method,
+                "--batch",
+                str(batch),
+                "--seq",
+                str(args.seq),
+                "--flavor",
+                args.flavor,
+                "--layers",
+                str(args.layers),
+                "--steps",
+                str(args.steps),
+                "--warmup",
+                str(args.warmup),
+                "--device",
+                args.device,
+                "--seed",
+                str(args.seed),
+            ]
             cmd += ["--no-compile"] if args.no_compile else []
             proc = subprocess.run(cmd, check=False, capture_output=True, text=True)
             found = [line[4:] for line in proc.stdout.splitlines() if line.startswith("ROW ")]
-            row = json.loads(found[-1]) if found else {"method": method, "batch": batch,
-                                                       "error": (proc.stderr or proc.stdout)[-2000:]}
+            row = (
+                json.loads(found[-1])
+                if found
+                else {"method": method, "batch": batch, "error": (proc.stderr or proc.stdout)[-2000:]}
+            )
             rows.append(row)
             if args.out:
                 with open(args.out, "a") as f:
@@ -222,7 +266,9 @@ def main():
             print(_line(row), flush=True)
     baseline = args.methods.split(",")[0]  # the ratios' denominator: the first method named
     stock = {r["batch"]: r for r in rows if r["method"] == baseline and "step_ms" in r}
-    print(f"\n| batch | method | step ms | tokens/s | peak GB | x {baseline} time | x {baseline} peak | loss rel. diff |")
+    print(
+        f"\n| batch | method | step ms | tokens/s | peak GB | x {baseline} time | x {baseline} peak | loss rel. diff |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     for r in rows:
         if "step_ms" not in r:
@@ -231,8 +277,10 @@ def main():
         ratios = [f"{r[k] / base[k]:.2f}x" if base and base.get(k) and r.get(k) else "" for k in ("step_ms", "peak_gb")]
         diff = max(abs(a - b) / abs(b) for a, b in zip(r["losses"], base["losses"])) if base else None
         peak = f"{r['peak_gb']:.1f}" if r.get("peak_gb") is not None else ""
-        print(f"| {r['batch']} | {r['method']} | {r['step_ms']:.1f} | {r['tokens_s']:.0f} | {peak} | "
-              f"{ratios[0]} | {ratios[1]} | {'' if diff is None else f'{diff:.1e}'} |")
+        print(
+            f"| {r['batch']} | {r['method']} | {r['step_ms']:.1f} | {r['tokens_s']:.0f} | {peak} | "
+            f"{ratios[0]} | {ratios[1]} | {'' if diff is None else f'{diff:.1e}'} |"
+        )
 
 
 def _line(row):
@@ -240,8 +288,10 @@ def _line(row):
         return f"{row['method']} batch={row['batch']}: ERROR {row['error'][-600:]}"
     if row.get("oom"):
         return f"{row['method']} batch={row['batch']}: out of memory"
-    return (f"{row['method']:6s} batch={row['batch']} first step {row['first_step_s']:.1f} s, step {row['step_ms']:.1f}"
-            f" ms, {row['tokens_s']:.0f} tok/s, peak {row['peak_gb']} GB, losses {row['losses'][:3]}")
+    return (
+        f"{row['method']:6s} batch={row['batch']} first step {row['first_step_s']:.1f} s, step {row['step_ms']:.1f}"
+        f" ms, {row['tokens_s']:.0f} tok/s, peak {row['peak_gb']} GB, losses {row['losses'][:3]}"
+    )
 
 
 if __name__ == "__main__":

@@ -60,13 +60,24 @@ def build_model(name: str, layers: int, seq: int):
     spec = dict(MODELS[name])
     family = spec.pop("family")
     if DEVICE == "cpu":  # a smoke test of this script: same code, toy sizes
-        spec.update(vocab_size=512, hidden_size=64, intermediate_size=128, num_attention_heads=4,
-                    num_key_value_heads=2, head_dim=16)  # fmt: skip
+        spec.update(
+            vocab_size=512,
+            hidden_size=64,
+            intermediate_size=128,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+        )
         spec.pop("query_pre_attn_scalar", None)
     config = transformers.AutoConfig.for_model(
-        family, num_hidden_layers=layers, max_position_embeddings=seq, pad_token_id=0, bos_token_id=1,
-        eos_token_id=2, **spec,
-    )  # fmt: skip
+        family,
+        num_hidden_layers=layers,
+        max_position_embeddings=seq,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+        **spec,
+    )
     torch.manual_seed(0)
     with torch.device(DEVICE):
         model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
@@ -111,7 +122,7 @@ def train(name: str, mode: str, steps: int, batch: int, seq: int, layers: int, l
     data = MarkovTokens(model.config.vocab_size, seed=1)
     losses, times, peaks = [], [], []
     cuda = DEVICE == "cuda"
-    for step in range(steps):
+    for _ in range(steps):
         tokens = data.batch(batch, seq)
         if cuda:
             torch.cuda.synchronize()
@@ -136,7 +147,7 @@ def train(name: str, mode: str, steps: int, batch: int, seq: int, layers: int, l
         result["rewritten"] = cce_inductor.stats()["rewritten"]
         result["paths"] = sorted({site["path"] for site in cce_inductor.stats()["sites"] if site["rewritten"]})
         cce_inductor.reset_stats()
-    del compiled, model, optimizer
+    compiled = model = optimizer = None
     if DEVICE == "cuda":
         torch.cuda.empty_cache()
     return result
@@ -177,7 +188,7 @@ def largest_batch(name: str, mode: str, seq: int, layers: int, start: int, limit
     while high - low > max(1, low // 8):
         middle = (low + high) // 2
         low, high = (middle, high) if step_fits(middle) else (low, middle)
-    del compiled, model, optimizer
+    compiled = model = optimizer = None
     if DEVICE == "cuda":
         torch.cuda.empty_cache()
     return low
@@ -210,21 +221,28 @@ def main() -> None:
         if args.find_max_batch:
             result["max_batch"] = largest_batch(args.model, mode, args.seq, args.layers, start=args.batch)
         results.append(result)
-        print(f"{mode}: step {result['step_ms_median']:.1f} ms, peak {result['peak_mib']:.0f} MiB, "
-              f"final loss {result['losses'][-1]:.4f}", flush=True)  # fmt: skip
+        print(
+            f"{mode}: step {result['step_ms_median']:.1f} ms, peak {result['peak_mib']:.0f} MiB, "
+            f"final loss {result['losses'][-1]:.4f}",
+            flush=True,
+        )
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, f"e2e_{args.model}.json")
     with open(path, "w") as handle:
         json.dump(dict(device=device_name, torch=torch.__version__, results=results), handle)
 
     by_mode = {r["mode"]: r for r in results}
-    print(f"\n{args.model}: batch {args.batch} x seq {args.seq}, {args.layers} layers, bf16, "
-          f"{device_name}, torch {torch.__version__}")  # fmt: skip
+    print(
+        f"\n{args.model}: batch {args.batch} x seq {args.seq}, {args.layers} layers, bf16, "
+        f"{device_name}, torch {torch.__version__}"
+    )
     print("| mode | step ms | peak MiB | max batch | final loss |")
     print("| --- | --- | --- | --- | --- |")
     for r in results:
-        print(f"| {r['mode']} | {r['step_ms_median']:.1f} | {r['peak_mib']:.0f} | {r.get('max_batch', '-')} | "
-              f"{r['losses'][-1]:.4f} |")  # fmt: skip
+        print(
+            f"| {r['mode']} | {r['step_ms_median']:.1f} | {r['peak_mib']:.0f} | {r.get('max_batch', '-')} | "
+            f"{r['losses'][-1]:.4f} |"
+        )
     for cce_mode in (m for m in CCE_MODES if {"compile", m} <= by_mode.keys()):
         base, ours = by_mode["compile"], by_mode[cce_mode]
         window = 20
@@ -234,9 +252,11 @@ def main() -> None:
         ]
         gap = max((abs(a - b) / a for a, b in zip(*means)), default=math.nan)
         peak_ratio = ours["peak_mib"] / base["peak_mib"] if base["peak_mib"] else math.nan
-        print(f"{cce_mode}/compile: time {ours['step_ms_median'] / base['step_ms_median']:.2f}x, "
-              f"peak {peak_ratio:.2f}x; max |diff| of {window}-step running means: "
-              f"{100 * gap:.2f}% of the loss; sites rewritten: {ours.get('rewritten')} {ours.get('paths')}")
+        print(
+            f"{cce_mode}/compile: time {ours['step_ms_median'] / base['step_ms_median']:.2f}x, "
+            f"peak {peak_ratio:.2f}x; max |diff| of {window}-step running means: "
+            f"{100 * gap:.2f}% of the loss; sites rewritten: {ours.get('rewritten')} {ours.get('paths')}"
+        )
 
 
 if __name__ == "__main__":

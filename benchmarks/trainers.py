@@ -47,6 +47,7 @@ Columns (JSON lines, one per client x model x method x batch, each with device, 
     stats() after the run;  check  what stats() shows against what the method must (NO KERNELS: the op ran the
     chunked path on the GPU);  oom / error  (the growth stops there)
 """
+
 from __future__ import annotations
 
 import argparse
@@ -71,9 +72,35 @@ from full_depth import build_model  # noqa: E402
 
 MODELS = ("qwen25-0.5b", "llama32-1b")
 CLIENTS = {"trainer": ("stock", "cce"), "peft": ("stock", "cce"), "sft": ("stock", "cce", "cce_trl")}
-COLUMNS = ("client", "model", "method", "batch", "seq", "steps", "first_step_s", "step_ms", "times_ms", "tokens_s",
-           "peak_gb", "warmup_peak_gb", "reserved_gb", "start_gb", "losses", "grad_norms", "rewritten", "skipped",
-           "reasons", "pick", "pick_reason", "executions", "graphs", "check", "oom", "error", "wall_s")
+COLUMNS = (
+    "client",
+    "model",
+    "method",
+    "batch",
+    "seq",
+    "steps",
+    "first_step_s",
+    "step_ms",
+    "times_ms",
+    "tokens_s",
+    "peak_gb",
+    "warmup_peak_gb",
+    "reserved_gb",
+    "start_gb",
+    "losses",
+    "grad_norms",
+    "rewritten",
+    "skipped",
+    "reasons",
+    "pick",
+    "pick_reason",
+    "executions",
+    "graphs",
+    "check",
+    "oom",
+    "error",
+    "wall_s",
+)
 
 
 def unit_key(r):
@@ -127,6 +154,7 @@ def step_timer(device, warmup, profile_to=None):
                 self.profiler.__exit__(None, None, None)
                 with open(profile_to, "a") as f:
                     f.write(self.profiler.key_averages().table(sort_by="self_device_time_total", row_limit=30))
+
     return StepTimer()
 
 
@@ -143,44 +171,73 @@ def train_once(args, batch, outdir):
     """One Trainer run at this batch; returns the row's measured fields."""
     import transformers
 
-    model = build_model(args.model, argparse.Namespace(tiny=args.tiny, seed=args.seed, device=args.device,
-                                                       attn=None))
+    model = build_model(args.model, argparse.Namespace(tiny=args.tiny, seed=args.seed, device=args.device, attn=None))
     if args.client == "peft":
         import peft
 
-        model = peft.get_peft_model(model, peft.LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0,
-                                                           target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM"))
+        model = peft.get_peft_model(
+            model,
+            peft.LoraConfig(
+                r=16, lora_alpha=32, lora_dropout=0.0, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM"
+            ),
+        )
     vocab = model.config.vocab_size
     data = Tokens(batch * args.steps, args.seq, vocab, args.seed)
-    kw = dict(output_dir=outdir, per_device_train_batch_size=batch, max_steps=args.steps, logging_steps=1,
-              learning_rate=1e-5, bf16=True, torch_compile=True, use_cpu=args.device == "cpu", report_to=[],
-              save_strategy="no", disable_tqdm=True, dataloader_num_workers=0, seed=args.seed,
-              torch_compile_mode=args.compile_mode)
-    timer = step_timer(args.device, args.warmup,
-                       args.profile and f"{args.profile}_{args.client}_{args.model}_{args.method}_b{batch}.txt")
+    kw = dict(
+        output_dir=outdir,
+        per_device_train_batch_size=batch,
+        max_steps=args.steps,
+        logging_steps=1,
+        learning_rate=1e-5,
+        bf16=True,
+        torch_compile=True,
+        use_cpu=args.device == "cpu",
+        report_to=[],
+        save_strategy="no",
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+        seed=args.seed,
+        torch_compile_mode=args.compile_mode,
+    )
+    timer = step_timer(
+        args.device,
+        args.warmup,
+        args.profile and f"{args.profile}_{args.client}_{args.model}_{args.method}_b{batch}.txt",
+    )
     if args.client == "sft":
         import datasets
         import trl
 
         data = datasets.Dataset.from_list([{"input_ids": row.tolist()} for row in data.ids])
-        trainer = trl.SFTTrainer(model=model, args=trl.SFTConfig(max_length=args.seq, **kw), train_dataset=data,
-                                 processing_class=word_tokenizer(vocab), callbacks=[timer])
+        trainer = trl.SFTTrainer(
+            model=model,
+            args=trl.SFTConfig(max_length=args.seq, **kw),
+            train_dataset=data,
+            processing_class=word_tokenizer(vocab),
+            callbacks=[timer],
+        )
     else:
-        trainer = transformers.Trainer(model=model, args=transformers.TrainingArguments(**kw), train_dataset=data,
-                                       callbacks=[timer])
+        trainer = transformers.Trainer(
+            model=model, args=transformers.TrainingArguments(**kw), train_dataset=data, callbacks=[timer]
+        )
     trainer.remove_callback(transformers.PrinterCallback)  # the per-step log dicts: in the row instead
     trainer.train()
     logs = [e for e in trainer.state.log_history if "loss" in e]
     times = timer.times
     timed = [t for i, t in enumerate(times) if i >= args.warmup and not (args.profile and i == args.warmup + 1)]
     step_ms = statistics.median(timed) * 1e3
-    return dict(first_step_s=times[0], step_ms=step_ms, tokens_s=batch * args.seq / (step_ms / 1e3),
-                times_ms=[round(t * 1e3, 2) for t in times],
-                graphs=torch._dynamo.utils.counters["stats"]["unique_graphs"],
-                peak_gb=torch.cuda.max_memory_allocated() / 2**30 if args.device == "cuda" else None,
-                reserved_gb=torch.cuda.max_memory_reserved() / 2**30 if args.device == "cuda" else None,
-                warmup_peak_gb=timer.warmup_peak, losses=[e["loss"] for e in logs],
-                grad_norms=[e.get("grad_norm") for e in logs])
+    return dict(
+        first_step_s=times[0],
+        step_ms=step_ms,
+        tokens_s=batch * args.seq / (step_ms / 1e3),
+        times_ms=[round(t * 1e3, 2) for t in times],
+        graphs=torch._dynamo.utils.counters["stats"]["unique_graphs"],
+        peak_gb=torch.cuda.max_memory_allocated() / 2**30 if args.device == "cuda" else None,
+        reserved_gb=torch.cuda.max_memory_reserved() / 2**30 if args.device == "cuda" else None,
+        warmup_peak_gb=timer.warmup_peak,
+        losses=[e["loss"] for e in logs],
+        grad_norms=[e.get("grad_norm") for e in logs],
+    )
 
 
 def check_stats(args, st):
@@ -201,25 +258,47 @@ def worker(args):
     import torch._dynamo.config as dyn
     import torch._inductor.config as ind
 
-    meta = dict(device=torch.cuda.get_device_name() if args.device == "cuda" else "cpu", **versions(),
-                date=datetime.datetime.now().isoformat(timespec="seconds"),
-                command=os.environ.get("TRAINERS_BENCH_COMMAND", ""), tiny=args.tiny, compile_mode=args.compile_mode,
-                config=dict(FD_MODELS[args.model][1]) if not args.tiny else "tiny")
+    meta = dict(
+        device=torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
+        **versions(),
+        date=datetime.datetime.now().isoformat(timespec="seconds"),
+        command=os.environ.get("TRAINERS_BENCH_COMMAND", ""),
+        tiny=args.tiny,
+        compile_mode=args.compile_mode,
+        config=dict(FD_MODELS[args.model][1]) if not args.tiny else "tiny",
+    )
 
     def new_row(batch, **kw):
-        return dict(dict.fromkeys(COLUMNS), **meta, kind="row", client=args.client, model=args.model,
-                    method=args.method, batch=batch, seq=args.seq, steps=args.steps, **kw)
+        return dict(
+            dict.fromkeys(COLUMNS),
+            **meta,
+            kind="row",
+            client=args.client,
+            model=args.model,
+            method=args.method,
+            batch=batch,
+            seq=args.seq,
+            steps=args.steps,
+            **kw,
+        )
+
     try:
         import transformers
 
         import cce_inductor
 
         transformers.logging.set_verbosity_error()
-        meta.update(cce_inductor=cce_inductor.__version__, cce_inductor_path=os.path.dirname(cce_inductor.__file__),
-                    switch="stock")
+        meta.update(
+            cce_inductor=cce_inductor.__version__,
+            cce_inductor_path=os.path.dirname(cce_inductor.__file__),
+            switch="stock",
+        )
         if args.method != "stock":
-            meta["switch"] = "CCE_INDUCTOR=1 (entry point)" if cce_inductor.is_enabled() else \
-                "CCE_INDUCTOR=1 + enable() (entry point not installed)"
+            meta["switch"] = (
+                "CCE_INDUCTOR=1 (entry point)"
+                if cce_inductor.is_enabled()
+                else "CCE_INDUCTOR=1 + enable() (entry point not installed)"
+            )
             cce_inductor.enable()
         if args.method == "cce_trl":
             from cce_inductor.integrations import trl as cce_trl
@@ -260,10 +339,14 @@ def worker(args):
             with tempfile.TemporaryDirectory() as outdir:
                 row.update(train_once(args, b, outdir))
             st = cce_inductor.stats()
-            row.update(rewritten=st["rewritten"], skipped=st["skipped"], reasons=st["reasons"] or None,
-                       executions=st["executions"]["linear_cross_entropy"],
-                       pick=next((s["path"] for s in st["sites"][::-1] if s["rewritten"]), None),
-                       pick_reason=next((s["reason"] for s in st["sites"][::-1] if s["rewritten"]), None))
+            row.update(
+                rewritten=st["rewritten"],
+                skipped=st["skipped"],
+                reasons=st["reasons"] or None,
+                executions=st["executions"]["linear_cross_entropy"],
+                pick=next((s["path"] for s in st["sites"][::-1] if s["rewritten"]), None),
+                pick_reason=next((s["reason"] for s in st["sites"][::-1] if s["rewritten"]), None),
+            )
             row["check"] = check_stats(args, st) or None
         except Exception as exc:  # noqa: BLE001 - recorded; OOM ends the growth
             fatal = C.fatal_cuda(exc)  # not the exception itself: its frames hold the batch's tensors
@@ -280,10 +363,12 @@ def worker(args):
 
 def print_row(r):
     f = C.fmt
-    line = (f"  {r['client']:7s} {r['model']} {r['method']:7s} batch={r['batch']:<4d} first step "
-            f"{f(r.get('first_step_s'), '.1f'):>6s} s  step {f(r.get('step_ms'), '.1f'):>8s} ms "
-            f"{f(r.get('tokens_s'), '.0f'):>8s} tok/s  peak {f(step_peak(r), '.2f'):>6s} GB  "
-            f"rewritten {r.get('rewritten')} {r.get('pick') or ''}  loss {f((r.get('losses') or [None])[-1], '.4f')}")
+    line = (
+        f"  {r['client']:7s} {r['model']} {r['method']:7s} batch={r['batch']:<4d} first step "
+        f"{f(r.get('first_step_s'), '.1f'):>6s} s  step {f(r.get('step_ms'), '.1f'):>8s} ms "
+        f"{f(r.get('tokens_s'), '.0f'):>8s} tok/s  peak {f(step_peak(r), '.2f'):>6s} GB  "
+        f"rewritten {r.get('rewritten')} {r.get('pick') or ''}  loss {f((r.get('losses') or [None])[-1], '.4f')}"
+    )
     for key in ("check", "oom", "error"):
         if r.get(key):
             line += f"  {key.upper()}: {r[key]}"
@@ -321,15 +406,42 @@ def tables(rows, batches):
     for (client, model, method, b), r in sorted(by.items()):
         s = by.get((client, model, "stock", b), {})
         if method != "stock":
-            body.append([client, model, method, b, cell(s), cell(r), ratio(r, s, "step_ms"), ratio(r, s, "peak_gb"),
-                         f(rel_diff(r.get("losses"), s.get("losses")), ".1e"), r.get("rewritten"),
-                         "!! " + r["check"] if r.get("check") else ""])
-    steps = C.md_table(["client", "model", "method", "batch", "stock ms / GB", "method ms / GB", "ms ratio",
-                        "GB ratio", "loss max rel diff", "rewritten", "check"], body)
+            body.append(
+                [
+                    client,
+                    model,
+                    method,
+                    b,
+                    cell(s),
+                    cell(r),
+                    ratio(r, s, "step_ms"),
+                    ratio(r, s, "peak_gb"),
+                    f(rel_diff(r.get("losses"), s.get("losses")), ".1e"),
+                    r.get("rewritten"),
+                    "!! " + r["check"] if r.get("check") else "",
+                ]
+            )
+    steps = C.md_table(
+        [
+            "client",
+            "model",
+            "method",
+            "batch",
+            "stock ms / GB",
+            "method ms / GB",
+            "ms ratio",
+            "GB ratio",
+            "loss max rel diff",
+            "rewritten",
+            "check",
+        ],
+        body,
+    )
     top = []
 
     def best(unit):
         return max((r["tokens_s"] for k, r in by.items() if k[:3] == unit and r.get("tokens_s")), default=None)
+
     for unit in sorted({k[:3] for k in by}):
         mine = [r for k, r in by.items() if k[:3] == unit]
         fit = max((r["batch"] for r in mine if r.get("step_ms")), default=None)
@@ -339,14 +451,20 @@ def tables(rows, batches):
         mine_best, stock_best = best(unit), best((*unit[:2], "stock"))
         ratio_best = f" ({mine_best / stock_best:.2f}x)" if mine_best and stock_best and unit[2] != "stock" else ""
         top.append([*unit, largest, f(mine_best, ".0f") + ratio_best, end if end and not fit else ""])
-    return steps + "\n\n" + C.md_table(["client", "model", "method", "largest batch", "best tok/s (x stock's)",
-                                        "note"], top)
+    return (
+        steps
+        + "\n\n"
+        + C.md_table(["client", "model", "method", "largest batch", "best tok/s (x stock's)", "note"], top)
+    )
 
 
 def results(args, units):
     """The latest row per (client, model, method, batch) of these units in --out, and the units not finished."""
-    rows = [r for r in C.latest(C.read_rows(args.out), unit_key) if r.get("seq") in (args.seq, None)
-            and (r["client"], r["model"], r["method"]) in units]
+    rows = [
+        r
+        for r in C.latest(C.read_rows(args.out), unit_key)
+        if r.get("seq") in (args.seq, None) and (r["client"], r["model"], r["method"]) in units
+    ]
     ended = {unit_key(r)[:3] for r in rows if r.get("oom") or r.get("error")}
     have = {unit_key(r) for r in rows}
     return rows, [u for u in units if u not in ended and any((*u, b) not in have for b in args.batches)]
@@ -365,11 +483,28 @@ def driver(args, argv):
             print(f"# deadline: {len(units) - i} worker(s) not started", flush=True)
             break
         env = {k: v for k, v in os.environ.items() if not k.startswith("CCE_INDUCTOR")}
-        env.update(PYTHONPATH=os.pathsep.join([ROOT, env.get("PYTHONPATH", "")]).rstrip(os.pathsep),
-                   TOKENIZERS_PARALLELISM="false", TORCHINDUCTOR_FORCE_DISABLE_CACHES="1",
-                   **({} if method == "stock" else {"CCE_INDUCTOR": "1"}))
-        cmd = [sys.executable, os.path.abspath(__file__), *child, "--out", args.out, "--worker", "--client", client,
-               "--model", model, "--method", method, "--until", f"{deadline:.0f}"]
+        env.update(
+            PYTHONPATH=os.pathsep.join([ROOT, env.get("PYTHONPATH", "")]).rstrip(os.pathsep),
+            TOKENIZERS_PARALLELISM="false",
+            TORCHINDUCTOR_FORCE_DISABLE_CACHES="1",
+            **({} if method == "stock" else {"CCE_INDUCTOR": "1"}),
+        )
+        cmd = [
+            sys.executable,
+            os.path.abspath(__file__),
+            *child,
+            "--out",
+            args.out,
+            "--worker",
+            "--client",
+            client,
+            "--model",
+            model,
+            "--method",
+            method,
+            "--until",
+            f"{deadline:.0f}",
+        ]
         print(f"# worker: {'CCE_INDUCTOR=1 ' if method != 'stock' else ''}{shlex.join(cmd[1:])}", flush=True)
         proc = subprocess.Popen(cmd, env=env, start_new_session=True)  # its own group: its compile workers too
         try:
@@ -380,8 +515,18 @@ def driver(args, argv):
             print(f"# {client} {model} {method}: killed at the deadline (its batch: not recorded)", flush=True)
             break
         if rc not in (0, 3):
-            C.append_row(args.out, dict(dict.fromkeys(COLUMNS), kind="row", client=client, model=model,
-                                        method=method, batch=0, error=f"worker exited with {rc}"))
+            C.append_row(
+                args.out,
+                dict(
+                    dict.fromkeys(COLUMNS),
+                    kind="row",
+                    client=client,
+                    model=model,
+                    method=method,
+                    batch=0,
+                    error=f"worker exited with {rc}",
+                ),
+            )
     rows, todo = results(args, units)
     print()
     if todo:
@@ -407,22 +552,34 @@ def parse_args(argv):
     ap.add_argument("--report", action="store_true", help="print the tables of --out's rows; run nothing")
     ap.add_argument("--deadline", type=float, default=None, help="seconds for the whole command (default 480; 0: none)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--profile", default=None,
-                    help="path prefix: each worker writes the kernel table of its second timed step there")
-    ap.add_argument("--compile-mode", default=None,
-                    help='TrainingArguments.torch_compile_mode, e.g. "reduce-overhead" (CUDA graphs); default: none')
+    ap.add_argument(
+        "--profile",
+        default=None,
+        help="path prefix: each worker writes the kernel table of its second timed step there",
+    )
+    ap.add_argument(
+        "--compile-mode",
+        default=None,
+        help='TrainingArguments.torch_compile_mode, e.g. "reduce-overhead" (CUDA graphs); default: none',
+    )
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     for name in ("--client", "--model", "--method", "--until"):  # the worker's unit; the driver's deadline
         ap.add_argument(name, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     args.clients, args.models, args.methods = (x.split(",") for x in (args.clients, args.models, args.methods))
-    for name, got, known in (("client", args.clients, CLIENTS), ("model", args.models, MODELS),
-                             ("method", args.methods, CLIENTS["sft"])):
+    for name, got, known in (
+        ("client", args.clients, CLIENTS),
+        ("model", args.models, MODELS),
+        ("method", args.methods, CLIENTS["sft"]),
+    ):
         if not set(got) <= set(known):
             ap.error(f"unknown {name} in {got}; known: {', '.join(known)}")
     top = 2 if args.tiny else args.max_batch
-    args.batches = [int(b) for b in args.batches.split(",")] if args.batches else \
-        [2**i for i in range(top.bit_length()) if 2**i <= top]
+    args.batches = (
+        [int(b) for b in args.batches.split(",")]
+        if args.batches
+        else [2**i for i in range(top.bit_length()) if 2**i <= top]
+    )
     args.seq, args.steps = args.seq or (64 if args.tiny else 2048), args.steps or (3 if args.tiny else 10)
     args.warmup = min(args.warmup if args.warmup is not None else (1 if args.tiny else 2), args.steps - 1)
     args.deadline = (0 if args.device == "cpu" else 480) if args.deadline is None else args.deadline

@@ -75,6 +75,7 @@ errors below ~1e-6 are not resolved (the TF32 errors, ~1e-3, are). Rows carry bo
 --profile [M,...]: for the default method (or the methods listed), one fwd+bwd under torch.profiler: device time per
 kernel (top 10 + other).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -90,19 +91,47 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _common as C  # noqa: E402
 
 HEADS = {  # name: (D, V)
-    "gpt2": (768, 50257), "gpt2-medium": (1024, 50257), "llama2": (4096, 32000), "phi35": (3072, 32064),
-    "v65535": (2048, 65535), "v65536": (2048, 65536), "v100352": (2048, 100352), "llama3": (4096, 128256),
-    "qwen25-0.5b": (896, 151936), "qwen25-7b": (3584, 152064), "gemma2": (2304, 256000),
-    "gemma3": (2560, 262208), "deepseek-v3": (7168, 129280), "mistral-nemo": (5120, 131072),
+    "gpt2": (768, 50257),
+    "gpt2-medium": (1024, 50257),
+    "llama2": (4096, 32000),
+    "phi35": (3072, 32064),
+    "v65535": (2048, 65535),
+    "v65536": (2048, 65536),
+    "v100352": (2048, 100352),
+    "llama3": (4096, 128256),
+    "qwen25-0.5b": (896, 151936),
+    "qwen25-7b": (3584, 152064),
+    "gemma2": (2304, 256000),
+    "gemma3": (2560, 262208),
+    "deepseek-v3": (7168, 129280),
+    "mistral-nemo": (5120, 131072),
 }
 TINY_HEADS = {"tiny2003": (64, 2003), "tiny2048": (64, 2048)}
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "autocast": torch.float32}
 IGNORE = -100
 BASE = ("matmul", "compile")
 FWD_TOO = ("matmul", "compile", "default")  # methods also timed forward-only
-COLUMNS = ("head", "d", "v", "n", "ignore_pct", "shapes", "method", "pick", "fwd_ms", "fwdbwd_ms", "peak_mb",
-           "x_compile_ms", "x_compile_mb", "err_de", "err_dc", "lower_bound_mb", "error", "ignore_spread",
-           "backward_products")
+COLUMNS = (
+    "head",
+    "d",
+    "v",
+    "n",
+    "ignore_pct",
+    "shapes",
+    "method",
+    "pick",
+    "fwd_ms",
+    "fwdbwd_ms",
+    "peak_mb",
+    "x_compile_ms",
+    "x_compile_mb",
+    "err_de",
+    "err_dc",
+    "lower_bound_mb",
+    "error",
+    "ignore_spread",
+    "backward_products",
+)
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -119,15 +148,22 @@ def make_data(n, d, v, ignore_pct, device, seed, dtype=torch.bfloat16, spread=0,
     popularity[torch.randperm(v, device=device, generator=g)] = (rank + 10.0) ** -1.1
     k = 48
     alpha = (14.0 - torch.log(torch.arange(1, k + 1, device=device, dtype=torch.float32))).expand(n, k).contiguous()
-    toks = torch.cat([torch.multinomial(popularity.expand(min(1024, n - s), v), k, replacement=False, generator=g)
-                      for s in range(0, n, 1024)])
+    toks = torch.cat(
+        [
+            torch.multinomial(popularity.expand(min(1024, n - s), v), k, replacement=False, generator=g)
+            for s in range(0, n, 1024)
+        ]
+    )
     e32 = torch.zeros(n, d, device=device)
     for j in range(k):
-        e32 += alpha[:, j:j + 1] * c32[toks[:, j]]
+        e32 += alpha[:, j : j + 1] * c32[toks[:, j]]
     pick = torch.multinomial(torch.softmax(alpha, -1), 1, generator=g)[:, 0]
     t = toks.gather(1, pick[:, None])[:, 0]
-    shares = [ignore_pct] + [ignore_pct - spread + 2 * spread * j / (variants - 2) for j in range(variants - 1)] \
-        if spread else [ignore_pct]
+    shares = (
+        [ignore_pct] + [ignore_pct - spread + 2 * spread * j / (variants - 2) for j in range(variants - 1)]
+        if spread
+        else [ignore_pct]
+    )
     ts = []
     for pct in shares:
         drop = torch.randperm(n, device=device, generator=g)[: round(n * max(0.0, min(100.0, pct)) / 100)]
@@ -139,8 +175,8 @@ def rel(a, ref, chunk=4096):
     """||a - ref|| / ||ref|| (ref on the CPU), a block of rows at a time."""
     num = den = 0.0
     for s in range(0, a.shape[0], chunk):
-        b = ref[s:s + chunk].to(a.device).double()
-        num += (a[s:s + chunk].double() - b).pow(2).sum().item()
+        b = ref[s : s + chunk].to(a.device).double()
+        num += (a[s : s + chunk].double() - b).pow(2).sum().item()
         den += b.pow(2).sum().item()
     return math.sqrt(num / den) if den else float("nan")
 
@@ -156,23 +192,29 @@ def find_peers(device):
 
         try:
             from trl.trainer import utils as trl_utils  # the function's backward imports from it
+
             chunk = getattr(trl_utils, "_CHUNKED_LOGPROB_CHUNK_SIZE", 32768)
         except Exception as exc:  # noqa: BLE001 - trl.trainer needs `datasets` & co., absent on the device: its backward only
             # needs maybe_gather_lm_head_ctx, which TRL makes a null context outside DeepSpeed ZeRO-3
             import contextlib
             import types
+
             stub = types.ModuleType("trl.trainer.utils")
             stub.maybe_gather_lm_head_ctx = lambda *params: contextlib.nullcontext()
             sys.modules["trl.trainer.utils"] = stub
             chunk = 32768  # trl/trainer/utils.py's _CHUNKED_LOGPROB_CHUNK_SIZE in TRL 1.16.0
-            notes.append(f"trl: trl.trainer not importable ({C.err_text(exc)}); maybe_gather_lm_head_ctx stubbed "
-                         "as the null context TRL uses outside ZeRO-3")
+            notes.append(
+                f"trl: trl.trainer not importable ({C.err_text(exc)}); maybe_gather_lm_head_ctx stubbed "
+                "as the null context TRL uses outside ZeRO-3"
+            )
 
         def trl_loss(e, c, t):
             valid = t != IGNORE
-            lp = ChunkedLogProbFunction.apply(e[valid], c, None, t[valid], 1.0, chunk, None, 1.0,
-                                              ("log_probs", "entropy", "is_top1"))[0]
+            lp = ChunkedLogProbFunction.apply(
+                e[valid], c, None, t[valid], 1.0, chunk, None, 1.0, ("log_probs", "entropy", "is_top1")
+            )[0]
             return -lp.sum() / valid.sum().clamp(min=1)
+
         peers["trl"] = trl_loss
     except Exception as exc:  # noqa: BLE001
         notes.append(f"trl: {C.err_text(exc)}")
@@ -229,6 +271,7 @@ def measure(fn, e, c, t, args, dynamic, ref, is_cce, fwd, profile):
         for tt in variants:
             e.grad = c.grad = None
             step(tt=tt)
+
     try:
         cce_inductor.reset_stats()
         if dynamic:  # as a trainer whose lengths vary: a first shape, then N (the automatic-dynamic recompile)
@@ -263,9 +306,11 @@ def measure(fn, e, c, t, args, dynamic, ref, is_cce, fwd, profile):
         e.requires_grad_(False)
         c.requires_grad_(False)
     if fwd:
+
         def fwd_only():
             with torch.no_grad(), torch.autocast(dev, dtype=torch.bfloat16, enabled=mixed):
                 return fn(e, c, t)
+
         fwd_only()
         r["fwd_ms"] = C.bench(fwd_only, dev, args.reps)
     return r
@@ -275,13 +320,21 @@ def measure(fn, e, c, t, args, dynamic, ref, is_cce, fwd, profile):
 # worker: one head
 # ------------------------------------------------------------------------------------------------------------
 def case_key(r):
-    return (r["head"], r["n"], r["ignore_pct"], r["shapes"], r.get("dtype") or "bf16",
-            r.get("matmul_precision") or "highest", r.get("ignore_spread") or 0)
+    return (
+        r["head"],
+        r["n"],
+        r["ignore_pct"],
+        r["shapes"],
+        r.get("dtype") or "bf16",
+        r.get("matmul_precision") or "highest",
+        r.get("ignore_spread") or 0,
+    )
 
 
 def method_names(args, backends, peers):
-    return [m for m in args.methods if m in BASE or m in backends] + \
-        [p for p in peers if "peers" in args.methods_raw or p in args.methods]
+    return [m for m in args.methods if m in BASE or m in backends] + [
+        p for p in peers if "peers" in args.methods_raw or p in args.methods
+    ]
 
 
 def finished(rows, names, peers):
@@ -290,8 +343,7 @@ def finished(rows, names, peers):
     for r in rows:
         if r.get("kind") == "row" and r.get("n") is not None:
             have.setdefault(case_key(r), set()).add(r["method"])
-    return {k for k, got in have.items()
-            if all(m in got for m in names if m not in peers or k[3] == "static")}
+    return {k for k, got in have.items() if all(m in got for m in names if m not in peers or k[3] == "static")}
 
 
 def case_of(args, head, n, ign, shapes):
@@ -305,8 +357,9 @@ def worker(args):
     backends = C.resolve_methods(args.methods, quiet=True)
     peers, notes = find_peers(args.device)
     if "peers" in args.methods_raw:
-        print(f"# peers: {', '.join(peers) or 'none'}" + (f" (skipped: {'; '.join(notes)})" if notes else ""),
-              flush=True)
+        print(
+            f"# peers: {', '.join(peers) or 'none'}" + (f" (skipped: {'; '.join(notes)})" if notes else ""), flush=True
+        )
     names = method_names(args, backends, peers)
     done = finished(C.read_rows(args.out), names, peers) if args.resume else set()
     slowest, bad = 0.0, 0
@@ -326,10 +379,23 @@ def worker(args):
             except Exception as exc:  # noqa: BLE001 - every method of these cases gets the error; next N goes on
                 for shapes in cases:
                     for name in names:
-                        C.append_row(args.out, dict(dict.fromkeys(COLUMNS), kind="row", head=args.head, d=d, v=v,
-                                                    n=n, ignore_pct=ign, shapes=shapes, method=name,
-                                                    dtype=args.dtype, matmul_precision=args.matmul_precision,
-                                                    error=f"data: {C.err_text(exc)}"))
+                        C.append_row(
+                            args.out,
+                            dict(
+                                dict.fromkeys(COLUMNS),
+                                kind="row",
+                                head=args.head,
+                                d=d,
+                                v=v,
+                                n=n,
+                                ignore_pct=ign,
+                                shapes=shapes,
+                                method=name,
+                                dtype=args.dtype,
+                                matmul_precision=args.matmul_precision,
+                                error=f"data: {C.err_text(exc)}",
+                            ),
+                        )
                 print(f"# {args.head} N={n} ignore={ign}%: data / reference FAILED: {C.err_text(exc)}", flush=True)
                 e = c = t = ref = None
                 C.free(args.device)
@@ -345,10 +411,21 @@ def worker(args):
                     if C.past_deadline(args.deadline):  # an unfinished case is redone whole by --resume
                         print(f"# {args.head}: deadline: stopping in N={n} ignore={ign}% {shapes}", flush=True)
                         return 0
-                    row = dict(dict.fromkeys(COLUMNS), kind="row", head=args.head, d=d, v=v, n=n, ignore_pct=ign,
-                               shapes=shapes, method=name, dtype=args.dtype, matmul_precision=args.matmul_precision,
-                               lower_bound_mb=(n * d + v * d) * e.element_size() / 2**20,
-                               ignore_spread=args.ignore_spread)
+                    row = dict(
+                        dict.fromkeys(COLUMNS),
+                        kind="row",
+                        head=args.head,
+                        d=d,
+                        v=v,
+                        n=n,
+                        ignore_pct=ign,
+                        shapes=shapes,
+                        method=name,
+                        dtype=args.dtype,
+                        matmul_precision=args.matmul_precision,
+                        lower_bound_mb=(n * d + v * d) * e.element_size() / 2**20,
+                        ignore_spread=args.ignore_spread,
+                    )
                     t0 = time.time()
                     if name == "matmul":  # (for fp32: at the worker's matmul precision)
                         row["fwd_ms"] = mm_ms
@@ -357,8 +434,20 @@ def worker(args):
                         C.free(args.device)
                         try:
                             fn = build(name, backends, peers, dynamic, f"{name}_{n}_{ign}_{shapes}")
-                            row.update(measure(fn, e, c, t, args, dynamic, ref, name in backends,
-                                               fwd=name in FWD_TOO, profile=name in args.profile))
+                            row.update(
+                                measure(
+                                    fn,
+                                    e,
+                                    c,
+                                    t,
+                                    args,
+                                    dynamic,
+                                    ref,
+                                    name in backends,
+                                    fwd=name in FWD_TOO,
+                                    profile=name in args.profile,
+                                )
+                            )
                         except Exception as exc:  # noqa: BLE001 - recorded; the next method goes on
                             row["error"] = C.err_text(exc)
                             bad += "NOT REWRITTEN" in row["error"]
@@ -391,11 +480,14 @@ def print_row(r):
 
     def x(ratio):
         return f"({ratio:.2f}x)" if ratio else "       "
+
     spread = f"+-{r['ignore_spread']}" if r.get("ignore_spread") else ""
-    line = (f"  {r['head']} N={r['n']} ign={r['ignore_pct']}{spread}% {r['shapes']:7s} {r['method']:10s} "
-            f"fwd {f(r.get('fwd_ms')):>8s} fwd+bwd {f(r.get('fwdbwd_ms')):>8s} ms {x(r.get('x_compile_ms'))} "
-            f"peak {f(r.get('peak_mb'), '.0f'):>7s} MB {x(r.get('x_compile_mb'))} "
-            f"err dE {f(r.get('err_de'), '.2e')} dC {f(r.get('err_dc'), '.2e')} {r.get('pick') or ''}")
+    line = (
+        f"  {r['head']} N={r['n']} ign={r['ignore_pct']}{spread}% {r['shapes']:7s} {r['method']:10s} "
+        f"fwd {f(r.get('fwd_ms')):>8s} fwd+bwd {f(r.get('fwdbwd_ms')):>8s} ms {x(r.get('x_compile_ms'))} "
+        f"peak {f(r.get('peak_mb'), '.0f'):>7s} MB {x(r.get('x_compile_mb'))} "
+        f"err dE {f(r.get('err_de'), '.2e')} dC {f(r.get('err_dc'), '.2e')} {r.get('pick') or ''}"
+    )
     if r.get("error"):
         line += f"  FAILED {r['error']}"
     print(line, flush=True)
@@ -406,15 +498,40 @@ def print_row(r):
 # ------------------------------------------------------------------------------------------------------------
 def table(rows):
     f = C.fmt
-    body = [(r["head"], r["n"], f"{r['ignore_pct']}" + (f"+-{r['ignore_spread']}" if r.get("ignore_spread") else ""),
-             r["shapes"], r["method"],
-             f(r.get("fwdbwd_ms")) or (f(r.get("fwd_ms")) + " (fwd)" if r.get("fwd_ms") else ""),
-             f(r.get("x_compile_ms")), f(r.get("peak_mb"), ".0f"), f(r.get("x_compile_mb")),
-             f(r.get("err_de"), ".1e"), f(r.get("err_dc"), ".1e"),
-             ("ERROR " + r["error"][:60]) if r.get("error") else r.get("pick") or "")
-            for r in rows]
-    return C.md_table(["head", "N", "ign %", "shapes", "method", "fwd+bwd ms", "x compile", "peak MB", "x compile",
-                       "err dE", "err dC", "pick"], body)
+    body = [
+        (
+            r["head"],
+            r["n"],
+            f"{r['ignore_pct']}" + (f"+-{r['ignore_spread']}" if r.get("ignore_spread") else ""),
+            r["shapes"],
+            r["method"],
+            f(r.get("fwdbwd_ms")) or (f(r.get("fwd_ms")) + " (fwd)" if r.get("fwd_ms") else ""),
+            f(r.get("x_compile_ms")),
+            f(r.get("peak_mb"), ".0f"),
+            f(r.get("x_compile_mb")),
+            f(r.get("err_de"), ".1e"),
+            f(r.get("err_dc"), ".1e"),
+            ("ERROR " + r["error"][:60]) if r.get("error") else r.get("pick") or "",
+        )
+        for r in rows
+    ]
+    return C.md_table(
+        [
+            "head",
+            "N",
+            "ign %",
+            "shapes",
+            "method",
+            "fwd+bwd ms",
+            "x compile",
+            "peak MB",
+            "x compile",
+            "err dE",
+            "err dC",
+            "pick",
+        ],
+        body,
+    )
 
 
 def driver(args, argv):
@@ -423,26 +540,62 @@ def driver(args, argv):
     backends = C.resolve_methods(args.methods)
     peers, notes = find_peers(args.device)
     if not args.report:
-        C.append_row(args.out, C.header(args.device, dict(
-            script="vocab_grid", heads=args.heads, n=args.n, ignore=args.ignore, shapes=args.shapes,
-            methods=args.methods_raw, backends=backends, peers=list(peers), peers_skipped=notes)))
+        C.append_row(
+            args.out,
+            C.header(
+                args.device,
+                dict(
+                    script="vocab_grid",
+                    heads=args.heads,
+                    n=args.n,
+                    ignore=args.ignore,
+                    shapes=args.shapes,
+                    methods=args.methods_raw,
+                    backends=backends,
+                    peers=list(peers),
+                    peers_skipped=notes,
+                ),
+            ),
+        )
     print(f"# results: {args.out}", flush=True)
     child_argv = C.strip_flags(argv, {"--heads", "--out", "--budget-s"}) + ["--out", args.out]
     units = [["--head", h] for h in args.heads]
 
     def crash_row(unit, rc):
         return dict(dict.fromkeys(COLUMNS), kind="row", head=unit[1], method="*", error=f"worker exited with {rc}")
-    left = [] if args.report else \
-        C.run_workers(units, child_argv, os.path.abspath(__file__), args.budget_s, args.out, crash_row)
+
+    left = (
+        []
+        if args.report
+        else C.run_workers(units, child_argv, os.path.abspath(__file__), args.budget_s, args.out, crash_row)
+    )
     names = method_names(args, backends, peers)
+
     def wanted(r):
-        return r["head"] in args.heads and r["method"] in names + ["*"] and (r["n"] is None or (
-            r["n"] in args.n and r["ignore_pct"] in args.ignore and r["shapes"] in args.shapes
-            and case_key(r)[4:] == (args.dtype, args.matmul_precision, args.ignore_spread)))
+        return (
+            r["head"] in args.heads
+            and r["method"] in names + ["*"]
+            and (
+                r["n"] is None
+                or (
+                    r["n"] in args.n
+                    and r["ignore_pct"] in args.ignore
+                    and r["shapes"] in args.shapes
+                    and case_key(r)[4:] == (args.dtype, args.matmul_precision, args.ignore_spread)
+                )
+            )
+        )
+
     rows = [r for r in C.latest(C.read_rows(args.out), lambda r: (*case_key(r), r["method"])) if wanted(r)]
     done = finished(rows, names, peers)
-    todo = [case_of(args, h, n, i, s) for h in args.heads for n in args.n for i in args.ignore for s in args.shapes
-            if case_of(args, h, n, i, s) not in done]
+    todo = [
+        case_of(args, h, n, i, s)
+        for h in args.heads
+        for n in args.n
+        for i in args.ignore
+        for s in args.shapes
+        if case_of(args, h, n, i, s) not in done
+    ]
     bad = [r for r in rows if "NOT REWRITTEN" in str(r.get("error", ""))]
     print()
     if notes:
@@ -469,13 +622,26 @@ def parse_args(argv):
     ap.add_argument("--budget-s", type=float, default=None, help="seconds for the whole command (default 500)")
     ap.add_argument("--reps", type=int, default=2, help="CPU timing repetitions (CUDA: do_bench decides)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--ignore-spread", type=int, default=0,
-                    help="time 8 target sets in turn whose ignored %% spread over --ignore +- this")
-    ap.add_argument("--profile", nargs="?", const="default", default="",
-                    help="per-kernel breakdown of the fwd+bwd of the methods listed (flag alone: default)")
+    ap.add_argument(
+        "--ignore-spread",
+        type=int,
+        default=0,
+        help="time 8 target sets in turn whose ignored %% spread over --ignore +- this",
+    )
+    ap.add_argument(
+        "--profile",
+        nargs="?",
+        const="default",
+        default="",
+        help="per-kernel breakdown of the fwd+bwd of the methods listed (flag alone: default)",
+    )
     ap.add_argument("--dtype", default="bf16", choices=sorted(DTYPES), help="e and c's dtype (default bf16)")
-    ap.add_argument("--matmul-precision", default="highest", choices=["highest", "high"],
-                    help="torch.set_float32_matmul_precision in the workers (fp32 products: IEEE or TF32)")
+    ap.add_argument(
+        "--matmul-precision",
+        default="highest",
+        choices=["highest", "high"],
+        help="torch.set_float32_matmul_precision in the workers (fp32 products: IEEE or TF32)",
+    )
     ap.add_argument("--tiny", action="store_true", help="CPU smoke run of the harness")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--head", default=None, help=argparse.SUPPRESS)

@@ -5,8 +5,6 @@ Bad input gets eager PyTorch's error or a clearer one: the same exception types,
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 from torch import Tensor
 
@@ -18,8 +16,9 @@ SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 AUTOCAST_CASTS = (torch.float16, torch.bfloat16, torch.float32)
 
 
-def head_dtype_error(hidden: torch.dtype, weight: torch.dtype, bias: Optional[torch.dtype],
-                     autocast: Optional[torch.dtype]) -> Optional[str]:
+def head_dtype_error(
+    hidden: torch.dtype, weight: torch.dtype, bias: torch.dtype | None, autocast: torch.dtype | None
+) -> str | None:
     """Why eager's head (``F.linear``, ``matmul``, ``addmm``) raises on operands of these dtypes, or None where it
     computes them: every operand in one dtype once autocast, where it is on (``autocast``: its dtype), has cast those
     it casts. Where eager raises, the pass leaves the site to that error."""
@@ -40,8 +39,9 @@ def check_targets_dtype(targets: Tensor) -> None:
         )
 
 
-def check_inputs(e: Tensor, c: Tensor, targets: Tensor, bias: Optional[Tensor],
-                 compute_dtype: Optional[torch.dtype] = None) -> None:
+def check_inputs(
+    e: Tensor, c: Tensor, targets: Tensor, bias: Tensor | None, compute_dtype: torch.dtype | None = None
+) -> None:
     """Shape, dtype and device checks shared by the real and the fake implementations. ``compute_dtype`` (autocast:
     the products' dtype): e, c and bias may then each have any supported floating dtype, each cast to it first, as
     autocast's ``F.linear`` casts them; without it they must share one dtype."""
@@ -75,17 +75,21 @@ def check_inputs(e: Tensor, c: Tensor, targets: Tensor, bias: Optional[Tensor],
     if bias is not None:
         if bias.dim() != 1:
             raise ValueError(f"expected bias of shape (V,), got {tuple(bias.shape)}")
-        torch._check_value(bias.shape[0] == c.shape[0], lambda: f"bias has {bias.shape[0]} entries, c has {c.shape[0]} rows")
+        torch._check_value(
+            bias.shape[0] == c.shape[0], lambda: f"bias has {bias.shape[0]} entries, c has {c.shape[0]} rows"
+        )
 
 
-def check_class_weights(class_weights: Optional[Tensor], c: Tensor) -> None:
+def check_class_weights(class_weights: Tensor | None, c: Tensor) -> None:
     """``F.cross_entropy``'s ``weight``: one weight per class, on c's device, floating point."""
     if class_weights is None:
         return
     if class_weights.dim() != 1:
         raise ValueError(f"expected class weights of shape (V,), got {tuple(class_weights.shape)}")
-    torch._check_value(class_weights.shape[0] == c.shape[0],
-                       lambda: f"class weights have {class_weights.shape[0]} entries but c has {c.shape[0]} classes")
+    torch._check_value(
+        class_weights.shape[0] == c.shape[0],
+        lambda: f"class weights have {class_weights.shape[0]} entries but c has {c.shape[0]} classes",
+    )
     if not class_weights.dtype.is_floating_point:
         raise TypeError(f"class weights must be floating-point, got {class_weights.dtype}")
     if class_weights.device != c.device:
@@ -97,29 +101,35 @@ def check_target_range(targets: Tensor, vocab: int, ignore_index: int) -> None:
     and under torch.compile (a Python branch on a tensor would be a host sync / a graph break there)."""
     out_of_range = (targets != ignore_index) & ((targets < 0) | (targets >= vocab))
     if targets.device.type == "cuda" or torch.compiler.is_compiling():
-        torch._assert_async(~out_of_range.any(), "cce_inductor: target out of bounds (not ignore_index and not in [0, V))")
+        torch._assert_async(
+            ~out_of_range.any(), "cce_inductor: target out of bounds (not ignore_index and not in [0, V))"
+        )
     elif out_of_range.any():
         bad = int(targets[out_of_range][0])
         raise IndexError(f"Target {bad} is out of bounds.")
 
 
-def check_public_args(e: Tensor, c: Tensor, targets: Tensor, *, softcap: Optional[float], reduction: str) -> None:
+def check_public_args(e: Tensor, c: Tensor, targets: Tensor, *, softcap: float | None, reduction: str) -> None:
     """Argument checks of the public entry points (the op and the vocabulary-parallel loss)."""
     if reduction not in REDUCTIONS:
         raise ValueError(f"reduction must be one of {sorted(REDUCTIONS)}, got {reduction!r}")
     if softcap is not None and not softcap > 0:
         raise ValueError(f"softcap must be positive, got {softcap}")
     if e.dim() < 1 or c.dim() != 2:
-        raise ValueError(f"expected e of shape (..., D) and c of shape (V, D), got {tuple(e.shape)} and {tuple(c.shape)}")
+        raise ValueError(
+            f"expected e of shape (..., D) and c of shape (V, D), got {tuple(e.shape)} and {tuple(c.shape)}"
+        )
     check_targets_dtype(targets)
     if tuple(targets.shape) != tuple(e.shape[:-1]):
-        raise ValueError(f"targets must have shape {tuple(e.shape[:-1])} (e's leading dims), got {tuple(targets.shape)}")
+        raise ValueError(
+            f"targets must have shape {tuple(e.shape[:-1])} (e's leading dims), got {tuple(targets.shape)}"
+        )
 
 
 _AUTOCAST_ELIGIBLE = (torch.float32, torch.float16, torch.bfloat16)
 
 
-def autocast_dtype(*tensors: Optional[Tensor]) -> Optional[torch.dtype]:
+def autocast_dtype(*tensors: Tensor | None) -> torch.dtype | None:
     """Under autocast, the dtype ``F.linear`` would cast these (floating, not fp64) tensors to, where one of them is
     not already in it; else None."""
     device_type = next(t for t in tensors if t is not None).device.type
@@ -131,7 +141,7 @@ def autocast_dtype(*tensors: Optional[Tensor]) -> Optional[torch.dtype]:
     return None
 
 
-def autocast_inputs(e: Tensor, c: Tensor, bias: Optional[Tensor]):
+def autocast_inputs(e: Tensor, c: Tensor, bias: Tensor | None):
     """Under autocast, ``e``, ``c`` and ``bias`` in the autocast dtype, as ``F.linear`` would see them."""
     device_type = e.device.type
     if torch.is_autocast_enabled(device_type) and e.dtype.is_floating_point:

@@ -21,8 +21,6 @@ every gradient is returned in the accumulation dtype, unrounded (the balanced pa
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 from torch import Tensor
 
@@ -35,7 +33,7 @@ def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _logits_block(e_rows: Tensor, c_block: Tensor, bias_block: Optional[Tensor], softcap: Optional[float]):
+def _logits_block(e_rows: Tensor, c_block: Tensor, bias_block: Tensor | None, softcap: float | None):
     """Logits of one block in the accumulation dtype, and tanh (for the softcap gradient) or None."""
     raw = e_rows @ c_block.T
     if bias_block is not None:
@@ -50,17 +48,17 @@ def forward(
     e: Tensor,
     c: Tensor,
     targets: Tensor,
-    bias: Optional[Tensor],
+    bias: Tensor | None,
     *,
-    softcap: Optional[float],
+    softcap: float | None,
     ignore_index: int,
     logit_sum: bool = False,
     mean_logit: bool = False,
     row_chunk: int = ROW_CHUNK,
     vocab_chunk: int = VOCAB_CHUNK,
-    argmax_out: Optional[Tensor] = None,
-    argmax_round: Optional[torch.dtype] = None,
-) -> tuple[Tensor, Tensor, Optional[Tensor], Optional[Tensor]]:
+    argmax_out: Tensor | None = None,
+    argmax_round: torch.dtype | None = None,
+) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None]:
     """Returns ``(lse, target_logit, logit_sum | None, mean_logit | None)``, each ``(N,)`` in the accumulation
     dtype, for every row (ignored ones too); the target logit is 0 where the target is ``ignore_index`` or outside
     ``[0, V)``. ``logit_sum``: also the sum of each row's logits (the label-smoothing
@@ -113,8 +111,9 @@ def forward(
     return lse, target_logit, row_sums, row_means
 
 
-def fold_argmax(best: Tensor, best_index: Tensor, logits: Tensor, offset: int,
-                round_to: Optional[torch.dtype]) -> tuple[Tensor, Tensor]:
+def fold_argmax(
+    best: Tensor, best_index: Tensor, logits: Tensor, offset: int, round_to: torch.dtype | None
+) -> tuple[Tensor, Tensor]:
     """The running ``(max, argmax)`` of each row after one more block of its logits (columns ``offset + j``), with
     ``torch.argmax``'s ties: the first maximal index wins (``torch.argmax`` within the block, a strictly larger
     value across blocks) and a NaN is larger than everything. ``round_to``: compare the logits rounded to this dtype
@@ -130,30 +129,33 @@ def backward(
     e: Tensor,
     c: Tensor,
     targets: Tensor,
-    bias: Optional[Tensor],
+    bias: Tensor | None,
     lse: Tensor,
     grad_rows: Tensor,
     *,
-    softcap: Optional[float],
+    softcap: float | None,
     need_e: bool,
     need_c: bool,
     need_bias: bool,
     label_smoothing: float = 0.0,
-    grad_lse: Optional[Tensor] = None,
-    grad_entropy: Optional[Tensor] = None,
-    mean_logit: Optional[Tensor] = None,
+    grad_lse: Tensor | None = None,
+    grad_entropy: Tensor | None = None,
+    mean_logit: Tensor | None = None,
     row_chunk: int = ROW_CHUNK,
     vocab_chunk: int = VOCAB_CHUNK,
     in_accumulation_dtype: bool = False,
-) -> tuple[Optional[Tensor], Optional[Tensor], Optional[Tensor]]:
+) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
     """Gradients w.r.t. ``e``, ``c``, ``bias`` (each ``None`` unless asked for), in their dtypes, or all in the
     accumulation dtype with ``in_accumulation_dtype``. ``grad_rows`` is 0 at ignored rows."""
     n_rows, vocab = e.shape[0], c.shape[0]
     acc = accumulation_dtype(e.dtype)
     grad_e = torch.zeros(e.shape, dtype=acc, device=e.device) if need_e else None
     grad_c = torch.empty(c.shape, dtype=acc if in_accumulation_dtype else c.dtype, device=c.device) if need_c else None
-    grad_bias = (torch.empty(vocab, dtype=acc if in_accumulation_dtype else bias.dtype, device=bias.device)
-                 if need_bias else None)  # fmt: skip
+    grad_bias = (
+        torch.empty(vocab, dtype=acc if in_accumulation_dtype else bias.dtype, device=bias.device)
+        if need_bias
+        else None
+    )
     if not (need_e or need_c or need_bias):
         return None, None, None
 
@@ -182,7 +184,8 @@ def backward(
             local_targets = targets[r0 : r0 + row_chunk] - v0
             in_block = (local_targets >= 0) & (local_targets < width)
             grad_logits.scatter_add_(
-                1, local_targets.clamp(0, width - 1)[:, None],
+                1,
+                local_targets.clamp(0, width - 1)[:, None],
                 -(1.0 - label_smoothing) * in_block.to(acc)[:, None] * rows_grad,
             )
             if capped is not None:

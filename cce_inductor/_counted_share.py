@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import collections
 import threading
-from typing import NamedTuple, Optional
+from typing import NamedTuple
 
 import torch
 
@@ -101,13 +101,13 @@ class CountedShare:
             host, rows, _ = self._pending.popleft()
             self._history.append(int(host[0]) / rows)
 
-    def latest(self) -> Optional[float]:
+    def latest(self) -> float | None:
         """The share of the most recent call whose count has reached the host (None before the first)."""
         with self._lock:
             self._collect()
             return self._history[-1] if self._history else None
 
-    def seen(self) -> Optional[Seen]:
+    def seen(self) -> Seen | None:
         """The median and the 20th percentile of the last ``_HISTORY`` delivered shares (None before the first)."""
         with self._lock:
             self._collect()
@@ -132,7 +132,7 @@ def of_head(device: torch.device, vocab: int, hidden: int) -> CountedShare:
         return share
 
 
-def products(asked: str, seen: Optional[Seen], *, row_skipping_ok: bool) -> str:
+def products(asked: str, seen: Seen | None, *, row_skipping_ok: bool) -> str:
     """``"cublas"``, ``"triton"`` or ``"counted_prefix"`` for one backward: ``asked`` (``CCEOptions.products``)
     unless it is ``"auto"``; then, where the row-skipping kernels can run (``row_skipping_ok``: not exact mode, C
     readable by the tensor-memory accelerator), from what earlier calls counted (``seen``): the row-skipping

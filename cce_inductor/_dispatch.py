@@ -16,7 +16,6 @@ import importlib.util
 import pathlib
 import sys
 import warnings
-from typing import Optional
 
 import torch
 from torch import Tensor
@@ -27,10 +26,10 @@ _KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 # Why ``cce_inductor.kernels`` could not be imported (None until tried, "" where it was): set by triton_kernels().
-_kernels_error: Optional[str] = None
+_kernels_error: str | None = None
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def triton_kernels():
     """``cce_inductor.kernels``, or None where Triton (or the module) is unavailable (``_kernels_error`` says why).
 
@@ -61,8 +60,9 @@ def _checkout_kernels(name: str):
     # only our own checkout's folder: in site-packages a top-level `kernels` is an unrelated distribution
     if not ((folder.parent / "pyproject.toml").is_file() and (folder / "_balanced.py").is_file()):
         return None
-    spec = importlib.util.spec_from_file_location(name, folder / "__init__.py",
-                                                  submodule_search_locations=[str(folder)])
+    spec = importlib.util.spec_from_file_location(
+        name, folder / "__init__.py", submodule_search_locations=[str(folder)]
+    )
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module
     try:
@@ -70,7 +70,7 @@ def _checkout_kernels(name: str):
     except BaseException:
         del sys.modules[name]
         raise
-    setattr(sys.modules[__package__], "kernels", module)
+    sys.modules[__package__].kernels = module
     return module
 
 
@@ -95,14 +95,19 @@ def no_kernels_note(device: torch.device, dtype: torch.dtype) -> str:
     return f"; no Triton kernels on this CUDA device ({_kernels_error}): {_NO_KERNELS_FIX}"
 
 
-_NO_KERNELS_FIX = ("the chunked PyTorch path runs instead, much slower on a real model's step; install Triton and "
-                   "the package (pip install -e . from a checkout)")
+_NO_KERNELS_FIX = (
+    "the chunked PyTorch path runs instead, much slower on a real model's step; install Triton and "
+    "the package (pip install -e . from a checkout)"
+)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _warn_no_kernels() -> None:
-    warnings.warn(f"cce_inductor: no Triton kernels for CUDA tensors ({_kernels_error}); {_NO_KERNELS_FIX}",
-                  RuntimeWarning, stacklevel=3)
+    warnings.warn(
+        f"cce_inductor: no Triton kernels for CUDA tensors ({_kernels_error}); {_NO_KERNELS_FIX}",
+        RuntimeWarning,
+        stacklevel=3,
+    )
 
 
 def lse_dtype(device: torch.device, dtype: torch.dtype) -> torch.dtype:
@@ -114,7 +119,7 @@ def lse_dtype(device: torch.device, dtype: torch.dtype) -> torch.dtype:
 _UNKNOWN_ROWS = 8192
 
 
-def size_hint(value) -> Optional[int]:
+def size_hint(value) -> int | None:
     """An int size as it is; a symbolic one's hint (the size it was traced with), None where it has none."""
     if isinstance(value, int):
         return value
@@ -122,17 +127,25 @@ def size_hint(value) -> Optional[int]:
     return int(hint) if hint is not None else None
 
 
-def head_facts(rows, hidden, vocab, dtype: torch.dtype, device: torch.device, reduction: str, *, needs_grad: bool,
-               **more) -> paths.HeadFacts:
+def head_facts(
+    rows, hidden, vocab, dtype: torch.dtype, device: torch.device, reduction: str, *, needs_grad: bool, **more
+) -> paths.HeadFacts:
     """What :func:`cce_inductor.paths.choose` reads of a head; ``more``: its other fields. Sizes may be symbolic (a
     site compiled with a dynamic batch): their hint, the size the site was compiled for, stands in."""
+
     def size(value) -> int:
         hint = size_hint(value)
         return hint if hint is not None else _UNKNOWN_ROWS
 
     return paths.HeadFacts(
-        rows=size(rows), hidden=size(hidden), vocab=size(vocab), element_size=dtype.itemsize,
-        kernels=uses_kernels(device, dtype), reduction=reduction, needs_grad=needs_grad, **more,
+        rows=size(rows),
+        hidden=size(hidden),
+        vocab=size(vocab),
+        element_size=dtype.itemsize,
+        kernels=uses_kernels(device, dtype),
+        reduction=reduction,
+        needs_grad=needs_grad,
+        **more,
     )
 
 
@@ -145,25 +158,74 @@ def check_target_range(e: Tensor, targets: Tensor, vocab: int, ignore_index: int
         _checks.check_target_range(targets, vocab, ignore_index)
 
 
-def forward(e: Tensor, c: Tensor, targets: Tensor, bias: Optional[Tensor], *, softcap: Optional[float],
-            ignore_index: int, logit_sum: bool = False, mean_logit: bool = False, every_row: bool = False,
-            argmax_out: Optional[Tensor] = None, argmax_round: Optional[torch.dtype] = None):
+def forward(
+    e: Tensor,
+    c: Tensor,
+    targets: Tensor,
+    bias: Tensor | None,
+    *,
+    softcap: float | None,
+    ignore_index: int,
+    logit_sum: bool = False,
+    mean_logit: bool = False,
+    every_row: bool = False,
+    argmax_out: Tensor | None = None,
+    argmax_round: torch.dtype | None = None,
+):
     """``(lse, target_logit, logit_sum | None, mean_logit | None)`` per row. ``every_row``: ignored rows are computed
     too (the chunked path always computes them; the kernels skip them otherwise, leaving 0). ``argmax_out``: an int64
     ``(N,)`` tensor filled with each row's argmax over the logits rounded to ``argmax_round`` (``torch.argmax``'s
     ties; with the kernels, 0 at rows not computed)."""
     if uses_kernels(e.device, e.dtype) and e.shape[0] > 0:
-        return tuple(triton_kernels().forward(e, c, targets, bias, softcap=softcap, ignore_index=ignore_index,
-                                              logit_sum=logit_sum, mean_logit=mean_logit, every_row=every_row,
-                                              argmax_out=argmax_out, argmax_round=argmax_round))
-    return _chunked.forward(e, c, targets, bias, softcap=softcap, ignore_index=ignore_index, logit_sum=logit_sum,
-                            mean_logit=mean_logit, argmax_out=argmax_out, argmax_round=argmax_round)
+        return tuple(
+            triton_kernels().forward(
+                e,
+                c,
+                targets,
+                bias,
+                softcap=softcap,
+                ignore_index=ignore_index,
+                logit_sum=logit_sum,
+                mean_logit=mean_logit,
+                every_row=every_row,
+                argmax_out=argmax_out,
+                argmax_round=argmax_round,
+            )
+        )
+    return _chunked.forward(
+        e,
+        c,
+        targets,
+        bias,
+        softcap=softcap,
+        ignore_index=ignore_index,
+        logit_sum=logit_sum,
+        mean_logit=mean_logit,
+        argmax_out=argmax_out,
+        argmax_round=argmax_round,
+    )
 
 
-def backward(e: Tensor, c: Tensor, targets: Tensor, bias: Optional[Tensor], lse: Tensor, grad_rows: Tensor, *,
-             softcap: Optional[float], ignore_index: int, options, need_e: bool, need_c: bool, need_bias: bool,
-             label_smoothing: float = 0.0, grad_lse: Optional[Tensor] = None, grad_entropy: Optional[Tensor] = None,
-             mean_logit: Optional[Tensor] = None, compute_dtype: Optional[torch.dtype] = None):
+def backward(
+    e: Tensor,
+    c: Tensor,
+    targets: Tensor,
+    bias: Tensor | None,
+    lse: Tensor,
+    grad_rows: Tensor,
+    *,
+    softcap: float | None,
+    ignore_index: int,
+    options,
+    need_e: bool,
+    need_c: bool,
+    need_bias: bool,
+    label_smoothing: float = 0.0,
+    grad_lse: Tensor | None = None,
+    grad_entropy: Tensor | None = None,
+    mean_logit: Tensor | None = None,
+    compute_dtype: torch.dtype | None = None,
+):
     """``(dE | None, dC | None, dbias | None)``, each in its input's dtype; ``grad_rows`` is 0 at ignored rows;
     ``options`` a :class:`cce_inductor.CCEOptions` (``exact``, ``products``, ``backward_row_chunk``): the kernels'
     plan is made from them here (:func:`cce_inductor._planning.backward_plan`); ``products="auto"`` is decided per
@@ -191,35 +253,88 @@ def backward(e: Tensor, c: Tensor, targets: Tensor, bias: Optional[Tensor], lse:
         auto_row_skipping = products == "triton" and options.products == "auto"
         hint = seen.low if prefix or auto_row_skipping else None
         # a wider G block where the budget leaves room, the counted prefix's fp32 dC sums counted
-        facts = head_facts(e.shape[0], e.shape[1], c.shape[0], e.dtype, e.device, "mean", needs_grad=True,
-                           **paths.storage_facts(de_dtype, dc_dtype, dtype))
+        facts = head_facts(
+            e.shape[0],
+            e.shape[1],
+            c.shape[0],
+            e.dtype,
+            e.device,
+            "mean",
+            needs_grad=True,
+            **paths.storage_facts(de_dtype, dc_dtype, dtype),
+        )
         plan = _planning.backward_plan(
-            e.shape[0], c.shape[0], e.dtype, exact=options.exact, products=products,
-            backward_row_chunk=options.backward_row_chunk, counted_hint=hint, row_skipping=can_skip,
+            e.shape[0],
+            c.shape[0],
+            e.dtype,
+            exact=options.exact,
+            products=products,
+            backward_row_chunk=options.backward_row_chunk,
+            counted_hint=hint,
+            row_skipping=can_skip,
             block_widen=paths.lean_widen(facts, options.backward_row_chunk, prefix),
         )
         grads = kernels.backward(
-            e, c, targets, bias, lse.float(), grad_rows.float(), softcap=softcap, ignore_index=ignore_index,
-            need_e=need_e, need_c=need_c, need_bias=need_bias, label_smoothing=label_smoothing, grad_lse=grad_lse,
-            grad_entropy=grad_entropy, mean_logit=mean_logit, **plan._asdict(),
+            e,
+            c,
+            targets,
+            bias,
+            lse.float(),
+            grad_rows.float(),
+            softcap=softcap,
+            ignore_index=ignore_index,
+            need_e=need_e,
+            need_c=need_c,
+            need_bias=need_bias,
+            label_smoothing=label_smoothing,
+            grad_lse=grad_lse,
+            grad_entropy=grad_entropy,
+            mean_logit=mean_logit,
+            **plan._asdict(),
             observe_counted=share.observe if options.products == "auto" and not every_row else None,
-            de_dtype=de_dtype, dc_dtype=dc_dtype, compute_dtype=compute_dtype,
+            de_dtype=de_dtype,
+            dc_dtype=dc_dtype,
+            compute_dtype=compute_dtype,
         )
     else:
         # (fp32 stored inputs: the accumulation dtype's gradients are theirs, with no 16-bit rounding between)
         wide = any(dtype is not None and dtype.itemsize > e.dtype.itemsize for dtype in (de_dtype, dc_dtype, db_dtype))
         grads = _chunked.backward(
-            e, c, targets, bias, lse, grad_rows, softcap=softcap, need_e=need_e, need_c=need_c, need_bias=need_bias,
-            label_smoothing=label_smoothing, grad_lse=grad_lse, grad_entropy=grad_entropy, mean_logit=mean_logit,
+            e,
+            c,
+            targets,
+            bias,
+            lse,
+            grad_rows,
+            softcap=softcap,
+            need_e=need_e,
+            need_c=need_c,
+            need_bias=need_bias,
+            label_smoothing=label_smoothing,
+            grad_lse=grad_lse,
+            grad_entropy=grad_entropy,
+            mean_logit=mean_logit,
             in_accumulation_dtype=wide,
         )
-    return tuple(None if grad is None else grad.to(dtype)
-                 for grad, dtype in zip(grads, (de_dtype, dc_dtype, db_dtype)))  # fmt: skip
+    return tuple(None if grad is None else grad.to(dtype) for grad, dtype in zip(grads, (de_dtype, dc_dtype, db_dtype)))
 
 
-def loss_and_grads(e: Tensor, c: Tensor, targets: Tensor, bias: Optional[Tensor], *, softcap: Optional[float],
-                   ignore_index: int, reduction: str, label_smoothing: float, scratch_bytes: int, need_e: bool,
-                   need_c: bool, need_bias: bool, compute_dtype: Optional[torch.dtype] = None):
+def loss_and_grads(
+    e: Tensor,
+    c: Tensor,
+    targets: Tensor,
+    bias: Tensor | None,
+    *,
+    softcap: float | None,
+    ignore_index: int,
+    reduction: str,
+    label_smoothing: float,
+    scratch_bytes: int,
+    need_e: bool,
+    need_c: bool,
+    need_bias: bool,
+    compute_dtype: torch.dtype | None = None,
+):
     """The balanced path: ``(loss, dE, dC, dbias, dE_lo, dC_lo)`` of a "mean" / "sum" loss, the gradients those of
     the loss itself (upstream gradient 1), each in its input's dtype as ``kernels.loss_and_grads`` returns them (an
     fp32 gradient whole, a 16-bit one as a pair; dbias in fp32; None where not asked for). The kernels go through row
@@ -229,12 +344,24 @@ def loss_and_grads(e: Tensor, c: Tensor, targets: Tensor, bias: Optional[Tensor]
     not the inputs' (autocast)."""
     dtype = compute_dtype or e.dtype
     if uses_kernels(e.device, dtype):
-        return tuple(triton_kernels().loss_and_grads(
-            e, c, targets, bias, softcap=softcap, ignore_index=ignore_index, reduction=reduction,
-            label_smoothing=label_smoothing, need_e=need_e, need_c=need_c, need_bias=need_bias, check_range=True,
-            compute_dtype=compute_dtype,
-            chunk_rows=paths.chunk_rows(scratch_bytes, c.shape[0], dtype.itemsize, e.shape[0]),
-        ))
+        return tuple(
+            triton_kernels().loss_and_grads(
+                e,
+                c,
+                targets,
+                bias,
+                softcap=softcap,
+                ignore_index=ignore_index,
+                reduction=reduction,
+                label_smoothing=label_smoothing,
+                need_e=need_e,
+                need_c=need_c,
+                need_bias=need_bias,
+                check_range=True,
+                compute_dtype=compute_dtype,
+                chunk_rows=paths.chunk_rows(scratch_bytes, c.shape[0], dtype.itemsize, e.shape[0]),
+            )
+        )
     _checks.check_target_range(targets, c.shape[0], ignore_index)
     stored = (e.dtype, c.dtype)
     if compute_dtype is not None:  # autocast's casts, as F.linear makes them
@@ -248,14 +375,26 @@ def loss_and_grads(e: Tensor, c: Tensor, targets: Tensor, bias: Optional[Tensor]
     loss = _loss.reduce_rows(row_loss, valid, reduction)
     grad_rows = _loss.grad_rows(torch.ones((), dtype=acc, device=e.device), valid, reduction, acc)
     grad_e, grad_c, grad_bias = _chunked.backward(
-        e, c, targets, bias, lse, grad_rows, softcap=softcap, need_e=need_e, need_c=need_c, need_bias=need_bias,
-        label_smoothing=label_smoothing, in_accumulation_dtype=True,
+        e,
+        c,
+        targets,
+        bias,
+        lse,
+        grad_rows,
+        softcap=softcap,
+        need_e=need_e,
+        need_c=need_c,
+        need_bias=need_bias,
+        label_smoothing=label_smoothing,
+        in_accumulation_dtype=True,
     )
-    (grad_e, grad_e_lo), (grad_c, grad_c_lo) = (_as_stored(grad, dtype) for grad, dtype in zip((grad_e, grad_c), stored))
+    (grad_e, grad_e_lo), (grad_c, grad_c_lo) = (
+        _as_stored(grad, dtype) for grad, dtype in zip((grad_e, grad_c), stored)
+    )
     return loss, grad_e, grad_c, grad_bias, grad_e_lo, grad_c_lo
 
 
-def _as_stored(grad: Optional[Tensor], dtype: torch.dtype) -> tuple[Optional[Tensor], Optional[Tensor]]:
+def _as_stored(grad: Tensor | None, dtype: torch.dtype) -> tuple[Tensor | None, Tensor | None]:
     """A gradient summed in the accumulation dtype as the balanced op returns it in ``dtype``: as it is in fp32 /
     fp64 (rounded to fp32 from fp64 only where stored in fp32), a 16-bit pair ``(round(x), round(x - round(x)))``."""
     if grad is None:

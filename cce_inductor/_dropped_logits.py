@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import math
 import operator
-from typing import Any, Callable, Optional, Sequence, Union
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import sympy
 import torch
@@ -36,12 +37,48 @@ CUDAGRAPH_UNSAFE: tuple = (torch._C.Tag.cudagraph_unsafe,) if hasattr(torch._C.T
 
 # What may still be done with a placeholder (this one and ``_lazy_logits``'s): metadata only (plus detach and storage
 # access, which read no values: autograd bookkeeping and CUDA-graph trees use them).
-_PROPERTIES = ("shape", "dtype", "device", "layout", "ndim", "is_leaf", "grad_fn", "grad", "is_cuda",
-               "is_cpu", "is_meta", "is_sparse", "is_nested", "is_quantized", "is_mkldnn", "names", "_base", "_version",
-               "output_nr", "itemsize", "nbytes")  # fmt: skip
-_METHODS = ("size", "dim", "ndimension", "numel", "nelement", "element_size", "stride", "storage_offset",
-            "is_contiguous", "is_floating_point", "is_complex", "get_device", "__len__", "data_ptr", "untyped_storage",
-            "_typed_storage", "__hash__")  # fmt: skip
+_PROPERTIES = (
+    "shape",
+    "dtype",
+    "device",
+    "layout",
+    "ndim",
+    "is_leaf",
+    "grad_fn",
+    "grad",
+    "is_cuda",
+    "is_cpu",
+    "is_meta",
+    "is_sparse",
+    "is_nested",
+    "is_quantized",
+    "is_mkldnn",
+    "names",
+    "_base",
+    "_version",
+    "output_nr",
+    "itemsize",
+    "nbytes",
+)
+_METHODS = (
+    "size",
+    "dim",
+    "ndimension",
+    "numel",
+    "nelement",
+    "element_size",
+    "stride",
+    "storage_offset",
+    "is_contiguous",
+    "is_floating_point",
+    "is_complex",
+    "get_device",
+    "__len__",
+    "data_ptr",
+    "untyped_storage",
+    "_typed_storage",
+    "__hash__",
+)
 METADATA_READS = {getattr(_T, name).__get__ for name in _PROPERTIES if hasattr(_T, name)} | {
     getattr(_T, name) for name in _METHODS if hasattr(_T, name)
 }
@@ -71,11 +108,11 @@ class DroppedLogits(torch.Tensor):
     """The placeholder for dropped logits: metadata works, any computation raises (see the module docstring)."""
 
     @staticmethod
-    def wrap(base: Tensor) -> "DroppedLogits":
+    def wrap(base: Tensor) -> DroppedLogits:
         return Tensor._make_subclass(DroppedLogits, base, False)
 
     @classmethod
-    def __torch_function__(cls, func: Callable, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
+    def __torch_function__(cls, func: Callable, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
         if func in _METADATA:
             with torch._C.DisableTorchFunctionSubclass():
@@ -132,7 +169,7 @@ def _(like, shape, dtype):
 # marked a dimension dynamic) must be rebuilt from nodes that stay: the hidden states, the targets, the weight.
 # A recipe entry is an int, ("size", node, dim) or ("prod", [(node, dim), ...]).
 
-Recipe = list[Union[int, tuple]]
+Recipe = list[int | tuple]
 
 
 def _meta(node: Any) -> Any:
@@ -145,12 +182,12 @@ def _expr(size: Any) -> Any:
     return size.node.expr if isinstance(size, torch.SymInt) else sympy.Integer(size)
 
 
-def shape_sources(site: Any) -> list[Optional[fx.Node]]:
+def shape_sources(site: Any) -> list[fx.Node | None]:
     """Nodes of a ``linear_cross_entropy.Site`` that outlive the rewrite: their sizes spell the logits' shape."""
     return [site.hidden, site.targets, site.weight]
 
 
-def shape_recipe(node: fx.Node, sources: Sequence[Optional[fx.Node]]) -> Union[Recipe, str]:
+def shape_recipe(node: fx.Node, sources: Sequence[fx.Node | None]) -> Recipe | str:
     """How to rebuild ``node``'s shape from the sizes of ``sources``: a recipe, or the reason it cannot be."""
     meta = _meta(node)
     if not isinstance(meta, torch.Tensor):
@@ -181,7 +218,7 @@ def shape_recipe(node: fx.Node, sources: Sequence[Optional[fx.Node]]) -> Union[R
     return recipe
 
 
-def _product_of_leading_dims(expr: Any, sources: Sequence[Optional[fx.Node]]) -> Optional[list[tuple[fx.Node, int]]]:
+def _product_of_leading_dims(expr: Any, sources: Sequence[fx.Node | None]) -> list[tuple[fx.Node, int]] | None:
     """``expr`` as the product of all but the last dimension of a source (flattened rows), or None."""
     for source in sources:
         source_meta = _meta(source)

@@ -80,8 +80,9 @@ def refuse(reason: str) -> None:
 
         inductor_config.pre_grad_custom_pass = _refusing_pass(reason, inductor_config.pre_grad_custom_pass)
     except Exception as exc:  # noqa: BLE001 - a torch without Inductor compiles nothing the pass could see
-        warnings.warn(f"cce_inductor could not stop torch.compile ({type(exc).__name__}: {exc})", RuntimeWarning,
-                      stacklevel=3)
+        warnings.warn(
+            f"cce_inductor could not stop torch.compile ({type(exc).__name__}: {exc})", RuntimeWarning, stacklevel=3
+        )
 
 
 def _refusing_pass(reason: str, chained):

@@ -35,7 +35,8 @@ from __future__ import annotations
 
 import copy
 import math
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -51,8 +52,12 @@ _T = torch.Tensor
 # Answered from the placeholder itself, as for dropped logits: metadata only.
 _METADATA = METADATA_READS
 _REQUIRES_GRAD = _T.requires_grad.__get__
-_DTYPE_METHODS = {_T.float: torch.float32, _T.double: torch.float64, _T.half: torch.float16,
-                  _T.bfloat16: torch.bfloat16}  # fmt: skip
+_DTYPE_METHODS = {
+    _T.float: torch.float32,
+    _T.double: torch.float64,
+    _T.half: torch.float16,
+    _T.bfloat16: torch.bfloat16,
+}
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -143,7 +148,7 @@ class _Head:
 
     __slots__ = ("rows", "weight", "bias", "steps", "versions")
 
-    def __init__(self, rows: Tensor, weight: Tensor, bias: Optional[Tensor], steps: list[tuple]) -> None:
+    def __init__(self, rows: Tensor, weight: Tensor, bias: Tensor | None, steps: list[tuple]) -> None:
         self.rows, self.weight, self.bias, self.steps = rows, weight, bias, steps
         self.versions = (weight._version, None if bias is None else bias._version)
 
@@ -177,19 +182,20 @@ class LazyLogits(torch.Tensor):
     _values: dict
 
     @staticmethod
-    def make(head: _Head, shape: list, dtype: torch.dtype, wants_grad: bool, casts: tuple = ()) -> "LazyLogits":
+    def make(head: _Head, shape: list, dtype: torch.dtype, wants_grad: bool, casts: tuple = ()) -> LazyLogits:
         # One NaN element, expanded: Inductor checks the fake impl's zero strides against it.
         base = torch.full((1,), math.nan, dtype=dtype, device=head.rows.device).expand(shape)
         lazy = Tensor._make_subclass(LazyLogits, base, False)
         lazy._head, lazy._casts, lazy._wants_grad, lazy._values = head, casts, wants_grad, {}
         return lazy
 
-    def _derived(self, dtype: Optional[torch.dtype] = None, wants_grad: Optional[bool] = None) -> "LazyLogits":
+    def _derived(self, dtype: torch.dtype | None = None, wants_grad: bool | None = None) -> LazyLogits:
         with torch._C.DisableTorchFunctionSubclass():
             shape, own = list(self.shape), self.dtype
         casts = self._casts + ((dtype,) if dtype is not None and dtype != own else ())
-        return LazyLogits.make(self._head, shape, dtype or own, self._wants_grad if wants_grad is None else wants_grad,
-                               casts)
+        return LazyLogits.make(
+            self._head, shape, dtype or own, self._wants_grad if wants_grad is None else wants_grad, casts
+        )
 
     def materialize(self) -> Tensor:
         """The logits' values, computed now (once; later calls return the same tensor)."""
@@ -209,7 +215,7 @@ class LazyLogits(torch.Tensor):
         return bool(self._values)
 
     @classmethod
-    def __torch_function__(cls, func: Callable, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
+    def __torch_function__(cls, func: Callable, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
         if func == _REQUIRES_GRAD and len(args) == 1:  # (a method-wrapper: a new object per access)
             return args[0]._wants_grad  # what eager's logits would say
@@ -225,7 +231,7 @@ class LazyLogits(torch.Tensor):
         with torch._C.DisableTorchFunctionSubclass():
             return func(*plain[0], **plain[1])
 
-    def _lazy_method(self, func: Callable, rest: tuple, kwargs: dict) -> Optional["LazyLogits"]:
+    def _lazy_method(self, func: Callable, rest: tuple, kwargs: dict) -> LazyLogits | None:
         """Methods that need no values: detach, dtype casts, contiguous; None for everything else."""
         if self._values:
             return None  # computed already: the real tensor answers
@@ -237,8 +243,11 @@ class LazyLogits(torch.Tensor):
             dtype = _only_dtype(rest, kwargs)
             if dtype is not None and dtype.is_floating_point:
                 return self._derived(dtype)
-        if func is _T.contiguous and not rest and kwargs.get("memory_format", torch.contiguous_format) is \
-                torch.contiguous_format:  # fmt: skip
+        if (
+            func is _T.contiguous
+            and not rest
+            and kwargs.get("memory_format", torch.contiguous_format) is torch.contiguous_format
+        ):
             return self  # computed values are contiguous
         return None
 
@@ -252,7 +261,7 @@ class LazyLogits(torch.Tensor):
         return copy.deepcopy(self.materialize(), memo)
 
 
-def _only_dtype(rest: tuple, kwargs: dict) -> Optional[torch.dtype]:
+def _only_dtype(rest: tuple, kwargs: dict) -> torch.dtype | None:
     """The dtype of ``x.to(dtype)`` / ``x.type(dtype)`` / ``x.to(dtype=...)``, or None for any other form (a device,
     ``copy=True``, a memory format: those compute)."""
     if len(rest) == 1 and isinstance(rest[0], torch.dtype) and not kwargs:
@@ -263,7 +272,7 @@ def _only_dtype(rest: tuple, kwargs: dict) -> Optional[torch.dtype]:
 
 
 @torch.library.custom_op("cce_inductor::lazy_logits", mutates_args=(), tags=CUDAGRAPH_UNSAFE)
-def lazy_logits_op(rows: Tensor, weight: Tensor, bias: Optional[Tensor], steps: str, requires_grad: bool) -> Tensor:
+def lazy_logits_op(rows: Tensor, weight: Tensor, bias: Tensor | None, steps: str, requires_grad: bool) -> Tensor:
     """A :class:`LazyLogits` of ``steps(linear(rows, weight, bias))``: shape ``rows.shape[:-1] + (V,)``, its dtype
     the last cast of ``steps`` (else the rows'). ``requires_grad``: whether eager's logits would require grad. The
     inputs never require grad (the pass detaches them)."""

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 import os
-from typing import NamedTuple, Optional
+from typing import NamedTuple
 
 import torch
 
@@ -33,14 +33,14 @@ LEAN_LAYOUT = {
 VOCAB_ALIGN = 64
 
 
-def lean_layout(interpret: Optional[bool] = None) -> dict:
+def lean_layout(interpret: bool | None = None) -> dict:
     """The lean G block's layout constants where the kernels run (the interpreter's under ``TRITON_INTERPRET=1``)."""
     if interpret is None:
         interpret = os.environ.get("TRITON_INTERPRET") == "1"
     return LEAN_LAYOUT["interpret" if interpret else "gpu"]
 
 
-def block_width(rows: int, row_chunk: int, vocab: int, widen: int = 1, layout: Optional[dict] = None) -> int:
+def block_width(rows: int, row_chunk: int, vocab: int, widen: int = 1, layout: dict | None = None) -> int:
     """Columns of one lean G block: ``block_cols``; times ``block_rows // rows`` where all ``rows`` are one row chunk
     (``row_chunk`` 0 or >= rows) shorter than ``block_rows`` (a block of the same bytes); times ``widen``; at most V."""
     layout = layout or lean_layout()
@@ -57,8 +57,9 @@ def row_skipping_widen(counted_hint: float, max_widen: int = 4) -> int:
     return max(1, min(max_widen, math.ceil(0.5 / max(counted_hint, 1e-6))))
 
 
-def g_block_widen(*, triton_products: bool, counted_hint: Optional[float], one_row_chunk: bool, split_g: bool,
-                  block_widen: int) -> int:
+def g_block_widen(
+    *, triton_products: bool, counted_hint: float | None, one_row_chunk: bool, split_g: bool, block_widen: int
+) -> int:
     """How many times wider than :func:`block_width`'s base a backward's G block is: the budget's ``block_widen``
     (``cce_inductor.paths.lean_widen``), and for the row-skipping products at least their :func:`row_skipping_widen`
     after an earlier call's ``counted_hint`` (one row chunk only: several keep the budget's block, or their dC sums
@@ -76,12 +77,22 @@ class BackwardPlan(NamedTuple):
     block_width: int  # columns per G block
     split_g: bool  # exact mode on 16-bit operands: G and the remainder of its rounding, two products each
     products: str  # "cublas" (every row), "triton" (row-skipping kernels), "prefix" (cuBLAS over a counted prefix)
-    counted_hint: Optional[float]  # an earlier call's share of counted rows (sizes the prefix), or None
+    counted_hint: float | None  # an earlier call's share of counted rows (sizes the prefix), or None
 
 
-def backward_plan(rows: int, vocab: int, dtype: torch.dtype, *, exact: bool, products: str, backward_row_chunk: int,
-                  counted_hint: Optional[float] = None, block_widen: int = 1, row_skipping: bool = True,
-                  layout: Optional[dict] = None) -> BackwardPlan:
+def backward_plan(
+    rows: int,
+    vocab: int,
+    dtype: torch.dtype,
+    *,
+    exact: bool,
+    products: str,
+    backward_row_chunk: int,
+    counted_hint: float | None = None,
+    block_widen: int = 1,
+    row_skipping: bool = True,
+    layout: dict | None = None,
+) -> BackwardPlan:
     """The lean backward's plan for ``rows`` x ``vocab``. ``products``: ``"cublas"``, ``"triton"`` or
     ``"counted_prefix"`` (as decided per call by ``cce_inductor._counted_share``); ``row_skipping``: whether the
     row-skipping kernels can read these operands (``kernels.row_skipping_ok``; else cuBLAS runs). ``counted_hint``
@@ -96,7 +107,12 @@ def backward_plan(rows: int, vocab: int, dtype: torch.dtype, *, exact: bool, pro
     hint = counted_hint if kind in ("triton", "prefix") else None
     if kind == "prefix" and hint is None:
         kind = "cublas"
-    widen = g_block_widen(triton_products=kind == "triton", counted_hint=hint, one_row_chunk=rows <= row_chunk,
-                          split_g=split_g, block_widen=block_widen)
+    widen = g_block_widen(
+        triton_products=kind == "triton",
+        counted_hint=hint,
+        one_row_chunk=rows <= row_chunk,
+        split_g=split_g,
+        block_widen=block_widen,
+    )
     width = block_width(rows, row_chunk, vocab, widen, layout)
     return BackwardPlan(row_chunk, width, split_g, kind, hint)

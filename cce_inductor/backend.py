@@ -1,14 +1,15 @@
 """Dynamo backends: Inductor with the cce_inductor pass on.
 
-    torch.compile(model, backend=cce_inductor.backend)
-    torch.compile(model, backend=cce_inductor.make_backend(drop_logits=True))
-    torch.compile(model, backend="cce")          # the torch_dynamo_backends entry point; without an install, after
-                                                 # `import cce_inductor` (register_name)
+torch.compile(model, backend=cce_inductor.backend)
+torch.compile(model, backend=cce_inductor.make_backend(drop_logits=True))
+torch.compile(model, backend="cce")          # the torch_dynamo_backends entry point; without an install, after
+                                             # `import cce_inductor` (register_name)
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch._inductor.config as inductor_config
@@ -19,9 +20,9 @@ from .options import CCEOptions, resolve
 
 
 def make_backend(
-    options: Optional[CCEOptions] = None,
+    options: CCEOptions | None = None,
     *,
-    inductor_options: Optional[dict[str, Any]] = None,
+    inductor_options: dict[str, Any] | None = None,
     **overrides: Any,
 ) -> Callable:
     """A Dynamo backend compiling with Inductor and the pass. Options: ``options``, else the ``CCE_INDUCTOR_*``

@@ -93,13 +93,27 @@ def stats(switch: tuple[str, str]) -> dict[str, Any]:
         "sites": [dataclasses.asdict(site) for site in sites],
         "executions": executions,
         "backward_products": products,
-        "summary": _summary(switch, switch_line, graphs, rewritten, reasons, sum(executions.values()),
-                            sum(site.path == "balanced" for site in sites)),
+        "summary": _summary(
+            switch,
+            switch_line,
+            graphs,
+            rewritten,
+            reasons,
+            sum(executions.values()),
+            sum(site.path == "balanced" for site in sites),
+        ),
     }
 
 
-def _summary(switch: str, switch_line: str, graphs: int, rewritten: int, reasons: collections.Counter,
-             executions: int, balanced: int) -> str:
+def _summary(
+    switch: str,
+    switch_line: str,
+    graphs: int,
+    rewritten: int,
+    reasons: collections.Counter,
+    executions: int,
+    balanced: int,
+) -> str:
     ran = f"the fused op ran {executions} times in this process"
     if switch == "refused":  # CCE_INDUCTOR asked for the pass and could not get it: that comes first
         return f"the pass is {switch_line}; {_sites_line(graphs, rewritten, reasons, balanced)}; {ran}"

@@ -41,8 +41,6 @@ DDP and FSDP2 need nothing from this module: the main pass rewrites their compil
 
 from __future__ import annotations
 
-from typing import Optional, Union
-
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
@@ -87,7 +85,7 @@ def _wait(t: Tensor) -> Tensor:
 
 @torch.library.custom_op("cce_inductor::vocab_shard_forward", mutates_args=())
 def vocab_shard_forward(
-    e: Tensor, c: Tensor, shard_targets: Tensor, bias: Optional[Tensor], softcap: Optional[float]
+    e: Tensor, c: Tensor, shard_targets: Tensor, bias: Tensor | None, softcap: float | None
 ) -> tuple[Tensor, Tensor]:
     """Per row: ``(lse over this shard, target logit if the target is in this shard else 0)``."""
     diagnostics.count_execution("vocab_parallel")
@@ -108,9 +106,18 @@ def _(e, c, shard_targets, bias, softcap):
 
 @torch.library.custom_op("cce_inductor::vocab_shard_backward", mutates_args=())
 def vocab_shard_backward(
-    e: Tensor, c: Tensor, shard_targets: Tensor, bias: Optional[Tensor], lse: Tensor, grad_rows: Tensor,
-    softcap: Optional[float], options: str, need_e: bool, need_c: bool, need_bias: bool,
-) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+    e: Tensor,
+    c: Tensor,
+    shard_targets: Tensor,
+    bias: Tensor | None,
+    lse: Tensor,
+    grad_rows: Tensor,
+    softcap: float | None,
+    options: str,
+    need_e: bool,
+    need_c: bool,
+    need_bias: bool,
+) -> tuple[Tensor, Tensor, Tensor]:
     """This shard's ``(dE contribution, dC_shard, dbias_shard)`` given the *global* ``lse``; empty if not needed."""
     need_bias = need_bias and bias is not None
     if c.shape[0] == 0:
@@ -118,11 +125,24 @@ def vocab_shard_backward(
         grad_bias = None if bias is None else torch.zeros_like(bias)
     else:
         grad_e, grad_c, grad_bias = _dispatch.backward(
-            e, c, shard_targets, bias, lse, grad_rows, softcap=softcap, ignore_index=_LOCAL_IGNORED,
-            options=CCEOptions.decode(options), need_e=need_e, need_c=need_c, need_bias=need_bias,
+            e,
+            c,
+            shard_targets,
+            bias,
+            lse,
+            grad_rows,
+            softcap=softcap,
+            ignore_index=_LOCAL_IGNORED,
+            options=CCEOptions.decode(options),
+            need_e=need_e,
+            need_c=need_c,
+            need_bias=need_bias,
         )
-    return _loss.empty_unless(need_e, grad_e, e), _loss.empty_unless(need_c, grad_c, e), \
-        _loss.empty_unless(need_bias, grad_bias, e)  # fmt: skip
+    return (
+        _loss.empty_unless(need_e, grad_e, e),
+        _loss.empty_unless(need_c, grad_c, e),
+        _loss.empty_unless(need_bias, grad_bias, e),
+    )
 
 
 @vocab_shard_backward.register_fake
@@ -161,9 +181,18 @@ class _VocabParallelLinearCrossEntropy(torch.autograd.Function):
         valid = shard_targets != _LOCAL_IGNORED
         grad_rows = _loss.grad_rows(grad_loss, valid, ctx.reduction, _chunked.accumulation_dtype(e.dtype))
         grad_e, grad_c, grad_bias = vocab_shard_backward(
-            e, c, shard_targets, bias, lse, grad_rows, ctx.softcap, ctx.options,
-            need_e=need_e, need_c=need_c, need_bias=need_bias,
-        )  # fmt: skip
+            e,
+            c,
+            shard_targets,
+            bias,
+            lse,
+            grad_rows,
+            ctx.softcap,
+            ctx.options,
+            need_e=need_e,
+            need_c=need_c,
+            need_bias=need_bias,
+        )
         if need_e:
             # The one collective of the backward: dE is the sum of every shard's contribution.
             grad_e = _wait(funcol.all_reduce(grad_e, "sum", group=ctx.group))
@@ -182,12 +211,12 @@ def vocab_parallel_linear_cross_entropy(
     *,
     vocab_start: int,
     vocab_size: int,
-    group: Optional[dist.ProcessGroup] = None,
-    bias_shard: Optional[Tensor] = None,
-    softcap: Optional[float] = None,
+    group: dist.ProcessGroup | None = None,
+    bias_shard: Tensor | None = None,
+    softcap: float | None = None,
     ignore_index: int = -100,
     reduction: str = "mean",
-    options: Union[CCEOptions, str, None] = None,
+    options: CCEOptions | str | None = None,
 ) -> Tensor:
     """``F.cross_entropy(softcap(e @ C.T + bias), targets)`` with ``C`` split by rows over the ranks of ``group``.
 
@@ -222,10 +251,18 @@ def vocab_parallel_linear_cross_entropy(
         _checks.check_inputs(e2d, c_shard, flat_targets, bias_shard)
     with torch.autocast(device_type, enabled=False):
         loss = _VocabParallelLinearCrossEntropy.apply(
-            e2d, c_shard, flat_targets, bias_shard, int(vocab_start), int(vocab_size), group,
-            None if softcap is None else float(softcap), int(ignore_index), reduction,
+            e2d,
+            c_shard,
+            flat_targets,
+            bias_shard,
+            int(vocab_start),
+            int(vocab_size),
+            group,
+            None if softcap is None else float(softcap),
+            int(ignore_index),
+            reduction,
             options if isinstance(options, str) else (options or CCEOptions()).encode(),
-        )  # fmt: skip
+        )
     if reduction == "none":
         loss = loss.view(targets.shape)
     return loss
@@ -236,11 +273,11 @@ def dtensor_linear_cross_entropy(
     weight: Tensor,
     targets: Tensor,
     *,
-    bias: Optional[Tensor] = None,
-    softcap: Optional[float] = None,
+    bias: Tensor | None = None,
+    softcap: float | None = None,
     ignore_index: int = -100,
     reduction: str = "mean",
-    options: Union[CCEOptions, str, None] = None,
+    options: CCEOptions | str | None = None,
 ) -> Tensor:
     """The DTensor form: what ``loss_parallel()`` + ``F.cross_entropy(F.linear(hidden, weight, bias))`` computes
     for a vocabulary-sharded head (``ColwiseParallel``), without the logits.
@@ -251,7 +288,7 @@ def dtensor_linear_cross_entropy(
     reach ``hidden`` as ``Replicate`` and ``weight`` / ``bias`` as ``Shard(0)``. ``options`` as for
     :func:`vocab_parallel_linear_cross_entropy`. Traceable by Dynamo.
     """
-    from torch.distributed.tensor import DTensor, Replicate, Shard  # noqa: PLC0415
+    from torch.distributed.tensor import DTensor, Replicate, Shard
 
     if not isinstance(weight, DTensor):
         raise TypeError("weight must be a DTensor sharded by vocabulary rows (Shard(0)), e.g. from ColwiseParallel")
@@ -267,8 +304,16 @@ def dtensor_linear_cross_entropy(
     # Shard(0) splits rows as torch.chunk does (the mesh rank is a Python int, also under Dynamo)
     vocab_start, _ = vocab_shard_range(weight.shape[0], mesh.get_local_rank(), mesh.size())
     loss = vocab_parallel_linear_cross_entropy(
-        hidden, weight.to_local(), targets, vocab_start=vocab_start, vocab_size=weight.shape[0],
-        group=mesh.get_group(), bias_shard=None if bias is None else bias.to_local(), softcap=softcap,
-        ignore_index=ignore_index, reduction=reduction, options=options,
-    )  # fmt: skip
+        hidden,
+        weight.to_local(),
+        targets,
+        vocab_start=vocab_start,
+        vocab_size=weight.shape[0],
+        group=mesh.get_group(),
+        bias_shard=None if bias is None else bias.to_local(),
+        softcap=softcap,
+        ignore_index=ignore_index,
+        reduction=reduction,
+        options=options,
+    )
     return DTensor.from_local(loss, mesh, [Replicate()], run_check=False)

@@ -13,7 +13,7 @@ import functools
 import hashlib
 import os
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import torch
 import torch._inductor.config as inductor_config
@@ -27,7 +27,7 @@ from .options import CCEOptions, resolve
 _PACKAGE_DIR = Path(__file__).resolve().parent
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _source_hash() -> str:
     digest = hashlib.sha256(__version__.encode())
     for path in sorted(_PACKAGE_DIR.rglob("*.py")):
@@ -39,7 +39,7 @@ def _source_hash() -> str:
 class CCEGraphPass(CustomGraphPass):
     """Runs every pass of ``cce_inductor.fx_passes``; runs ``chained`` (a pass that was installed before) first."""
 
-    def __init__(self, options: Optional[CCEOptions] = None, chained: Any = None) -> None:
+    def __init__(self, options: CCEOptions | None = None, chained: Any = None) -> None:
         self.options = options or CCEOptions()
         self.chained = chained
 
@@ -50,7 +50,7 @@ class CCEGraphPass(CustomGraphPass):
                 user_pass(graph)
         rewrite_graph(graph, self.options)
 
-    def uuid(self) -> Optional[Any]:
+    def uuid(self) -> Any | None:
         chained_ids = []
         for user_pass in self.chained if isinstance(self.chained, (list, tuple)) else [self.chained]:
             if user_pass is None:
@@ -66,13 +66,13 @@ def _installed() -> Any:
     return inductor_config.pre_grad_custom_pass
 
 
-def _find_ours(hook: Any) -> Optional[Any]:
+def _find_ours(hook: Any) -> Any | None:
     """Our pass in the hook, or the pass that refuses every compile where ``CCE_INDUCTOR`` could not be honoured
     (``cce_inductor._flag.refuse``): ``enable``, ``disable`` and the backends replace either, keeping its chain."""
     return hook if isinstance(hook, CCEGraphPass) or getattr(hook, "refused", None) else None
 
 
-def enable(options: Optional[CCEOptions] = None, **overrides: Any) -> CCEGraphPass:
+def enable(options: CCEOptions | None = None, **overrides: Any) -> CCEGraphPass:
     """Install the pass globally, so that a plain ``torch.compile(model)`` uses it.
 
     ``options`` default to the ``CCE_INDUCTOR_*`` environment variables; keyword overrides (the fields of
@@ -115,6 +115,8 @@ def describe() -> tuple[str, str]:
     if getattr(hook, "refused", None):
         return "refused", f"off: {hook.refused}; every torch.compile raises this until it is fixed"
     flag = os.environ.get("CCE_INDUCTOR")
-    return "off", (f"off for plain torch.compile (CCE_INDUCTOR is {'unset' if flag is None else repr(flag)} and "
-                   "enable() is not in effect); on in the compiles that name it: backend=cce_inductor.backend, "
-                   "\"cce\" or make_backend()")
+    return "off", (
+        f"off for plain torch.compile (CCE_INDUCTOR is {'unset' if flag is None else repr(flag)} and "
+        "enable() is not in effect); on in the compiles that name it: backend=cce_inductor.backend, "
+        '"cce" or make_backend()'
+    )

@@ -29,7 +29,7 @@ run it eagerly (``call()``) or put it in a graph (``call.emit(graph)``). Public 
 from __future__ import annotations
 
 import math
-from typing import Any, NamedTuple, Optional
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
@@ -64,8 +64,13 @@ def _set(**optional) -> dict:
 # The lean path
 # --------------------------------------------------------------------------------------------------------------
 
-_ARGMAX_ROUNDING = {"": None, "float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16,
-                    "float16": torch.float16}  # fmt: skip
+_ARGMAX_ROUNDING = {
+    "": None,
+    "float32": torch.float32,
+    "float64": torch.float64,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
 
 
 @torch.library.custom_op("cce_inductor::linear_cross_entropy", mutates_args=())
@@ -73,17 +78,17 @@ def linear_cross_entropy_op(
     e: Tensor,
     c: Tensor,
     targets: Tensor,
-    bias: Optional[Tensor],
-    softcap: Optional[float],
+    bias: Tensor | None,
+    softcap: float | None,
     ignore_index: int,
     reduction: str,
     label_smoothing: float,
     options: str,
     full_lse: bool,
     entropy: bool,
-    class_weights: Optional[Tensor] = None,
+    class_weights: Tensor | None = None,
     argmax: str = "",
-    compute_dtype: Optional[torch.dtype] = None,
+    compute_dtype: torch.dtype | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Returns ``(loss, lse, entropy, argmax)``: the reduced loss, the per-row log-sum-exp (what the backward
     needs), the per-row entropy of the softmax (empty unless ``entropy``) and each row's argmax (empty unless
@@ -113,9 +118,17 @@ def linear_cross_entropy_op(
         acc = _chunked.accumulation_dtype(e.dtype)
         argmax_out = torch.empty(e.shape[0] if argmax else 0, dtype=torch.int64, device=e.device)
         lse, target_logit, logit_sum, mean_logit = _dispatch.forward(
-            e, c, targets, bias, softcap=softcap, ignore_index=ignore_index, logit_sum=label_smoothing != 0.0,
-            mean_logit=entropy, every_row=full_lse or entropy or bool(argmax),
-            argmax_out=argmax_out if argmax else None, argmax_round=_ARGMAX_ROUNDING[argmax],
+            e,
+            c,
+            targets,
+            bias,
+            softcap=softcap,
+            ignore_index=ignore_index,
+            logit_sum=label_smoothing != 0.0,
+            mean_logit=entropy,
+            every_row=full_lse or entropy or bool(argmax),
+            argmax_out=argmax_out if argmax else None,
+            argmax_round=_ARGMAX_ROUNDING[argmax],
         )
         valid = targets != ignore_index
         row_loss = _loss.row_losses(lse, target_logit, logit_sum, valid, label_smoothing, c.shape[0], acc)
@@ -125,34 +138,67 @@ def linear_cross_entropy_op(
 
 
 @linear_cross_entropy_op.register_fake
-def _(e, c, targets, bias, softcap, ignore_index, reduction, label_smoothing, options, full_lse, entropy,
-      class_weights=None, argmax="", compute_dtype=None):
+def _(
+    e,
+    c,
+    targets,
+    bias,
+    softcap,
+    ignore_index,
+    reduction,
+    label_smoothing,
+    options,
+    full_lse,
+    entropy,
+    class_weights=None,
+    argmax="",
+    compute_dtype=None,
+):
     _checks.check_inputs(e, c, targets, bias, compute_dtype)
     _checks.check_class_weights(class_weights, c)
     dtype = compute_dtype or e.dtype
     n_rows = e.shape[0]
     loss = e.new_empty((n_rows,) if reduction == "none" else (), dtype=_chunked.accumulation_dtype(dtype))
     row_dtype = _dispatch.lse_dtype(e.device, dtype)
-    return (loss, e.new_empty((n_rows,), dtype=row_dtype), e.new_empty((n_rows if entropy else 0,), dtype=row_dtype),
-            e.new_empty((n_rows if argmax else 0,), dtype=torch.int64))  # fmt: skip
+    return (
+        loss,
+        e.new_empty((n_rows,), dtype=row_dtype),
+        e.new_empty((n_rows if entropy else 0,), dtype=row_dtype),
+        e.new_empty((n_rows if argmax else 0,), dtype=torch.int64),
+    )
 
 
-def _in_compute_dtype(e: Tensor, c: Tensor, bias: Optional[Tensor], compute_dtype: Optional[torch.dtype]):
+def _in_compute_dtype(e: Tensor, c: Tensor, bias: Tensor | None, compute_dtype: torch.dtype | None):
     """The operands in the products' dtype, converted for this call only (autocast's ``F.linear`` casts)."""
     if compute_dtype is None:
         return e, c, bias
     return tuple(None if x is None else x.to(compute_dtype) for x in (e, c, bias))
 
 
-def lean_call(e, c, targets, bias=None, *, softcap: Optional[float] = None, ignore_index: int = -100,
-              reduction: str = "mean", label_smoothing: float = 0.0, options: str, full_lse: bool = False,
-              entropy: bool = False, class_weights=None, argmax: str = "",
-              compute_dtype: Optional[torch.dtype] = None) -> OpCall:
+def lean_call(
+    e,
+    c,
+    targets,
+    bias=None,
+    *,
+    softcap: float | None = None,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+    label_smoothing: float = 0.0,
+    options: str,
+    full_lse: bool = False,
+    entropy: bool = False,
+    class_weights=None,
+    argmax: str = "",
+    compute_dtype: torch.dtype | None = None,
+) -> OpCall:
     """A call of ``linear_cross_entropy`` (its docstring has the arguments); ``e``, ``c``, ``targets``, ``bias``
     may be tensors or graph nodes."""
-    return OpCall(torch.ops.cce_inductor.linear_cross_entropy.default,
-                  (e, c, targets, bias, softcap, ignore_index, reduction, label_smoothing, options, full_lse, entropy),
-                  _set(class_weights=class_weights, argmax=argmax, compute_dtype=compute_dtype))
+    return OpCall(
+        torch.ops.cce_inductor.linear_cross_entropy.default,
+        (e, c, targets, bias, softcap, ignore_index, reduction, label_smoothing, options, full_lse, entropy),
+        _set(class_weights=class_weights, argmax=argmax, compute_dtype=compute_dtype),
+    )
 
 
 @torch.library.custom_op("cce_inductor::linear_cross_entropy_backward", mutates_args=())
@@ -161,12 +207,12 @@ def linear_cross_entropy_backward_op(
     e: Tensor,
     c: Tensor,
     targets: Tensor,
-    bias: Optional[Tensor],
+    bias: Tensor | None,
     lse: Tensor,
-    grad_lse: Optional[Tensor],
-    entropy: Optional[Tensor],
-    grad_entropy: Optional[Tensor],
-    softcap: Optional[float],
+    grad_lse: Tensor | None,
+    entropy: Tensor | None,
+    grad_entropy: Tensor | None,
+    softcap: float | None,
     ignore_index: int,
     reduction: str,
     label_smoothing: float,
@@ -174,8 +220,8 @@ def linear_cross_entropy_backward_op(
     need_e: bool,
     need_c: bool,
     need_bias: bool,
-    class_weights: Optional[Tensor] = None,
-    compute_dtype: Optional[torch.dtype] = None,
+    class_weights: Tensor | None = None,
+    compute_dtype: torch.dtype | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Returns ``(grad_e, grad_c, grad_bias)``, each in its input's dtype; a gradient not asked for is an empty
     tensor and costs nothing. ``grad_lse`` / ``grad_entropy``: upstream gradients of the forward's per-row lse /
@@ -187,21 +233,56 @@ def linear_cross_entropy_backward_op(
         mean_logit = None if grad_entropy is None else lse - entropy
         valid = targets != ignore_index
         acc = _chunked.accumulation_dtype(compute_dtype or e.dtype)
-        grad_rows = _loss.grad_rows(grad_loss, valid, reduction, acc,
-                                    _loss.row_weights(class_weights, targets, valid, acc))
+        grad_rows = _loss.grad_rows(
+            grad_loss, valid, reduction, acc, _loss.row_weights(class_weights, targets, valid, acc)
+        )
         grad_e, grad_c, grad_bias = _dispatch.backward(
-            e, c, targets, bias, lse, grad_rows, softcap=softcap, ignore_index=ignore_index,
-            options=CCEOptions.decode(options), need_e=need_e, need_c=need_c, need_bias=need_bias,
-            label_smoothing=label_smoothing, grad_lse=grad_lse, grad_entropy=grad_entropy, mean_logit=mean_logit,
+            e,
+            c,
+            targets,
+            bias,
+            lse,
+            grad_rows,
+            softcap=softcap,
+            ignore_index=ignore_index,
+            options=CCEOptions.decode(options),
+            need_e=need_e,
+            need_c=need_c,
+            need_bias=need_bias,
+            label_smoothing=label_smoothing,
+            grad_lse=grad_lse,
+            grad_entropy=grad_entropy,
+            mean_logit=mean_logit,
             compute_dtype=compute_dtype,
         )
-    return tuple(grad if needed else e.new_empty(0)
-                 for needed, grad in ((need_e, grad_e), (need_c, grad_c), (need_bias, grad_bias)))  # fmt: skip
+    return tuple(
+        grad if needed else e.new_empty(0)
+        for needed, grad in ((need_e, grad_e), (need_c, grad_c), (need_bias, grad_bias))
+    )
 
 
 @linear_cross_entropy_backward_op.register_fake
-def _(grad_loss, e, c, targets, bias, lse, grad_lse, entropy, grad_entropy, softcap, ignore_index, reduction,
-      label_smoothing, options, need_e, need_c, need_bias, class_weights=None, compute_dtype=None):  # fmt: skip
+def _(
+    grad_loss,
+    e,
+    c,
+    targets,
+    bias,
+    lse,
+    grad_lse,
+    entropy,
+    grad_entropy,
+    softcap,
+    ignore_index,
+    reduction,
+    label_smoothing,
+    options,
+    need_e,
+    need_c,
+    need_bias,
+    class_weights=None,
+    compute_dtype=None,
+):
     return _loss.grad_outputs_fake(e, c, bias, need_e, need_c, need_bias)
 
 
@@ -228,9 +309,20 @@ def _backward(ctx, grad_loss, grad_lse, grad_entropy, _grad_argmax):
         # never a silently missing gradient: the public wrapper and the pass refuse weights that require grad
         raise RuntimeError("cce_inductor: the gradient w.r.t. cross_entropy's class weights is not computed")
     grad_e, grad_c, grad_bias = linear_cross_entropy_backward_op(
-        grad_loss, e, c, targets, bias, lse, grad_lse if ctx.full_lse else None,
-        row_entropy, grad_entropy if row_entropy is not None else None, **ctx.attrs,
-        need_e=need_e, need_c=need_c, need_bias=need_bias, class_weights=class_weights,
+        grad_loss,
+        e,
+        c,
+        targets,
+        bias,
+        lse,
+        grad_lse if ctx.full_lse else None,
+        row_entropy,
+        grad_entropy if row_entropy is not None else None,
+        **ctx.attrs,
+        need_e=need_e,
+        need_c=need_c,
+        need_bias=need_bias,
+        class_weights=class_weights,
     )
     grads = (grad_e if need_e else None, grad_c if need_c else None, None, grad_bias if need_bias else None)
     return grads + (None,) * (len(ctx.needs_input_grad) - len(grads))
@@ -249,8 +341,8 @@ def linear_cross_entropy_with_grads_op(
     e: Tensor,
     c: Tensor,
     targets: Tensor,
-    bias: Optional[Tensor],
-    softcap: Optional[float],
+    bias: Tensor | None,
+    softcap: float | None,
     ignore_index: int,
     reduction: str,
     label_smoothing: float,
@@ -259,7 +351,7 @@ def linear_cross_entropy_with_grads_op(
     need_c: bool,
     need_bias: bool,
     returned_logits: bool,
-    compute_dtype: Optional[torch.dtype] = None,
+    compute_dtype: torch.dtype | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Returns ``(loss, grad_e, grad_c, grad_bias, grad_e_lo, grad_c_lo)``: the loss (reduction "mean" or "sum") and
     its own gradients (upstream gradient 1), each in its input's dtype: an fp32 gradient whole, a 16-bit one as the
@@ -279,33 +371,76 @@ def linear_cross_entropy_with_grads_op(
         _checks.check_inputs(e, c, targets, bias, compute_dtype)
         dtype = compute_dtype or e.dtype
         # the scratch for the rows this call really has (the site may have been compiled for another batch size)
-        facts = _dispatch.head_facts(*e.shape, c.shape[0], dtype, e.device, reduction, needs_grad=True,
-                                     returned_logits=returned_logits, softcapped=softcap is not None,
-                                     **paths.storage_facts(e.dtype, c.dtype, dtype))
+        facts = _dispatch.head_facts(
+            *e.shape,
+            c.shape[0],
+            dtype,
+            e.device,
+            reduction,
+            needs_grad=True,
+            returned_logits=returned_logits,
+            softcapped=softcap is not None,
+            **paths.storage_facts(e.dtype, c.dtype, dtype),
+        )
         scratch = paths.scratch_for(facts, CCEOptions.decode(options).scratch_mb)
         loss, grad_e, grad_c, grad_bias, grad_e_lo, grad_c_lo = _dispatch.loss_and_grads(
-            e, c, targets, bias, softcap=softcap, ignore_index=ignore_index, reduction=reduction,
-            label_smoothing=label_smoothing, scratch_bytes=scratch, need_e=need_e, need_c=need_c, need_bias=need_bias,
+            e,
+            c,
+            targets,
+            bias,
+            softcap=softcap,
+            ignore_index=ignore_index,
+            reduction=reduction,
+            label_smoothing=label_smoothing,
+            scratch_bytes=scratch,
+            need_e=need_e,
+            need_c=need_c,
+            need_bias=need_bias,
             compute_dtype=compute_dtype,
         )
     acc = _chunked.accumulation_dtype(dtype)
 
-    def out(needed: bool, grad: Optional[Tensor], like: Tensor) -> Tensor:
+    def out(needed: bool, grad: Tensor | None, like: Tensor) -> Tensor:
         return grad if needed and grad is not None else like.new_empty(0)
 
-    return (loss, out(need_e, grad_e, e), out(need_c, grad_c, c), out(need_bias, grad_bias, e).to(acc),
-            out(need_e, grad_e_lo, e), out(need_c, grad_c_lo, c))  # fmt: skip
+    return (
+        loss,
+        out(need_e, grad_e, e),
+        out(need_c, grad_c, c),
+        out(need_bias, grad_bias, e).to(acc),
+        out(need_e, grad_e_lo, e),
+        out(need_c, grad_c_lo, c),
+    )
 
 
 @linear_cross_entropy_with_grads_op.register_fake
-def _(e, c, targets, bias, softcap, ignore_index, reduction, label_smoothing, options, need_e, need_c, need_bias,
-      returned_logits, compute_dtype=None):
+def _(
+    e,
+    c,
+    targets,
+    bias,
+    softcap,
+    ignore_index,
+    reduction,
+    label_smoothing,
+    options,
+    need_e,
+    need_c,
+    need_bias,
+    returned_logits,
+    compute_dtype=None,
+):
     _checks.check_inputs(e, c, targets, bias, compute_dtype)
     acc = _chunked.accumulation_dtype(compute_dtype or e.dtype)
     grad_e, grad_c, grad_bias = _loss.grad_outputs_fake(e, c, bias, need_e, need_c, need_bias)
-    return (e.new_empty((), dtype=acc), grad_e, grad_c, grad_bias.to(acc),
-            torch.empty_like(grad_e) if _pair(need_e, e) else e.new_empty(0),
-            torch.empty_like(grad_c) if _pair(need_c, c) else c.new_empty(0))  # fmt: skip
+    return (
+        e.new_empty((), dtype=acc),
+        grad_e,
+        grad_c,
+        grad_bias.to(acc),
+        torch.empty_like(grad_e) if _pair(need_e, e) else e.new_empty(0),
+        torch.empty_like(grad_c) if _pair(need_c, c) else c.new_empty(0),
+    )
 
 
 def _pair(needed: bool, x: Tensor) -> bool:
@@ -313,15 +448,43 @@ def _pair(needed: bool, x: Tensor) -> bool:
     return needed and x.dtype in (torch.bfloat16, torch.float16)
 
 
-def balanced_call(e, c, targets, bias=None, *, softcap: Optional[float] = None, ignore_index: int = -100,
-                  reduction: str = "mean", label_smoothing: float = 0.0, options: str, need_e: bool, need_c: bool,
-                  need_bias: bool, returned_logits: bool = False,
-                  compute_dtype: Optional[torch.dtype] = None) -> OpCall:
+def balanced_call(
+    e,
+    c,
+    targets,
+    bias=None,
+    *,
+    softcap: float | None = None,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+    label_smoothing: float = 0.0,
+    options: str,
+    need_e: bool,
+    need_c: bool,
+    need_bias: bool,
+    returned_logits: bool = False,
+    compute_dtype: torch.dtype | None = None,
+) -> OpCall:
     """A call of ``linear_cross_entropy_with_grads`` (its docstring has the arguments)."""
-    return OpCall(torch.ops.cce_inductor.linear_cross_entropy_with_grads.default,
-                  (e, c, targets, bias, softcap, ignore_index, reduction, label_smoothing, options, need_e, need_c,
-                   need_bias, returned_logits),
-                  _set(compute_dtype=compute_dtype))
+    return OpCall(
+        torch.ops.cce_inductor.linear_cross_entropy_with_grads.default,
+        (
+            e,
+            c,
+            targets,
+            bias,
+            softcap,
+            ignore_index,
+            reduction,
+            label_smoothing,
+            options,
+            need_e,
+            need_c,
+            need_bias,
+            returned_logits,
+        ),
+        _set(compute_dtype=compute_dtype),
+    )
 
 
 def _setup_context_with_grads(ctx, inputs, output) -> None:
@@ -335,7 +498,7 @@ def _setup_context_with_grads(ctx, inputs, output) -> None:
     ctx.dtypes = (e.dtype, c.dtype, None if bias is None else bias.dtype)
 
 
-def _scaled(grad: Tensor, lo: Optional[Tensor], grad_loss: Tensor, dtype: torch.dtype) -> Tensor:
+def _scaled(grad: Tensor, lo: Tensor | None, grad_loss: Tensor, dtype: torch.dtype) -> Tensor:
     """``grad_loss * (grad + lo)`` rounded once to ``dtype`` (``lo`` None: ``grad`` alone). Compiled, Inductor fuses
     it into one pass and writes it into ``grad``'s buffer (same dtype and size, a donated saved tensor). Each term is
     scaled before the sum (fp32 products, one rounding of the result as before) so that nothing of it can be computed
@@ -353,8 +516,11 @@ def _backward_with_grads(ctx, grad_loss, *_):
     grad_e, grad_c, grad_bias, grad_e_lo, grad_c_lo = ctx.saved_tensors
     grads = []
     for needed, computed, grad, lo, dtype in zip(
-        (ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[3]), ctx.computed,
-        (grad_e, grad_c, grad_bias), (grad_e_lo, grad_c_lo, None), ctx.dtypes,
+        (ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[3]),
+        ctx.computed,
+        (grad_e, grad_c, grad_bias),
+        (grad_e_lo, grad_c_lo, None),
+        ctx.dtypes,
     ):
         if needed and not computed:
             raise RuntimeError(
@@ -375,13 +541,13 @@ def linear_cross_entropy(
     c: Tensor,
     targets: Tensor,
     *,
-    bias: Optional[Tensor] = None,
-    softcap: Optional[float] = None,
+    bias: Tensor | None = None,
+    softcap: float | None = None,
     ignore_index: int = -100,
     reduction: str = "mean",
     label_smoothing: float = 0.0,
-    class_weights: Optional[Tensor] = None,
-    options: Optional[CCEOptions] = None,
+    class_weights: Tensor | None = None,
+    options: CCEOptions | None = None,
 ) -> Tensor:
     """``F.cross_entropy(softcap(e @ c.T + bias), targets, ...)`` without materialising the logits.
 
@@ -413,27 +579,45 @@ def linear_cross_entropy(
         raise TypeError(f"options must be a cce_inductor.CCEOptions, got {type(options).__name__}")
     if class_weights is not None:
         if label_smoothing != 0.0:
-            raise NotImplementedError("linear_cross_entropy: class_weights with label_smoothing are not supported "
-                                      "(F.cross_entropy's weighted label smoothing is another formula)")
+            raise NotImplementedError(
+                "linear_cross_entropy: class_weights with label_smoothing are not supported "
+                "(F.cross_entropy's weighted label smoothing is another formula)"
+            )
         if class_weights.requires_grad and torch.is_grad_enabled():
-            raise ValueError("linear_cross_entropy: class_weights that require grad are not supported (their "
-                             "gradient is not computed); pass class_weights.detach()")
+            raise ValueError(
+                "linear_cross_entropy: class_weights that require grad are not supported (their "
+                "gradient is not computed); pass class_weights.detach()"
+            )
     compute_dtype = _checks.autocast_dtype(e, c, bias)
     options = options or CCEOptions()
     shape = targets.shape
     rows, targets = e.reshape(-1, e.shape[-1]), targets.reshape(-1).long()
-    common = dict(softcap=None if softcap is None else float(softcap), ignore_index=int(ignore_index),
-                  reduction=reduction, label_smoothing=float(label_smoothing), options=options.encode(),
-                  compute_dtype=compute_dtype)
+    common = dict(
+        softcap=None if softcap is None else float(softcap),
+        ignore_index=int(ignore_index),
+        reduction=reduction,
+        label_smoothing=float(label_smoothing),
+        options=options.encode(),
+        compute_dtype=compute_dtype,
+    )
     need = (e.requires_grad, c.requires_grad, bias is not None and bias.requires_grad)
     dtype = compute_dtype or e.dtype
-    facts = _dispatch.head_facts(math.prod(e.shape[:-1]), e.shape[-1], c.shape[0], dtype, e.device, reduction,
-                                 needs_grad=torch.is_grad_enabled() and any(need),
-                                 **paths.storage_facts(e.dtype, c.dtype, dtype))
-    if class_weights is None and paths.choose(facts, options.path, options.scratch_mb, options.backward_row_chunk,
-                                              options.products).path == "balanced":
+    facts = _dispatch.head_facts(
+        math.prod(e.shape[:-1]),
+        e.shape[-1],
+        c.shape[0],
+        dtype,
+        e.device,
+        reduction,
+        needs_grad=torch.is_grad_enabled() and any(need),
+        **paths.storage_facts(e.dtype, c.dtype, dtype),
+    )
+    if (
+        class_weights is None
+        and paths.choose(facts, options.path, options.scratch_mb, options.backward_row_chunk, options.products).path
+        == "balanced"
+    ):
         need_e, need_c, need_bias = need
-        return balanced_call(rows, c, targets, bias, need_e=need_e, need_c=need_c, need_bias=need_bias,
-                             **common)()[0]
+        return balanced_call(rows, c, targets, bias, need_e=need_e, need_c=need_c, need_bias=need_bias, **common)()[0]
     loss = lean_call(rows, c, targets, bias, class_weights=class_weights, **common)()[0]
     return loss.view(shape) if reduction == "none" else loss

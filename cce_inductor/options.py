@@ -16,7 +16,7 @@ import dataclasses
 import functools
 import os
 import warnings
-from typing import Any, Literal, Optional
+from typing import Any, Literal
 
 __all__ = ["CCEOptions"]
 
@@ -26,7 +26,7 @@ _FALSY = ("0", "false", "no", "off")
 # Options of earlier versions that no longer exist; setting one says so instead of being silently ignored.
 _RETIRED_ENV = {
     "CCE_INDUCTOR_FILTER_EPS": "gradient filtering was retired (docs/design.md, 'Gradient filtering: retired'); "
-                               "gradients are exact",
+    "gradients are exact",
     "CCE_INDUCTOR_VOCAB_SORT": "vocabulary sorting was retired with gradient filtering",
 }
 
@@ -104,7 +104,7 @@ class CCEOptions:
             raise ValueError(f"scratch_mb must be >= 0 (0: sized automatically), got {self.scratch_mb}")
 
     @classmethod
-    def from_env(cls, **overrides: Any) -> "CCEOptions":
+    def from_env(cls, **overrides: Any) -> CCEOptions:
         """Options from the ``CCE_INDUCTOR_*`` environment, then ``overrides`` (keywords named like the fields;
         ``None`` leaves a field to the environment). A bad value or an unknown ``CCE_INDUCTOR_*`` name raises a
         ``ValueError`` / ``TypeError`` that names the variable: a typo never leaves an option at its default."""
@@ -129,7 +129,7 @@ class CCEOptions:
         return ";".join(f"{name}={getattr(self, name)}" for name in _OP_FIELDS)
 
     @staticmethod
-    def decode(encoded: str) -> "CCEOptions":
+    def decode(encoded: str) -> CCEOptions:
         """Inverse of :meth:`encode` (fields the op does not read keep their defaults)."""
         return _decode(encoded)
 
@@ -147,8 +147,10 @@ def _check_env_names() -> None:
     known = {_env_name(name) for name in _FIELDS} | set(_RETIRED_ENV)
     unknown = sorted(name for name in os.environ if name.startswith("CCE_INDUCTOR_") and name not in known)
     if unknown:
-        raise ValueError(f"unknown cce_inductor environment option(s) {unknown}; the options are "
-                         f"{sorted(_env_name(name) for name in _FIELDS)}")
+        raise ValueError(
+            f"unknown cce_inductor environment option(s) {unknown}; the options are "
+            f"{sorted(_env_name(name) for name in _FIELDS)}"
+        )
 
 
 def _from_env_value(name: str, raw: str, field: dataclasses.Field) -> Any:
@@ -178,7 +180,7 @@ def _parse(name: str, raw: str, annotation: Any) -> Any:
     return raw
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _decode(encoded: str) -> CCEOptions:
     values: dict[str, Any] = {}
     for item in encoded.split(";"):
@@ -189,7 +191,7 @@ def _decode(encoded: str) -> CCEOptions:
     return CCEOptions(**values)
 
 
-def resolve(options: Optional[CCEOptions], overrides: dict[str, Any]) -> CCEOptions:
+def resolve(options: CCEOptions | None, overrides: dict[str, Any]) -> CCEOptions:
     """``options`` with keyword ``overrides`` applied, or options from the environment and the overrides."""
     if options is None:
         return CCEOptions.from_env(**overrides)

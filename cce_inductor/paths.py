@@ -46,7 +46,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Literal, Optional
+from typing import Literal
 
 from . import _planning
 
@@ -214,8 +214,10 @@ def lean_widen(f: HeadFacts, backward_row_chunk: int = 8192, counted_prefix: boo
         return 1
     limit = budget(dataclasses.replace(f, returned_logits=False, softcapped=False))
     for widen in (_LEAN_LAYOUT["max_widen"], _LEAN_LAYOUT["max_widen"] // 2):
-        if lean_block_width(f, backward_row_chunk, widen) > lean_block_width(f, backward_row_chunk) \
-                and lean_peak(f, backward_row_chunk, widen, counted_prefix) <= limit:
+        if (
+            lean_block_width(f, backward_row_chunk, widen) > lean_block_width(f, backward_row_chunk)
+            and lean_peak(f, backward_row_chunk, widen, counted_prefix) <= limit
+        ):
             return widen
     return 1
 
@@ -227,8 +229,7 @@ def balanced_peak(f: HeadFacts, scratch_bytes: int) -> int:
     adds nothing."""
     rows = chunk_rows(scratch_bytes, f.vocab, f.element_size, f.rows) if scratch_bytes else 0
     de_rows = rows * f.hidden * 4 if f.e_bytes != 4 else 0
-    return (4 * (f.rows + scratch_row_pitch(f.vocab)) * f.hidden + scratch_bytes + de_rows
-            + _converted_bytes(f))
+    return 4 * (f.rows + scratch_row_pitch(f.vocab)) * f.hidden + scratch_bytes + de_rows + _converted_bytes(f)
 
 
 def budget(f: HeadFacts, padded: bool = False) -> int:
@@ -270,7 +271,7 @@ def chunk_rows(scratch_bytes: int, vocab: int, element_size: int, rows: int) -> 
     return even
 
 
-def balanced_scratch(f: HeadFacts, limit: Optional[int] = None) -> int:
+def balanced_scratch(f: HeadFacts, limit: int | None = None) -> int:
     """The balanced path's scratch for these facts: as large as ``limit`` (default: the budget,
     :func:`balanced_budget`) leaves beside its fixed memory, at most 1 GiB and all rows, but no larger than keeps the
     peak within :func:`memory_target` where that still leaves chunks of ``_TARGET_CHUNK_ROWS`` rows (or all rows); 0
@@ -310,14 +311,17 @@ def _mib(n: int) -> str:
 
 def _compile_estimate(f: HeadFacts, padded: bool = False) -> str:
     if padded:
-        return (f"{_mib(compile_peak(f, padded=True))}, 4 bytes a logit as it holds them where it pads an unaligned "
-                "vocabulary's products: the logits' gradient and a padded copy of it")
-    returned = (f", the logits it returns included: {compile_bytes_per_logit(f)} bytes per logit"
-                if f.returned_logits else "")
+        return (
+            f"{_mib(compile_peak(f, padded=True))}, 4 bytes a logit as it holds them where it pads an unaligned "
+            "vocabulary's products: the logits' gradient and a padded copy of it"
+        )
+    returned = (
+        f", the logits it returns included: {compile_bytes_per_logit(f)} bytes per logit" if f.returned_logits else ""
+    )
     return f"{_mib(compile_peak(f))}{returned}"
 
 
-def lean_only_reason(f: HeadFacts) -> Optional[str]:
+def lean_only_reason(f: HeadFacts) -> str | None:
     """Why the balanced path cannot compute this loss at all (None where it can)."""
     if f.per_row_outputs or f.reduction not in ("mean", "sum"):
         return f"reduction={f.reduction!r} or per-row outputs (the balanced path computes 'mean' and 'sum' losses)"
@@ -328,16 +332,21 @@ def lean_only_reason(f: HeadFacts) -> Optional[str]:
     return None
 
 
-def choose(f: HeadFacts, path: str = "auto", scratch_mb: int = 0, backward_row_chunk: int = 8192,
-           products: str = "auto") -> PathChoice:
+def choose(
+    f: HeadFacts, path: str = "auto", scratch_mb: int = 0, backward_row_chunk: int = 8192, products: str = "auto"
+) -> PathChoice:
     """The path for a site (module docstring). ``path``: ``"auto"``, or a forced ``"lean"`` / ``"balanced"``;
     ``scratch_mb``: the balanced path's scratch (0: sized here); a ``scratch_mb`` with ``path="auto"`` asks for the
     balanced path, as it did before the automatic choice existed. ``products``: ``CCEOptions.products``, which the
     lean path's record explains where it is decided per call."""
     choice = _choose(f, path, scratch_mb, backward_row_chunk)
     if choice.path == "lean" and f.kernels and f.needs_grad:
-        return dataclasses.replace(choice, reason=choice.reason + _lean_block_note(f, backward_row_chunk)
-                                   + (_PRODUCTS_NOTE if products == "auto" else ""))
+        return dataclasses.replace(
+            choice,
+            reason=choice.reason
+            + _lean_block_note(f, backward_row_chunk)
+            + (_PRODUCTS_NOTE if products == "auto" else ""),
+        )
     return choice
 
 
@@ -347,25 +356,35 @@ def _lean_block_note(f: HeadFacts, backward_row_chunk: int) -> str:
     widen, prefix_widen = lean_widen(f, backward_row_chunk), lean_widen(f, backward_row_chunk, True)
     if widen == 1:
         return ""
-    prefix = "" if prefix_widen == widen else (
-        f"; {lean_block_width(f, backward_row_chunk, prefix_widen)} columns ({prefix_widen}x, est. peak "
-        f"{_mib(lean_peak(f, backward_row_chunk, prefix_widen, True))}) on calls that take the counted-prefix "
-        "products, whose dC sums are in fp32")
-    return (f"; its backward's G block {lean_block_width(f, backward_row_chunk, widen)} columns wide ({widen}x, as "
-            f"the budget leaves room: est. peak {_mib(lean_peak(f, backward_row_chunk, widen))}{prefix}; in default "
-            "mode)")
+    prefix = (
+        ""
+        if prefix_widen == widen
+        else (
+            f"; {lean_block_width(f, backward_row_chunk, prefix_widen)} columns ({prefix_widen}x, est. peak "
+            f"{_mib(lean_peak(f, backward_row_chunk, prefix_widen, True))}) on calls that take the counted-prefix "
+            "products, whose dC sums are in fp32"
+        )
+    )
+    return (
+        f"; its backward's G block {lean_block_width(f, backward_row_chunk, widen)} columns wide ({widen}x, as "
+        f"the budget leaves room: est. peak {_mib(lean_peak(f, backward_row_chunk, widen))}{prefix}; in default "
+        "mode)"
+    )
 
 
 # cce_inductor/_counted_share.py
-_PRODUCTS_NOTE = ("; its backward's products: cuBLAS over every row, or over the counted rows only on calls after "
-                  "ones with >= 10% of the targets ignored (cuBLAS; the row-skipping Triton products alone where >= "
-                  "60% are ignored, or >= 40% and the share moves) (stats()['backward_products'])")
+_PRODUCTS_NOTE = (
+    "; its backward's products: cuBLAS over every row, or over the counted rows only on calls after "
+    "ones with >= 10% of the targets ignored (cuBLAS; the row-skipping Triton products alone where >= "
+    "60% are ignored, or >= 40% and the share moves) (stats()['backward_products'])"
+)
 
 
 def _choose(f: HeadFacts, path: str, scratch_mb: int, backward_row_chunk: int) -> PathChoice:
     if path == "lean":
-        return PathChoice("lean", "lean path (forced: path='lean')" + _lean_cost_note(f, backward_row_chunk)
-                          + _host_bound_note(f))
+        return PathChoice(
+            "lean", "lean path (forced: path='lean')" + _lean_cost_note(f, backward_row_chunk) + _host_bound_note(f)
+        )
     why_not = lean_only_reason(f)
     if why_not is not None:
         note = "" if path == "auto" and not scratch_mb else " (a balanced path was asked for)"
@@ -373,31 +392,49 @@ def _choose(f: HeadFacts, path: str, scratch_mb: int, backward_row_chunk: int) -
     if path == "balanced" or scratch_mb:
         scratch = scratch_for(f, scratch_mb)
         why = "forced: path='balanced'" if path == "balanced" else f"asked for by scratch_mb={scratch_mb}"
-        return PathChoice("balanced", f"balanced path ({why}; {_mib(scratch)} scratch)" + _fat_note(f, scratch)
-                          + _host_bound_note(f, "balanced"), scratch)
+        return PathChoice(
+            "balanced",
+            f"balanced path ({why}; {_mib(scratch)} scratch)" + _fat_note(f, scratch) + _host_bound_note(f, "balanced"),
+            scratch,
+        )
     if not f.kernels:
-        return PathChoice("lean", "lean path: the chunked PyTorch path (not CUDA kernels) does the same work either "
-                                  "way, and the balanced one would hold the gradients in fp32")
+        return PathChoice(
+            "lean",
+            "lean path: the chunked PyTorch path (not CUDA kernels) does the same work either "
+            "way, and the balanced one would hold the gradients in fp32",
+        )
     if f.rows < _MIN_BALANCED_ROWS:
         return PathChoice("lean", f"lean path: {f.rows} rows are too few for the balanced path's chunks")
     limit, padded = balanced_budget(f)
     scratch = balanced_scratch(f, limit)
     if scratch:
-        return PathChoice("balanced", f"balanced path: three matmuls, est. peak {_mib(balanced_peak(f, scratch))} "
-                                      f"within the budget {_mib(limit)} (half of torch.compile's est. "
-                                      f"{_compile_estimate(f, padded)}; {_mib(scratch)} scratch)"
-                                      + _host_bound_note(f, "balanced"), scratch)
+        return PathChoice(
+            "balanced",
+            f"balanced path: three matmuls, est. peak {_mib(balanced_peak(f, scratch))} "
+            f"within the budget {_mib(limit)} (half of torch.compile's est. "
+            f"{_compile_estimate(f, padded)}; {_mib(scratch)} scratch)" + _host_bound_note(f, "balanced"),
+            scratch,
+        )
     need = balanced_peak(f, min(f.rows, _MIN_CHUNK_ROWS) * scratch_row_pitch(f.vocab) * f.element_size)
     lean = lean_peak(f, backward_row_chunk)
-    over = "" if lean <= limit else (f"; the lean path's est. peak {_mib(lean)} is over the budget too (its G block "
-                                     "and dE summed in fp32 against a small V x D), the least of the two")
-    return PathChoice("lean", f"lean path: the balanced path's est. peak {_mib(need)} (its gradients at 4 bytes "
-                              f"an element, {_mib(4 * (f.vocab + f.rows) * f.hidden)}) exceeds the budget "
-                              f"{_mib(limit)} (half of "
-                              f"torch.compile's est. {_compile_estimate(f, padded)}); four matmuls where "
-                              "torch.compile does three (more time on the head: docs/performance.md)"
-                              f"{over}{_host_bound_note(f)}"
-                              f"{_balanced_instead_note(f)}")
+    over = (
+        ""
+        if lean <= limit
+        else (
+            f"; the lean path's est. peak {_mib(lean)} is over the budget too (its G block "
+            "and dE summed in fp32 against a small V x D), the least of the two"
+        )
+    )
+    return PathChoice(
+        "lean",
+        f"lean path: the balanced path's est. peak {_mib(need)} (its gradients at 4 bytes "
+        f"an element, {_mib(4 * (f.vocab + f.rows) * f.hidden)}) exceeds the budget "
+        f"{_mib(limit)} (half of "
+        f"torch.compile's est. {_compile_estimate(f, padded)}); four matmuls where "
+        "torch.compile does three (more time on the head: docs/performance.md)"
+        f"{over}{_host_bound_note(f)}"
+        f"{_balanced_instead_note(f)}",
+    )
 
 
 def scratch_for(f: HeadFacts, scratch_mb: int = 0) -> int:
@@ -414,8 +451,10 @@ def scratch_for(f: HeadFacts, scratch_mb: int = 0) -> int:
 def _fat_note(f: HeadFacts, scratch: int) -> str:
     peak, compile_bytes = balanced_peak(f, scratch), compile_peak(f)
     if f.kernels and peak > compile_bytes:
-        return (f"; est. peak {_mib(peak)} is above torch.compile's {_mib(compile_bytes)} (its gradients at 4 bytes an element: "
-                "path='auto' would take the lean path here)")
+        return (
+            f"; est. peak {_mib(peak)} is above torch.compile's {_mib(compile_bytes)} (its gradients at 4 bytes an "
+            "element: path='auto' would take the lean path here)"
+        )
     return ""
 
 
@@ -428,9 +467,11 @@ def _balanced_instead_note(f: HeadFacts) -> str:
     if scratch < 2**20:
         return ""
     peak = balanced_peak(f, scratch)
-    return (f"; scratch_mb={scratch // 2**20} (CCE_INDUCTOR_SCRATCH_MB) would take the balanced path instead: three "
-            f"matmuls (about torch.compile's time) at est. peak {_mib(peak)}, "
-            f"{peak / compile_peak(f):.2f}x torch.compile's")
+    return (
+        f"; scratch_mb={scratch // 2**20} (CCE_INDUCTOR_SCRATCH_MB) would take the balanced path instead: three "
+        f"matmuls (about torch.compile's time) at est. peak {_mib(peak)}, "
+        f"{peak / compile_peak(f):.2f}x torch.compile's"
+    )
 
 
 def _host_bound_note(f: HeadFacts, path: Path = "lean") -> str:
@@ -441,12 +482,16 @@ def _host_bound_note(f: HeadFacts, path: Path = "lean") -> str:
     if not f.kernels or macs >= _HOST_BOUND_MACS:
         return ""
     if path == "balanced":
-        return (f"; at this size ({macs:.1e} multiply-adds per logits product) the step may wait on the host's "
-                "launch work: the balanced head alone can take longer to launch than to run, and whole steps this "
-                "small wait on the host, their time against torch.compile's varying from one process to the next "
-                "with the GPU's work equal (docs/performance.md)")
-    return (f"; at this size ({macs:.1e} multiply-adds per logits product) the step likely waits on the host's "
-            "launch work, not the GPU: up to ~2x torch.compile's time (docs/performance.md)")
+        return (
+            f"; at this size ({macs:.1e} multiply-adds per logits product) the step may wait on the host's "
+            "launch work: the balanced head alone can take longer to launch than to run, and whole steps this "
+            "small wait on the host, their time against torch.compile's varying from one process to the next "
+            "with the GPU's work equal (docs/performance.md)"
+        )
+    return (
+        f"; at this size ({macs:.1e} multiply-adds per logits product) the step likely waits on the host's "
+        "launch work, not the GPU: up to ~2x torch.compile's time (docs/performance.md)"
+    )
 
 
 def _lean_cost_note(f: HeadFacts, backward_row_chunk: int) -> str:
@@ -454,6 +499,8 @@ def _lean_cost_note(f: HeadFacts, backward_row_chunk: int) -> str:
         return ""
     scratch = balanced_scratch(f)
     if scratch:
-        return (f"; path='auto' would take the balanced path (three matmuls instead of four, est. peak "
-                f"{_mib(balanced_peak(f, scratch))} against {_mib(lean_peak(f, backward_row_chunk))})")
+        return (
+            f"; path='auto' would take the balanced path (three matmuls instead of four, est. peak "
+            f"{_mib(balanced_peak(f, scratch))} against {_mib(lean_peak(f, backward_row_chunk))})"
+        )
     return ""

@@ -86,9 +86,12 @@ def tp_part(args, device, rank, world):
     c_ref_shard = c_ref.grad[vocab_start : vocab_start + shard]
     c_err = (c_shard.grad - c_ref_shard).norm() / c_ref_shard.norm()
     e_err = (e.grad - e_ref.grad).norm() / e_ref.grad.norm()
-    print(f"[tp] rank {rank}: vocabulary rows [{vocab_start}, {vocab_start + shard}), loss {loss.item():.6f} "
-          f"(F.cross_entropy on the whole head: {ref.item():.6f}); relative difference of dE {e_err.item():.1e}, "
-          f"of this shard's dC {c_err.item():.1e}", flush=True)
+    print(
+        f"[tp] rank {rank}: vocabulary rows [{vocab_start}, {vocab_start + shard}), loss {loss.item():.6f} "
+        f"(F.cross_entropy on the whole head: {ref.item():.6f}); relative difference of dE {e_err.item():.1e}, "
+        f"of this shard's dC {c_err.item():.1e}",
+        flush=True,
+    )
 
 
 def main(argv=None) -> None:
@@ -101,8 +104,9 @@ def main(argv=None) -> None:
     parser.add_argument("--steps", type=int, default=3)
     args = parser.parse_args(argv)
     if "RANK" not in os.environ:
-        raise SystemExit("launch with torchrun, e.g. torchrun --standalone --nproc-per-node 2 "
-                         "examples/distributed.py --device cpu")  # fmt: skip
+        raise SystemExit(
+            "launch with torchrun, e.g. torchrun --standalone --nproc-per-node 2 examples/distributed.py --device cpu"
+        )
     cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
     dist.init_process_group("nccl" if cuda else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()

@@ -34,16 +34,25 @@ def main(argv=None) -> None:
     parser.add_argument("--seq", type=int, default=64)
     parser.add_argument("--steps", type=int, default=8)
     args = parser.parse_args(argv)
-    device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
-                          "cpu" if args.device == "auto" else args.device)
+    device = torch.device(
+        "cuda"
+        if args.device == "auto" and torch.cuda.is_available()
+        else "cpu"
+        if args.device == "auto"
+        else args.device
+    )
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
 
     torch.manual_seed(0)
     config = transformers.LlamaConfig(
-        vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=4 * args.hidden,
-        num_hidden_layers=args.layers, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=args.vocab,
+        hidden_size=args.hidden,
+        intermediate_size=4 * args.hidden,
+        num_hidden_layers=args.layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
         max_position_embeddings=args.seq,
-    )  # fmt: skip
+    )
     model = transformers.LlamaForCausalLM(config).to(device=device, dtype=dtype)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     # one fixed batch of random tokens, so that the loss visibly falls below ln(V) as the model memorises it
@@ -61,8 +70,10 @@ def main(argv=None) -> None:
     stats = cce_inductor.stats()
     print(stats["summary"])
     if stats["rewritten"] == 0 and stats["executions"]["linear_cross_entropy"]:
-        print("(a warm start: Inductor's cache served the graph compiled by an earlier run, so the pass did not run "
-              "again; the fused op's count shows the cached graph uses it)")
+        print(
+            "(a warm start: Inductor's cache served the graph compiled by an earlier run, so the pass did not run "
+            "again; the fused op's count shows the cached graph uses it)"
+        )
     print(f"outputs.logits is a {type(outputs.logits).__name__} of shape {tuple(outputs.logits.shape)}")
 
     # one more forward, its logits read before any optimizer step (a weight changed in place in between would make
@@ -72,8 +83,10 @@ def main(argv=None) -> None:
         predicted = outputs.logits[:, :-1].argmax(-1)  # the first read computes the values
         accuracy = (predicted == input_ids[:, 1:]).float().mean().item()
         eager_logits = model(input_ids=input_ids).logits
-    print(f"token accuracy from the lazy logits: {accuracy:.3f}; largest difference from the uncompiled model's "
-          f"logits: {(outputs.logits.float() - eager_logits.float()).abs().max().item():.1e}")
+    print(
+        f"token accuracy from the lazy logits: {accuracy:.3f}; largest difference from the uncompiled model's "
+        f"logits: {(outputs.logits.float() - eager_logits.float()).abs().max().item():.1e}"
+    )
 
 
 if __name__ == "__main__":

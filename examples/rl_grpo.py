@@ -64,8 +64,13 @@ def main(argv=None) -> None:
     parser.add_argument("--seq", type=int, default=32, help="tokens per completion")
     parser.add_argument("--steps", type=int, default=5)
     args = parser.parse_args(argv)
-    device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
-                          "cpu" if args.device == "auto" else args.device)
+    device = torch.device(
+        "cuda"
+        if args.device == "auto" and torch.cuda.is_available()
+        else "cpu"
+        if args.device == "auto"
+        else args.device
+    )
 
     torch.manual_seed(0)
     policy = Policy(args.vocab, args.dim).to(device)
@@ -98,8 +103,10 @@ def main(argv=None) -> None:
     eager, _ = grpo_loss(policy, ids, old_logps, advantages, mask)
     eager.backward()
     grad_err = (fused_grad - policy.lm_head.weight.grad).norm() / policy.lm_head.weight.grad.norm()
-    print(f"against eager: loss {loss.item():+.6f} vs {eager.item():+.6f}, "
-          f"lm_head gradient relative difference {grad_err.item():.1e}")
+    print(
+        f"against eager: loss {loss.item():+.6f} vs {eager.item():+.6f}, "
+        f"lm_head gradient relative difference {grad_err.item():.1e}"
+    )
 
 
 if __name__ == "__main__":

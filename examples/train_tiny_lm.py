@@ -159,15 +159,24 @@ def main(argv=None) -> None:
     parser.add_argument("--layers", type=int, default=None, help="blocks (default: 2 on CPU, 4 on CUDA)")
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--lr", type=float, default=3e-3)
-    parser.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
-                        help="parameter dtype (default: float32 on CPU, bfloat16 on CUDA)")
+    parser.add_argument(
+        "--dtype",
+        default=None,
+        choices=["float32", "bfloat16"],
+        help="parameter dtype (default: float32 on CPU, bfloat16 on CUDA)",
+    )
     parser.add_argument("--log-every", type=int, default=None)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-baseline", action="store_true", help="CUDA: skip the plain torch.compile comparison")
     args = parser.parse_args(argv)
 
-    device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
-                          "cpu" if args.device == "auto" else args.device)
+    device = torch.device(
+        "cuda"
+        if args.device == "auto" and torch.cuda.is_available()
+        else "cpu"
+        if args.device == "auto"
+        else args.device
+    )
     cuda = device.type == "cuda"
     args.steps = args.steps if args.steps is not None else (100 if cuda else 30)
     args.seq = args.seq if args.seq is not None else (1024 if cuda else 64)
@@ -177,10 +186,14 @@ def main(argv=None) -> None:
     args.log_every = args.log_every or max(1, args.steps // 10)
     dtype = getattr(torch, args.dtype) if args.dtype else (torch.bfloat16 if cuda else torch.float32)
 
-    print(f"device={device} dtype={str(dtype).removeprefix('torch.')} vocab={args.vocab} dim={args.dim} "
-          f"layers={args.layers} batch={args.batch}x{args.seq} steps={args.steps}")
-    print(f"loss starts near ln(V) = {math.log(args.vocab):.2f}; the data's entropy is at most "
-          f"{-(SUCCESSOR_PROBS * SUCCESSOR_PROBS.log()).sum():.2f} nats")
+    print(
+        f"device={device} dtype={str(dtype).removeprefix('torch.')} vocab={args.vocab} dim={args.dim} "
+        f"layers={args.layers} batch={args.batch}x{args.seq} steps={args.steps}"
+    )
+    print(
+        f"loss starts near ln(V) = {math.log(args.vocab):.2f}; the data's entropy is at most "
+        f"{-(SUCCESSOR_PROBS * SUCCESSOR_PROBS.log()).sum():.2f} nats"
+    )
 
     model, optimizer = build(args, device, dtype)
     compiled = torch.compile(model, backend=cce_inductor.backend)
@@ -216,8 +229,10 @@ def main(argv=None) -> None:
         if was_enabled:
             cce_inductor.enable()
         logits_mib = args.batch * args.seq * args.vocab * 4 / 2**20
-        print(f"peak memory of a training step: cce_inductor {cce_peak:.0f} MiB, plain torch.compile "
-              f"{base_peak:.0f} MiB ({base_peak / cce_peak:.2f}x; fp32 logits alone are {logits_mib:.0f} MiB)")
+        print(
+            f"peak memory of a training step: cce_inductor {cce_peak:.0f} MiB, plain torch.compile "
+            f"{base_peak:.0f} MiB ({base_peak / cce_peak:.2f}x; fp32 logits alone are {logits_mib:.0f} MiB)"
+        )
     elif not cuda:
         print("(peak-memory comparison with plain torch.compile runs on CUDA only)")
 

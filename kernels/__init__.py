@@ -26,8 +26,9 @@ Interface used by the custom op and the vocabulary-parallel loss:
 * ``count_targets(targets, ignore_index, *, mean, check_vocab=None) -> (num_counted, row_scale)``: the rows that
   count, on the device, and with ``check_vocab`` V the same range check, in one launch
 
-with ``logits[n, v] = softcap * tanh((e[n] . c[v] + bias[v]) / softcap)`` (no tanh without softcap).  In ``forward`` /
-``backward`` rows whose target is ``ignore_index`` cost nothing; a target outside ``[0, V)`` counts with no one-hot term.
+with ``logits[n, v] = softcap * tanh((e[n] . c[v] + bias[v]) / softcap)`` (no tanh without softcap).  In
+``forward`` / ``backward`` rows whose target is ``ignore_index`` cost nothing; a target outside ``[0, V)`` counts with
+no one-hot term.
 
 Kernel files, each opening with its math, block layout and memory, and keeping its own block sizes:
 ``_forward`` (fused log-sum-exp / target logit, the argmax), ``_balanced`` (cuBLAS logits per row chunk, the softmax
@@ -40,10 +41,11 @@ rows and the range check, one launch), ``_tile`` (the logit tile and softmax gra
 ``_launch`` (host-side helpers: device facts, tunings, row compaction, products into fp32 sums).
 No host synchronisation: ignored rows are compacted on the device and the kernels read the count.
 """
+
 from ._backward import backward, row_skipping_ok
 from ._balanced import LossAndGrads, loss_and_grads
 from ._forward import forward
-from ._targets import count_targets
 from ._launch import INTERPRET
+from ._targets import count_targets
 
 __all__ = ["forward", "backward", "row_skipping_ok", "loss_and_grads", "LossAndGrads", "count_targets", "INTERPRET"]

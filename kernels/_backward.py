@@ -78,6 +78,7 @@ D x 4``): the model ``cce_inductor.paths.lean_peak`` counts exactly these.  G is
 the products, as eager PyTorch does for the logits' gradient. No atomics, so the result is bitwise reproducible
 (``torch.use_deterministic_algorithms`` is satisfied).
 """
+
 from __future__ import annotations
 
 import torch
@@ -85,7 +86,7 @@ import triton
 import triton.language as tl
 
 from . import _forward, _launch, _products
-from ._row_chunks import _PrefixTail, _RowChunk, _block, _target_logits, _uncompact_rows, counted_prefix
+from ._row_chunks import _block, _PrefixTail, _RowChunk, _target_logits, _uncompact_rows, counted_prefix
 from ._tile import logit_tile, softmax_grad
 
 # Hopper; the interpreter's tiny blocks keep the CPU tests fast.  The G block's width is the caller's
@@ -100,14 +101,49 @@ _TUNING = {
 
 @triton.jit
 def _recompute_grad_kernel(
-    E, C, Bias, Lse, GradRows, GradLse, GradEntropy, MeanLogit, Targets, TargetLogit, RowOrder, NumCounted,
-    RowPoison, G, GLo,
-    n_rows, stored_rows, width, vocab_start, V, D,
-    stride_en, stride_ed, stride_cv, stride_cd, stride_g, softcap, target_weight, uniform,
-    HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_LSE_GRAD: tl.constexpr, HAS_ENTROPY_GRAD: tl.constexpr,
-    COMPACT_G: tl.constexpr, TMA: tl.constexpr,
-    SPLIT_G: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, EVEN_D: tl.constexpr,
-    EVEN_TILE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
+    E,
+    C,
+    Bias,
+    Lse,
+    GradRows,
+    GradLse,
+    GradEntropy,
+    MeanLogit,
+    Targets,
+    TargetLogit,
+    RowOrder,
+    NumCounted,
+    RowPoison,
+    G,
+    GLo,
+    n_rows,
+    stored_rows,
+    width,
+    vocab_start,
+    V,
+    D,
+    stride_en,
+    stride_ed,
+    stride_cv,
+    stride_cd,
+    stride_g,
+    softcap,
+    target_weight,
+    uniform,
+    HAS_BIAS: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    HAS_LSE_GRAD: tl.constexpr,
+    HAS_ENTROPY_GRAD: tl.constexpr,
+    COMPACT_G: tl.constexpr,
+    TMA: tl.constexpr,
+    SPLIT_G: tl.constexpr,
+    UPCAST: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    EVEN_D: tl.constexpr,
+    EVEN_TILE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    BLOCK_D: tl.constexpr,
     GROUP_V: tl.constexpr,
 ):
     """``G[r, c]`` of one (row chunk, vocabulary chunk) block.  Every pointer but C / Bias starts at the chunk's
@@ -136,19 +172,58 @@ def _recompute_grad_kernel(
         group_width = tl.minimum(vblocks - first_vblock, GROUP_V)
         in_group = tile % group_tiles
         _grad_tile(
-            E, C, Bias, Lse, GradRows, GradLse, GradEntropy, MeanLogit, Targets, TargetLogit, RowOrder, RowPoison,
-            G, GLo, in_group // group_width, first_vblock + in_group % group_width, num_counted, n_rows, width,
-            vocab_start, V, D,
-            stride_en, stride_ed, stride_cv, stride_cd, stride_g, softcap, target_weight, uniform,
-            HAS_BIAS, HAS_SOFTCAP, HAS_LSE_GRAD, HAS_ENTROPY_GRAD, COMPACT_G, TMA, SPLIT_G, UPCAST, DOT_PRECISION,
-            EVEN_D, EVEN_TILE, BLOCK_N, BLOCK_V, BLOCK_D,
+            E,
+            C,
+            Bias,
+            Lse,
+            GradRows,
+            GradLse,
+            GradEntropy,
+            MeanLogit,
+            Targets,
+            TargetLogit,
+            RowOrder,
+            RowPoison,
+            G,
+            GLo,
+            in_group // group_width,
+            first_vblock + in_group % group_width,
+            num_counted,
+            n_rows,
+            width,
+            vocab_start,
+            V,
+            D,
+            stride_en,
+            stride_ed,
+            stride_cv,
+            stride_cd,
+            stride_g,
+            softcap,
+            target_weight,
+            uniform,
+            HAS_BIAS,
+            HAS_SOFTCAP,
+            HAS_LSE_GRAD,
+            HAS_ENTROPY_GRAD,
+            COMPACT_G,
+            TMA,
+            SPLIT_G,
+            UPCAST,
+            DOT_PRECISION,
+            EVEN_D,
+            EVEN_TILE,
+            BLOCK_N,
+            BLOCK_V,
+            BLOCK_D,
         )
     # G of an ignored row: 0, or NaN where eager's 0 * NaN puts it: everywhere in a row with a NaN logit (its
     # log-sum-exp is NaN), i.e. where that row of E, or any of C / bias, is not finite.
     first = pid + tl.maximum(tl.cdiv(counted_tiles - pid, num_programs), 0) * num_programs
     for tile in range(first, tl.cdiv(stored_rows, BLOCK_N) * vblocks, num_programs):
         pos, in_chunk, rows, cols, g_rows, mask = _tile_rows(
-            RowOrder, tile // vblocks, tile % vblocks, n_rows, width, stride_g, COMPACT_G, BLOCK_N, BLOCK_V)
+            RowOrder, tile // vblocks, tile % vblocks, n_rows, width, stride_g, COMPACT_G, BLOCK_N, BLOCK_V
+        )
         g_offs = g_rows[:, None] + cols[None, :]
         poison = tl.load(RowPoison + rows, mask=in_chunk, other=0.0)
         skipped = (poison[:, None] + tl.zeros((BLOCK_N, BLOCK_V), tl.float32)).to(G.dtype.element_ty)
@@ -158,8 +233,17 @@ def _recompute_grad_kernel(
 
 
 @triton.jit
-def _tile_rows(RowOrder, row_block, vocab_block, n_rows, width, stride_g, COMPACT_G: tl.constexpr,
-               BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr):
+def _tile_rows(
+    RowOrder,
+    row_block,
+    vocab_block,
+    n_rows,
+    width,
+    stride_g,
+    COMPACT_G: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+):
     """Where tile (row_block, vocab_block) of a G block lies: its compacted positions, whether they are in the
     chunk, the rows they hold, its columns, G's row offsets (per position with ``COMPACT_G``, else per row) and the
     tile's store mask."""
@@ -174,17 +258,55 @@ def _tile_rows(RowOrder, row_block, vocab_block, n_rows, width, stride_g, COMPAC
 
 @triton.jit
 def _grad_tile(
-    E, C, Bias, Lse, GradRows, GradLse, GradEntropy, MeanLogit, Targets, TargetLogit, RowOrder, RowPoison, G, GLo,
-    row_block, vocab_block, num_counted, n_rows, width, vocab_start, V, D,
-    stride_en, stride_ed, stride_cv, stride_cd, stride_g, softcap, target_weight, uniform,
-    HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_LSE_GRAD: tl.constexpr, HAS_ENTROPY_GRAD: tl.constexpr,
-    COMPACT_G: tl.constexpr, TMA: tl.constexpr,
-    SPLIT_G: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, EVEN_D: tl.constexpr,
-    EVEN_TILE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
+    E,
+    C,
+    Bias,
+    Lse,
+    GradRows,
+    GradLse,
+    GradEntropy,
+    MeanLogit,
+    Targets,
+    TargetLogit,
+    RowOrder,
+    RowPoison,
+    G,
+    GLo,
+    row_block,
+    vocab_block,
+    num_counted,
+    n_rows,
+    width,
+    vocab_start,
+    V,
+    D,
+    stride_en,
+    stride_ed,
+    stride_cv,
+    stride_cd,
+    stride_g,
+    softcap,
+    target_weight,
+    uniform,
+    HAS_BIAS: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    HAS_LSE_GRAD: tl.constexpr,
+    HAS_ENTROPY_GRAD: tl.constexpr,
+    COMPACT_G: tl.constexpr,
+    TMA: tl.constexpr,
+    SPLIT_G: tl.constexpr,
+    UPCAST: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    EVEN_D: tl.constexpr,
+    EVEN_TILE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
     """One ``BLOCK_N x BLOCK_V`` tile of G whose row block holds counted rows (see the kernel)."""
     pos, in_chunk, rows, cols, g_rows, mask = _tile_rows(
-        RowOrder, row_block, vocab_block, n_rows, width, stride_g, COMPACT_G, BLOCK_N, BLOCK_V)
+        RowOrder, row_block, vocab_block, n_rows, width, stride_g, COMPACT_G, BLOCK_N, BLOCK_V
+    )
     col0 = vocab_block * BLOCK_V
     g_offs = g_rows[:, None] + cols[None, :]
     vocab_ids = tl.minimum(vocab_start + cols, V - 1).to(tl.int64)
@@ -207,12 +329,40 @@ def _grad_tile(
     # a row with no gradient gets p = exp(z - inf) = 0: its G is 0 (NaN where z is NaN / +inf, as in eager)
     lse = tl.where(has_grad, tl.load(Lse + rows, mask=in_chunk, other=0.0), float("inf")) + poison
     logits = logit_tile(
-        E, C, Bias, rows, vocab_ids, row_block * BLOCK_N, vocab_start + col0, D, stride_en, stride_ed,
-        stride_cv, stride_cd, softcap, HAS_BIAS, HAS_SOFTCAP, TMA, UPCAST, DOT_PRECISION, EVEN_D, BLOCK_N, BLOCK_V,
+        E,
+        C,
+        Bias,
+        rows,
+        vocab_ids,
+        row_block * BLOCK_N,
+        vocab_start + col0,
+        D,
+        stride_en,
+        stride_ed,
+        stride_cv,
+        stride_cd,
+        softcap,
+        HAS_BIAS,
+        HAS_SOFTCAP,
+        TMA,
+        UPCAST,
+        DOT_PRECISION,
+        EVEN_D,
+        BLOCK_N,
+        BLOCK_V,
         BLOCK_D,
     )
-    grad = softmax_grad(logits, lse[:, None], grad_p[:, None], grad_entropy[:, None], mean_logit[:, None],
-                        (grad_row * uniform)[:, None], softcap, HAS_SOFTCAP, HAS_ENTROPY_GRAD)
+    grad = softmax_grad(
+        logits,
+        lse[:, None],
+        grad_p[:, None],
+        grad_entropy[:, None],
+        mean_logit[:, None],
+        (grad_row * uniform)[:, None],
+        softcap,
+        HAS_SOFTCAP,
+        HAS_ENTROPY_GRAD,
+    )
     grad_hi = grad.to(G.dtype.element_ty)
     if EVEN_TILE:  # (the masked store of a full tile costs registers the softcap's epilogue needs)
         tl.store(G + g_offs, grad_hi)
@@ -226,8 +376,17 @@ def _grad_tile(
     target = tl.load(Targets + rows, mask=in_chunk, other=-1) - vocab_start
     hit = in_chunk & (target >= col0) & (target < col0 + BLOCK_V) & (target < width)
     target_logit = tl.load(TargetLogit + rows, mask=hit, other=0.0)
-    at_target = softmax_grad(target_logit, lse, grad_p, grad_entropy, mean_logit,
-                             grad_row * (target_weight + uniform), softcap, HAS_SOFTCAP, HAS_ENTROPY_GRAD)
+    at_target = softmax_grad(
+        target_logit,
+        lse,
+        grad_p,
+        grad_entropy,
+        mean_logit,
+        grad_row * (target_weight + uniform),
+        softcap,
+        HAS_SOFTCAP,
+        HAS_ENTROPY_GRAD,
+    )
     at_target_hi = at_target.to(G.dtype.element_ty)
     tl.debug_barrier()  # the tile's stores above land first
     tl.store(G + g_rows + target, at_target_hi, mask=hit)
@@ -242,10 +401,33 @@ def row_skipping_ok(e: torch.Tensor, c: torch.Tensor, exact: bool) -> bool:
     return not split_g and _launch.tma_ok(c) and (e.shape[1] * e.element_size()) % 16 == 0
 
 
-def backward(e, c, targets, bias, lse, grad_rows, *, softcap, ignore_index, need_e, need_c, need_bias,
-             row_chunk, block_width, split_g, products, counted_hint=None, label_smoothing=0.0, grad_lse=None,
-             grad_entropy=None, mean_logit=None, observe_counted=None, de_dtype=None, dc_dtype=None,
-             compute_dtype=None):
+def backward(
+    e,
+    c,
+    targets,
+    bias,
+    lse,
+    grad_rows,
+    *,
+    softcap,
+    ignore_index,
+    need_e,
+    need_c,
+    need_bias,
+    row_chunk,
+    block_width,
+    split_g,
+    products,
+    counted_hint=None,
+    label_smoothing=0.0,
+    grad_lse=None,
+    grad_entropy=None,
+    mean_logit=None,
+    observe_counted=None,
+    de_dtype=None,
+    dc_dtype=None,
+    compute_dtype=None,
+):
     """Launch helper: ``(dE | None, dC | None, dbias | None)``; ``grad_rows`` fp32, 0 at ignored rows.  Rows whose
     target is ``ignore_index`` are skipped by the recompute (and by the Triton products) unless ``grad_lse`` (the
     upstream gradient of every row's lse, fp32) or ``grad_entropy`` (that of every row's entropy, with the forward's
@@ -286,7 +468,7 @@ def backward(e, c, targets, bias, lse, grad_rows, *, softcap, ignore_index, need
     sixteen_bit = e.dtype in (torch.bfloat16, torch.float16)
     triton_products = products == "triton"
     # cuBLAS over a counted prefix of the compacted rows, the Triton products over the rest (dE in compacted order)
-    prefix = (products == "prefix" and counted_prefix(counted_hint, row_chunk, tune["block_n"]) < row_chunk)
+    prefix = products == "prefix" and counted_prefix(counted_hint, row_chunk, tune["block_n"]) < row_chunk
     vocab_chunk = min(v, block_width)
     # 16-bit products with fp32 results where cuBLAS has them; where no such product exists (the CPU interpreter)
     # 16-bit operands are upcast.
@@ -304,8 +486,11 @@ def backward(e, c, targets, bias, lse, grad_rows, *, softcap, ignore_index, need
     de32 = (de_out if de_is_sums else torch.empty((n, d), dtype=torch.float32, device=device)) if need_e else None
     # (the counted-prefix products sum cuBLAS's part there too, and the tail writes dC from it)
     dc_sums_fp32 = need_c and (split_g or several_row_chunks)
-    dc32 = torch.empty((vocab_chunk, d), dtype=torch.float32, device=device) \
-        if dc_sums_fp32 or (need_c and prefix) else None
+    dc32 = (
+        torch.empty((vocab_chunk, d), dtype=torch.float32, device=device)
+        if dc_sums_fp32 or (need_c and prefix)
+        else None
+    )
     lse = lse.contiguous()
     grad_rows = grad_rows.to(torch.float32).contiguous()
     grad_lse = None if grad_lse is None else grad_lse.to(torch.float32).contiguous()
@@ -330,35 +515,69 @@ def backward(e, c, targets, bias, lse, grad_rows, *, softcap, ignore_index, need
     # (the compacted copies of E's rows live in dE's rows while those are free: where dE is not its own fp32 sums and
     # the dtypes agree)
     spare_rows = de_out if need_e and not de_is_sums and de_out.dtype == e.dtype else None
-    chunks = [_RowChunk.of(e, counted, r0, min(row_chunk, n - r0), weight_poison, spare_rows, block_n, block_d,
-                           compact=(compact_g and need_c) or use_tma, tma=use_tma,
-                           poison_sum=compact_g and need_c)
-              for r0 in range(0, n, row_chunk)]
-    tails = [_PrefixTail.of(chunk, counted_prefix(counted_hint, chunk.rows, block_n)) for chunk in chunks] \
-        if prefix else None
+    chunks = [
+        _RowChunk.of(
+            e,
+            counted,
+            r0,
+            min(row_chunk, n - r0),
+            weight_poison,
+            spare_rows,
+            block_n,
+            block_d,
+            compact=(compact_g and need_c) or use_tma,
+            tma=use_tma,
+            poison_sum=compact_g and need_c,
+        )
+        for r0 in range(0, n, row_chunk)
+    ]
+    tails = (
+        [_PrefixTail.of(chunk, counted_prefix(counted_hint, chunk.rows, block_n)) for chunk in chunks]
+        if prefix
+        else None
+    )
     if observe_counted is not None:
         observe_counted(chunks[0].num_counted, chunks[0].rows)
     # G's positions that some product reads: every row for cuBLAS over every row and for the bias gradient (a sum
     # over G's rows); in compacted order, the counted rows' blocks (the recompute stores those whole; the Triton
     # products read whole blocks and K steps that divide them: tests/kernels/test_backward.py checks the tunings)
     # and the cuBLAS prefix
-    stored_rows = [chunk.rows if not compact_g or need_bias else (tails[k].h if prefix else 0)
-                   for k, chunk in enumerate(chunks)]
+    stored_rows = [
+        chunk.rows if not compact_g or need_bias else (tails[k].h if prefix else 0) for k, chunk in enumerate(chunks)
+    ]
 
     # per row chunk, the recompute's row-indexed arguments (sliced once here, not once per vocabulary chunk: the
     # host's launch work is what a small N waits on)
     chunk_rows_args = [
-        (lse[r0:], grad_rows[r0:], (grad_rows if grad_lse is None else grad_lse)[r0:],
-         (grad_rows if grad_entropy is None else grad_entropy)[r0:],
-         (grad_rows if grad_entropy is None else mean_logit)[r0:], targets[r0:], target_logit[r0:])
+        (
+            lse[r0:],
+            grad_rows[r0:],
+            (grad_rows if grad_lse is None else grad_lse)[r0:],
+            (grad_rows if grad_entropy is None else grad_entropy)[r0:],
+            (grad_rows if grad_entropy is None else mean_logit)[r0:],
+            targets[r0:],
+            target_logit[r0:],
+        )
         for r0 in (chunk.r0 for chunk in chunks)
     ]
-    flags = dict(HAS_BIAS=bias is not None, HAS_SOFTCAP=softcap is not None, HAS_LSE_GRAD=grad_lse is not None,
-                 HAS_ENTROPY_GRAD=grad_entropy is not None, COMPACT_G=compact_g, TMA=use_tma,
-                 SPLIT_G=split_g, UPCAST=_launch.upcast_dots(e.dtype), DOT_PRECISION=_launch.dot_precision(e.dtype),
-                 EVEN_D=(d % block_d == 0), BLOCK_N=block_n, BLOCK_V=block_v, BLOCK_D=block_d,
-                 GROUP_V=max(1, tune["recompute_group"] // block_v), num_warps=tune["num_warps"],
-                 num_stages=num_stages)
+    flags = dict(
+        HAS_BIAS=bias is not None,
+        HAS_SOFTCAP=softcap is not None,
+        HAS_LSE_GRAD=grad_lse is not None,
+        HAS_ENTROPY_GRAD=grad_entropy is not None,
+        COMPACT_G=compact_g,
+        TMA=use_tma,
+        SPLIT_G=split_g,
+        UPCAST=_launch.upcast_dots(e.dtype),
+        DOT_PRECISION=_launch.dot_precision(e.dtype),
+        EVEN_D=(d % block_d == 0),
+        BLOCK_N=block_n,
+        BLOCK_V=block_v,
+        BLOCK_D=block_d,
+        GROUP_V=max(1, tune["recompute_group"] // block_v),
+        num_warps=tune["num_warps"],
+        num_stages=num_stages,
+    )
     bias_or_lse = bias if bias is not None else lse
     label_weights = (softcap_val, 1.0 - label_smoothing, label_smoothing / v)
 
@@ -374,8 +593,9 @@ def backward(e, c, targets, bias, lse, grad_rows, *, softcap, ignore_index, need
             chunk_start, chunk_vocab = 0, width
             chunk_bias = bias[v0:] if bias is not None else lse
             local_targets = targets - v0
-            chunk_args = [args[:5] + (local_targets[chunk.r0:],) + args[6:] for args, chunk in zip(chunk_rows_args,
-                                                                                                     chunks)]
+            chunk_args = [
+                args[:5] + (local_targets[chunk.r0 :],) + args[6:] for args, chunk in zip(chunk_rows_args, chunks)
+            ]
         c_chunk_mm = c_chunk.float() if upcast else c_chunk
         # where this vocabulary chunk's dC is summed: straight into dC (one row chunk, one product), else in fp32
         dc_sum = dc32[:width] if dc_sums_fp32 else (dc_out[v0 : v0 + width] if need_c else None)
@@ -385,10 +605,29 @@ def backward(e, c, targets, bias, lse, grad_rows, *, softcap, ignore_index, need
             grad_lo = _block(g_lo_buf, rows, g_row_pitch)[:, :width] if split_g else grad
             tiles = triton.cdiv(rows, block_n) * triton.cdiv(width, block_v)
             _recompute_grad_kernel[(min(tiles, programs),)](
-                chunk.e_op, c_op, chunk_bias, *chunk_args[k], chunk.row_order, chunk.num_counted,
-                chunk.row_poison, grad, grad_lo, rows, stored_rows[k], width, chunk_start, chunk_vocab, d,
-                e.stride(0), e.stride(1), c_chunk.stride(0), c_chunk.stride(1), grad.stride(0), *label_weights,
-                EVEN_TILE=(rows % block_n == 0 and width % block_v == 0), **flags,
+                chunk.e_op,
+                c_op,
+                chunk_bias,
+                *chunk_args[k],
+                chunk.row_order,
+                chunk.num_counted,
+                chunk.row_poison,
+                grad,
+                grad_lo,
+                rows,
+                stored_rows[k],
+                width,
+                chunk_start,
+                chunk_vocab,
+                d,
+                e.stride(0),
+                e.stride(1),
+                c_chunk.stride(0),
+                c_chunk.stride(1),
+                grad.stride(0),
+                *label_weights,
+                EVEN_TILE=(rows % block_n == 0 and width % block_v == 0),
+                **flags,
             )
             if need_bias:
                 dbias32[v0 : v0 + width] += grad.sum(dim=0, dtype=torch.float32)
@@ -396,23 +635,42 @@ def backward(e, c, targets, bias, lse, grad_rows, *, softcap, ignore_index, need
                     dbias32[v0 : v0 + width] += grad_lo.sum(dim=0, dtype=torch.float32)
             de_rows = de32[r0 : r0 + rows] if need_e else None
             if triton_products:
-                _products.grad_products(grad, chunk.num_counted, c_chunk=c_chunk, de32=de_rows,
-                                        row_order=chunk.row_order, row_poison=chunk.row_poison, accumulate_e=v0 > 0,
-                                        e_compact=chunk.e_compact, dc_chunk=dc_sum, ignored_poison=chunk.ignored_poison,
-                                        accumulate_c=k > 0)
+                _products.grad_products(
+                    grad,
+                    chunk.num_counted,
+                    c_chunk=c_chunk,
+                    de32=de_rows,
+                    row_order=chunk.row_order,
+                    row_poison=chunk.row_poison,
+                    accumulate_e=v0 > 0,
+                    e_compact=chunk.e_compact,
+                    dc_chunk=dc_sum,
+                    ignored_poison=chunk.ignored_poison,
+                    accumulate_c=k > 0,
+                )
                 continue
             if prefix:
-                tails[k].products(grad, c_chunk_mm, chunk, de_rows, dc_sum if need_c else None,
-                                  dc32[:width] if need_c else None, upcast=upcast, first_vocab=v0 == 0,
-                                  first_rows=k == 0, **out_dtype)
+                tails[k].products(
+                    grad,
+                    c_chunk_mm,
+                    chunk,
+                    de_rows,
+                    dc_sum if need_c else None,
+                    dc32[:width] if need_c else None,
+                    upcast=upcast,
+                    first_vocab=v0 == 0,
+                    first_rows=k == 0,
+                    **out_dtype,
+                )
                 continue
             grad_mm = grad.float() if upcast else grad
             e_rows_mm = chunk.e_rows.float() if upcast else chunk.e_rows
             halves = (grad_mm, (grad_lo.float() if upcast else grad_lo)) if split_g else (grad_mm,)
             for h, half in enumerate(halves):
                 if need_e:
-                    _launch.product_into(de_rows, half, c_chunk_mm, accumulate=v0 > 0 or h > 0, vocab_dim="k",
-                                         **out_dtype)
+                    _launch.product_into(
+                        de_rows, half, c_chunk_mm, accumulate=v0 > 0 or h > 0, vocab_dim="k", **out_dtype
+                    )
                 if need_c:
                     # 16-bit operands, fp32 sums (dc32) or a 16-bit dC written once; upcast operands (the CPU
                     # interpreter) give fp32, rounded by the copy below
@@ -420,8 +678,9 @@ def backward(e, c, targets, bias, lse, grad_rows, *, softcap, ignore_index, need
                     if upcast and dc_sum.dtype != torch.float32:
                         dc_sum.copy_(half.T @ e_rows_mm)
                     else:
-                        _launch.product_into(dc_sum, half.T, e_rows_mm, accumulate=k > 0 or h > 0, vocab_dim="m",
-                                             **fp32_sum)
+                        _launch.product_into(
+                            dc_sum, half.T, e_rows_mm, accumulate=k > 0 or h > 0, vocab_dim="m", **fp32_sum
+                        )
         if dc_sums_fp32:
             dc_out[v0 : v0 + width] = dc_sum
     # the G block and the dC sums are free before dE is written (the uncompaction's temporary rows must not add to
@@ -429,8 +688,9 @@ def backward(e, c, targets, bias, lse, grad_rows, *, softcap, ignore_index, need
     g_buf = g_lo_buf = dc32 = grad = grad_lo = dc_sum = None
     if need_e and prefix:
         for chunk in chunks:  # dE was summed in each chunk's compacted order
-            _uncompact_rows(de_out[chunk.r0 : chunk.r0 + chunk.rows], de32[chunk.r0 : chunk.r0 + chunk.rows],
-                            chunk.row_order)
+            _uncompact_rows(
+                de_out[chunk.r0 : chunk.r0 + chunk.rows], de32[chunk.r0 : chunk.r0 + chunk.rows], chunk.row_order
+            )
     elif need_e and not de_is_sums:
         de_out.copy_(de32)
     return de_out, dc_out, (dbias32.to(bias.dtype) if need_bias else None)

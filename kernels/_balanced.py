@@ -66,15 +66,17 @@ Memory (above the inputs, R the chunk rows, b the products' element size, g each
     (T > 0 only); converted operands where the products' dtype is not the inputs' (``compute_dtype``): (N + V) x D x b
     for the call.  The backward adds nothing where Inductor compiles it (in place, above).
 """
+
 from __future__ import annotations
 
-from typing import NamedTuple, Optional
+from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
 from cce_inductor import _planning  # (absolute: this folder may also be imported as a top-level `kernels`)
+
 from . import _launch, _pair_sums, _targets
 from ._tile import softmax_grad, tanh
 
@@ -87,8 +89,19 @@ _TUNING = {
 
 
 @triton.jit
-def _load_z(row_ptr, tail_ptr, Bias, cols, mask, split, softcap, HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-            TAIL: tl.constexpr, EVICT: tl.constexpr):
+def _load_z(
+    row_ptr,
+    tail_ptr,
+    Bias,
+    cols,
+    mask,
+    split,
+    softcap,
+    HAS_BIAS: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    TAIL: tl.constexpr,
+    EVICT: tl.constexpr,
+):
     """One block of a row's (softcapped) logits in fp32; 0-based past V (callers mask).  With ``TAIL`` the columns
     from ``split`` on come from the row's entries of the tail buffer (``tail_ptr``: its column 0 is ``split``)."""
     if TAIL:
@@ -115,10 +128,29 @@ def _round_bf16_rne(x):
 
 @triton.jit
 def _softmax_grad_in_place_kernel(
-    S, Tail, Bias, Targets, EPoison, CPoison, RowScale, RowLoss,
-    row0, V, split, stride_row, stride_tail, ignore_index, softcap, target_weight, uniform,
-    HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, LOGIT_SUM: tl.constexpr, ROUND_RNE: tl.constexpr,
-    TAIL: tl.constexpr, BLOCK_V: tl.constexpr,
+    S,
+    Tail,
+    Bias,
+    Targets,
+    EPoison,
+    CPoison,
+    RowScale,
+    RowLoss,
+    row0,
+    V,
+    split,
+    stride_row,
+    stride_tail,
+    ignore_index,
+    softcap,
+    target_weight,
+    uniform,
+    HAS_BIAS: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    LOGIT_SUM: tl.constexpr,
+    ROUND_RNE: tl.constexpr,
+    TAIL: tl.constexpr,
+    BLOCK_V: tl.constexpr,
 ):
     """Row ``program_id(0)`` of the chunk that starts at row ``row0``: reads its logits from ``S`` (columns from
     ``split`` on from ``Tail[row0 + row]`` where ``TAIL``), writes its loss (unscaled, 0 if ignored) to
@@ -170,8 +202,11 @@ def _softmax_grad_in_place_kernel(
     safe_target = tl.minimum(tl.maximum(target, 0), V - 1)
     if TAIL:
         in_tail = safe_target >= split
-        z_t = tl.where(in_tail, tl.load(tail_ptr + (safe_target - split), mask=in_tail, other=0.0),
-                       tl.load(row_ptr + safe_target, mask=safe_target < split, other=0.0)).to(tl.float32)
+        z_t = tl.where(
+            in_tail,
+            tl.load(tail_ptr + (safe_target - split), mask=in_tail, other=0.0),
+            tl.load(row_ptr + safe_target, mask=safe_target < split, other=0.0),
+        ).to(tl.float32)
     else:
         z_t = tl.load(row_ptr + safe_target).to(tl.float32)
     if HAS_BIAS:
@@ -206,11 +241,11 @@ class LossAndGrads(NamedTuple):
     bias; a ``lo`` for an fp32 gradient)."""
 
     loss: torch.Tensor
-    grad_e: Optional[torch.Tensor]
-    grad_c: Optional[torch.Tensor]
-    grad_bias: Optional[torch.Tensor]
-    grad_e_lo: Optional[torch.Tensor]
-    grad_c_lo: Optional[torch.Tensor]
+    grad_e: torch.Tensor | None
+    grad_c: torch.Tensor | None
+    grad_bias: torch.Tensor | None
+    grad_e_lo: torch.Tensor | None
+    grad_c_lo: torch.Tensor | None
 
 
 # Scratch rows are padded to a multiple of this many elements (module docstring; ``cce_inductor.paths`` sizes the
@@ -227,8 +262,9 @@ def _sixteen_bit(dtype: torch.dtype) -> bool:
 
 def _gradient(shape, dtype, device, pair: bool):
     """A gradient's buffers: ``(sum, lo)``, lo None unless the gradient is a 16-bit pair."""
-    return torch.empty(shape, dtype=dtype, device=device), (torch.empty(shape, dtype=dtype, device=device)
-                                                           if pair else None)
+    return torch.empty(shape, dtype=dtype, device=device), (
+        torch.empty(shape, dtype=dtype, device=device) if pair else None
+    )
 
 
 def _pair_sums_into(hi, lo, grad, e_rows, *, accumulate: bool, upcast: bool) -> None:
@@ -249,8 +285,23 @@ def _pair_sums_into(hi, lo, grad, e_rows, *, accumulate: bool, upcast: bool) -> 
         _pair_sums.split_pair(slab, hi[s0:s1], lo[s0:s1])
 
 
-def loss_and_grads(e, c, targets, bias, *, softcap, ignore_index, reduction, label_smoothing=0.0, chunk_rows,
-                   compute_dtype=None, need_e=True, need_c=True, need_bias=True, check_range=False) -> LossAndGrads:
+def loss_and_grads(
+    e,
+    c,
+    targets,
+    bias,
+    *,
+    softcap,
+    ignore_index,
+    reduction,
+    label_smoothing=0.0,
+    chunk_rows,
+    compute_dtype=None,
+    need_e=True,
+    need_c=True,
+    need_bias=True,
+    check_range=False,
+) -> LossAndGrads:
     """Launch helper: :class:`LossAndGrads` of ``cross_entropy(softcap(e @ c.T + bias), targets)`` for reduction
     "mean" or "sum", ``chunk_rows`` rows at a time through one scratch of logits (module docstring).
     ``compute_dtype``: the dtype the products run in where it is not the inputs' (autocast: fp32 inputs, 16-bit
@@ -265,8 +316,9 @@ def loss_and_grads(e, c, targets, bias, *, softcap, ignore_index, reduction, lab
     need_bias = need_bias and bias is not None
     targets = targets.contiguous()
     # row_scale: 1 / #counted (inf when no row counts; then every row is ignored: G = 0) or 1
-    num_counted, row_scale = _targets.count_targets(targets, ignore_index, mean=reduction == "mean",
-                                                    check_vocab=v if check_range else None)
+    num_counted, row_scale = _targets.count_targets(
+        targets, ignore_index, mean=reduction == "mean", check_vocab=v if check_range else None
+    )
 
     pitch = triton.cdiv(v, ROW_ALIGN) * ROW_ALIGN  # whatever V is, no product sees an odd leading dimension
     split = v - v % ROW_ALIGN  # the vocabulary's aligned part; its tail (fewer than 64 entries) goes apart (below)
@@ -298,8 +350,7 @@ def loss_and_grads(e, c, targets, bias, *, softcap, ignore_index, reduction, lab
         scratch = torch.empty(rows_per_chunk * pitch, dtype=dtype, device=device)
         chunk_logits = scratch.view(rows_per_chunk, pitch)
         # a 16-bit dE is complete after its chunk: its fp32 rows are split into the pair there
-        de_rows32 = torch.empty((rows_per_chunk, d), dtype=torch.float32, device=device) if need_e and e_pair \
-            else None
+        de_rows32 = torch.empty((rows_per_chunk, d), dtype=torch.float32, device=device) if need_e and e_pair else None
         c_t = c_cd[:split].T
         tail = None
         if split < v:
@@ -315,11 +366,29 @@ def loss_and_grads(e, c, targets, bias, *, softcap, ignore_index, reduction, lab
             if split:  # rounded to the products' dtype, as torch.compile's matmul rounds them
                 torch.mm(e_cd[r0 : r0 + rows], c_t, out=padded[:, :split])
             _softmax_grad_in_place_kernel[(rows,)](
-                padded, tail if tail is not None else padded, bias_cd if bias_cd is not None else row_scale,
-                targets, e_poison, c_poison, row_scale, row_loss, r0, v, split, pitch, ROW_ALIGN, ignore_index,
-                softcap_arg, 1.0 - label_smoothing, label_smoothing / v,
-                HAS_BIAS=bias is not None, HAS_SOFTCAP=softcap is not None, LOGIT_SUM=label_smoothing != 0.0,
-                ROUND_RNE=_launch.INTERPRET and dtype == torch.bfloat16, TAIL=tail is not None, BLOCK_V=block_v,
+                padded,
+                tail if tail is not None else padded,
+                bias_cd if bias_cd is not None else row_scale,
+                targets,
+                e_poison,
+                c_poison,
+                row_scale,
+                row_loss,
+                r0,
+                v,
+                split,
+                pitch,
+                ROW_ALIGN,
+                ignore_index,
+                softcap_arg,
+                1.0 - label_smoothing,
+                label_smoothing / v,
+                HAS_BIAS=bias is not None,
+                HAS_SOFTCAP=softcap is not None,
+                LOGIT_SUM=label_smoothing != 0.0,
+                ROUND_RNE=_launch.INTERPRET and dtype == torch.bfloat16,
+                TAIL=tail is not None,
+                BLOCK_V=block_v,
                 num_warps=tune["num_warps"],
             )
             grad = padded.float() if upcast else padded  # the scratch now holds G, 0 in its padding columns
@@ -329,8 +398,13 @@ def loss_and_grads(e, c, targets, bias, *, softcap, ignore_index, reduction, lab
                     _launch.product_into(de_rows, grad[:, :split], c_mm[:split], accumulate=False, **out_dtype)
                 if tail is not None:
                     grad_tail = tail[r0 : r0 + rows, : v - split]
-                    _launch.product_into(de_rows, grad_tail.float() if upcast else grad_tail, c_mm[split:],
-                                         accumulate=split > 0, **out_dtype)
+                    _launch.product_into(
+                        de_rows,
+                        grad_tail.float() if upcast else grad_tail,
+                        c_mm[split:],
+                        accumulate=split > 0,
+                        **out_dtype,
+                    )
                 if e_pair:
                     _pair_sums.split_pair(de_rows, grad_e[r0 : r0 + rows], grad_e_lo[r0 : r0 + rows])
             if need_c and c_pair:  # summed over the chunks as a 16-bit pair

@@ -42,9 +42,10 @@ exp(max_s - m)``.  Ignored rows get lse = target_logit = logit_sum = mean_logit 
 Memory: the partial buffers, ``(2 to 4) * splits * N * 4`` bytes (a few MB), and with TMA the compacted copy of E
 (``N x D``, freed on return), far below the logit matrix.
 """
+
 from __future__ import annotations
 
-from typing import NamedTuple, Optional
+from typing import NamedTuple
 
 import torch
 import triton
@@ -56,23 +57,67 @@ from ._tile import logit_tile, round_to_tf32, tanh
 # Hopper; the interpreter's tiny blocks keep the CPU tests fast.
 # target_rows / target_block_d: _target_logit_kernel's rows and D step per program.
 _TUNING = {
-    "gpu": dict(block_n=128, block_v=256, block_d=64, num_warps=8, num_stages=3, waves=16, tma=True,
-                target_rows=16, target_block_d=256),
-    "interpret": dict(block_n=16, block_v=64, block_d=16, num_warps=4, num_stages=1, waves=2, tma=True,
-                      target_rows=16, target_block_d=32),
+    "gpu": dict(
+        block_n=128,
+        block_v=256,
+        block_d=64,
+        num_warps=8,
+        num_stages=3,
+        waves=16,
+        tma=True,
+        target_rows=16,
+        target_block_d=256,
+    ),
+    "interpret": dict(
+        block_n=16,
+        block_v=64,
+        block_d=16,
+        num_warps=4,
+        num_stages=1,
+        waves=2,
+        tma=True,
+        target_rows=16,
+        target_block_d=32,
+    ),
 }
 
 
 @triton.jit
 def _lse_forward_kernel(
-    E, C, Bias, RowOrder, NumValid, PartMax, PartSum, PartLogitSum, PartZExp, PartBest, PartBestIndex,
-    N, V, D,
-    stride_en, stride_ed, stride_cv, stride_cd,
-    vblocks_per_split, softcap,
-    HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, LOGIT_SUM: tl.constexpr, MEAN_LOGIT: tl.constexpr,
-    TMA: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, EVEN_D: tl.constexpr, EVEN_V: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
-    ARGMAX: tl.constexpr = False, ROUND: tl.constexpr = 0,
+    E,
+    C,
+    Bias,
+    RowOrder,
+    NumValid,
+    PartMax,
+    PartSum,
+    PartLogitSum,
+    PartZExp,
+    PartBest,
+    PartBestIndex,
+    N,
+    V,
+    D,
+    stride_en,
+    stride_ed,
+    stride_cv,
+    stride_cd,
+    vblocks_per_split,
+    softcap,
+    HAS_BIAS: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    LOGIT_SUM: tl.constexpr,
+    MEAN_LOGIT: tl.constexpr,
+    TMA: tl.constexpr,
+    UPCAST: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    EVEN_D: tl.constexpr,
+    EVEN_V: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    ARGMAX: tl.constexpr = False,
+    ROUND: tl.constexpr = 0,
 ):
     row_block = tl.program_id(0)
     split = tl.program_id(1)
@@ -100,8 +145,28 @@ def _lse_forward_kernel(
         else:
             vocab_ids = tl.minimum(cols, V - 1).to(tl.int64)  # clamped, never masked: see _tile
         logits = logit_tile(
-            E, C, Bias, rows, vocab_ids, row_block * BLOCK_N, vb * BLOCK_V, D, stride_en, stride_ed, stride_cv,
-            stride_cd, softcap, HAS_BIAS, HAS_SOFTCAP, TMA, UPCAST, DOT_PRECISION, EVEN_D, BLOCK_N, BLOCK_V, BLOCK_D,
+            E,
+            C,
+            Bias,
+            rows,
+            vocab_ids,
+            row_block * BLOCK_N,
+            vb * BLOCK_V,
+            D,
+            stride_en,
+            stride_ed,
+            stride_cv,
+            stride_cd,
+            softcap,
+            HAS_BIAS,
+            HAS_SOFTCAP,
+            TMA,
+            UPCAST,
+            DOT_PRECISION,
+            EVEN_D,
+            BLOCK_N,
+            BLOCK_V,
+            BLOCK_D,
         )
         if not EVEN_V:
             in_vocab = (cols < V)[None, :]
@@ -154,8 +219,24 @@ def _fold_argmax(best, best_index, logits, cols, ROUND: tl.constexpr):
 
 @triton.jit
 def _target_logit_kernel(
-    E, C, Bias, Targets, TargetLogit, N, V, D, stride_en, stride_ed, stride_cv, stride_cd, softcap, ignore_index,
-    HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    E,
+    C,
+    Bias,
+    Targets,
+    TargetLogit,
+    N,
+    V,
+    D,
+    stride_en,
+    stride_ed,
+    stride_cv,
+    stride_cd,
+    softcap,
+    ignore_index,
+    HAS_BIAS: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
     DOT_PRECISION: tl.constexpr = "ieee",
 ):
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -185,10 +266,24 @@ def _target_logit_kernel(
 
 @triton.jit
 def _combine_kernel(
-    PartMax, PartSum, PartLogitSum, PartZExp, Targets, Lse, LogitSum, MeanLogit,
-    N, num_splits, ignore_index,
-    LOGIT_SUM: tl.constexpr, MEAN_LOGIT: tl.constexpr, BLOCK: tl.constexpr,
-    PartBest=None, PartBestIndex=None, Argmax=None, ARGMAX: tl.constexpr = False,
+    PartMax,
+    PartSum,
+    PartLogitSum,
+    PartZExp,
+    Targets,
+    Lse,
+    LogitSum,
+    MeanLogit,
+    N,
+    num_splits,
+    ignore_index,
+    LOGIT_SUM: tl.constexpr,
+    MEAN_LOGIT: tl.constexpr,
+    BLOCK: tl.constexpr,
+    PartBest=None,
+    PartBestIndex=None,
+    Argmax=None,
+    ARGMAX: tl.constexpr = False,
 ):
     rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     in_range = rows < N
@@ -229,8 +324,12 @@ def tma_operands(e: torch.Tensor, c: torch.Tensor, tune: dict) -> bool:
     """Whether a logit-tile kernel reads its operand tiles through the tensor-memory accelerator (``_tile``): where
     the kernel file's tuning asks for it, for 16-bit inputs whose rows the copy engine can address (16-byte aligned
     C and row pitch); fp32 inputs and odd views take the pointer loads."""
-    return (tune["tma"] and e.dtype in (torch.bfloat16, torch.float16) and e.shape[1] * e.element_size() % 16 == 0
-            and _launch.tma_ok(c))
+    return (
+        tune["tma"]
+        and e.dtype in (torch.bfloat16, torch.float16)
+        and e.shape[1] * e.element_size() % 16 == 0
+        and _launch.tma_ok(c)
+    )
 
 
 class RowStats(NamedTuple):
@@ -238,8 +337,8 @@ class RowStats(NamedTuple):
 
     lse: torch.Tensor
     target_logit: torch.Tensor
-    logit_sum: Optional[torch.Tensor] = None
-    mean_logit: Optional[torch.Tensor] = None
+    logit_sum: torch.Tensor | None = None
+    mean_logit: torch.Tensor | None = None
 
 
 # An ignore_index no target equals: every row counts (a log-sum-exp used beyond the loss needs every row's).
@@ -259,10 +358,26 @@ def target_logits(e, c, targets, bias, *, softcap, ignore_index, out=None):
     tune = _launch.tuning(_TUNING)
     block_n, block_d = tune["target_rows"], tune["target_block_d"]
     _target_logit_kernel[(triton.cdiv(n, block_n),)](
-        e, c, bias if bias is not None else e, targets, out, n, c.shape[0], d,
-        e.stride(0), e.stride(1), c.stride(0), c.stride(1), float(softcap) if softcap is not None else 1.0,
-        ignore_index, HAS_BIAS=bias is not None, HAS_SOFTCAP=softcap is not None, BLOCK_N=block_n, BLOCK_D=block_d,
-        DOT_PRECISION=_launch.dot_precision(e.dtype), num_warps=4,
+        e,
+        c,
+        bias if bias is not None else e,
+        targets,
+        out,
+        n,
+        c.shape[0],
+        d,
+        e.stride(0),
+        e.stride(1),
+        c.stride(0),
+        c.stride(1),
+        float(softcap) if softcap is not None else 1.0,
+        ignore_index,
+        HAS_BIAS=bias is not None,
+        HAS_SOFTCAP=softcap is not None,
+        BLOCK_N=block_n,
+        BLOCK_D=block_d,
+        DOT_PRECISION=_launch.dot_precision(e.dtype),
+        num_warps=4,
     )
     return out
 
@@ -270,8 +385,20 @@ def target_logits(e, c, targets, bias, *, softcap, ignore_index, out=None):
 _ROUND = {None: 0, torch.float32: 0, torch.float64: 0, torch.bfloat16: 1, torch.float16: 2}
 
 
-def forward(e, c, targets, bias, *, softcap, ignore_index, logit_sum=False, mean_logit=False, every_row=False,
-            argmax_out=None, argmax_round=None):
+def forward(
+    e,
+    c,
+    targets,
+    bias,
+    *,
+    softcap,
+    ignore_index,
+    logit_sum=False,
+    mean_logit=False,
+    every_row=False,
+    argmax_out=None,
+    argmax_round=None,
+):
     """Launch helper: :class:`RowStats` ``(lse, target_logit, logit_sum | None, mean_logit | None)``; see the module
     docstring.  ``every_row``: the rows whose target is ``ignore_index`` are computed too (their target logit is that
     of ``ignore_index`` where it lies in ``[0, V)``, else 0).  ``argmax_out``: an int64 ``(N,)`` tensor that receives
@@ -309,22 +436,64 @@ def forward(e, c, targets, bias, *, softcap, ignore_index, logit_sum=False, mean
         e_op = _launch.descriptor(e.index_select(0, row_order), [block_n, block_d])
         c_op = _launch.descriptor(c, [block_v, block_d])
     _lse_forward_kernel[(row_blocks, splits)](
-        e_op, c_op, bias if bias is not None else e, row_order, num_valid, part[0], part[1], part_logit_sum, part_zexp,
-        part_best, part_best_index, n, v, d,
-        e.stride(0), e.stride(1), c.stride(0), c.stride(1),
-        vblocks_per_split, float(softcap) if softcap is not None else 1.0,
-        HAS_BIAS=bias is not None, HAS_SOFTCAP=softcap is not None, LOGIT_SUM=logit_sum, MEAN_LOGIT=mean_logit,
-        TMA=use_tma, UPCAST=_launch.upcast_dots(e.dtype), DOT_PRECISION=_launch.dot_precision(e.dtype),
-        EVEN_D=(d % block_d == 0), EVEN_V=(v % block_v == 0), BLOCK_N=block_n, BLOCK_V=block_v, BLOCK_D=block_d,
-        ARGMAX=argmax, ROUND=_ROUND[argmax_round], num_warps=tune["num_warps"],
+        e_op,
+        c_op,
+        bias if bias is not None else e,
+        row_order,
+        num_valid,
+        part[0],
+        part[1],
+        part_logit_sum,
+        part_zexp,
+        part_best,
+        part_best_index,
+        n,
+        v,
+        d,
+        e.stride(0),
+        e.stride(1),
+        c.stride(0),
+        c.stride(1),
+        vblocks_per_split,
+        float(softcap) if softcap is not None else 1.0,
+        HAS_BIAS=bias is not None,
+        HAS_SOFTCAP=softcap is not None,
+        LOGIT_SUM=logit_sum,
+        MEAN_LOGIT=mean_logit,
+        TMA=use_tma,
+        UPCAST=_launch.upcast_dots(e.dtype),
+        DOT_PRECISION=_launch.dot_precision(e.dtype),
+        EVEN_D=(d % block_d == 0),
+        EVEN_V=(v % block_v == 0),
+        BLOCK_N=block_n,
+        BLOCK_V=block_v,
+        BLOCK_D=block_d,
+        ARGMAX=argmax,
+        ROUND=_ROUND[argmax_round],
+        num_warps=tune["num_warps"],
         num_stages=_launch.fit_num_stages(tune["num_stages"], block_n, block_v, block_d, e.element_size()),
     )
     target_logits(e, c, targets, bias, softcap=softcap, ignore_index=ignore_index, out=target_logit)
     combine_block = 256
     _combine_kernel[(triton.cdiv(n, combine_block),)](
-        part[0], part[1], part_logit_sum, part_zexp, targets, lse,
-        row_sums if logit_sum else lse, row_means if mean_logit else lse, n, splits, ignore_index,
-        LOGIT_SUM=logit_sum, MEAN_LOGIT=mean_logit, BLOCK=combine_block, num_warps=4,
-        PartBest=part_best, PartBestIndex=part_best_index, Argmax=argmax_out if argmax else row_order, ARGMAX=argmax,
+        part[0],
+        part[1],
+        part_logit_sum,
+        part_zexp,
+        targets,
+        lse,
+        row_sums if logit_sum else lse,
+        row_means if mean_logit else lse,
+        n,
+        splits,
+        ignore_index,
+        LOGIT_SUM=logit_sum,
+        MEAN_LOGIT=mean_logit,
+        BLOCK=combine_block,
+        num_warps=4,
+        PartBest=part_best,
+        PartBestIndex=part_best_index,
+        Argmax=argmax_out if argmax else row_order,
+        ARGMAX=argmax,
     )
     return RowStats(lse, target_logit, row_sums, row_means)

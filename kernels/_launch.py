@@ -12,11 +12,11 @@ Rows whose target is ``ignore_index`` cost nothing: a stable sort on the device 
 device-side count of the rows that count tells each program whether its row block holds any.  No host
 synchronisation.
 """
+
 from __future__ import annotations
 
 import functools
 import os
-from typing import Optional
 
 import torch
 from triton.tools.tensor_descriptor import TensorDescriptor
@@ -37,7 +37,7 @@ def num_sms(device: torch.device) -> int:
     return 4
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _cuda_sms(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
@@ -93,8 +93,15 @@ def fp32_out_mm_available(device: torch.device) -> bool:
 VOCAB_ALIGN = _planning.VOCAB_ALIGN
 
 
-def product_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, accumulate: bool,
-                 vocab_dim: Optional[str] = None, **out_dtype) -> None:
+def product_into(
+    out: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    *,
+    accumulate: bool,
+    vocab_dim: str | None = None,
+    **out_dtype,
+) -> None:
     """``out (+)= a @ b``.  The first product of a sum writes with ``mm``: never ``addmm(beta=0)`` over
     uninitialised memory (an addmm may form beta * input, and 0 * NaN = NaN).  ``vocab_dim``: which dimension of the
     product runs over the vocabulary, ``"m"`` (rows of ``a`` and ``out``), ``"n"`` (columns of ``b`` and ``out``) or
@@ -117,7 +124,7 @@ def product_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, accumul
         product_into(out, a[:, split:], b[split:], accumulate=True, **out_dtype)
 
 
-def nonfinite_rows(rows: torch.Tensor, zeros: Optional[torch.Tensor] = None) -> torch.Tensor:
+def nonfinite_rows(rows: torch.Tensor, zeros: torch.Tensor | None = None) -> torch.Tensor:
     """Per row of a 2-D tensor, fp32: 0 where it is finite, NaN where it holds a NaN / inf (0 * x summed); one
     matrix-vector product, no temporary the size of ``rows``.  Eager's softmax gradient of a row that gets no
     gradient is 0, or NaN everywhere when its log-sum-exp is NaN: the kernels write this there.  ``zeros``: a
@@ -127,8 +134,7 @@ def nonfinite_rows(rows: torch.Tensor, zeros: Optional[torch.Tensor] = None) -> 
     return torch.mv(rows, zeros).float()
 
 
-def weight_poison(c: torch.Tensor, bias: Optional[torch.Tensor],
-                  zeros: Optional[torch.Tensor] = None) -> torch.Tensor:
+def weight_poison(c: torch.Tensor, bias: torch.Tensor | None, zeros: torch.Tensor | None = None) -> torch.Tensor:
     """0-dim: 0, or NaN when any of C / bias is not finite (then every logit row holds a NaN).  The rows of C are
     summed in C's dtype (each is 0 or NaN), the bias in fp32 (a 16-bit sum of finite biases may overflow)."""
     if zeros is None:
@@ -140,8 +146,9 @@ def weight_poison(c: torch.Tensor, bias: Optional[torch.Tensor],
 def tma_ok(*tensors: torch.Tensor) -> bool:
     """Whether the tensor-memory accelerator can read these 2-D tensors: 16-byte aligned base and row
     stride, contiguous rows."""
-    return all(t.stride(1) == 1 and t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0
-               for t in tensors)
+    return all(
+        t.stride(1) == 1 and t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0 for t in tensors
+    )
 
 
 def descriptor(tensor: torch.Tensor, block: list) -> TensorDescriptor:

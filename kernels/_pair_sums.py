@@ -23,6 +23,7 @@ matmul tutorial).  The epilogue reads and writes the pair: 8 bytes per element o
 sum would; it is not overlapped with the next tile's products (cuBLAS's fp32 ``addmm`` hides more of its own),
 which is what the pair costs over cuBLAS's fp32 sums.
 """
+
 from __future__ import annotations
 
 import torch
@@ -54,9 +55,21 @@ def _round_rne(x, DTYPE: tl.constexpr, ROUND_RNE: tl.constexpr):
 
 @triton.jit
 def _pair_product_kernel(
-    a_desc, b_desc, hi_desc, lo_desc, M, N, K,
-    ACCUMULATE: tl.constexpr, ROUND_RNE: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    a_desc,
+    b_desc,
+    hi_desc,
+    lo_desc,
+    M,
+    N,
+    K,
+    ACCUMULATE: tl.constexpr,
+    ROUND_RNE: tl.constexpr,
+    UPCAST: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
 ):
     """``(hi, lo) (+)= A^T @ B`` for tile ``program_id(0)``: A is ``K x M`` (G of one row chunk), B ``K x N``; the
     pair's tiles through the tensor-memory accelerator too (reads past an edge give 0, stores past it are dropped)."""
@@ -87,10 +100,18 @@ def pair_product(hi: torch.Tensor, lo: torch.Tensor, a: torch.Tensor, b: torch.T
     tune["num_stages"] = _launch.fit_num_stages(tune["num_stages"], bm, bn, bk, a.element_size())
     grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn),)
     _pair_product_kernel[grid](
-        _launch.descriptor(a, [bk, bm]), _launch.descriptor(b, [bk, bn]), _launch.descriptor(hi, [bm, bn]),
-        _launch.descriptor(lo, [bm, bn]), m, n, k,
-        ACCUMULATE=accumulate, ROUND_RNE=_launch.INTERPRET and hi.dtype == torch.bfloat16,
-        UPCAST=_launch.upcast_dots(a.dtype), DOT_PRECISION=_launch.dot_precision(a.dtype), **tune,
+        _launch.descriptor(a, [bk, bm]),
+        _launch.descriptor(b, [bk, bn]),
+        _launch.descriptor(hi, [bm, bn]),
+        _launch.descriptor(lo, [bm, bn]),
+        m,
+        n,
+        k,
+        ACCUMULATE=accumulate,
+        ROUND_RNE=_launch.INTERPRET and hi.dtype == torch.bfloat16,
+        UPCAST=_launch.upcast_dots(a.dtype),
+        DOT_PRECISION=_launch.dot_precision(a.dtype),
+        **tune,
     )
 
 

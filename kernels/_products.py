@@ -50,9 +50,8 @@ slower than cuBLAS's, so over every row they lose; with ignored rows they skip w
 break-even share of ignored rows they win.  Hence, by default, cuBLAS over the counted prefix and these products
 only past it (or alone where most rows are ignored).
 """
-from __future__ import annotations
 
-from typing import Optional
+from __future__ import annotations
 
 import torch
 import triton
@@ -81,9 +80,24 @@ def _grouped_tile(pid, num_m, num_n, GROUP_M: tl.constexpr):
 
 @triton.jit
 def _grad_e_tile(
-    pid, g_desc, c_desc, DE, RowOrder, NumCounted, RowPoison, n_rows, width, D, stride_de,
-    ACCUMULATE: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    pid,
+    g_desc,
+    c_desc,
+    DE,
+    RowOrder,
+    NumCounted,
+    RowPoison,
+    n_rows,
+    width,
+    D,
+    stride_de,
+    ACCUMULATE: tl.constexpr,
+    UPCAST: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
 ):
     """``DE[row_order[p]] (+)= G[p] @ C[chunk]`` for tile ``pid`` (descriptors over G and the C chunk)."""
     pid_m, pid_n = _grouped_tile(pid, tl.cdiv(n_rows, BLOCK_M), tl.cdiv(D, BLOCK_N), GROUP_M)
@@ -110,9 +124,24 @@ def _grad_e_tile(
 
 @triton.jit
 def _grad_c_tile(
-    pid, g_desc, e_desc, DC, AccIn, NumCounted, IgnoredPoison, width, D, stride_dc, stride_acc,
-    ACCUMULATE: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    pid,
+    g_desc,
+    e_desc,
+    DC,
+    AccIn,
+    NumCounted,
+    IgnoredPoison,
+    width,
+    D,
+    stride_dc,
+    stride_acc,
+    ACCUMULATE: tl.constexpr,
+    UPCAST: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
 ):
     """``DC[chunk] = (AccIn[chunk] +) G[:K'].T @ Ec[:K'] + ignored_poison`` for tile ``pid`` (descriptors over G
     and Ec; AccIn is DC itself, or the fp32 sums of a product over earlier rows); the K loop runs unmasked to the
@@ -136,11 +165,34 @@ def _grad_c_tile(
 
 @triton.jit
 def _grad_products_kernel(
-    ge_desc, c_desc, DE, RowOrder, RowPoison, gc_desc, e_desc, DC, AccIn, IgnoredPoison, NumCounted,
-    n_rows, width, D, stride_de, stride_dc, stride_acc, e_tiles,
-    HAS_E: tl.constexpr, HAS_C: tl.constexpr, ACCUMULATE_E: tl.constexpr, ACCUMULATE_C: tl.constexpr,
-    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    ge_desc,
+    c_desc,
+    DE,
+    RowOrder,
+    RowPoison,
+    gc_desc,
+    e_desc,
+    DC,
+    AccIn,
+    IgnoredPoison,
+    NumCounted,
+    n_rows,
+    width,
+    D,
+    stride_de,
+    stride_dc,
+    stride_acc,
+    e_tiles,
+    HAS_E: tl.constexpr,
+    HAS_C: tl.constexpr,
+    ACCUMULATE_E: tl.constexpr,
+    ACCUMULATE_C: tl.constexpr,
+    UPCAST: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
 ):
     """dE's tiles (programs ``[0, e_tiles)``) and dC's (the rest) of one G block in one launch: the two products
     read the same G and write disjoint outputs, and one launch is one host call fewer per vocabulary chunk (the
@@ -148,19 +200,56 @@ def _grad_products_kernel(
     pid = tl.program_id(0)
     if pid < e_tiles:
         if HAS_E:
-            _grad_e_tile(pid, ge_desc, c_desc, DE, RowOrder, NumCounted, RowPoison, n_rows, width, D, stride_de,
-                         ACCUMULATE_E, UPCAST, DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M)
+            _grad_e_tile(
+                pid,
+                ge_desc,
+                c_desc,
+                DE,
+                RowOrder,
+                NumCounted,
+                RowPoison,
+                n_rows,
+                width,
+                D,
+                stride_de,
+                ACCUMULATE_E,
+                UPCAST,
+                DOT_PRECISION,
+                BLOCK_M,
+                BLOCK_N,
+                BLOCK_K,
+                GROUP_M,
+            )
     else:
         if HAS_C:
-            _grad_c_tile(pid - e_tiles, gc_desc, e_desc, DC, AccIn, NumCounted, IgnoredPoison, width, D, stride_dc,
-                         stride_acc, ACCUMULATE_C, UPCAST, DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M)
+            _grad_c_tile(
+                pid - e_tiles,
+                gc_desc,
+                e_desc,
+                DC,
+                AccIn,
+                NumCounted,
+                IgnoredPoison,
+                width,
+                D,
+                stride_dc,
+                stride_acc,
+                ACCUMULATE_C,
+                UPCAST,
+                DOT_PRECISION,
+                BLOCK_M,
+                BLOCK_N,
+                BLOCK_K,
+                GROUP_M,
+            )
 
 
 def _launch_args(element_size: int):
     launch = dict(_launch.tuning(_TUNING))
     # fit_num_stages sizes one (rows x K) + (cols x K) operand pair per stage, the same bytes as here
-    launch["num_stages"] = _launch.fit_num_stages(launch["num_stages"], launch["BLOCK_M"], launch["BLOCK_N"],
-                                                  launch["BLOCK_K"], element_size)
+    launch["num_stages"] = _launch.fit_num_stages(
+        launch["num_stages"], launch["BLOCK_M"], launch["BLOCK_N"], launch["BLOCK_K"], element_size
+    )
     return launch
 
 
@@ -168,12 +257,21 @@ def _dot_flags(dtype: torch.dtype):
     return dict(UPCAST=_launch.upcast_dots(dtype), DOT_PRECISION=_launch.dot_precision(dtype))
 
 
-def grad_products(grad: torch.Tensor, num_counted: torch.Tensor, *, c_chunk: Optional[torch.Tensor] = None,
-                  de32: Optional[torch.Tensor] = None, row_order: Optional[torch.Tensor] = None,
-                  row_poison: Optional[torch.Tensor] = None, accumulate_e: bool = False,
-                  e_compact: Optional[torch.Tensor] = None, dc_chunk: Optional[torch.Tensor] = None,
-                  ignored_poison: Optional[torch.Tensor] = None, accumulate_c: bool = False,
-                  acc_in: Optional[torch.Tensor] = None) -> None:
+def grad_products(
+    grad: torch.Tensor,
+    num_counted: torch.Tensor,
+    *,
+    c_chunk: torch.Tensor | None = None,
+    de32: torch.Tensor | None = None,
+    row_order: torch.Tensor | None = None,
+    row_poison: torch.Tensor | None = None,
+    accumulate_e: bool = False,
+    e_compact: torch.Tensor | None = None,
+    dc_chunk: torch.Tensor | None = None,
+    ignored_poison: torch.Tensor | None = None,
+    accumulate_c: bool = False,
+    acc_in: torch.Tensor | None = None,
+) -> None:
     """Launch helper, one launch for dE and / or dC of one G block (``grad``: rows x width, compacted rows;
     ``num_counted``: the device-side count K).  dE where ``de32`` is given: ``de32[row_order[p]] (+)= grad[p] @
     c_chunk`` for the row blocks holding counted positions, the other rows get ``row_poison`` on the first chunk
@@ -205,9 +303,21 @@ def grad_products(grad: torch.Tensor, num_counted: torch.Tensor, *, c_chunk: Opt
     e_args = e_args or (c_args[0], c_args[1], c_args[2], num_counted, c_args[4])
     c_args = c_args or (e_args[0], e_args[1], e_args[2], e_args[2], e_args[4])
     _grad_products_kernel[(e_tiles + c_tiles,)](
-        *e_args, *c_args, num_counted, rows, width, d, e_args[2].stride(0), c_args[2].stride(0),
-        c_args[3].stride(0), e_tiles,
-        HAS_E=has_e, HAS_C=has_c, ACCUMULATE_E=accumulate_e, ACCUMULATE_C=accumulate_c, **_dot_flags(grad.dtype),
+        *e_args,
+        *c_args,
+        num_counted,
+        rows,
+        width,
+        d,
+        e_args[2].stride(0),
+        c_args[2].stride(0),
+        c_args[3].stride(0),
+        e_tiles,
+        HAS_E=has_e,
+        HAS_C=has_c,
+        ACCUMULATE_E=accumulate_e,
+        ACCUMULATE_C=accumulate_c,
+        **_dot_flags(grad.dtype),
         **launch,
     )
     if has_c and out is not dc_chunk:

@@ -16,10 +16,11 @@ Per row chunk of the (rows x vocabulary) plane (``_backward``'s module docstring
 
 No host synchronisation: the counts stay on the device, and every size the host needs is known before the call.
 """
+
 from __future__ import annotations
 
 import math
-from typing import NamedTuple, Optional
+from typing import NamedTuple
 
 import torch
 
@@ -42,9 +43,9 @@ class _RowChunk(NamedTuple):
     row_order: torch.Tensor
     num_counted: torch.Tensor
     row_poison: torch.Tensor
-    e_compact: Optional[torch.Tensor]
+    e_compact: torch.Tensor | None
     e_op: object  # E's rows as the recompute reads them: the rows themselves, or a descriptor over e_compact
-    ignored_poison: Optional[torch.Tensor]  # what eager's dC receives from the ignored rows (Triton products)
+    ignored_poison: torch.Tensor | None  # what eager's dC receives from the ignored rows (Triton products)
 
     @classmethod
     def of(cls, e, counted, r0, rows, weight_poison, de_out, block_n, block_d, *, compact, tma, poison_sum):
@@ -56,8 +57,11 @@ class _RowChunk(NamedTuple):
         if compact:
             # in dE's own rows while they are free (dE is written from its fp32 sums at the very end), so the copy
             # costs no memory where dE is wanted
-            e_compact = torch.index_select(e_rows, 0, row_order, out=de_out[r0 : r0 + rows]) \
-                if de_out is not None else e_rows.index_select(0, row_order)
+            e_compact = (
+                torch.index_select(e_rows, 0, row_order, out=de_out[r0 : r0 + rows])
+                if de_out is not None
+                else e_rows.index_select(0, row_order)
+            )
         e_op = _launch.descriptor(e_compact, [block_n, block_d]) if tma else e_rows
         ignored_poison = torch.where(counted_rows, 0.0, row_poison).sum().reshape(1) if poison_sum else None
         return cls(r0, rows, e_rows, row_order, num_counted, row_poison, e_compact, e_op, ignored_poison)
@@ -68,12 +72,12 @@ class _PrefixTail(NamedTuple):
     products ``[h, rows)`` (sized by ``tail_counted``, the counted positions past h: 0 where the hint held)."""
 
     h: int
-    tail_counted: Optional[torch.Tensor]  # int32 (1,), on the device
-    tail_poison: Optional[torch.Tensor]  # per tail position, the poison of its row (dE of ignored positions)
-    tail_ids: Optional[torch.Tensor]  # 0 .. rows - h - 1: the tail's dE rows are its own positions
+    tail_counted: torch.Tensor | None  # int32 (1,), on the device
+    tail_poison: torch.Tensor | None  # per tail position, the poison of its row (dE of ignored positions)
+    tail_ids: torch.Tensor | None  # 0 .. rows - h - 1: the tail's dE rows are its own positions
 
     @classmethod
-    def of(cls, chunk: "_RowChunk", h: int):
+    def of(cls, chunk: _RowChunk, h: int):
         if h >= chunk.rows:
             return cls(chunk.rows, None, None, None)
         tail_counted = torch.clamp(chunk.num_counted - h, min=0)
@@ -81,29 +85,39 @@ class _PrefixTail(NamedTuple):
         tail_ids = torch.arange(chunk.rows - h, device=chunk.row_order.device)
         return cls(h, tail_counted, tail_poison, tail_ids)
 
-    def products(self, grad, c_chunk, chunk, de_rows, dc_chunk, dc32, *, upcast, first_vocab, first_rows,
-                 **out_dtype):
+    def products(self, grad, c_chunk, chunk, de_rows, dc_chunk, dc32, *, upcast, first_vocab, first_rows, **out_dtype):
         """dE rows (compacted order, fp32) and dC of one G block (compacted rows). dC: where ``dc_chunk`` is the
         16-bit output (one row chunk), cuBLAS sums its prefix in ``dc32`` and the tail adds it and writes
         ``dc_chunk``, one rounding; where it is ``dc32`` itself (several row chunks), both add to it."""
         h, has_tail = self.h, self.tail_counted is not None
         grad_mm = grad.float() if upcast else grad
         if de_rows is not None:
-            _launch.product_into(de_rows[:h], grad_mm[:h], c_chunk, accumulate=not first_vocab, vocab_dim="k",
-                                 **out_dtype)
+            _launch.product_into(
+                de_rows[:h], grad_mm[:h], c_chunk, accumulate=not first_vocab, vocab_dim="k", **out_dtype
+            )
         if dc_chunk is not None:
             ec = chunk.e_compact.float() if upcast else chunk.e_compact
             sums_in_dc = dc_chunk.data_ptr() == dc32.data_ptr()
-            _launch.product_into(dc32, grad_mm[:h].T, ec[:h], accumulate=sums_in_dc and not first_rows,
-                                 vocab_dim="m", **out_dtype)
+            _launch.product_into(
+                dc32, grad_mm[:h].T, ec[:h], accumulate=sums_in_dc and not first_rows, vocab_dim="m", **out_dtype
+            )
         # (a chunk without a tail is one of several row chunks, h being shorter than the first: its dC sums stay in
         # dc32, which the caller rounds once into dC)
         if has_tail:  # both tails in one launch, after the cuBLAS products (the dC tail adds to their dc32 sums)
             _products.grad_products(
-                grad[h:], self.tail_counted, c_chunk=c_chunk if not upcast else c_chunk.to(grad.dtype),
-                de32=None if de_rows is None else de_rows[h:], row_order=self.tail_ids, row_poison=self.tail_poison,
-                accumulate_e=not first_vocab, e_compact=None if dc_chunk is None else chunk.e_compact[h:],
-                dc_chunk=dc_chunk, ignored_poison=chunk.ignored_poison, accumulate_c=True, acc_in=dc32)
+                grad[h:],
+                self.tail_counted,
+                c_chunk=c_chunk if not upcast else c_chunk.to(grad.dtype),
+                de32=None if de_rows is None else de_rows[h:],
+                row_order=self.tail_ids,
+                row_poison=self.tail_poison,
+                accumulate_e=not first_vocab,
+                e_compact=None if dc_chunk is None else chunk.e_compact[h:],
+                dc_chunk=dc_chunk,
+                ignored_poison=chunk.ignored_poison,
+                accumulate_c=True,
+                acc_in=dc32,
+            )
 
 
 def _target_logits(e, c, targets, bias, softcap, compute_dtype):
@@ -116,8 +130,14 @@ def _target_logits(e, c, targets, bias, softcap, compute_dtype):
     ids = torch.where(inside, targets, 0)
     rows = c.index_select(0, ids).to(compute_dtype)
     own = torch.arange(targets.shape[0], device=targets.device)
-    logit = _forward.target_logits(e, rows, own, None if bias is None else bias.index_select(0, ids), softcap=softcap,
-                                   ignore_index=_forward.EVERY_ROW)
+    logit = _forward.target_logits(
+        e,
+        rows,
+        own,
+        None if bias is None else bias.index_select(0, ids),
+        softcap=softcap,
+        ignore_index=_forward.EVERY_ROW,
+    )
     return torch.where(inside, logit, 0.0)
 
 

@@ -18,9 +18,8 @@ each with its own host time, where a small head's fused call waits on the host. 
 this kernel alone (``debug=True``: Triton drops ``tl.device_assert`` otherwise); the interpreter never asserts, so
 the CPU tests check the count and the CUDA suite the assert.
 """
-from __future__ import annotations
 
-from typing import Optional
+from __future__ import annotations
 
 import torch
 import triton
@@ -32,8 +31,9 @@ _TUNING = {"gpu": dict(block=2048, num_warps=8), "interpret": dict(block=64, num
 
 
 @triton.jit(debug=True)
-def _count_targets_kernel(Targets, Out, N, V, ignore_index, CHECK_RANGE: tl.constexpr,
-                          MEAN: tl.constexpr, BLOCK: tl.constexpr):
+def _count_targets_kernel(
+    Targets, Out, N, V, ignore_index, CHECK_RANGE: tl.constexpr, MEAN: tl.constexpr, BLOCK: tl.constexpr
+):
     offs = tl.arange(0, BLOCK)
     count = tl.zeros((BLOCK,), dtype=tl.int32)
     for r0 in range(0, N, BLOCK):
@@ -41,8 +41,10 @@ def _count_targets_kernel(Targets, Out, N, V, ignore_index, CHECK_RANGE: tl.cons
         target = tl.load(Targets + rows, mask=rows < N, other=ignore_index)
         counted = target != ignore_index
         if CHECK_RANGE:
-            tl.device_assert(~counted | ((target >= 0) & (target < V)),
-                             "cce_inductor: target out of bounds (not ignore_index and not in [0, V))")
+            tl.device_assert(
+                ~counted | ((target >= 0) & (target < V)),
+                "cce_inductor: target out of bounds (not ignore_index and not in [0, V))",
+            )
         count += counted.to(tl.int32)
     num_counted = tl.sum(count, axis=0).to(tl.float32)
     tl.store(Out, num_counted)
@@ -52,15 +54,23 @@ def _count_targets_kernel(Targets, Out, N, V, ignore_index, CHECK_RANGE: tl.cons
         tl.store(Out + 1, 1.0)
 
 
-def count_targets(targets: torch.Tensor, ignore_index: int, *, mean: bool,
-                  check_vocab: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor]:
+def count_targets(
+    targets: torch.Tensor, ignore_index: int, *, mean: bool, check_vocab: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch helper: ``(num_counted, row_scale)``, 0-dim fp32 device tensors (module docstring); with
     ``check_vocab`` V, a device-side assert where a counted target lies outside ``[0, V)``."""
     tune = _launch.tuning(_TUNING)
     out = torch.empty(2, dtype=torch.float32, device=targets.device)
     n = targets.shape[0]
     _count_targets_kernel[(1,)](
-        targets.contiguous(), out, n, check_vocab if check_vocab is not None else 0, ignore_index,
-        CHECK_RANGE=check_vocab is not None, MEAN=mean, BLOCK=tune["block"], num_warps=tune["num_warps"],
+        targets.contiguous(),
+        out,
+        n,
+        check_vocab if check_vocab is not None else 0,
+        ignore_index,
+        CHECK_RANGE=check_vocab is not None,
+        MEAN=mean,
+        BLOCK=tune["block"],
+        num_warps=tune["num_warps"],
     )
     return out[0], out[1]

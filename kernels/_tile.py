@@ -18,6 +18,7 @@ compacted row ``row0 + i``: Hopper has no TMA gather) and over C, and the tile i
 [col0, col0 + BLOCK_V)``; reads past an edge give 0.  The copy engine computes the addresses and signals completion
 on a barrier, so the pipelined loop issues no per-thread address arithmetic and keeps fewer registers.
 """
+
 import triton
 import triton.language as tl
 
@@ -57,12 +58,28 @@ def dot(a, b, acc, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr):
 
 @triton.jit
 def logit_tile(
-    E, C, Bias, rows, vocab_ids, row0, col0, D,
-    stride_en, stride_ed, stride_cv, stride_cd,
+    E,
+    C,
+    Bias,
+    rows,
+    vocab_ids,
+    row0,
+    col0,
+    D,
+    stride_en,
+    stride_ed,
+    stride_cv,
+    stride_cd,
     softcap,
-    HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, TMA: tl.constexpr,
-    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, EVEN_D: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    TMA: tl.constexpr,
+    UPCAST: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    EVEN_D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
     acc = tl.zeros((BLOCK_N, BLOCK_V), dtype=tl.float32)
     if TMA:
@@ -91,8 +108,9 @@ def logit_tile(
 
 
 @triton.jit
-def softmax_grad(z, lse, grad_p, grad_entropy, mean_logit, offset, softcap,
-                 HAS_SOFTCAP: tl.constexpr, HAS_ENTROPY_GRAD: tl.constexpr):
+def softmax_grad(
+    z, lse, grad_p, grad_entropy, mean_logit, offset, softcap, HAS_SOFTCAP: tl.constexpr, HAS_ENTROPY_GRAD: tl.constexpr
+):
     """The gradient w.r.t. the raw logits at (softcapped) logits ``z``, every other argument broadcast to z's shape
     (per-row values as ``x[:, None]`` for a tile, plain for a vector of one entry per row):
     ``(p * (grad_p + h * (mean_logit - z)) - offset) * (1 - (z / softcap)^2)`` with ``p = exp(z - lse)`` and

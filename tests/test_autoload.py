@@ -24,7 +24,7 @@ from tests.support.processes import last_json, run_python, subprocess_env
 REPO = Path(__file__).resolve().parents[1]
 
 # A clone on PYTHONPATH has no installed metadata: no entry point of ours exists for torch or Dynamo to load.
-_HIDE_OUR_ENTRY_POINTS = '''
+_HIDE_OUR_ENTRY_POINTS = """
 import importlib.metadata as metadata
 _entry_points = metadata.entry_points
 def _without_ours(**selection):
@@ -33,9 +33,9 @@ def _without_ours(**selection):
         return found
     return metadata.EntryPoints(e for e in found if not e.value.startswith("cce_inductor"))
 metadata.entry_points = _without_ours
-'''
+"""
 
-FLAG_SCRIPT = '''
+FLAG_SCRIPT = """
 import json
 import sys
 
@@ -63,7 +63,7 @@ except Exception as exc:
 result["rewritten"] = cce_inductor.stats()["rewritten"]
 result["summary"] = cce_inductor.stats()["summary"]
 print(json.dumps(result))
-'''
+"""
 
 
 def _run_flag_script(tmp_path, cache_dir, how="torch_first", *backend, **env):
@@ -87,8 +87,10 @@ BAD = [
     ({"CCE_INDUCTOR": "1", "CCE_INDUCTOR_SCRATCH_MB": "abc"}, "CCE_INDUCTOR_SCRATCH_MB='abc' is not an integer"),
     ({"CCE_INDUCTOR": "1", "CCE_INDUCTOR_PATH": "fast"}, "CCE_INDUCTOR_PATH='fast': path must be"),
     ({"CCE_INDUCTOR": "1", "CCE_INDUCTOR_EXACT": "maybe"}, "CCE_INDUCTOR_EXACT='maybe' is not a boolean"),
-    ({"CCE_INDUCTOR": "1", "CCE_INDUCTOR_PATHS": "lean"},
-     "unknown cce_inductor environment option(s) ['CCE_INDUCTOR_PATHS']"),
+    (
+        {"CCE_INDUCTOR": "1", "CCE_INDUCTOR_PATHS": "lean"},
+        "unknown cce_inductor environment option(s) ['CCE_INDUCTOR_PATHS']",
+    ),
     ({"CCE_INDUCTOR": "2"}, "CCE_INDUCTOR='2' is neither on (1, true, yes, on) nor off"),
     ({"CCE_INDUCTOR": "enable"}, "CCE_INDUCTOR='enable' is neither on"),
 ]
@@ -184,8 +186,9 @@ def test_refusing_pass_stops_compiles_until_enable_or_disable(no_inductor_caches
     with pytest.raises(torch._dynamo.exc.BackendCompilerFailed, match="CCE_INDUCTOR='2' is neither on nor off"):
         torch.compile(_head_loss)(*_inputs())
     stats = cce_inductor.stats()
-    assert stats["pass"] == ("off: CCE_INDUCTOR='2' is neither on nor off; every torch.compile raises this until it "
-                             "is fixed")
+    assert stats["pass"] == (
+        "off: CCE_INDUCTOR='2' is neither on nor off; every torch.compile raises this until it is fixed"
+    )
     assert stats["summary"].startswith("the pass is off: CCE_INDUCTOR='2'"), stats["summary"]
     assert not cce_inductor.is_enabled()
 

@@ -123,8 +123,10 @@ def test_shape_mismatch_is_value_error(case, match):
     # Regression (consistency): a hidden-size mismatch or a bias of the wrong length raised RuntimeError (from
     # `torch._check`) while every other bad shape raises ValueError; now `torch._check_value`.
     e, c, t, b = _small()
-    call = {"hidden_size": lambda: lce(e, torch.randn(10, 5), t),
-            "bias_len": lambda: lce(e, c, t, bias=torch.randn(11))}[case]
+    call = {
+        "hidden_size": lambda: lce(e, torch.randn(10, 5), t),
+        "bias_len": lambda: lce(e, c, t, bias=torch.randn(11)),
+    }[case]
     with pytest.raises(ValueError, match=match):
         call()
 
@@ -226,12 +228,17 @@ def test_int32_targets_raise_like_eager():
 
 @pytest.mark.parametrize(
     "hidden, weight, bias, autocast, refused",
-    [(torch.float32, torch.float32, None, None, False), (torch.float32, torch.bfloat16, None, None, True),
-     (torch.bfloat16, torch.float16, None, None, True), (torch.float32, torch.float32, torch.bfloat16, None, True),
-     (torch.float64, torch.float32, None, None, True), (torch.float32, torch.bfloat16, None, torch.bfloat16, False),
-     (torch.bfloat16, torch.float16, torch.float32, torch.bfloat16, False),
-     (torch.float64, torch.float32, None, torch.bfloat16, True),
-     (torch.float64, torch.float64, None, torch.bfloat16, False)],
+    [
+        (torch.float32, torch.float32, None, None, False),
+        (torch.float32, torch.bfloat16, None, None, True),
+        (torch.bfloat16, torch.float16, None, None, True),
+        (torch.float32, torch.float32, torch.bfloat16, None, True),
+        (torch.float64, torch.float32, None, None, True),
+        (torch.float32, torch.bfloat16, None, torch.bfloat16, False),
+        (torch.bfloat16, torch.float16, torch.float32, torch.bfloat16, False),
+        (torch.float64, torch.float32, None, torch.bfloat16, True),
+        (torch.float64, torch.float64, None, torch.bfloat16, False),
+    ],
 )
 def test_head_dtype_error_follows_eager(hidden, weight, bias, autocast, refused):
     """Eager's linear / matmul / addmm: one dtype for every operand, after autocast cast fp16 / bf16 / fp32 ones."""
@@ -408,8 +415,9 @@ def _poisoned(case: str, seed=0):
 def test_nan_inf_propagate_as_in_eager_direct_op(case, reduction, softcap):
     hidden, weight, labels, bias = _poisoned(case)
     want = run(make_fn(softcap=softcap, reduction=reduction, bias=True), (hidden, weight, labels, bias))
-    got = run(lambda h, w, y, b: lce(h, w, y, bias=b, softcap=softcap, reduction=reduction),
-              (hidden, weight, labels, bias))  # fmt: skip
+    got = run(
+        lambda h, w, y, b: lce(h, w, y, bias=b, softcap=softcap, reduction=reduction), (hidden, weight, labels, bias)
+    )
     assert_same_run(got, want)
 
 
@@ -520,6 +528,7 @@ AUTOCAST_TOL = dict(rtol=2e-2, atol=2e-2)  # eager rounds the logits to bf16; th
 def test_autocast_cpu_bf16_capture(enabled, inside):
     inner = make_fn(softcap=20.0, bias=True)
     if inside:
+
         def fn(*args):
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=enabled):
                 return inner(*args)

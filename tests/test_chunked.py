@@ -28,7 +28,9 @@ def test_chunked_matches_unchunked(row_chunk, vocab_chunk, softcap):
     e, c, t, b = make_op_inputs((23,), 37, 6, torch.float64, bias=True)
     big = dict(row_chunk=10**6, vocab_chunk=10**6)
     small = dict(row_chunk=row_chunk, vocab_chunk=vocab_chunk)
-    lse_ref, tl_ref, sum_ref, _ = _chunked.forward(e, c, t, b, softcap=softcap, ignore_index=-100, logit_sum=True, **big)
+    lse_ref, tl_ref, sum_ref, _ = _chunked.forward(
+        e, c, t, b, softcap=softcap, ignore_index=-100, logit_sum=True, **big
+    )
     lse, tl, logit_sum, _ = _chunked.forward(e, c, t, b, softcap=softcap, ignore_index=-100, logit_sum=True, **small)
     valid = t != -100
     torch.testing.assert_close(lse, lse_ref, rtol=1e-13, atol=1e-13)

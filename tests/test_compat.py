@@ -38,8 +38,13 @@ def warning_once(monkeypatch):
 def _config_json() -> str:
     """What torch 2.11 serialises: the config's sets as lists (its ``clean_for_json``), through ``json``."""
     config = torch._dynamo.config.get_config_copy()
-    return json.dumps({key: sorted(value) if isinstance(value, set) else value for key, value in config.items()
-                       if key in ("ignore_logger_methods", "ignore_logging_functions")})
+    return json.dumps(
+        {
+            key: sorted(value) if isinstance(value, set) else value
+            for key, value in config.items()
+            if key in ("ignore_logger_methods", "ignore_logging_functions")
+        }
+    )
 
 
 def test_warning_once_is_traced_through_and_the_config_serialises(warning_once):

@@ -34,24 +34,27 @@ def _moving(share):
     return _counted_share.Seen(typical=share, low=share - _counted_share.STEADY_SPREAD - 0.05)
 
 
-@pytest.mark.parametrize("asked, seen, ok, chosen", [
-    ("cublas", _steady(0.1), True, "cublas"),  # forced: whatever was seen
-    ("triton", _steady(1.0), True, "triton"),
-    ("triton", None, False, "triton"),  # (the kernels fall back themselves where they cannot skip rows)
-    ("auto", None, True, "cublas"),  # the head's first call: nothing seen yet
-    ("auto", _steady(0.0), True, "triton"),  # every row ignored: the row-skipping products skip every row
-    ("auto", _steady(ROW_SKIPPING), True, "triton"),
-    ("auto", _steady(ROW_SKIPPING + 0.01), True, "counted_prefix"),
-    ("auto", _moving(ROW_SKIPPING + 0.01), True, "triton"),  # a moving share: row skipping up to 0.6
-    ("auto", _moving(MOVING), True, "triton"),
-    ("auto", _moving(MOVING + 0.01), True, "counted_prefix"),
-    ("auto", _steady(0.5), True, "counted_prefix"),
-    ("auto", _steady(AT_MOST), True, "counted_prefix"),
-    ("auto", _moving(AT_MOST), True, "counted_prefix"),
-    ("auto", _steady(AT_MOST + 0.01), True, "cublas"),
-    ("auto", _steady(1.0), True, "cublas"),
-    ("auto", _steady(0.0), False, "cublas"),  # exact mode, or C / E rows the tensor-memory accelerator cannot read
-])
+@pytest.mark.parametrize(
+    "asked, seen, ok, chosen",
+    [
+        ("cublas", _steady(0.1), True, "cublas"),  # forced: whatever was seen
+        ("triton", _steady(1.0), True, "triton"),
+        ("triton", None, False, "triton"),  # (the kernels fall back themselves where they cannot skip rows)
+        ("auto", None, True, "cublas"),  # the head's first call: nothing seen yet
+        ("auto", _steady(0.0), True, "triton"),  # every row ignored: the row-skipping products skip every row
+        ("auto", _steady(ROW_SKIPPING), True, "triton"),
+        ("auto", _steady(ROW_SKIPPING + 0.01), True, "counted_prefix"),
+        ("auto", _moving(ROW_SKIPPING + 0.01), True, "triton"),  # a moving share: row skipping up to 0.6
+        ("auto", _moving(MOVING), True, "triton"),
+        ("auto", _moving(MOVING + 0.01), True, "counted_prefix"),
+        ("auto", _steady(0.5), True, "counted_prefix"),
+        ("auto", _steady(AT_MOST), True, "counted_prefix"),
+        ("auto", _moving(AT_MOST), True, "counted_prefix"),
+        ("auto", _steady(AT_MOST + 0.01), True, "cublas"),
+        ("auto", _steady(1.0), True, "cublas"),
+        ("auto", _steady(0.0), False, "cublas"),  # exact mode, or C / E rows the tensor-memory accelerator cannot read
+    ],
+)
 def test_products_table(asked, seen, ok, chosen):
     assert _counted_share.products(asked, seen, row_skipping_ok=ok) == chosen
 
@@ -97,17 +100,21 @@ def test_seen_is_the_median_and_a_low_quantile_of_the_last_shares():
 _fresh_vocab = itertools.count(7001)  # head shapes no other test uses
 
 
-@pytest.mark.parametrize("asked, shares, every_row, products, hint", [
-    ("auto", [0.5] * 8, False, "prefix", 0.5),  # the counted prefix: cuBLAS over the low quantile's rows
-    # a moving share: the row-skipping products, their blocks widened by the 20th percentile (the light calls)
-    ("auto", [0.5, 0.75, 0.25, 0.33, 0.42, 0.5, 0.58, 0.67], False, "triton", 0.33),
-    ("auto", [0.25] * 8, False, "triton", 0.25),
-    ("auto", [1.0] * 8, False, "cublas", None),  # every row counted: no prefix
-    ("triton", [0.25] * 8, False, "triton", None),  # forced: the narrow blocks, nothing sized by earlier calls
-    ("auto", [0.25] * 8, True, "cublas", None),  # a gradient for every row's lse: every row counts
-])
-def test_dispatch_passes_the_kernels_what_the_earlier_calls_counted(monkeypatch, asked, shares, every_row, products,
-                                                                     hint):
+@pytest.mark.parametrize(
+    "asked, shares, every_row, products, hint",
+    [
+        ("auto", [0.5] * 8, False, "prefix", 0.5),  # the counted prefix: cuBLAS over the low quantile's rows
+        # a moving share: the row-skipping products, their blocks widened by the 20th percentile (the light calls)
+        ("auto", [0.5, 0.75, 0.25, 0.33, 0.42, 0.5, 0.58, 0.67], False, "triton", 0.33),
+        ("auto", [0.25] * 8, False, "triton", 0.25),
+        ("auto", [1.0] * 8, False, "cublas", None),  # every row counted: no prefix
+        ("triton", [0.25] * 8, False, "triton", None),  # forced: the narrow blocks, nothing sized by earlier calls
+        ("auto", [0.25] * 8, True, "cublas", None),  # a gradient for every row's lse: every row counts
+    ],
+)
+def test_dispatch_passes_the_kernels_what_the_earlier_calls_counted(
+    monkeypatch, asked, shares, every_row, products, hint
+):
     """``_dispatch.backward`` with the kernels stubbed (CPU): the products it hands them, and the hint, the 20th
     percentile of the head's last shares, that sizes the counted prefix or widens the row-skipping products' G blocks
     (``kernels/_backward.py``, ``row_skipping_widen``), whether the call's own count is recorded, and the budget's
@@ -123,8 +130,7 @@ def test_dispatch_passes_the_kernels_what_the_earlier_calls_counted(monkeypatch,
     got = {}
 
     def backward(*args, products, counted_hint, observe_counted, block_width, **kwargs):
-        got.update(products=products, hint=counted_hint, observes=observe_counted is not None,
-                   block_width=block_width)
+        got.update(products=products, hint=counted_hint, observes=observe_counted is not None, block_width=block_width)
         return None, None, None
 
     def lean_widen(facts, backward_row_chunk, counted_prefix):
@@ -136,9 +142,21 @@ def test_dispatch_passes_the_kernels_what_the_earlier_calls_counted(monkeypatch,
     monkeypatch.setattr(_dispatch, "triton_kernels", lambda: kernels)
     monkeypatch.setattr(_dispatch.paths, "lean_widen", lean_widen)
     e, c, t = torch.zeros(4, 16), torch.zeros(vocab, 16), torch.zeros(4, dtype=torch.long)
-    _dispatch.backward(e, c, t, None, torch.zeros(4), torch.zeros(4), softcap=None, ignore_index=-100,
-                       options=CCEOptions(products=asked), need_e=True, need_c=True, need_bias=False,
-                       grad_lse=torch.zeros(4) if every_row else None)
+    _dispatch.backward(
+        e,
+        c,
+        t,
+        None,
+        torch.zeros(4),
+        torch.zeros(4),
+        softcap=None,
+        ignore_index=-100,
+        options=CCEOptions(products=asked),
+        need_e=True,
+        need_c=True,
+        need_bias=False,
+        grad_lse=torch.zeros(4) if every_row else None,
+    )
     assert got["products"] == products
     assert got["hint"] == (None if hint is None else pytest.approx(hint))
     assert got["observes"] == (asked == "auto" and not every_row)
@@ -167,8 +185,9 @@ def test_options_default_and_validation():
 
 
 def test_lean_record_says_how_products_are_chosen():
-    gemma2 = paths.HeadFacts(rows=8192, hidden=2304, vocab=256000, element_size=2, kernels=True, reduction="mean",
-                             needs_grad=True)
+    gemma2 = paths.HeadFacts(
+        rows=8192, hidden=2304, vocab=256000, element_size=2, kernels=True, reduction="mean", needs_grad=True
+    )
     assert "counted rows only" in paths.choose(gemma2).reason
     assert "counted rows only" not in paths.choose(gemma2, products="cublas").reason
     assert "counted rows only" not in paths.choose(gemma2, path="balanced").reason
@@ -191,8 +210,7 @@ def _grads(e, c, targets, options):
 def test_cuda_auto_follows_the_earlier_calls_share(ignore_frac, later):
     # a head shape of its own, so that no other test's calls were seen first
     vocab = 8192 + {0.0: 0, 0.5: 64, 0.75: 192}[ignore_frac]
-    e, c, targets, _ = make_kernel_inputs(1024, vocab, 256, torch.bfloat16, "cuda", ignore_frac=ignore_frac,
-                                          bias=False)
+    e, c, targets, _ = make_kernel_inputs(1024, vocab, 256, torch.bfloat16, "cuda", ignore_frac=ignore_frac, bias=False)
     forced = {kind: _grads(e, c, targets, {"products": kind}) for kind in ("cublas", "triton")}
     cce_inductor.reset_stats()
     first = _grads(e, c, targets, {})
@@ -203,8 +221,11 @@ def test_cuda_auto_follows_the_earlier_calls_share(ignore_frac, later):
     finally:
         torch.cuda.set_sync_debug_mode(0)
     counts = cce_inductor.stats()["backward_products"]
-    assert counts == {"cublas": 1 + 2 * (later == "cublas"), "row_skipping": 2 * (later == "row_skipping"),
-                      "counted_prefix": 2 * (later == "counted_prefix")}, counts
+    assert counts == {
+        "cublas": 1 + 2 * (later == "cublas"),
+        "row_skipping": 2 * (later == "row_skipping"),
+        "counted_prefix": 2 * (later == "counted_prefix"),
+    }, counts
     for x, y in zip(first, forced["cublas"]):
         assert torch.equal(x, y)  # the first call: cuBLAS products, bitwise
     for x, y in zip(second, third):
@@ -228,9 +249,21 @@ def test_cuda_every_row_calls_take_cublas_and_teach_nothing():
     lse = torch.zeros(1024, device="cuda")
     cce_inductor.reset_stats()
     for grad_lse in (torch.ones(1024, device="cuda"), None):
-        _dispatch.backward(e, c, targets, None, lse, torch.full((1024,), 1e-3, device="cuda"), softcap=None,
-                           ignore_index=-100, options=CCEOptions(), need_e=True, need_c=True, need_bias=False,
-                           grad_lse=grad_lse)
+        _dispatch.backward(
+            e,
+            c,
+            targets,
+            None,
+            lse,
+            torch.full((1024,), 1e-3, device="cuda"),
+            softcap=None,
+            ignore_index=-100,
+            options=CCEOptions(),
+            need_e=True,
+            need_c=True,
+            need_bias=False,
+            grad_lse=grad_lse,
+        )
         torch.cuda.synchronize()
     assert cce_inductor.stats()["backward_products"] == {"cublas": 1, "row_skipping": 1, "counted_prefix": 0}
     assert share.latest() == float((targets != -100).sum()) / 1024  # the second call's count, not the first's 1.0

@@ -78,8 +78,9 @@ def make_fn(softcap=None, ignore_index=-100, reduction="mean", upcast=False):
             logits = logits.float()
         if softcap is not None:
             logits = torch.tanh(logits / softcap) * softcap
-        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=ignore_index,
-                               reduction=reduction)  # fmt: skip
+        return F.cross_entropy(
+            logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=ignore_index, reduction=reduction
+        )
 
     return fn
 
@@ -186,8 +187,12 @@ def _run_bad_target_script(mode: str, bad: str, path: str = "auto") -> subproces
     env.pop("TRITON_INTERPRET", None)
     return subprocess.run(
         [sys.executable, "-c", _BAD_TARGET_SCRIPT, mode, bad],
-        capture_output=True, text=True, timeout=300, env=env, cwd=str(REPO),
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+        cwd=str(REPO),
+    )
 
 
 @pytest.mark.slow
@@ -217,9 +222,18 @@ def test_out_of_range_target_fails_loudly(mode, bad, path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode,path", [("eager", "auto"), ("direct", "auto"), ("compiled", "auto"),
-                                       ("direct", "lean"), ("direct", "balanced"), ("compiled", "lean"),
-                                       ("compiled", "balanced")])
+@pytest.mark.parametrize(
+    "mode,path",
+    [
+        ("eager", "auto"),
+        ("direct", "auto"),
+        ("compiled", "auto"),
+        ("direct", "lean"),
+        ("direct", "balanced"),
+        ("compiled", "lean"),
+        ("compiled", "balanced"),
+    ],
+)
 def test_in_range_targets_pass_in_the_same_harness(mode, path):
     """The harness above can fail: with every target in range the same script exits 0 with a finite loss."""
     proc = _run_bad_target_script(mode, "none", path)
@@ -387,8 +401,11 @@ def _logits_model_step(compiled, model, reference, step, shape, dim, vocab):
     want_loss, want_logits = reference(x, labels)
     loss.backward()
     want_loss.backward()
-    assert_same_run((loss.detach().clone(), [p.grad.clone() for p in model.parameters()]),
-                    (want_loss.detach(), [p.grad for p in reference.parameters()]), **FP32)
+    assert_same_run(
+        (loss.detach().clone(), [p.grad.clone() for p in model.parameters()]),
+        (want_loss.detach(), [p.grad for p in reference.parameters()]),
+        **FP32,
+    )
     return logits, want_logits
 
 
@@ -420,8 +437,9 @@ def test_returned_logits_under_cuda_graphs(returned):
                 if returned == "lazy":
                     assert type(logits) is cce_inductor.LazyLogits, type(logits)
                     if not late:
-                        torch.testing.assert_close(logits.float(), want_logits,
-                                                   **{k: FP32[k] for k in ("rtol", "atol")})
+                        torch.testing.assert_close(
+                            logits.float(), want_logits, **{k: FP32[k] for k in ("rtol", "atol")}
+                        )
                 else:
                     assert isinstance(logits, DroppedLogits), type(logits)
                     with pytest.raises(RuntimeError, match="drop"):
@@ -461,8 +479,10 @@ def test_returned_logits_left_alone_under_cuda_graphs_without_graph_partition():
     finally:
         cce_inductor.disable()
     assert_rewritten(0)
-    assert any("compiled with CUDA graphs" in reason and "graph_partition" in reason
-               for reason in cce_inductor.stats()["reasons"])
+    assert any(
+        "compiled with CUDA graphs" in reason and "graph_partition" in reason
+        for reason in cce_inductor.stats()["reasons"]
+    )
     assert _recorded_cuda_graphs() >= 2
 
 
@@ -521,6 +541,7 @@ def test_fp32_with_tf32_matmuls_within_compiles_error(path):
 def test_autocast_bf16_fp32_weights(inside):
     inner = make_fn(softcap=20.0)
     if inside:
+
         def fn(*args):
             with torch.autocast(DEVICE, dtype=torch.bfloat16):
                 return inner(*args)
@@ -678,7 +699,7 @@ def test_edge_cases_like_eager(case, path, dtype):
         got = run(compile_cce(make_fn(**fn_kwargs)), args)
         assert_rewritten(1)
     if case.startswith("all_ignored"):
-        assert (want[0].isnan().all() if fn_kwargs["reduction"] == "mean" else (want[0] == 0).all()), want[0]
+        assert want[0].isnan().all() if fn_kwargs["reduction"] == "mean" else (want[0] == 0).all(), want[0]
         assert all((g == 0).all() for g in want[1])  # eager: no target, no gradient
     if case.startswith("frozen_weight"):
         assert args[1].grad is None and len(want[1]) == len(args) - 2  # no weight gradient anywhere

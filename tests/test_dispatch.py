@@ -37,8 +37,9 @@ def test_a_source_checkout_on_the_path_imports_its_kernels():
         print(_dispatch.uses_kernels(torch.device("cuda"), torch.bfloat16))
         print(kernels.forward.__module__)
     """)
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
-                         env={**os.environ, "PYTHONPATH": ""})
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": ""}
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     lines = out.stdout.splitlines()
     name, path, error = lines[0].split(" ")
@@ -91,6 +92,7 @@ def test_a_top_level_kernels_folder_elsewhere_is_not_taken_for_ours(tmp_path, mo
 
 def test_a_checkout_whose_kernels_cannot_import_falls_back_with_the_reason(monkeypatch):
     """The checkout's own load failing (Triton missing) is the same as no kernels: None and the error, no raise."""
+
     def no_triton(name):
         raise ModuleNotFoundError("No module named 'triton'", name="triton")
 

@@ -220,7 +220,7 @@ def _ddp_worker(rank, world, balanced=False):
     assert {site["path"] for site in stats["sites"] if site["rewritten"]} == {path}, stats["sites"]
     torch.testing.assert_close(_global_mean(loss), ref_loss, rtol=1e-5, atol=1e-6)
     for name, param in model.named_parameters():  # DDP averaged the gradients over the ranks
-        torch.testing.assert_close(param.grad, ref_grads[name], rtol=1e-4, atol=1e-6, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(param.grad, ref_grads[name], rtol=1e-4, atol=1e-6, msg=lambda m: f"{name}: {m}")  # noqa: B023 - called in this iteration
 
 
 def _fsdp_worker(rank, world, layout: str, balanced=False):
@@ -255,7 +255,7 @@ def _fsdp_worker(rank, world, layout: str, balanced=False):
     torch.testing.assert_close(_global_mean(loss), ref_loss, rtol=1e-5, atol=1e-6)
     for name, param in model.named_parameters():  # sharded DTensor gradients (reduce-scattered, averaged)
         grad = param.grad.full_tensor()
-        torch.testing.assert_close(grad, ref_grads[name], rtol=1e-4, atol=1e-6, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(grad, ref_grads[name], rtol=1e-4, atol=1e-6, msg=lambda m: f"{name}: {m}")  # noqa: B023 - called in this iteration
         torch.testing.assert_close(param.full_tensor(), ref_params[name], rtol=0, atol=0)  # all-gathered
 
 
@@ -329,8 +329,25 @@ def test_fsdp2_head_and_loss_unit_is_rewritten(task_results):
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def _vp_case(rank, world, *, impl, dtype, n, dim, vocab, reduction, softcap, bias, ignore_index, ignore_every,
-             tol, seed, options=None, scale=1.0):  # fmt: skip
+def _vp_case(
+    rank,
+    world,
+    *,
+    impl,
+    dtype,
+    n,
+    dim,
+    vocab,
+    reduction,
+    softcap,
+    bias,
+    ignore_index,
+    ignore_every,
+    tol,
+    seed,
+    options=None,
+    scale=1.0,
+):
     gen = torch.Generator().manual_seed(seed)
     e = (torch.randn(n, dim, generator=gen, dtype=torch.float64) * scale).to(dtype)
     c = (torch.randn(vocab, dim, generator=gen, dtype=torch.float64) / math.sqrt(dim)).to(dtype)
@@ -353,9 +370,17 @@ def _vp_case(rank, world, *, impl, dtype, n, dim, vocab, reduction, softcap, bia
     c_mine = c[start : start + v_local].clone().requires_grad_()
     b_mine = None if b is None else b[start : start + v_local].clone().requires_grad_()
     loss = vocab_parallel_linear_cross_entropy(
-        e_mine, c_mine, targets, vocab_start=start, vocab_size=vocab, bias_shard=b_mine, softcap=softcap,
-        ignore_index=ignore_index, reduction=reduction, options=options,
-    )  # fmt: skip
+        e_mine,
+        c_mine,
+        targets,
+        vocab_start=start,
+        vocab_size=vocab,
+        bias_shard=b_mine,
+        softcap=softcap,
+        ignore_index=ignore_index,
+        reduction=reduction,
+        options=options,
+    )
     loss.backward(grad_out.to(loss.dtype))
     label = dict(impl=impl, dtype=dtype, reduction=reduction, softcap=softcap, bias=bias, ignore_index=ignore_index)
     assert loss.shape == ref.shape, label
@@ -391,16 +416,51 @@ def _vp_worker(rank, world, impl):
             for softcap in (None, 4.0):
                 for bias in (False, True):
                     seed += 1
-                    _vp_case(rank, world, **common, vocab=vocab, reduction=reduction, softcap=softcap, bias=bias,
-                             ignore_index=-100, ignore_every=4, seed=seed)  # fmt: skip
+                    _vp_case(
+                        rank,
+                        world,
+                        **common,
+                        vocab=vocab,
+                        reduction=reduction,
+                        softcap=softcap,
+                        bias=bias,
+                        ignore_index=-100,
+                        ignore_every=4,
+                        seed=seed,
+                    )
     # ignore_index inside the vocabulary, in the other rank's shard for rank 0
-    _vp_case(rank, world, **common, vocab=vocabs[0], reduction="mean", softcap=None, bias=False,
-             ignore_index=vocabs[0] - 1, ignore_every=3, seed=100)  # fmt: skip
+    _vp_case(
+        rank,
+        world,
+        **common,
+        vocab=vocabs[0],
+        reduction="mean",
+        softcap=None,
+        bias=False,
+        ignore_index=vocabs[0] - 1,
+        ignore_every=3,
+        seed=100,
+    )
     if impl == "kernels":
         # The backward's other modes: rows whose target is on the other shard count there too.
-        for seed, options in ((200, CCEOptions(exact=True)), (201, CCEOptions(products="triton", backward_row_chunk=8))):
-            _vp_case(rank, world, **common, vocab=vocabs[0], reduction="mean", softcap=None, bias=True,
-                     ignore_index=-100, ignore_every=5, seed=seed, options=options, scale=4.0)  # fmt: skip
+        for seed, options in (
+            (200, CCEOptions(exact=True)),
+            (201, CCEOptions(products="triton", backward_row_chunk=8)),
+        ):
+            _vp_case(
+                rank,
+                world,
+                **common,
+                vocab=vocabs[0],
+                reduction="mean",
+                softcap=None,
+                bias=True,
+                ignore_index=-100,
+                ignore_every=5,
+                seed=seed,
+                options=options,
+                scale=4.0,
+            )
     # Every row ignored: mean is NaN (0/0) as in PyTorch, gradients are 0.
     n, dim, vocab = 6, 8, vocabs[0]
     start, v_local = vocab_shard_range(vocab, rank, world)
@@ -413,9 +473,7 @@ def _vp_worker(rank, world, impl):
     assert (e.grad == 0).all() and (c.grad == 0).all()
     # Out-of-range targets raise, as in F.cross_entropy.
     with pytest.raises(IndexError):
-        vocab_parallel_linear_cross_entropy(
-            e, c, torch.full((n,), vocab), vocab_start=start, vocab_size=vocab
-        )  # fmt: skip
+        vocab_parallel_linear_cross_entropy(e, c, torch.full((n,), vocab), vocab_start=start, vocab_size=vocab)
 
 
 def _vp_compiled_worker(rank, world):
@@ -431,7 +489,7 @@ def _vp_compiled_worker(rank, world):
     def step(e, c_shard, targets):
         return vocab_parallel_linear_cross_entropy(
             torch.tanh(e), c_shard, targets, vocab_start=start, vocab_size=vocab, softcap=3.0
-        )  # fmt: skip
+        )
 
     grads = []
     for fn in (step, torch.compile(step, backend="inductor", fullgraph=True)):

@@ -43,7 +43,7 @@ def loss_and_grads(model, fn, *inputs):
 def assert_grads_close(got: dict, want: dict):
     assert got.keys() == want.keys()
     for name in want:
-        torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")  # noqa: B023 - called in this iteration
 
 
 def op_was_called(fn) -> bool:
@@ -145,9 +145,11 @@ def test_backend_options_reach_the_pass(no_inductor_caches):
         torch.compile(fn, backend=cce_inductor.make_backend(options), fullgraph=True)(*inputs(4))
     assert len(seen) == 1 and isinstance(seen[0], CCEGraphPass)
     assert seen[0].options == options
-    assert seen[0].uuid() == CCEGraphPass(options, chained=seen[0].chained).uuid() != CCEGraphPass(
-        CCEOptions(), chained=seen[0].chained
-    ).uuid()
+    assert (
+        seen[0].uuid()
+        == CCEGraphPass(options, chained=seen[0].chained).uuid()
+        != CCEGraphPass(CCEOptions(), chained=seen[0].chained).uuid()
+    )
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -230,8 +232,9 @@ def test_enable_reads_env(monkeypatch, clean_env, restore_hook):
     try:
         ours = cce_inductor.enable()
         assert ours.options == CCEOptions(exact=True, backward_row_chunk=4096)
-        assert cce_inductor.enable(products="triton").options == CCEOptions(exact=True, products="triton",
-                                                                             backward_row_chunk=4096)
+        assert cce_inductor.enable(products="triton").options == CCEOptions(
+            exact=True, products="triton", backward_row_chunk=4096
+        )
     finally:
         cce_inductor.disable()
 
@@ -327,7 +330,7 @@ def kernel_cache_dir(tmp_path_factory):
 
 
 # (d) An unmodified nanoGPT-style training script: no cce_inductor until it reads the stats at the end.
-NANOGPT_SCRIPT = '''
+NANOGPT_SCRIPT = """
 import json
 import math
 
@@ -422,7 +425,7 @@ import cce_inductor  # only to read what the pass did
 
 print(json.dumps({"losses": losses, "rewritten": cce_inductor.stats()["rewritten"],
                   "reasons": cce_inductor.stats()["reasons"]}))
-'''
+"""
 
 
 @pytest.mark.slow
@@ -432,8 +435,9 @@ def test_env_autoload_rewrites_unmodified_script(tmp_path, kernel_cache_dir):
     # nanoGPT returns the logits too, so the site is only rewritten with CCE_INDUCTOR_DROP_LOGITS=1
     env = subprocess_env(kernel_cache_dir, CCE_INDUCTOR="1", CCE_INDUCTOR_DROP_LOGITS="1")
     with_cce = last_json(run_python([str(script)], env, tmp_path).stdout)
-    eager = last_json(run_python([str(script)], subprocess_env(kernel_cache_dir, TORCH_COMPILE_DISABLE="1"),
-                                 tmp_path).stdout)
+    eager = last_json(
+        run_python([str(script)], subprocess_env(kernel_cache_dir, TORCH_COMPILE_DISABLE="1"), tmp_path).stdout
+    )
     assert with_cce["rewritten"] == 1, with_cce
     assert eager["rewritten"] == 0
     assert with_cce["losses"][0] == pytest.approx(eager["losses"][0], rel=1e-6)
@@ -455,7 +459,8 @@ def test_autoload_on_enables_at_import_torch(tmp_path, kernel_cache_dir):
     env = subprocess_env(kernel_cache_dir, CCE_INDUCTOR="1", CCE_INDUCTOR_EXACT="1")
     code = (
         "import torch, sys; import torch._inductor.config as c; "
-        "print('cce_inductor' in sys.modules, type(c.pre_grad_custom_pass).__name__, c.pre_grad_custom_pass.options.exact)"
+        "print('cce_inductor' in sys.modules, type(c.pre_grad_custom_pass).__name__, "
+        "c.pre_grad_custom_pass.options.exact)"
     )
     assert run_python(["-c", code], env, tmp_path).stdout.split() == ["True", "CCEGraphPass", "True"]
 
@@ -474,7 +479,9 @@ def test_autoload_broken_install_warns_and_torch_still_imports(tmp_path, kernel_
 
 
 # (e) backend="cce" through the torch_dynamo_backends entry point; (f) the caches.
-BACKEND_SCRIPT = MODEL_SRC + '''
+BACKEND_SCRIPT = (
+    MODEL_SRC
+    + """
 import json
 import sys
 
@@ -515,7 +522,8 @@ print(json.dumps({
     "inductor": {k: v for k, v in counters["inductor"].items() if "cache" in k},
     "aot_autograd": {k: v for k, v in counters["aot_autograd"].items() if "cache" in k},
 }))
-'''
+"""
+)
 
 
 def _check_run(result, balanced=False):
@@ -566,8 +574,12 @@ def test_caches_hit_across_processes_and_miss_on_option_change(tmp_path, kernel_
     assert "the fused op ran 2 times" in second["summary"], second["summary"]
 
     # every option the op reads (drop_logits changes the graph: see the uuid tests in tests/test_options.py)
-    for variable, value in [("CCE_INDUCTOR_EXACT", "1"), ("CCE_INDUCTOR_PRODUCTS", "triton"),
-                            ("CCE_INDUCTOR_BACKWARD_ROW_CHUNK", "2048"), ("CCE_INDUCTOR_SCRATCH_MB", "64")]:
+    for variable, value in [
+        ("CCE_INDUCTOR_EXACT", "1"),
+        ("CCE_INDUCTOR_PRODUCTS", "triton"),
+        ("CCE_INDUCTOR_BACKWARD_ROW_CHUNK", "2048"),
+        ("CCE_INDUCTOR_SCRATCH_MB", "64"),
+    ]:
         changed = run(**{variable: value})
         assert hits(changed) == 0, (variable, changed)
         assert changed["rewritten"] == 1, (variable, changed)

@@ -53,10 +53,24 @@ def test_rl_grpo(tmp_path):
 @pytest.mark.slow
 def test_distributed(tmp_path):
     # torchrun, as the README launches it (python -m torch.distributed.run is the same entry point)
-    out = _run(["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "examples/distributed.py",
-                "--device", "cpu"], tmp_path)
+    out = _run(
+        [
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            "examples/distributed.py",
+            "--device",
+            "cpu",
+        ],
+        tmp_path,
+    )
     assert out.count("rewrote 1 of 1 loss sites") == 2, out  # DDP: each rank
     for rank in (0, 1):
-        ours, whole = _close(out, rf"\[tp\] rank {rank}: .* loss ([0-9.]+) \(F.cross_entropy on the whole head: "
-                                  r"([0-9.]+)\)")
+        ours, whole = _close(
+            out,
+            rf"\[tp\] rank {rank}: .* loss ([0-9.]+) \(F.cross_entropy on the whole head: "
+            r"([0-9.]+)\)",
+        )
         assert abs(ours - whole) <= 1e-5 * whole, out

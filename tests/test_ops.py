@@ -53,8 +53,18 @@ def test_matches_eager(dtype, bias, softcap, reduction):
 @pytest.mark.parametrize("ignore", ["some", "all"])
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
 def test_label_smoothing_matches_eager(dtype, label_smoothing, ignore, reduction):
-    check_against_eager((5, 7), 53, 24, dtype, bias=True, softcap=4.0, reduction=reduction, ignore=ignore,
-                        ignore_index=2, label_smoothing=label_smoothing)
+    check_against_eager(
+        (5, 7),
+        53,
+        24,
+        dtype,
+        bias=True,
+        softcap=4.0,
+        reduction=reduction,
+        ignore=ignore,
+        ignore_index=2,
+        label_smoothing=label_smoothing,
+    )
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=str)
@@ -120,7 +130,13 @@ def test_leading_dims_3d():
 
 def test_int32_targets():
     check_against_eager(
-        (4, 9), 29, 8, torch.float32, bias=True, softcap=None, reduction="mean",
+        (4, 9),
+        29,
+        8,
+        torch.float32,
+        bias=True,
+        softcap=None,
+        reduction="mean",
         transform=lambda e, c, t, b: (e, c, t.to(torch.int32), b),
     )
 
@@ -140,9 +156,7 @@ def test_non_contiguous_inputs(dtype):
         return e_strided, c_t, t, b_strided
 
     for reduction in ("mean", "none"):
-        check_against_eager(
-            (21,), 27, 12, dtype, bias=True, softcap=2.5, reduction=reduction, transform=transform
-        )
+        check_against_eager((21,), 27, 12, dtype, bias=True, softcap=2.5, reduction=reduction, transform=transform)
 
 
 def test_reduction_none_with_expanded_grad_output():
@@ -162,7 +176,13 @@ def test_reduction_none_with_expanded_grad_output():
 def test_large_logits_are_stable(dtype):
     """Logits in the hundreds: the online log-sum-exp must not overflow."""
     check_against_eager(
-        (17,), 29, 8, dtype, bias=False, softcap=None, reduction="mean",
+        (17,),
+        29,
+        8,
+        dtype,
+        bias=False,
+        softcap=None,
+        reduction="mean",
         transform=lambda e, c, t, b: (e * 300.0, c, t, b),
     )
 
@@ -237,8 +257,23 @@ def test_backward_op_gradients_not_needed_are_empty_and_distinct():
     lse = torch.logsumexp(e @ c.T, dim=1)
     for need_e, need_c, need_bias in [(True, False, False), (False, True, False), (False, False, False)]:
         grads = ops.linear_cross_entropy_backward_op(
-            torch.tensor(1.0, dtype=torch.float64), e, c, t, None, lse, None, None, None, None, -100, "mean", 0.0,
-            OPTIONS, need_e, need_c, need_bias,
+            torch.tensor(1.0, dtype=torch.float64),
+            e,
+            c,
+            t,
+            None,
+            lse,
+            None,
+            None,
+            None,
+            None,
+            -100,
+            "mean",
+            0.0,
+            OPTIONS,
+            need_e,
+            need_c,
+            need_bias,
         )
         for grad, needed, full in zip(grads, (need_e, need_c, False), (e, c, None)):
             assert grad.shape == (full.shape if needed else (0,))
@@ -317,7 +352,9 @@ def test_autocast_cpu_bf16_matches_eager(bias):
         assert x.grad.dtype == torch.float32  # gradients flow back through the cast to the fp32 leaves
         assert rel_err(x.grad, y.grad) <= tol, rel_err(x.grad, y.grad)
     # and against fp64 from the bf16-rounded inputs
-    ref64 = eager_loss(*(x.detach().bfloat16().double() for x in (e, c)), t, None if b is None else b.bfloat16().double())
+    ref64 = eager_loss(
+        *(x.detach().bfloat16().double() for x in (e, c)), t, None if b is None else b.bfloat16().double()
+    )
     assert rel_err(loss, ref64) <= tol
 
 
@@ -354,8 +391,19 @@ def test_autocast_does_not_change_the_op_precision():
 @pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
 def test_opcheck_forward(reduction, softcap, bias):
     e, c, t, b = make_op_inputs((6,), 10, 4, torch.float64, bias=bias)
-    args = (e.requires_grad_(), c.requires_grad_(), t, None if b is None else b.requires_grad_(),
-            softcap, -100, reduction, 0.0, OPTIONS, reduction == "mean", reduction != "sum")
+    args = (
+        e.requires_grad_(),
+        c.requires_grad_(),
+        t,
+        None if b is None else b.requires_grad_(),
+        softcap,
+        -100,
+        reduction,
+        0.0,
+        OPTIONS,
+        reduction == "mean",
+        reduction != "sum",
+    )
     torch.library.opcheck(ops.linear_cross_entropy_op, args)
 
 
@@ -367,7 +415,8 @@ def test_opcheck_forward_low_precision(dtype):
 
 
 @pytest.mark.parametrize(
-    "needs", [(True, True, True), (True, True, False), (False, True, True), (True, False, True)],
+    "needs",
+    [(True, True, True), (True, True, False), (False, True, True), (True, False, True)],
     ids=["all", "no_bias", "no_e", "no_c"],
 )
 @pytest.mark.parametrize("reduction", ["none", "mean"])
@@ -387,8 +436,25 @@ def test_opcheck_backward_two_grads_not_needed():
     # Regression: see test_frozen_weight_without_bias (the same `empty` tensor returned for two outputs).
     e, c, t, _ = make_op_inputs((6,), 10, 4, torch.float64)
     lse = torch.logsumexp(F.linear(e, c), dim=1)
-    args = (torch.tensor(0.5, dtype=torch.float64), e, c, t, None, lse, None, None, None, None, -100, "mean", 0.0,
-            OPTIONS, True, False, False)
+    args = (
+        torch.tensor(0.5, dtype=torch.float64),
+        e,
+        c,
+        t,
+        None,
+        lse,
+        None,
+        None,
+        None,
+        None,
+        -100,
+        "mean",
+        0.0,
+        OPTIONS,
+        True,
+        False,
+        False,
+    )
     torch.library.opcheck(ops.linear_cross_entropy_backward_op, args)
 
 
@@ -400,8 +466,21 @@ def test_opcheck_backward_two_grads_not_needed():
 def test_opcheck():
     e, c, t, b = make_balanced_inputs(9, 30, 8, torch.float32, bias=True)
     for reduction in ("mean", "sum"):
-        args = (e.requires_grad_(), c.requires_grad_(), t, b.requires_grad_(), 4.0, IGNORE, reduction, 0.1,
-                BALANCED.encode(), True, True, True, False)
+        args = (
+            e.requires_grad_(),
+            c.requires_grad_(),
+            t,
+            b.requires_grad_(),
+            4.0,
+            IGNORE,
+            reduction,
+            0.1,
+            BALANCED.encode(),
+            True,
+            True,
+            True,
+            False,
+        )
         torch.library.opcheck(torch.ops.cce_inductor.linear_cross_entropy_with_grads.default, args)
 
 
@@ -409,13 +488,15 @@ def test_backward_scales_saved_gradients_and_refuses_missing_ones():
     e, c, t, _ = make_balanced_inputs(10, 30, 8, torch.float32)
     e.requires_grad_()
     loss, grad_e, grad_c, *_ = torch.ops.cce_inductor.linear_cross_entropy_with_grads(
-        e, c, t, None, None, IGNORE, "sum", 0.0, BALANCED.encode(), True, False, False, False)
+        e, c, t, None, None, IGNORE, "sum", 0.0, BALANCED.encode(), True, False, False, False
+    )
     assert grad_c.numel() == 0 and not grad_e.requires_grad
     (ge,) = torch.autograd.grad(loss * 2.0, [e])
     assert torch.equal(ge, grad_e * 2.0)
     # c requires grad but its gradient was not computed: loud, never a silent None / zero
     loss, *_ = torch.ops.cce_inductor.linear_cross_entropy_with_grads(
-        e, c.requires_grad_(), t, None, None, IGNORE, "sum", 0.0, BALANCED.encode(), True, False, False, False)
+        e, c.requires_grad_(), t, None, None, IGNORE, "sum", 0.0, BALANCED.encode(), True, False, False, False
+    )
     with pytest.raises(RuntimeError, match="told not to compute"):
         torch.autograd.grad(loss, [c])
 
@@ -455,8 +536,7 @@ def test_compile_fullgraph_dynamic_no_recompile():
     assert sum(counters["graph_break"].values()) == 0
     # the compiled graph calls our op, not a decomposition
     assert any(
-        node.target is torch.ops.cce_inductor.linear_cross_entropy.default
-        for node in counter.graphs[-1].graph.nodes
+        node.target is torch.ops.cce_inductor.linear_cross_entropy.default for node in counter.graphs[-1].graph.nodes
     )
     torch._dynamo.reset()
 
@@ -474,10 +554,12 @@ def test_entropy_output_matches_eager(dtype, softcap, ignore):
     eager computed in fp64 from the same inputs; the loss is unchanged by asking for the entropy."""
     e, c, t, b = make_op_inputs((23,), 31, 8, dtype, bias=True, ignore=ignore)
     leaves = [x.detach().clone().requires_grad_() for x in (e, c, b)]
-    loss, lse, entropy, _ = ops.linear_cross_entropy_op(*leaves[:2], t, leaves[2], softcap, -100, "none", 0.0, OPTIONS,
-                                                     False, True)  # fmt: skip
-    plain_loss, _, no_entropy, _ = ops.linear_cross_entropy_op(e, c, t, b, softcap, -100, "none", 0.0, OPTIONS, False,
-                                                            False)  # fmt: skip
+    loss, lse, entropy, _ = ops.linear_cross_entropy_op(
+        *leaves[:2], t, leaves[2], softcap, -100, "none", 0.0, OPTIONS, False, True
+    )
+    plain_loss, _, no_entropy, _ = ops.linear_cross_entropy_op(
+        e, c, t, b, softcap, -100, "none", 0.0, OPTIONS, False, False
+    )
     assert no_entropy.shape == (0,)
     torch.testing.assert_close(loss, plain_loss)
     gen = torch.Generator().manual_seed(1)  # not the global RNG: the result must not depend on the tests run before

@@ -14,7 +14,6 @@ import cce_inductor
 from cce_inductor.graph_pass import CCEGraphPass
 from cce_inductor.options import CCEOptions
 
-
 # ----------------------------------------------------------------------------------------------------------------
 # Caches: every option is part of the pass's uuid
 # ----------------------------------------------------------------------------------------------------------------
@@ -104,8 +103,12 @@ def test_environment_covers_every_field(monkeypatch):
 
 @pytest.mark.parametrize(
     "variable, value, error",
-    [("CCE_INDUCTOR_EXACT", "maybe", "is not a boolean"), ("CCE_INDUCTOR_BACKWARD_ROW_CHUNK", "8k", "not an integer"),
-     ("CCE_INDUCTOR_BACKWARD_ROW_CHUNK", "-1", "must be >= 0"), ("CCE_INDUCTOR_PRODUCTS", "cutlass", "'cublas' or")],
+    [
+        ("CCE_INDUCTOR_EXACT", "maybe", "is not a boolean"),
+        ("CCE_INDUCTOR_BACKWARD_ROW_CHUNK", "8k", "not an integer"),
+        ("CCE_INDUCTOR_BACKWARD_ROW_CHUNK", "-1", "must be >= 0"),
+        ("CCE_INDUCTOR_PRODUCTS", "cutlass", "'cublas' or"),
+    ],
 )
 def test_bad_environment_options_fail_loudly(monkeypatch, variable, value, error):
     monkeypatch.setenv(variable, value)
@@ -115,10 +118,12 @@ def test_bad_environment_options_fail_loudly(monkeypatch, variable, value, error
 
 @pytest.mark.parametrize(
     "variable, value, error",
-    [("CCE_INDUCTOR_PATH", "fast", "CCE_INDUCTOR_PATH='fast': path must be 'auto', 'lean' or 'balanced'"),
-     ("CCE_INDUCTOR_SCRATCH_MB", "-5", "CCE_INDUCTOR_SCRATCH_MB='-5': scratch_mb must be >= 0"),
-     ("CCE_INDUCTOR_SCRATCH_MB", "abc", "CCE_INDUCTOR_SCRATCH_MB='abc' is not an integer"),
-     ("CCE_INDUCTOR_PATHS", "lean", r"unknown cce_inductor environment option\(s\) \['CCE_INDUCTOR_PATHS'\]")],
+    [
+        ("CCE_INDUCTOR_PATH", "fast", "CCE_INDUCTOR_PATH='fast': path must be 'auto', 'lean' or 'balanced'"),
+        ("CCE_INDUCTOR_SCRATCH_MB", "-5", "CCE_INDUCTOR_SCRATCH_MB='-5': scratch_mb must be >= 0"),
+        ("CCE_INDUCTOR_SCRATCH_MB", "abc", "CCE_INDUCTOR_SCRATCH_MB='abc' is not an integer"),
+        ("CCE_INDUCTOR_PATHS", "lean", r"unknown cce_inductor environment option\(s\) \['CCE_INDUCTOR_PATHS'\]"),
+    ],
 )
 def test_environment_errors_name_the_variable(monkeypatch, clean_env, variable, value, error):
     """A bad value says which variable holds it, and a misspelt name is an error, not an option left at its default;
@@ -132,9 +137,15 @@ def test_environment_errors_name_the_variable(monkeypatch, clean_env, variable, 
 
 @pytest.mark.parametrize(
     "kwargs, error",
-    [(dict(exact=1), "must be a bool"), (dict(products="TRITON"), "'cublas' or"), (dict(backward_row_chunk=2.0), "int"),
-     (dict(backward_row_chunk=True), "int"), (dict(scratch_mb=-1), ">= 0"), (dict(scratch_mb=0.5), "int"),
-     (dict(filter_eps=0.1), "unknown cce_inductor option")],
+    [
+        (dict(exact=1), "must be a bool"),
+        (dict(products="TRITON"), "'cublas' or"),
+        (dict(backward_row_chunk=2.0), "int"),
+        (dict(backward_row_chunk=True), "int"),
+        (dict(scratch_mb=-1), ">= 0"),
+        (dict(scratch_mb=0.5), "int"),
+        (dict(filter_eps=0.1), "unknown cce_inductor option"),
+    ],
 )
 def test_bad_keyword_options_fail_loudly(kwargs, error):
     with pytest.raises((ValueError, TypeError), match=error):

@@ -20,19 +20,23 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import cce_inductor
-from cce_inductor import CCEOptions
+from cce_inductor import CCEOptions, paths
 from tests.support.compare import rel_l2
-from cce_inductor import paths
 from tests.support.inputs import BALANCED, IGNORE, make_balanced_inputs
-
 
 # ----------------------------------------------------------------------------------------------------------------
 # The choice as a pure function
 # ----------------------------------------------------------------------------------------------------------------
 
 HEADS = {  # name: (D, V)
-    "gpt2": (768, 50257), "gpt2-medium": (1024, 50257), "llama2": (4096, 32000), "phi35": (3072, 32064),
-    "v65535": (2048, 65535), "llama3": (4096, 128256), "qwen25-0.5b": (896, 151936), "gemma2": (2304, 256000),
+    "gpt2": (768, 50257),
+    "gpt2-medium": (1024, 50257),
+    "llama2": (4096, 32000),
+    "phi35": (3072, 32064),
+    "v65535": (2048, 65535),
+    "llama3": (4096, 128256),
+    "qwen25-0.5b": (896, 151936),
+    "gemma2": (2304, 256000),
     "deepseek-v3": (7168, 129280),
 }
 
@@ -43,9 +47,17 @@ HEADS = {  # name: (D, V)
 PICKS = {
     4096: {"gpt2": "balanced", "gpt2-medium": "balanced"},
     8192: {"gpt2": "balanced", "gpt2-medium": "balanced", "qwen25-0.5b": "balanced", "v65535": "balanced"},
-    32768: {"gpt2": "balanced", "gpt2-medium": "balanced", "phi35": "balanced", "v65535": "balanced",
-            "llama3": "balanced", "qwen25-0.5b": "balanced", "gemma2": "balanced", "llama2": "balanced",
-            "deepseek-v3": "balanced"},
+    32768: {
+        "gpt2": "balanced",
+        "gpt2-medium": "balanced",
+        "phi35": "balanced",
+        "v65535": "balanced",
+        "llama3": "balanced",
+        "qwen25-0.5b": "balanced",
+        "gemma2": "balanced",
+        "llama2": "balanced",
+        "deepseek-v3": "balanced",
+    },
 }
 
 
@@ -90,8 +102,7 @@ def test_unaligned_vocabularies_count_torch_compiles_padded_bytes(head, n, chunk
     facts = _facts(head, n)
     assert paths.pads_product(facts) and not paths.balanced_scratch(facts, paths.budget(facts))
     limit, padded = paths.balanced_budget(facts)
-    assert padded and limit == max(paths.compile_peak(facts, padded=True) // 2,
-                                   int(1.15 * paths.gradient_bytes(facts)))
+    assert padded and limit == max(paths.compile_peak(facts, padded=True) // 2, int(1.15 * paths.gradient_bytes(facts)))
     assert paths.compile_peak(facts, padded=True) == paths.compile_peak(facts) + n * facts.vocab * 2
     choice = paths.choose(facts)
     assert choice.path == "balanced" and "4 bytes a logit" in choice.reason, choice.reason
@@ -101,10 +112,15 @@ def test_unaligned_vocabularies_count_torch_compiles_padded_bytes(head, n, chunk
     # heads the first budget already fits keep its (smaller) scratch
     assert paths.balanced_budget(_facts(head, 32768)) == (paths.budget(_facts(head, 32768)), False)
     d = HEADS[head][0]
-    aligned = paths.HeadFacts(rows=n, hidden=d, vocab=65536, element_size=2, kernels=True, reduction="mean",
-                              needs_grad=True)
-    for other in (aligned, _facts(head, n, returned_logits=True), _facts(head, n, element_size=4),
-                  _facts(head, n, kernels=False)):
+    aligned = paths.HeadFacts(
+        rows=n, hidden=d, vocab=65536, element_size=2, kernels=True, reduction="mean", needs_grad=True
+    )
+    for other in (
+        aligned,
+        _facts(head, n, returned_logits=True),
+        _facts(head, n, element_size=4),
+        _facts(head, n, kernels=False),
+    ):
         assert not paths.pads_product(other) and paths.balanced_budget(other) == (paths.budget(other), False)
         assert "4 bytes a logit" not in paths.choose(other).reason
 
@@ -143,8 +159,7 @@ def test_host_bound_balanced_sites_are_said():
     for head in ("gpt2", "gpt2-medium"):  # loss-only code, unaligned V: the budget of torch.compile's 4 bytes
         choice = paths.choose(_facts(head, 4096))
         assert choice.path == "balanced" and "may wait on the host" in choice.reason, choice.reason
-    for head, n, kw in (("qwen25-0.5b", 4096, dict(returned_logits=True)), ("gpt2", 8192, {}),
-                        ("gemma2", 32768, {})):
+    for head, n, kw in (("qwen25-0.5b", 4096, dict(returned_logits=True)), ("gpt2", 8192, {}), ("gemma2", 32768, {})):
         choice = paths.choose(_facts(head, n, **kw))
         assert choice.path == "balanced" and "host" not in choice.reason, choice.reason
     assert "may wait on the host" in paths.choose(_facts("gpt2", 4096), path="balanced").reason
@@ -176,7 +191,8 @@ def test_memory_model_matches_the_measured_peaks():
     quick run): within 3% where the kernels' own buffers are modelled (the CUDA caching allocator rounds)."""
     mib = 2**20
     measured = {  # head: (compile, lean, balanced with a 1 GiB scratch), MiB
-        "gemma2": (5162, 1300, 3412), "llama3": (3070, 1259, 3134),
+        "gemma2": (5162, 1300, 3412),
+        "llama3": (3070, 1259, 3134),
     }
     for head, (compile_mb, lean_mb, balanced_mb) in measured.items():
         facts = _facts(head, 8192)
@@ -190,14 +206,15 @@ def test_lean_g_block_widens_for_a_small_n_only():
     same bytes in a wider block (fewer vocabulary steps); a backward_row_chunk below N keeps it narrow (the user
     bounds memory: a wider block would grow dC's fp32 chunk sums)."""
     gemma = _facts("gemma2", 4096)
-    d, v, b = gemma.hidden, gemma.vocab, 2
+    d, b = gemma.hidden, 2
     fixed = paths.gradient_bytes(gemma) + 4096 * d * 4  # gradients + dE in fp32
     assert paths.lean_peak(gemma) == fixed + 4096 * 8192 * b  # N 4096: twice the width
     assert paths.lean_peak(gemma, backward_row_chunk=1024) == fixed + 1024 * 4096 * b + 4096 * d * 4
     big = _facts("gemma2", 8192)
     assert paths.lean_peak(big) - paths.gradient_bytes(big) - 8192 * d * 4 == 8192 * 4096 * b
-    assert paths.lean_peak(_facts("gpt2", 256)) == (paths.gradient_bytes(_facts("gpt2", 256)) + 256 * 768 * 4
-                                                   + 256 * 50257 * b)  # at most V wide
+    assert paths.lean_peak(_facts("gpt2", 256)) == (
+        paths.gradient_bytes(_facts("gpt2", 256)) + 256 * 768 * 4 + 256 * 50257 * b
+    )  # at most V wide
 
 
 def test_lean_g_block_widens_where_the_budget_leaves_room():
@@ -205,8 +222,16 @@ def test_lean_g_block_widens_where_the_budget_leaves_room():
     within the budget (the path choice's: half of torch.compile's), with the default row chunk only (another is the
     user's bound on memory), and never past V. The table: the grid's lean heads (bf16), and the peaks measured with
     the widened blocks on an H200 (engineering log v33; MiB above the inputs, the allocator within 1%)."""
-    widens = {("gemma2", 8192): 4, ("llama3", 8192): 4, ("llama3", 16384): 4, ("deepseek-v3", 8192): 1,
-              ("deepseek-v3", 4096): 2, ("gemma2", 4096): 4, ("llama3", 4096): 1, ("llama2", 8192): 1}
+    widens = {
+        ("gemma2", 8192): 4,
+        ("llama3", 8192): 4,
+        ("llama3", 16384): 4,
+        ("deepseek-v3", 8192): 1,
+        ("deepseek-v3", 4096): 2,
+        ("gemma2", 4096): 4,
+        ("llama3", 4096): 1,
+        ("llama2", 8192): 1,
+    }
     for (head, n), want in widens.items():
         facts = _facts(head, n)
         got = paths.lean_widen(facts)
@@ -251,8 +276,14 @@ def test_lean_g_block_widens_on_counted_prefix_calls_with_their_dc_sums_counted(
         d, v = more[head]
         return dataclasses.replace(_facts("gemma2", n), hidden=d, vocab=v)
 
-    widens = {("gemma2", 8192): 4, ("llama3", 8192): 2, ("qwen25-7b", 8192): 4, ("v100352", 8192): 4,
-              ("mistral-nemo", 8192): 1, ("gemma2", 4096): 2}
+    widens = {
+        ("gemma2", 8192): 4,
+        ("llama3", 8192): 2,
+        ("qwen25-7b", 8192): 4,
+        ("v100352", 8192): 4,
+        ("mistral-nemo", 8192): 1,
+        ("gemma2", 4096): 2,
+    }
     for (head, n), want in widens.items():
         facts = facts_of(head, n)
         got = paths.lean_widen(facts, 8192, True)
@@ -265,25 +296,36 @@ def test_lean_g_block_widens_on_counted_prefix_calls_with_their_dc_sums_counted(
         width = paths.lean_block_width(facts, 8192, got)
         assert paths.lean_peak(facts, 8192, got, True) - paths.lean_peak(facts, 8192, got) == width * facts.hidden * 4
     # stats() names the narrower block where the prefix's sums make it differ
-    assert "8192 columns (2x, est. peak 1450 MiB) on calls that take the counted-prefix products" \
+    assert (
+        "8192 columns (2x, est. peak 1450 MiB) on calls that take the counted-prefix products"
         in paths.choose(_facts("llama3", 8192)).reason
+    )
     assert "counted-prefix products, whose" not in paths.choose(_facts("gemma2", 8192)).reason
     mib = 2**20
-    measured = {("gemma2", 8192, 1): 1334, ("gemma2", 8192, 2): 1434, ("gemma2", 8192, 4): 1634,
-                ("llama3", 8192, 2): 1450, ("llama3", 8192, 4): 1706, ("qwen25-7b", 8192, 4): 1688,
-                ("v100352", 8192, 4): 872}
+    measured = {
+        ("gemma2", 8192, 1): 1334,
+        ("gemma2", 8192, 2): 1434,
+        ("gemma2", 8192, 4): 1634,
+        ("llama3", 8192, 2): 1450,
+        ("llama3", 8192, 4): 1706,
+        ("qwen25-7b", 8192, 4): 1688,
+        ("v100352", 8192, 4): 872,
+    }
     for (head, n, widen), peak_mb in measured.items():
         assert abs(paths.lean_peak(facts_of(head, n), 8192, widen, True) / mib / peak_mb - 1) < 0.01, (head, widen)
 
 
-@pytest.mark.parametrize("facts_kw, reason", [
-    (dict(reduction="none"), "reduction='none'"),
-    (dict(per_row_outputs=True), "per-row outputs"),
-    (dict(needs_grad=False), "no gradient is needed"),
-    (dict(lse_reused=True), "log-sum-exp is used beyond the loss"),
-    (dict(kernels=False), "chunked PyTorch path"),
-    (dict(rows=100), "too few"),
-])
+@pytest.mark.parametrize(
+    "facts_kw, reason",
+    [
+        (dict(reduction="none"), "reduction='none'"),
+        (dict(per_row_outputs=True), "per-row outputs"),
+        (dict(needs_grad=False), "no gradient is needed"),
+        (dict(lse_reused=True), "log-sum-exp is used beyond the loss"),
+        (dict(kernels=False), "chunked PyTorch path"),
+        (dict(rows=100), "too few"),
+    ],
+)
 def test_lean_only_facts(facts_kw, reason):
     """Facts under which the default is lean whatever the memory (N 32768 on GPT-2's head: balanced otherwise)."""
     choice = paths.choose(_facts("gpt2", 32768, **{**dict(rows=32768), **facts_kw}))
@@ -312,13 +354,16 @@ def test_scratch_at_run_time():
     assert paths.scratch_for(_facts("gpt2", 8192), scratch_mb=3) == 3 * 2**20
 
 
-@pytest.mark.parametrize("d, v, n, want", [
-    (2304, 256000, 8192, "balanced"),  # Gemma-2's head
-    (2304, 256000, 3072, "balanced"),  # Gemma-2's at 3072 rows
-    (2048, 128256, 4096, "balanced"),  # Llama-3.2-1B's
-    (2304, 256000, 2048, "lean"),  # Gemma-2's at 2048 rows: the gradients' 4 bytes an element alone are over half
-    (4096, 128256, 4096, "lean"),  # Llama-3 8B's at 4096 rows: likewise
-])
+@pytest.mark.parametrize(
+    "d, v, n, want",
+    [
+        (2304, 256000, 8192, "balanced"),  # Gemma-2's head
+        (2304, 256000, 3072, "balanced"),  # Gemma-2's at 3072 rows
+        (2048, 128256, 4096, "balanced"),  # Llama-3.2-1B's
+        (2304, 256000, 2048, "lean"),  # Gemma-2's at 2048 rows: the gradients' 4 bytes an element alone are over half
+        (4096, 128256, 4096, "lean"),  # Llama-3 8B's at 4096 rows: likewise
+    ],
+)
 def test_returned_logits_count_in_torch_compiles_peak(d, v, n, want):
     """Where the graph also returns the logits (Hugging Face models), torch.compile of the same code holds more
     than the loss-only code's 2 bytes per bf16 logit: 5.5-7.4 measured at full depth (engineering log v25), modelled
@@ -341,11 +386,14 @@ def test_returned_logits_count_in_torch_compiles_peak(d, v, n, want):
     assert paths.budget(returned) < paths.compile_peak(plain) + n * v * 2
 
 
-@pytest.mark.parametrize("d, n, want", [
-    (2304, 2560, "balanced"),  # Gemma-2-2B's head at 2560 rows: lean if its 4th block is not counted
-    (4608, 4096, "balanced"),  # Gemma-2-27B's at 4096 rows: likewise
-    (2304, 2048, "lean"),  # Gemma-2-2B's at 2048 rows: the gradients' 4 bytes an element alone are over half
-])
+@pytest.mark.parametrize(
+    "d, n, want",
+    [
+        (2304, 2560, "balanced"),  # Gemma-2-2B's head at 2560 rows: lean if its 4th block is not counted
+        (4608, 4096, "balanced"),  # Gemma-2-27B's at 4096 rows: likewise
+        (2304, 2048, "lean"),  # Gemma-2-2B's at 2048 rows: the gradients' 4 bytes an element alone are over half
+    ],
+)
 def test_softcapped_returned_logits_count_one_more_block(d, n, want):
     """Where the returned logits are softcapped, torch.compile's step peak holds four logits-sized blocks of the
     input's width, not three (Gemma-2-2B: 8.0 bytes per bf16 logit against GPT-2 medium's and Llama-3.2-1B's 6.0;
@@ -413,9 +461,11 @@ def test_public_function_chooses_the_path_and_matches_the_lean_one(dtype):
     assert "cce_inductor.linear_cross_entropy.default" in _ops_called(lambda: run(CCEOptions(), 1.0))
     with torch.no_grad():
         assert _ops_called(lambda: cce_inductor.linear_cross_entropy(e, c, t, options=BALANCED)) == {
-            "cce_inductor.linear_cross_entropy.default"}
+            "cce_inductor.linear_cross_entropy.default"
+        }
     assert _ops_called(lambda: cce_inductor.linear_cross_entropy(e, c, t, reduction="none", options=BALANCED)) == {
-        "cce_inductor.linear_cross_entropy.default"}
+        "cce_inductor.linear_cross_entropy.default"
+    }
 
     for upstream in (1.0, 0.25, 3.0):
         lean_loss, lean = run(CCEOptions(), upstream)
@@ -495,8 +545,10 @@ def test_pass_takes_the_balanced_path_and_matches_eager(setting, no_inductor_cac
     for mine, theirs in zip(grads, want):
         assert rel_l2(mine, theirs) < 1e-5
     if setting == "dynamic":  # another batch size reuses the dynamic graph
-        assert all("the batch is symbolic: chosen for 21 rows (the batch it was traced with)" in s["reason"]
-                   for s in stats["sites"]), stats["sites"]
+        assert all(
+            "the batch is symbolic: chosen for 21 rows (the batch it was traced with)" in s["reason"]
+            for s in stats["sites"]
+        ), stats["sites"]
         ids2, labels2 = _data(b=5, t=4, seed=1)
         want_loss2, want2 = _eager_run(model, ids2, labels2)
         compiled = torch.compile(model, backend=cce_inductor.make_backend(BALANCED), dynamic=True)
@@ -507,13 +559,16 @@ def test_pass_takes_the_balanced_path_and_matches_eager(setting, no_inductor_cac
             assert rel_l2(mine, theirs) < 1e-5
 
 
-@pytest.mark.parametrize("setting, reason", [
-    ("none", "lean path: reduction='none'"),
-    ("no_grad", "lean path: no gradient is needed"),
-    ("frozen_all", "lean path: no gradient is needed"),
-    ("z_loss", "lean path: the log-sum-exp is used beyond the loss"),
-    ("scratch_0", None),
-])
+@pytest.mark.parametrize(
+    "setting, reason",
+    [
+        ("none", "lean path: reduction='none'"),
+        ("no_grad", "lean path: no gradient is needed"),
+        ("frozen_all", "lean path: no gradient is needed"),
+        ("z_loss", "lean path: the log-sum-exp is used beyond the loss"),
+        ("scratch_0", None),
+    ],
+)
 def test_pass_keeps_the_lean_path_where_the_balanced_one_does_not_apply(setting, reason, no_inductor_caches):
     torch.manual_seed(0)
     model = Head()
@@ -557,8 +612,9 @@ class HeadReturningLogits(Head):
 
 
 @pytest.mark.parametrize("returns_logits, softcap", [(True, None), (False, None), (True, 5.0)])
-def test_pass_tells_the_choice_and_the_op_whether_the_graph_returns_logits(returns_logits, softcap, monkeypatch,
-                                                                            no_inductor_caches):
+def test_pass_tells_the_choice_and_the_op_whether_the_graph_returns_logits(
+    returns_logits, softcap, monkeypatch, no_inductor_caches
+):
     """The facts the pass chooses from, and the ones the balanced op sizes its scratch from at run time, both say
     whether the graph returns the logits and whether they are softcapped (paths.HeadFacts.returned_logits,
     .softcapped); the results match eager, the returned (lazy) logits included."""
@@ -569,6 +625,7 @@ def test_pass_tells_the_choice_and_the_op_whether_the_graph_returns_logits(retur
         def call(facts, *args, **kwargs):
             seen[name].append((facts.returned_logits, facts.softcapped))
             return fn(facts, *args, **kwargs)
+
         return call
 
     monkeypatch.setattr(paths, "choose", spy("choose", choose))
@@ -640,8 +697,9 @@ def test_pass_balanced_gemma_style_softcap_and_label_smoothing(no_inductor_cache
         def forward(self, ids, labels):
             h = torch.tanh(self.proj(self.embed(ids)))
             logits = torch.tanh(self.head(h) / 30.0) * 30.0
-            return F.cross_entropy(logits.float().view(-1, self.head.out_features), labels.view(-1),
-                                   label_smoothing=0.1)
+            return F.cross_entropy(
+                logits.float().view(-1, self.head.out_features), labels.view(-1), label_smoothing=0.1
+            )
 
     torch.manual_seed(0)
     model = SoftcapHead()

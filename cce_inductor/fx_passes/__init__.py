@@ -30,7 +30,10 @@ from .tensor_parallel import rewrite_tensor_parallel_sites
 from .token_log_probs import rewrite_token_log_probs
 
 __all__ = [
-    "rewrite_entropy", "rewrite_graph", "rewrite_linear_cross_entropy", "rewrite_tensor_parallel_sites",
+    "rewrite_entropy",
+    "rewrite_graph",
+    "rewrite_linear_cross_entropy",
+    "rewrite_tensor_parallel_sites",
     "rewrite_token_log_probs",
 ]
 

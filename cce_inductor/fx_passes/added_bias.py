@@ -25,7 +25,7 @@ itself refuses a second bias, a bias added after a scale or a softcap, and one a
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 import torch
 import torch.fx as fx
@@ -33,7 +33,7 @@ import torch.fx as fx
 from .spellings import ADD, INPLACE_ADD, const_float, example_value, matches
 
 
-def match_bias_add(node: fx.Node, vocab: Any) -> Optional[tuple[fx.Node, fx.Node]]:
+def match_bias_add(node: fx.Node, vocab: Any) -> tuple[fx.Node, fx.Node] | None:
     """``(x, bias)`` where ``node`` adds a ``(V,)`` tensor to ``x`` (logits rows): ``x + bias``, ``bias + x``,
     ``torch.add(x, bias)``, ``x.add(bias)``, or in place, ``x += bias`` / ``x.add_(bias)``; None for any other node."""
     inplace = matches(node, INPLACE_ADD)
@@ -51,7 +51,7 @@ def match_bias_add(node: fx.Node, vocab: Any) -> Optional[tuple[fx.Node, fx.Node
     def is_bias(i: int) -> bool:
         return metas[i].dim() == 1 and metas[i].shape[0] == vocab and metas[1 - i].dim() >= 2
 
-    for i in ([1] if inplace else [1, 0]):  # in place, the updated tensor is the first operand
+    for i in [1] if inplace else [1, 0]:  # in place, the updated tensor is the first operand
         if is_bias(i) and tuple(example_value(node).shape) == tuple(metas[1 - i].shape):
             return operands[1 - i], operands[i]
     return None
@@ -62,8 +62,11 @@ def through_inplace_add(node: fx.Node, reader: fx.Node, vocab: Any) -> fx.Node:
     and every later reader of ``node`` are pointed at the add's result, which is ``node`` itself, updated (no value
     changes), so that the chain runs through the add; returns the add. Otherwise ``node`` (an update after the read,
     or two of them, are other users of the logits: :func:`head_chain.private_chain` refuses them)."""
-    updates = [user for user in node.users
-               if user is not reader and matches(user, INPLACE_ADD) and user.args and user.args[0] is node]
+    updates = [
+        user
+        for user in node.users
+        if user is not reader and matches(user, INPLACE_ADD) and user.args and user.args[0] is node
+    ]
     if len(updates) != 1 or match_bias_add(updates[0], vocab) is None:
         return node
     update = updates[0]
@@ -76,21 +79,26 @@ def through_inplace_add(node: fx.Node, reader: fx.Node, vocab: Any) -> fx.Node:
     return update
 
 
-def added_bias_error(add: fx.Node, bias: fx.Node, chain: list[fx.Node], compute_dtype: torch.dtype,
-                     device: torch.device) -> Optional[str]:
+def added_bias_error(
+    add: fx.Node, bias: fx.Node, chain: list[fx.Node], compute_dtype: torch.dtype, device: torch.device
+) -> str | None:
     """Why the bias that ``add`` adds to the head's product cannot be the op's bias (None where it can): it is where
     it changes nothing else, the add neither promoting the logits nor moving them (the op adds the bias in the head's
     dtype), and an add in place updating a tensor that nothing else reads (it would see the bias, or miss it, where
     the rewrite computes no logits at all). ``chain``: the walk's nodes, from what the loss reads back to the head."""
     bias_meta, logits_meta = example_value(bias), example_value(add)
     if bias_meta.device != device:
-        return (f"the bias {bias.name} is on {bias_meta.device}, the logits on {device}: eager raises, so the "
-                "site is left to it")
+        return (
+            f"the bias {bias.name} is on {bias_meta.device}, the logits on {device}: eager raises, so the "
+            "site is left to it"
+        )
     if bias_meta.dtype != compute_dtype or logits_meta.dtype != compute_dtype:
-        return (f"{add.name} adds a {bias_meta.dtype} bias to {compute_dtype} logits (into "
-                f"{logits_meta.dtype}): only a bias in the head's dtype is fused")
+        return (
+            f"{add.name} adds a {bias_meta.dtype} bias to {compute_dtype} logits (into "
+            f"{logits_meta.dtype}): only a bias in the head's dtype is fused"
+        )
     if matches(add, INPLACE_ADD):
-        updated = chain[chain.index(add) + 1:]  # the updated tensor back to the head: views of one buffer
+        updated = chain[chain.index(add) + 1 :]  # the updated tensor back to the head: views of one buffer
         shared = next((n for n in updated if len(n.users) != 1), None)
         if shared is not None:
             others = ", ".join(u.name for u in shared.users if u not in chain)

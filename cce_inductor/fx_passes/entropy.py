@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import dataclasses
 import operator
-from typing import Optional
 
 import torch
 import torch.fx as fx
@@ -63,7 +62,7 @@ class EntropyTerm:
     nodes: list[fx.Node]  # the term's own nodes, root included
 
 
-def _row_sum_input(node: fx.Node) -> Optional[fx.Node]:
+def _row_sum_input(node: fx.Node) -> fx.Node | None:
     """``x`` of ``sum(x, -1)`` (``dim=`` or ``axis=``, or ``[-1]``; no keepdim, no dtype), else None."""
     if not sp.matches(node, SUM):
         return None
@@ -71,7 +70,7 @@ def _row_sum_input(node: fx.Node) -> Optional[fx.Node]:
     return x if sp.reduces_last_dim(node, x) else None
 
 
-def _factor(node) -> tuple[str, Optional[fx.Node], list[fx.Node]]:
+def _factor(node) -> tuple[str, fx.Node | None, list[fx.Node]]:
     """What one factor of the product is: ``("p", logits, nodes)`` for softmax(logits) or exp(log_softmax(logits)),
     ``("logp", logits, nodes)`` for log_softmax(logits), ``("z", node, [])`` for anything else."""
     if sp.matches(node, SOFTMAX) and tlp.is_row_softmax(node):
@@ -85,17 +84,17 @@ def _factor(node) -> tuple[str, Optional[fx.Node], list[fx.Node]]:
     return "z", node, []
 
 
-def _only_user(node: fx.Node) -> Optional[fx.Node]:
+def _only_user(node: fx.Node) -> fx.Node | None:
     return next(iter(node.users)) if len(node.users) == 1 else None
 
 
-def _negated(node: Optional[fx.Node]) -> Optional[fx.Node]:
+def _negated(node: fx.Node | None) -> fx.Node | None:
     """``node``'s negation node (its only user), if it has one."""
     user = None if node is None else _only_user(node)
     return user if user is not None and sp.matches(user, NEG) and user.args[0] is node else None
 
 
-def entropy_term(row_sum: fx.Node) -> Optional[EntropyTerm]:
+def entropy_term(row_sum: fx.Node) -> EntropyTerm | None:
     """The entropy term built around ``row_sum`` (a ``sum(..., -1)``), or None if it is not one of the forms."""
     product = _row_sum_input(row_sum)
     negated_product = sp.matches(product, NEG)
@@ -127,7 +126,7 @@ def entropy_term(row_sum: fx.Node) -> Optional[EntropyTerm]:
     return None
 
 
-def split_entropy_term(cat: fx.Node, terms: dict[fx.Node, EntropyTerm]) -> Optional[EntropyTerm]:
+def split_entropy_term(cat: fx.Node, terms: dict[fx.Node, EntropyTerm]) -> EntropyTerm | None:
     """``cat([H(chunk_0), H(chunk_1), ...], dim=0)`` over every chunk, in order, of ``logits.split(n, dim=0)`` (or
     ``chunk``): the entropy of ``logits``, one term. ``terms``: the single terms by root."""
     parts = sp.call_arg(cat, 0, "tensors")
@@ -161,8 +160,13 @@ def _token_gathers(chain: list[fx.Node]) -> list[fx.Node]:
     only row views that keep the rows' order and upcasts lead to it (the same rows, in the same order)."""
     gathers = []
     for i in range(len(chain) - 1, -1, -1):
-        gathers += [gather for log_probs in chain[i].users if sp.matches(log_probs, tlp.LOG_SOFTMAX)
-                    for gather in log_probs.users if sp.matches(gather, tlp.GATHER)]  # fmt: skip
+        gathers += [
+            gather
+            for log_probs in chain[i].users
+            if sp.matches(log_probs, tlp.LOG_SOFTMAX)
+            for gather in log_probs.users
+            if sp.matches(gather, tlp.GATHER)
+        ]
         if i and not (sp.matches(chain[i], _ROW_ORDER_KEEPING) or head_chain.upcast_target(chain[i]) is not None):
             break
     return gathers
@@ -172,7 +176,7 @@ def _token_gathers(chain: list[fx.Node]) -> list[fx.Node]:
 class EntropySite:
     site: sites.Site  # ``cross_entropy``: the first of the replaced nodes; ``targets``: the gather's ids or None
     entropy: fx.Node
-    log_probs: Optional[fx.Node]  # the token log-probs node replaced too (the gather or its squeeze)
+    log_probs: fx.Node | None  # the token log-probs node replaced too (the gather or its squeeze)
     squeezed_ids: bool
 
 
@@ -211,7 +215,9 @@ def _emit(matched: EntropySite, options: CCEOptions):
         else:
             ids = graph.call_method("squeeze", (targets, -1)) if matched.squeezed_ids else targets
         fused = tlp.fused_token_call(graph, site, rows, weight, ids, bias, options, entropy=True)
-        values = {matched.entropy: graph.call_method("view", (graph.call_function(operator.getitem, (fused, 2)), leading))}
+        values = {
+            matched.entropy: graph.call_method("view", (graph.call_function(operator.getitem, (fused, 2)), leading))
+        }
         if matched.log_probs is not None:
             values[matched.log_probs] = tlp.log_probs_of(graph, fused, ids)
         for node, value in values.items():
@@ -222,7 +228,7 @@ def _emit(matched: EntropySite, options: CCEOptions):
     return emit
 
 
-def rewrite_entropy(graph: fx.Graph, options: CCEOptions, graph_id: Optional[int] = None) -> int:
+def rewrite_entropy(graph: fx.Graph, options: CCEOptions, graph_id: int | None = None) -> int:
     """Rewrite every entropy of head logits in ``graph`` (with the token log-probs of the same logits); returns the
     number of entropies rewritten."""
     singles = {term.root: term for node in graph.nodes if (term := entropy_term(node)) is not None}
@@ -238,9 +244,12 @@ def rewrite_entropy(graph: fx.Graph, options: CCEOptions, graph_id: Optional[int
         per_logits[term.logits] = per_logits.get(term.logits, 0) + 1
     rewritten = 0
     for term in terms:
-        matched = sites.decide(graph_id, term.root,
-                             lambda term=term: _checked(_match(term, per_logits[term.logits]), options),
-                             prefix="entropy: ")  # fmt: skip
+        matched = sites.decide(
+            graph_id,
+            term.root,
+            lambda term=term: _checked(_match(term, per_logits[term.logits]), options),
+            prefix="entropy: ",
+        )
         if matched is None:
             continue
         loss_settings = ("reduction=", "ignore_index=")  # fixed here: "none", and no id ignored

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Optional
+from typing import Any
 
 import torch
 import torch.fx as fx
@@ -39,9 +39,33 @@ import torch.fx as fx
 from .._checks import SUPPORTED_DTYPES, head_dtype_error
 from .added_bias import added_bias_error, match_bias_add, through_inplace_add
 from .spellings import (
-    ADDMM, AUTOCAST_ENTER, AUTOCAST_EXIT, DIV, FLATTEN, GETITEM, GRAD_MODE, IDENTITY_VIEW,
-    INPLACE_FUNCTIONS, LINEAR, MATMUL, MUL, RESHAPE, TANH, TO_DTYPE, DTYPE_METHODS, TRANSPOSE_2D, TRANSPOSE_ATTR_OPS,
-    TRANSPOSE_ATTRS, VIEW_LIKE, call_arg, const_float, example_value, matches, normalize_dim, short, spelling,
+    ADDMM,
+    AUTOCAST_ENTER,
+    AUTOCAST_EXIT,
+    DIV,
+    DTYPE_METHODS,
+    FLATTEN,
+    GETITEM,
+    GRAD_MODE,
+    IDENTITY_VIEW,
+    INPLACE_FUNCTIONS,
+    LINEAR,
+    MATMUL,
+    MUL,
+    RESHAPE,
+    TANH,
+    TO_DTYPE,
+    TRANSPOSE_2D,
+    TRANSPOSE_ATTR_OPS,
+    TRANSPOSE_ATTRS,
+    VIEW_LIKE,
+    call_arg,
+    const_float,
+    example_value,
+    matches,
+    normalize_dim,
+    short,
+    spelling,
 )
 
 SUPPORTED_DEVICES = ("cpu", "cuda")
@@ -67,10 +91,10 @@ class Logits:
     hidden: fx.Node
     weight: fx.Node
     weight_is_transposed: bool  # the graph holds weight as (D, V): pass weight.t() to the op
-    bias: Optional[fx.Node]
+    bias: fx.Node | None
     compute_dtype: torch.dtype
     row_steps: list[RowStep]  # in forward order
-    softcap: Optional[float]
+    softcap: float | None
     scale: float  # constant factor on the logits before the softcap, folded into the hidden states and bias
     chain: list[fx.Node]  # head ... the node the loss reads, forward order
 
@@ -82,7 +106,7 @@ def _is_true_division(node: Any) -> bool:
     return matches(node, DIV) and len(node.args) == 2 and node.kwargs.get("rounding_mode") is None
 
 
-def _match_softcap(node: fx.Node) -> Optional[tuple[float, fx.Node, list[fx.Node]]]:
+def _match_softcap(node: fx.Node) -> tuple[float, fx.Node, list[fx.Node]] | None:
     """``tanh(x / cap) * cap`` or ``tanh(x * (1/cap)) * cap`` ending at ``node``: (cap, x, inner nodes)."""
     if not matches(node, MUL):
         return None
@@ -106,7 +130,7 @@ def _match_softcap(node: fx.Node) -> Optional[tuple[float, fx.Node, list[fx.Node
     return cap, x, [scaled, tanh_node]
 
 
-def _match_scale(node: fx.Node) -> Optional[tuple[float, fx.Node]]:
+def _match_scale(node: fx.Node) -> tuple[float, fx.Node] | None:
     """``x * k``, ``k * x`` or ``x / k`` for a constant ``k`` (Cohere's logit_scale, Granite's logits_scaling)."""
     if matches(node, MUL) and len(node.args) == 2 and not node.kwargs:
         a, b = node.args
@@ -164,7 +188,7 @@ def _row_step(node: fx.Node, vocab) -> RowStep:
     raise AssertionError(node)
 
 
-def upcast_target(node: fx.Node) -> Optional[torch.dtype]:
+def upcast_target(node: fx.Node) -> torch.dtype | None:
     """The dtype a cast node converts to, or None if the node is not a pure dtype cast."""
     if node.op == "call_method" and node.target in DTYPE_METHODS and len(node.args) == 1 and not node.kwargs:
         return DTYPE_METHODS[node.target]
@@ -177,7 +201,7 @@ def upcast_target(node: fx.Node) -> Optional[torch.dtype]:
     return None
 
 
-def _match_head(node: fx.Node) -> tuple[fx.Node, fx.Node, bool, Optional[fx.Node]]:
+def _match_head(node: fx.Node) -> tuple[fx.Node, fx.Node, bool, fx.Node | None]:
     """(hidden, weight, weight_is_transposed, bias) of the linear layer producing ``node``."""
     if matches(node, LINEAR):
         bias = call_arg(node, 2, "bias")
@@ -203,12 +227,14 @@ def _weight_operand(head: fx.Node, rhs: Any) -> tuple[fx.Node, bool]:
     """The weight of ``hidden @ rhs``: ``w`` for ``rhs = w.T`` (weight_is_transposed False), else ``rhs`` (D, V)."""
     rhs_meta = example_value(rhs)
     if not isinstance(rhs_meta, torch.Tensor) or rhs_meta.dim() != 2:
-        raise NoMatch(f"{head.name} multiplies by a {getattr(rhs_meta, 'dim', lambda: '?')()}-D tensor, not a weight matrix")
+        raise NoMatch(
+            f"{head.name} multiplies by a {getattr(rhs_meta, 'dim', lambda: '?')()}-D tensor, not a weight matrix"
+        )
     weight = transposed_source(rhs)
     return (weight, False) if weight is not None else (rhs, True)
 
 
-def _autocast_at(node: fx.Node, device_type: str) -> Optional[torch.dtype]:
+def _autocast_at(node: fx.Node, device_type: str) -> torch.dtype | None:
     """The autocast dtype in effect where the graph computes ``node`` on ``device_type``, or None (autocast off): the
     state this compile runs under (Dynamo guards on it), changed by the graph's own autocast regions before ``node``."""
     enabled = torch.is_autocast_enabled(device_type)
@@ -228,7 +254,7 @@ def _autocast_at(node: fx.Node, device_type: str) -> Optional[torch.dtype]:
     return states[-1]
 
 
-def transposed_source(node: fx.Node) -> Optional[fx.Node]:
+def transposed_source(node: fx.Node) -> fx.Node | None:
     """``w`` if ``node`` is ``w.T`` / ``w.t()`` / ``w.transpose(0, 1)`` / ``w.permute(1, 0)`` of a 2-D ``w``."""
     if not isinstance(node, fx.Node):
         return None
@@ -251,7 +277,7 @@ def transposed_source(node: fx.Node) -> Optional[fx.Node]:
     return None
 
 
-def mutated_tensor(node: fx.Node) -> Optional[fx.Node]:
+def mutated_tensor(node: fx.Node) -> fx.Node | None:
     """The tensor an in-place node writes to, or None if the node does not mutate."""
     if node.op == "call_method" and node.target.endswith("_") and not node.target.startswith("_"):
         return node.args[0] if node.args else None
@@ -307,10 +333,10 @@ def walk_logits(logits: fx.Node, consumer: fx.Node) -> Logits:
     vocab = logits_meta.shape[-1]
     chain: list[fx.Node] = []  # logits ... head, backwards
     row_steps: list[RowStep] = []
-    softcap: Optional[float] = None
+    softcap: float | None = None
     scale = 1.0
     scaled_after_softcap = False  # a factor met before the softcap on the way back is applied after it
-    bias_add: Optional[tuple[fx.Node, fx.Node]] = None  # (the add node, the bias) of a bias added to the product
+    bias_add: tuple[fx.Node, fx.Node] | None = None  # (the add node, the bias) of a bias added to the product
     node, reader = logits, consumer
     while True:
         if not isinstance(node, fx.Node):
@@ -391,11 +417,21 @@ def walk_logits(logits: fx.Node, consumer: fx.Node) -> Logits:
         raise NoMatch("a constant logit scale on fp16 logits cannot be folded safely")
     _check_nothing_in_between(head, consumer, protected=[hidden, weight] + ([bias] if bias is not None else []))
     chain.reverse()
-    return Logits(head=head, hidden=hidden, weight=weight, weight_is_transposed=weight_is_transposed, bias=bias,
-                  compute_dtype=compute_dtype, row_steps=row_steps[::-1], softcap=softcap, scale=scale, chain=chain)
+    return Logits(
+        head=head,
+        hidden=hidden,
+        weight=weight,
+        weight_is_transposed=weight_is_transposed,
+        bias=bias,
+        compute_dtype=compute_dtype,
+        row_steps=row_steps[::-1],
+        softcap=softcap,
+        scale=scale,
+        chain=chain,
+    )
 
 
-def _check_as_eager(head: fx.Node, hidden: fx.Node, weight: fx.Node, bias: Optional[fx.Node]) -> None:
+def _check_as_eager(head: fx.Node, hidden: fx.Node, weight: fx.Node, bias: fx.Node | None) -> None:
     """NoMatch where eager's head would raise and the fused call would not: operands on two devices, or of two
     dtypes that autocast (if on where the head runs) does not reconcile. The site is left alone, so eager's error
     is what the compiled code raises (a rewrite would compute in the head's dtype: a bf16 weight upcast beside
@@ -405,10 +441,15 @@ def _check_as_eager(head: fx.Node, hidden: fx.Node, weight: fx.Node, bias: Optio
     metas = {name: example_value(node) for name, node in operands.items() if node is not None}
     for name, meta in metas.items():
         if meta.device != device:
-            raise NoMatch(f"the head's {name} on {meta.device}, its output on {device}: eager raises, so the site is "
-                          "left to it")
-    why = head_dtype_error(metas["hidden states"].dtype, metas["weight"].dtype,
-                           metas["bias"].dtype if "bias" in metas else None, _autocast_at(head, device.type))
+            raise NoMatch(
+                f"the head's {name} on {meta.device}, its output on {device}: eager raises, so the site is left to it"
+            )
+    why = head_dtype_error(
+        metas["hidden states"].dtype,
+        metas["weight"].dtype,
+        metas["bias"].dtype if "bias" in metas else None,
+        _autocast_at(head, device.type),
+    )
     if why:
         raise NoMatch(why)
 

@@ -49,7 +49,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import operator
-from typing import Any, Optional, Union
+from typing import Any
 
 import torch
 import torch.fx as fx
@@ -57,15 +57,39 @@ import torch.nn.functional as F
 
 from .. import _checks, diagnostics, ops
 from ..options import CCEOptions
-
 from .head_chain import NoMatch, mutated_tensor, private_chain, storage_roots, upcast_target, walk_logits
 from .sites import (
-    EmitLoss, Site, check_escaping, choose_path, decide, describe_site, head_operands, lazy_recipe, op_compute_dtype,
-    path_decision, replace_site, retire, rows_of,
+    EmitLoss,
+    Site,
+    check_escaping,
+    choose_path,
+    decide,
+    describe_site,
+    head_operands,
+    lazy_recipe,
+    op_compute_dtype,
+    path_decision,
+    replace_site,
+    retire,
+    rows_of,
 )
 from .spellings import (
-    CROSS_ENTROPY, FLATTEN, GETITEM, GRAD_MODE, IDENTITY_VIEW, RESHAPE, call_arg, const_float, example_value, functions,
-    is_dtensor, is_row_logsumexp, matches, methods, requires_grad, short,
+    CROSS_ENTROPY,
+    FLATTEN,
+    GETITEM,
+    GRAD_MODE,
+    IDENTITY_VIEW,
+    RESHAPE,
+    call_arg,
+    const_float,
+    example_value,
+    functions,
+    is_dtensor,
+    is_row_logsumexp,
+    matches,
+    methods,
+    requires_grad,
+    short,
 )
 
 _CE_SIGNATURE = inspect.signature(F.cross_entropy)
@@ -113,12 +137,14 @@ def match_site(ce: fx.Node) -> Site:
     insert_before = None
     if argmax_users and min(position[user] for user in argmax_users) < position[ce]:
         first = min(argmax_users, key=position.get)
-        operands = [n for n in (logits.hidden, logits.weight, logits.bias, targets, class_weight)
-                    if isinstance(n, fx.Node)]
+        operands = [
+            n for n in (logits.hidden, logits.weight, logits.bias, targets, class_weight) if isinstance(n, fx.Node)
+        ]
         late = [n.name for n in operands if position[n] > position[first]]
         if late:
-            raise NoMatch(f"the argmax of the logits ({first.name}) comes before {', '.join(late)}, which the fused "
-                          "call needs")
+            raise NoMatch(
+                f"the argmax of the logits ({first.name}) comes before {', '.join(late)}, which the fused call needs"
+            )
         insert_before = first
     return Site(
         cross_entropy=ce,
@@ -144,13 +170,17 @@ def _check_class_weight(weight: Any, logits_meta: torch.Tensor, label_smoothing:
     if not isinstance(meta, torch.Tensor):
         raise NoMatch("cross_entropy's class weights are not a tensor")
     if label_smoothing != 0.0:
-        raise NoMatch("cross_entropy has class weights and label_smoothing: eager's weighted label smoothing "
-                      "(the smoothing term weighted per class) is not implemented")
+        raise NoMatch(
+            "cross_entropy has class weights and label_smoothing: eager's weighted label smoothing "
+            "(the smoothing term weighted per class) is not implemented"
+        )
     if meta.dim() != 1 or meta.shape[0] != logits_meta.shape[-1]:
         raise NoMatch(f"cross_entropy's class weights have shape {tuple(meta.shape)}, not (V,)")
     if meta.dtype != logits_meta.dtype:
-        raise NoMatch(f"cross_entropy's class weights are {meta.dtype} but its input is {logits_meta.dtype} "
-                      "(eager raises: left to it)")
+        raise NoMatch(
+            f"cross_entropy's class weights are {meta.dtype} but its input is {logits_meta.dtype} "
+            "(eager raises: left to it)"
+        )
     if meta.requires_grad:
         raise NoMatch("cross_entropy's class weights require grad (their gradient is not computed by the fused op)")
 
@@ -167,11 +197,13 @@ def _branches(argmax_users: list[fx.Node], chain: list[fx.Node]) -> list[fx.Node
             found.append(node)
             node = node.args[0]
     return list(dict.fromkeys(found))
+
+
 # Views and casts that keep the values and the rows' order: an argmax before them is the argmax of the loss's rows.
 _ROW_ORDER_KEEPING = RESHAPE | FLATTEN | IDENTITY_VIEW
 
 
-def _upcast_branch_argmaxes(node: fx.Node) -> Optional[list[fx.Node]]:
+def _upcast_branch_argmaxes(node: fx.Node) -> list[fx.Node] | None:
     """The argmax nodes at the end of ``node``, an upcast / ``contiguous`` of a chain node (``logits.float()
     .argmax(-1)``) every user of which is an argmax or another such node; None if it has another user."""
     if not (matches(node, IDENTITY_VIEW) or upcast_target(node) is not None):
@@ -192,6 +224,7 @@ def _argmax_users(chain: list[fx.Node]) -> tuple[list[fx.Node], str]:
     """``argmax(x, -1)`` nodes reading a node of the chain (directly, or through upcasts of it that nothing else
     reads), and the dtype the op rounds the logits to before its argmax (the values' dtype in the graph); NoMatch for
     an argmax the op cannot give (before the scale / softcap: other values; before a slice of the rows: other rows)."""
+
     def keeps_values(node: fx.Node) -> bool:
         return matches(node, _ROW_ORDER_KEEPING) or matches(node, GETITEM) or upcast_target(node) is not None
 
@@ -227,17 +260,39 @@ def _extended(site: Site) -> bool:
 
 def _fused_loss(options: CCEOptions) -> EmitLoss:
     def emit(graph: fx.Graph, site: Site, rows, weight, targets, bias) -> fx.Node:
-        common = dict(softcap=site.softcap, ignore_index=site.ignore_index, reduction=site.reduction,
-                      label_smoothing=site.label_smoothing, options=options.encode(),
-                      compute_dtype=op_compute_dtype(site))
+        common = dict(
+            softcap=site.softcap,
+            ignore_index=site.ignore_index,
+            reduction=site.reduction,
+            label_smoothing=site.label_smoothing,
+            options=options.encode(),
+            compute_dtype=op_compute_dtype(site),
+        )
         if _extended(site):
-            return _emit_ext(graph, site, ops.lean_call(rows, weight, targets, bias, full_lse=bool(site.lse_users),
-                                                        class_weights=site.class_weight, argmax=site.argmax_round,
-                                                        **common))
+            return _emit_ext(
+                graph,
+                site,
+                ops.lean_call(
+                    rows,
+                    weight,
+                    targets,
+                    bias,
+                    full_lse=bool(site.lse_users),
+                    class_weights=site.class_weight,
+                    argmax=site.argmax_round,
+                    **common,
+                ),
+            )
         if choose_path(site, options).path == "balanced":
             fused = ops.balanced_call(
-                rows, weight, targets, bias, need_e=requires_grad(site.hidden), need_c=requires_grad(site.weight),
-                need_bias=site.bias is not None and requires_grad(site.bias), returned_logits=bool(site.escaping),
+                rows,
+                weight,
+                targets,
+                bias,
+                need_e=requires_grad(site.hidden),
+                need_c=requires_grad(site.weight),
+                need_bias=site.bias is not None and requires_grad(site.bias),
+                returned_logits=bool(site.escaping),
                 **common,
             ).emit(graph)
             return graph.call_function(operator.getitem, (fused, 0))
@@ -259,7 +314,7 @@ def _feed_lse_users(graph: fx.Graph, site: Site, fused: fx.Node) -> None:
         graph.erase_node(user)
 
 
-def _emit_ext(graph: fx.Graph, site: Site, call: "ops.OpCall") -> fx.Node:
+def _emit_ext(graph: fx.Graph, site: Site, call: ops.OpCall) -> fx.Node:
     """The op with class weights and / or the argmax (module docstring): the lse and argmax users take its outputs."""
     fused = call.emit(graph)
     _feed_lse_users(graph, site, fused)
@@ -300,11 +355,12 @@ def _checked(site: Site, options: CCEOptions) -> Site:
     return site
 
 
-def rewrite_linear_cross_entropy(graph: fx.Graph, options: CCEOptions, graph_id: Optional[int] = None) -> int:
+def rewrite_linear_cross_entropy(graph: fx.Graph, options: CCEOptions, graph_id: int | None = None) -> int:
     """Rewrite every matching site on plain tensors in ``graph``; returns how many were rewritten. Sites whose
     logits are DTensors are ``tensor_parallel.py``'s (run first by ``fx_passes.rewrite_graph``)."""
-    sites = [n for n in graph.nodes
-             if matches(n, CROSS_ENTROPY) and not is_dtensor(example_value(cross_entropy_input(n)))]  # fmt: skip
+    sites = [
+        n for n in graph.nodes if matches(n, CROSS_ENTROPY) and not is_dtensor(example_value(cross_entropy_input(n)))
+    ]
     if graph_id is None:
         graph_id = diagnostics.new_graph()
     emit = _fused_loss(options)
@@ -318,9 +374,15 @@ def rewrite_linear_cross_entropy(graph: fx.Graph, options: CCEOptions, graph_id:
         merged = f"; one call with {len(group) - 1} other chunk(s) of this head" if len(group) > 1 else ""
         # chunks of one head are fused with reduction="none": per-row outputs, the lean path
         # class weights / the argmax: the op with them has the lean path only (per-row outputs)
-        decisions = [path_decision(graph_id, site, describe_site(site) + merged,
-                                   choose_path(site, options, per_row_outputs=len(group) > 1 or _extended(site)))
-                     for site in group]  # fmt: skip
+        decisions = [
+            path_decision(
+                graph_id,
+                site,
+                describe_site(site) + merged,
+                choose_path(site, options, per_row_outputs=len(group) > 1 or _extended(site)),
+            )
+            for site in group
+        ]
         if len(group) > 1:
             _replace_chunks(graph, group, options)
         else:
@@ -349,11 +411,19 @@ def rewrite_linear_cross_entropy(graph: fx.Graph, options: CCEOptions, graph_id:
 # reduced as its cross_entropy asked, so every use of every chunk's loss sees eager's value.
 
 
-def _chunk_key(site: Site) -> Optional[tuple]:
+def _chunk_key(site: Site) -> tuple | None:
     if site.escaping or site.lse_users or site.argmax_users or site.class_weight is not None:
         return None
-    return (site.weight, site.weight_is_transposed, site.bias, site.scale, site.softcap, site.ignore_index,
-            site.label_smoothing, site.compute_dtype)  # fmt: skip
+    return (
+        site.weight,
+        site.weight_is_transposed,
+        site.bias,
+        site.scale,
+        site.softcap,
+        site.ignore_index,
+        site.label_smoothing,
+        site.compute_dtype,
+    )
 
 
 def _chunk_groups(sites: list[Site]) -> list[list[Site]]:
@@ -374,8 +444,9 @@ def _chunk_groups(sites: list[Site]) -> list[list[Site]]:
             continue
         position = {node: i for i, node in enumerate(group[0].cross_entropy.graph.nodes)}
         group.sort(key=lambda site: position[site.cross_entropy])
-        operands = [n for site in group for n in (site.hidden, site.targets, site.weight, site.bias)
-                    if isinstance(n, fx.Node)]  # fmt: skip
+        operands = [
+            n for site in group for n in (site.hidden, site.targets, site.weight, site.bias) if isinstance(n, fx.Node)
+        ]
         first = group[0].cross_entropy
         if all(position[n] < position[first] for n in operands) and not _changed_between(group[0], group[-1], operands):
             result.append(group)
@@ -397,7 +468,7 @@ def _changed_between(first: Site, last: Site, operands: list[fx.Node]) -> bool:
     return False
 
 
-def _row_count(graph: fx.Graph, targets: fx.Node) -> Union[int, fx.Node]:
+def _row_count(graph: fx.Graph, targets: fx.Node) -> int | fx.Node:
     size = example_value(targets).shape[0]
     return size if isinstance(size, int) else graph.call_method("size", (targets, 0))
 
@@ -408,9 +479,17 @@ def _replace_chunks(graph: fx.Graph, group: list[Site], options: CCEOptions) -> 
         rows = graph.call_function(torch.cat, ([rows_of(graph, site) for site in group], 0))
         weight, bias = head_operands(graph, head)  # the same for every site of the group
         targets = graph.call_function(torch.cat, ([site.targets for site in group], 0))
-        fused = ops.lean_call(rows, weight, targets, bias, softcap=head.softcap, ignore_index=head.ignore_index,
-                              reduction="none", label_smoothing=head.label_smoothing, options=options.encode()
-                              ).emit(graph)
+        fused = ops.lean_call(
+            rows,
+            weight,
+            targets,
+            bias,
+            softcap=head.softcap,
+            ignore_index=head.ignore_index,
+            reduction="none",
+            label_smoothing=head.label_smoothing,
+            options=options.encode(),
+        ).emit(graph)
         row_loss = graph.call_function(operator.getitem, (fused, 0))
         pieces = graph.call_function(torch.split, (row_loss, [_row_count(graph, site.targets) for site in group]))
         losses = []
@@ -420,8 +499,9 @@ def _replace_chunks(graph: fx.Graph, group: list[Site], options: CCEOptions) -> 
                 piece = graph.call_method("sum", (piece,))
             elif site.reduction == "mean":  # over the chunk's counted rows: 0/0 = NaN when all are ignored, as eager
                 counted = graph.call_function(operator.ne, (site.targets, site.ignore_index))
-                piece = graph.call_function(operator.truediv,
-                                            (graph.call_method("sum", (piece,)), graph.call_method("sum", (counted,))))
+                piece = graph.call_function(
+                    operator.truediv, (graph.call_method("sum", (piece,)), graph.call_method("sum", (counted,)))
+                )
             losses.append(piece)
     for site, loss in zip(group, losses):
         retire(graph, site, loss)

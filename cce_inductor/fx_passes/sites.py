@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import dataclasses
 import operator
-from typing import Any, Callable, Optional, Union
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.fx as fx
@@ -27,7 +28,18 @@ from .. import _dispatch, _dropped_logits, _lazy_logits, diagnostics, paths
 from ..options import CCEOptions
 from .head_chain import NoMatch, RowStep, _row_step, branch_path, transposed_source, upcast_target
 from .spellings import (
-    DIV, FLATTEN, GETITEM, MATMUL, MUL, RESHAPE, TANH, const_float, example_value, matches, requires_grad, short,
+    DIV,
+    FLATTEN,
+    GETITEM,
+    MATMUL,
+    MUL,
+    RESHAPE,
+    TANH,
+    const_float,
+    example_value,
+    matches,
+    requires_grad,
+    short,
 )
 
 
@@ -38,10 +50,10 @@ class Site:
     hidden: fx.Node
     weight: fx.Node
     weight_is_transposed: bool
-    bias: Optional[fx.Node]
+    bias: fx.Node | None
     compute_dtype: torch.dtype
     row_steps: list[RowStep]
-    softcap: Optional[float]
+    softcap: float | None
     scale: float
     targets: fx.Node
     ignore_index: int
@@ -51,16 +63,16 @@ class Site:
     escaping: list[fx.Node]  # nodes whose values are graph outputs: chain nodes, or casts / row views of them
     lse_users: list[fx.Node]  # logsumexp(loss input, -1) nodes: fed by the op's lse
     escaping_as: str = ""  # what the escaping logits become: "lazy" or "drop" (set by check_escaping)
-    class_weight: Optional[fx.Node] = None  # cross_entropy's weight= (V,)
+    class_weight: fx.Node | None = None  # cross_entropy's weight= (V,)
     argmax_users: list[fx.Node] = dataclasses.field(default_factory=list)  # argmax(chain node, -1): fed by the op
     argmax_branches: list[fx.Node] = dataclasses.field(default_factory=list)  # upcasts between the chain and those
     argmax_round: str = ""  # the dtype eager's logits have where the argmax reads them ("" without argmax users)
-    insert_before: Optional[fx.Node] = None  # where the fused call goes, if not at the loss (an argmax before it)
+    insert_before: fx.Node | None = None  # where the fused call goes, if not at the loss (an argmax before it)
 
 
 # What a rewrite puts in place of the loss: given the hidden-state rows (M, D), the (V, D) weight, the targets and
 # the bias (None or (V,)), all in the logits' dtype, emit the loss nodes and return the last one.
-EmitLoss = Callable[[fx.Graph, Site, fx.Node, fx.Node, fx.Node, Optional[fx.Node]], fx.Node]
+EmitLoss = Callable[[fx.Graph, Site, fx.Node, fx.Node, fx.Node, fx.Node | None], fx.Node]
 
 
 def replace_site(graph: fx.Graph, site: Site, emit_loss: EmitLoss, stored_operands: bool = True) -> None:
@@ -75,7 +87,7 @@ def replace_site(graph: fx.Graph, site: Site, emit_loss: EmitLoss, stored_operan
     retire(graph, site, loss)
 
 
-def op_compute_dtype(site: Site) -> Optional[torch.dtype]:
+def op_compute_dtype(site: Site) -> torch.dtype | None:
     """The fused op's ``compute_dtype``: the logits' dtype where an operand is stored in another (autocast: fp32
     hidden states or head, 16-bit logits), so that the op converts them for its call only and returns each gradient
     in its operand's dtype; None where every operand is in the logits' dtype (the graph needs no cast)."""
@@ -91,7 +103,7 @@ def cast(graph: fx.Graph, node: fx.Node, dtype: torch.dtype) -> fx.Node:
     return graph.call_method("to", (node, dtype))
 
 
-def _hidden_size(graph: fx.Graph, hidden: fx.Node) -> Union[int, fx.Node]:
+def _hidden_size(graph: fx.Graph, hidden: fx.Node) -> int | fx.Node:
     size = example_value(hidden).shape[-1]
     if isinstance(size, int):
         return size
@@ -115,8 +127,9 @@ def rows_of(graph: fx.Graph, site: Site, in_logits_dtype: bool = True) -> fx.Nod
     return rows
 
 
-def head_operands(graph: fx.Graph, site: Site, in_logits_dtype: bool = True) -> tuple[fx.Node, Optional[fx.Node]]:
+def head_operands(graph: fx.Graph, site: Site, in_logits_dtype: bool = True) -> tuple[fx.Node, fx.Node | None]:
     """``(weight (V, D), bias)``, the scale folded into the bias; in the logits' dtype, or as stored."""
+
     def operand(node: fx.Node) -> fx.Node:
         return cast(graph, node, site.compute_dtype) if in_logits_dtype else node
 
@@ -222,7 +235,7 @@ def _placeholders_run_between_cuda_graphs() -> bool:
     their real impl's :class:`~cce_inductor.LazyLogits` / ``DroppedLogits`` reaches the caller. Without partitioning
     the tag would make Inductor skip CUDA graphs for the whole graph: the site is left alone instead, and the user
     keeps the CUDA graphs they asked for."""
-    import torch._inductor.config as inductor_config  # noqa: PLC0415 - only needed while compiling
+    import torch._inductor.config as inductor_config  # only needed while compiling
 
     return bool(_dropped_logits.CUDAGRAPH_UNSAFE) and bool(getattr(inductor_config, "graph_partition", False))
 
@@ -230,7 +243,7 @@ def _placeholders_run_between_cuda_graphs() -> bool:
 def _compiling_with_cuda_graphs() -> bool:
     """Whether the graph being compiled will run as Inductor CUDA graphs (``mode="reduce-overhead"`` sets this
     config for the duration of the compile, the pre-grad pass included)."""
-    import torch._inductor.config as inductor_config  # noqa: PLC0415 - only needed while compiling
+    import torch._inductor.config as inductor_config  # only needed while compiling
 
     return bool(inductor_config.triton.cudagraphs)
 
@@ -254,9 +267,14 @@ def describe_site(site: Site) -> str:
     if site.argmax_users:
         parts.append(f"argmax fused ({', '.join(n.name for n in site.argmax_users)})")
     if site.escaping:
-        parts.append(("returned logits computed on first use" if site.escaping_as == "lazy"
-                      else "logits dropped from the outputs")
-                     + (" (their op runs between Inductor's CUDA graphs)" if _compiling_with_cuda_graphs() else ""))
+        parts.append(
+            (
+                "returned logits computed on first use"
+                if site.escaping_as == "lazy"
+                else "logits dropped from the outputs"
+            )
+            + (" (their op runs between Inductor's CUDA graphs)" if _compiling_with_cuda_graphs() else "")
+        )
     return ", ".join(parts)
 
 
@@ -268,12 +286,19 @@ def choose_path(site: Site, options: CCEOptions, *, per_row_outputs: bool = Fals
     returns them lazily or drops them."""
     logits, hidden = example_value(site.chain[-1]), example_value(site.hidden)
     facts = _dispatch.head_facts(
-        logits.shape[0], hidden.shape[-1], logits.shape[-1], site.compute_dtype, hidden.device, site.reduction,
-        needs_grad=requires_grad(site.cross_entropy), lse_reused=bool(site.lse_users), per_row_outputs=per_row_outputs,
-        returned_logits=bool(site.escaping), softcapped=site.softcap is not None,
+        logits.shape[0],
+        hidden.shape[-1],
+        logits.shape[-1],
+        site.compute_dtype,
+        hidden.device,
+        site.reduction,
+        needs_grad=requires_grad(site.cross_entropy),
+        lse_reused=bool(site.lse_users),
+        per_row_outputs=per_row_outputs,
+        returned_logits=bool(site.escaping),
+        softcapped=site.softcap is not None,
     )
-    choice = paths.choose(facts, options.path, options.scratch_mb, options.backward_row_chunk,
-                          options.products)
+    choice = paths.choose(facts, options.path, options.scratch_mb, options.backward_row_chunk, options.products)
     missing = _dispatch.no_kernels_note(hidden.device, site.compute_dtype)
     if missing:
         choice = dataclasses.replace(choice, reason=choice.reason + missing)
@@ -281,8 +306,11 @@ def choose_path(site: Site, options: CCEOptions, *, per_row_outputs: bool = Fals
         return choice
     # a symbolic batch: the path holds for every batch this graph serves, the estimates were made at one of them
     traced = "a typical batch" if _dispatch.size_hint(logits.shape[0]) is None else "the batch it was traced with"
-    return dataclasses.replace(choice, reason=f"{choice.reason}; the batch is symbolic: chosen for {facts.rows} rows "
-                                              f"({traced}), and kept for every batch this graph serves")
+    return dataclasses.replace(
+        choice,
+        reason=f"{choice.reason}; the batch is symbolic: chosen for {facts.rows} rows "
+        f"({traced}), and kept for every batch this graph serves",
+    )
 
 
 PER_ROW_OUTPUTS = "per-row outputs (the balanced path computes 'mean' and 'sum' losses)"
@@ -297,8 +325,9 @@ def lean_only(options: CCEOptions, why: str = PER_ROW_OUTPUTS) -> str:
 
 def path_decision(graph_id: int, site: Site, description: str, choice: paths.PathChoice) -> diagnostics.SiteDecision:
     """The rewritten site's record for ``stats()``: what was matched, which path it got and why."""
-    return diagnostics.SiteDecision(graph_id, site.cross_entropy.name, True, f"{description}; {choice.reason}",
-                                    choice.path)
+    return diagnostics.SiteDecision(
+        graph_id, site.cross_entropy.name, True, f"{description}; {choice.reason}", choice.path
+    )
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -347,5 +376,6 @@ def _emit_lazy(graph: fx.Graph, site: Site, node: fx.Node) -> fx.Node:
     operands = [graph.call_method("detach", (x,)) if x is not None else None for x in (rows, weight, site.bias)]
     meta = example_value(node)
     wants_grad = isinstance(meta, torch.Tensor) and meta.requires_grad
-    return graph.call_function(torch.ops.cce_inductor.lazy_logits.default,
-                               (*operands, _lazy_logits.encode_steps(steps), wants_grad))
+    return graph.call_function(
+        torch.ops.cce_inductor.lazy_logits.default, (*operands, _lazy_logits.encode_steps(steps), wants_grad)
+    )

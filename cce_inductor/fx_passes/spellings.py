@@ -11,7 +11,7 @@ Also here: the few accessors every matcher needs (a node's example value, a call
 from __future__ import annotations
 
 import operator
-from typing import Any, Optional
+from typing import Any
 
 import torch
 import torch.fx as fx
@@ -93,7 +93,7 @@ def normalize_dim(dim: int, ndim: int) -> int:
     return dim + ndim if dim < 0 else dim
 
 
-def const_float(value: Any) -> Optional[float]:
+def const_float(value: Any) -> float | None:
     """A Python number, or a symbolic float/int from the graph specialised to its value.
 
     ``torch.compile(dynamic=True)`` turns float attributes (Gemma-2's ``final_logit_softcapping``) into graph

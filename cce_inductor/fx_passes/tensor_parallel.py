@@ -26,15 +26,14 @@ only the checks of the parallel layout and the loss call are this module's. Site
 from __future__ import annotations
 
 import functools
-from typing import Optional
 
 import torch.fx as fx
 
 from .. import diagnostics
 from ..options import CCEOptions
 from . import head_chain, sites
-from . import spellings as sp
 from . import linear_cross_entropy as lce
+from . import spellings as sp
 
 
 def _is_redistribute(node: fx.Node) -> bool:
@@ -46,20 +45,24 @@ def _is_redistribute(node: fx.Node) -> bool:
 
 def _is_noop_redistribute(node: fx.Node) -> bool:
     """``x.redistribute(...)`` whose output has the placements of its input (ColwiseParallel's output hook)."""
-    from torch.distributed.tensor import DTensor  # noqa: PLC0415 - only where a DTensor site exists
+    from torch.distributed.tensor import DTensor  # only where a DTensor site exists
 
     if not _is_redistribute(node) or not node.args:
         return False
     src, out = sp.example_value(node.args[0]), sp.example_value(node)
     return (
-        isinstance(src, DTensor) and isinstance(out, DTensor) and src.device_mesh == out.device_mesh
-        and tuple(src.placements) == tuple(out.placements) and src.dtype == out.dtype and src.shape == out.shape
-    )  # fmt: skip
+        isinstance(src, DTensor)
+        and isinstance(out, DTensor)
+        and src.device_mesh == out.device_mesh
+        and tuple(src.placements) == tuple(out.placements)
+        and src.dtype == out.dtype
+        and src.shape == out.shape
+    )
 
 
-def _tensor_parallel_reason(site: sites.Site) -> Optional[str]:
+def _tensor_parallel_reason(site: sites.Site) -> str | None:
     """Why ``site`` (matched on DTensor example values) is not a vocabulary-parallel head, or None if it is."""
-    from torch.distributed.tensor import DTensor, Shard  # noqa: PLC0415
+    from torch.distributed.tensor import DTensor, Shard
 
     weight, logits = sp.example_value(site.weight), sp.example_value(site.head)
     if not isinstance(weight, DTensor) or not isinstance(logits, DTensor):
@@ -96,23 +99,29 @@ def _checked(site: sites.Site) -> sites.Site:
 
 
 def _dtensor_loss(graph: fx.Graph, site: sites.Site, rows, weight, targets, bias, *, options: CCEOptions) -> fx.Node:
-    from ..distributed import dtensor_linear_cross_entropy  # noqa: PLC0415 - imports torch.distributed
+    from ..distributed import dtensor_linear_cross_entropy  # imports torch.distributed
 
     return graph.call_function(
         dtensor_linear_cross_entropy,
         (rows, weight, targets),
-        dict(bias=bias, softcap=site.softcap, ignore_index=site.ignore_index, reduction=site.reduction,
-             options=options.encode()),
-    )  # fmt: skip
+        dict(
+            bias=bias,
+            softcap=site.softcap,
+            ignore_index=site.ignore_index,
+            reduction=site.reduction,
+            options=options.encode(),
+        ),
+    )
 
 
-def rewrite_tensor_parallel_sites(graph: fx.Graph, options: CCEOptions, graph_id: Optional[int] = None) -> int:
+def rewrite_tensor_parallel_sites(graph: fx.Graph, options: CCEOptions, graph_id: int | None = None) -> int:
     """Rewrite every DTensor site ``linear(h, W: Shard(0)) -> [no-op redistribute] -> views -> [softcap] ->
     cross_entropy`` in ``graph``; returns the count. Every DTensor site gets a decision in ``stats()``."""
     losses = [
-        node for node in graph.nodes
+        node
+        for node in graph.nodes
         if sp.matches(node, sp.CROSS_ENTROPY) and sp.is_dtensor(sp.example_value(lce.cross_entropy_input(node)))
-    ]  # fmt: skip
+    ]
     if not losses:
         return 0
     if graph_id is None:
@@ -129,10 +138,16 @@ def rewrite_tensor_parallel_sites(graph: fx.Graph, options: CCEOptions, graph_id
             continue
         sites.replace_site(graph, site, emit, stored_operands=False)
         rewritten += 1
-        diagnostics.record(diagnostics.SiteDecision(
-            graph_id, ce.name, True, f"tensor parallel (vocabulary-sharded head): {sites.describe_site(site)}"
-            + sites.lean_only(options, "the vocabulary-parallel loss has no balanced form"), "lean",
-        ))  # fmt: skip
+        diagnostics.record(
+            diagnostics.SiteDecision(
+                graph_id,
+                ce.name,
+                True,
+                f"tensor parallel (vocabulary-sharded head): {sites.describe_site(site)}"
+                + sites.lean_only(options, "the vocabulary-parallel loss has no balanced form"),
+                "lean",
+            )
+        )
     if rewritten:
         graph.lint()
     return rewritten

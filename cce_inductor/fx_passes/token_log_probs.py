@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 import operator
-from typing import Any, Optional
+from typing import Any
 
 import torch
 import torch.fx as fx
@@ -60,7 +60,7 @@ def _last_dim(node: fx.Node, index: int, name: str, ndim: int) -> bool:
     return isinstance(dim, int) and dim in (-1, ndim - 1)
 
 
-def gathered_log_probs(gather: fx.Node) -> tuple[fx.Node, fx.Node, fx.Node, Optional[fx.Node]]:
+def gathered_log_probs(gather: fx.Node) -> tuple[fx.Node, fx.Node, fx.Node, fx.Node | None]:
     """``(log_softmax node, logits, ids, squeeze | None)`` of ``gather(log_softmax(logits, -1), -1, ids)``
     [``.squeeze(-1)``], or NoMatch. Shared with ``entropy.py`` (log-probs and entropy of the same logits)."""
     log_probs, index = sp.call_arg(gather, 0, "input"), sp.call_arg(gather, 2, "index")
@@ -78,7 +78,9 @@ def gathered_log_probs(gather: fx.Node) -> tuple[fx.Node, fx.Node, fx.Node, Opti
     if gather.kwargs.get("sparse_grad", False) or (len(gather.args) > 3 and gather.args[3]):
         raise head_chain.NoMatch("gather with sparse_grad")
     if index_meta.dtype != torch.int64 or index_meta.dim() != ndim or index_meta.shape[-1] != 1:
-        raise head_chain.NoMatch(f"gather index of shape {tuple(index_meta.shape)} / {index_meta.dtype}: one int64 id per row")
+        raise head_chain.NoMatch(
+            f"gather index of shape {tuple(index_meta.shape)} / {index_meta.dtype}: one int64 id per row"
+        )
     if tuple(index_meta.shape[:-1]) != tuple(logits_meta.shape[:-1]):
         raise head_chain.NoMatch("gather index does not cover every row of the logits")
     squeeze = next(iter(gather.users)) if len(gather.users) == 1 else None
@@ -109,8 +111,16 @@ def _match(gather: fx.Node) -> tuple[sites.Site, fx.Node]:
         raise head_chain.NoMatch("the log-softmax is returned from the graph")
     fields = walked.fields()
     fields["chain"] = chain[:-1]
-    site = sites.Site(cross_entropy=last, targets=index, ignore_index=NO_TARGET, reduction="none", label_smoothing=0.0,
-                    escaping=escaping, lse_users=[], **fields)  # fmt: skip
+    site = sites.Site(
+        cross_entropy=last,
+        targets=index,
+        ignore_index=NO_TARGET,
+        reduction="none",
+        label_smoothing=0.0,
+        escaping=escaping,
+        lse_users=[],
+        **fields,
+    )
     return site, index
 
 
@@ -128,7 +138,7 @@ def _is_last_dim_gather(node: Any) -> bool:
     return isinstance(meta, torch.Tensor) and _last_dim(node, 1, "dim", meta.dim()) and not sparse
 
 
-def _squeezed_last(node: Any) -> Optional[fx.Node]:
+def _squeezed_last(node: Any) -> fx.Node | None:
     """``x`` of ``x.squeeze(-1)``, else None."""
     if not sp.matches(node, SQUEEZE):
         return None
@@ -136,7 +146,7 @@ def _squeezed_last(node: Any) -> Optional[fx.Node]:
     return node.args[0] if isinstance(meta, torch.Tensor) and _last_dim(node, 1, "dim", meta.dim()) else None
 
 
-def _stacked_rows(stack: Any, per_row) -> Optional[tuple[fx.Node, list]]:
+def _stacked_rows(stack: Any, per_row) -> tuple[fx.Node, list] | None:
     """``(source, [per_row(item) ...])`` if ``stack`` is ``torch.stack([f(source[0]), ..., f(source[n - 1])])`` over
     every row of ``source`` (dim 0; ``per_row(item)`` returns ``(row node, payload)`` or None), else None."""
     if not sp.matches(stack, STACK) or sp.call_arg(stack, 1, "dim", 0) != 0:
@@ -157,14 +167,14 @@ def _stacked_rows(stack: Any, per_row) -> Optional[tuple[fx.Node, list]]:
     return source, [payload for _, payload in found]
 
 
-def _row_logsumexp(item: fx.Node) -> Optional[tuple[fx.Node, list]]:
+def _row_logsumexp(item: fx.Node) -> tuple[fx.Node, list] | None:
     row = sp.call_arg(item, 0, "input")
     if not isinstance(row, fx.Node) or not sp.is_row_logsumexp(item, row):
         return None
     return row, [row, item]
 
 
-def _logsumexp_of(node: Any) -> Optional[tuple[fx.Node, list]]:
+def _logsumexp_of(node: Any) -> tuple[fx.Node, list] | None:
     """``(logits, nodes)`` if ``node`` is ``logsumexp(logits, -1)`` or its loop over the rows of dim 0."""
     if sp.matches(node, sp.LOGSUMEXP):
         logits = sp.call_arg(node, 0, "input")
@@ -187,7 +197,7 @@ class Spelling:
     nodes: list[fx.Node]  # the spelling's own nodes, root included, forward order
 
 
-def gather_minus_logsumexp(sub: fx.Node) -> Optional[Spelling]:
+def gather_minus_logsumexp(sub: fx.Node) -> Spelling | None:
     """``gather(logits, -1, index).squeeze(-1) - logsumexp(logits, -1)`` (or the logsumexp's row loop)."""
     if not sp.matches(sub, sp.SUB) or len(sub.args) != 2 or sub.kwargs:
         return None
@@ -201,7 +211,7 @@ def gather_minus_logsumexp(sub: fx.Node) -> Optional[Spelling]:
     return Spelling(sub, logits, index, True, [gather, sub.args[0]] + lse[1] + [sub])
 
 
-def _row_log_prob(item: fx.Node) -> Optional[tuple[fx.Node, tuple]]:
+def _row_log_prob(item: fx.Node) -> tuple[fx.Node, tuple] | None:
     """``log_softmax(row, -1).gather(-1, ids[i].unsqueeze(-1)).squeeze(-1)``: (row, (ids[i], nodes))."""
     gather = _squeezed_last(item)
     if not _is_last_dim_gather(gather):
@@ -213,7 +223,7 @@ def _row_log_prob(item: fx.Node) -> Optional[tuple[fx.Node, tuple]]:
     return row, (index.args[0], [row, log_probs, index, gather, item])
 
 
-def stacked_row_log_probs(stack: fx.Node) -> Optional[Spelling]:
+def stacked_row_log_probs(stack: fx.Node) -> Spelling | None:
     """``torch.stack([...])`` of the rows' log-probs, a loop over ``zip(logits, ids)``."""
     stacked = _stacked_rows(stack, _row_log_prob)
     if stacked is None:
@@ -240,8 +250,7 @@ def _match_spelling(spelling: Spelling) -> tuple[sites.Site, fx.Node]:
     return scored_rows_site(spelling.logits, spelling.nodes, [spelling.root], spelling.index), spelling.index
 
 
-def scored_rows_site(logits: fx.Node, inner: list[fx.Node], replaced: list[fx.Node],
-                     ids: Optional[fx.Node]) -> sites.Site:
+def scored_rows_site(logits: fx.Node, inner: list[fx.Node], replaced: list[fx.Node], ids: fx.Node | None) -> sites.Site:
     """The site of a computation over every row of ``logits`` (token log-probs, entropy): ``inner`` its own nodes,
     of which ``replaced`` take the op's values; the others must be private to it. The op goes where the first of
     ``replaced`` stood (its ids must be computed by then); ``ids``: the scored tokens, or None (entropy alone).
@@ -258,8 +267,16 @@ def scored_rows_site(logits: fx.Node, inner: list[fx.Node], replaced: list[fx.No
     escaping = head_chain.private_chain(walked.chain, first, allowed=inner)
     fields = walked.fields()
     fields["chain"] = sorted(set(walked.chain) | (set(inner) - {first}), key=position.get)
-    return sites.Site(cross_entropy=first, targets=ids, ignore_index=NO_TARGET, reduction="none", label_smoothing=0.0,
-                    escaping=escaping, lse_users=[], **fields)  # fmt: skip
+    return sites.Site(
+        cross_entropy=first,
+        targets=ids,
+        ignore_index=NO_TARGET,
+        reduction="none",
+        label_smoothing=0.0,
+        escaping=escaping,
+        lse_users=[],
+        **fields,
+    )
 
 
 def check_rl_site(site: sites.Site, options: CCEOptions, what: str = "token log-probs") -> None:
@@ -275,13 +292,21 @@ def _checked(site: sites.Site, index: fx.Node, options: CCEOptions) -> tuple[sit
     return site, index
 
 
-def fused_token_call(graph: fx.Graph, site: sites.Site, rows, weight, ids, bias, options: CCEOptions,
-                     entropy: bool) -> fx.Node:
+def fused_token_call(
+    graph: fx.Graph, site: sites.Site, rows, weight, ids, bias, options: CCEOptions, entropy: bool
+) -> fx.Node:
     """The op over every row of ``rows`` (..., D) with ``ids`` (one per row, none ignored): outputs
     ``(-log-prob of each id, lse, entropy | empty, argmax | empty)``, flat."""
     return ops.lean_call(
-        graph.call_method("flatten", (rows, 0, -2)), weight, graph.call_method("flatten", (ids,)), bias,
-        softcap=site.softcap, ignore_index=NO_TARGET, reduction="none", options=options.encode(), entropy=entropy,
+        graph.call_method("flatten", (rows, 0, -2)),
+        weight,
+        graph.call_method("flatten", (ids,)),
+        bias,
+        softcap=site.softcap,
+        ignore_index=NO_TARGET,
+        reduction="none",
+        options=options.encode(),
+        entropy=entropy,
         compute_dtype=sites.op_compute_dtype(site),
     ).emit(graph)
 
@@ -299,13 +324,19 @@ def _token_log_probs(options: CCEOptions, index: fx.Node, squeezed: bool):
     return emit
 
 
-def rewrite_token_log_probs(graph: fx.Graph, options: CCEOptions, graph_id: Optional[int] = None) -> int:
+def rewrite_token_log_probs(graph: fx.Graph, options: CCEOptions, graph_id: int | None = None) -> int:
     """Rewrite every per-token log-probs spelling over head logits in ``graph``; returns the count."""
-    spellings = [found for node in graph.nodes
-                 if (found := stacked_row_log_probs(node) or gather_minus_logsumexp(node)) is not None]  # fmt: skip
+    spellings = [
+        found
+        for node in graph.nodes
+        if (found := stacked_row_log_probs(node) or gather_minus_logsumexp(node)) is not None
+    ]
     members = {node for spelling in spellings for node in spelling.nodes}
-    gathers = [n for n in graph.nodes if n not in members and sp.matches(n, GATHER)
-               and sp.matches(sp.call_arg(n, 0, "input"), LOG_SOFTMAX)]  # fmt: skip
+    gathers = [
+        n
+        for n in graph.nodes
+        if n not in members and sp.matches(n, GATHER) and sp.matches(sp.call_arg(n, 0, "input"), LOG_SOFTMAX)
+    ]
     if not gathers and not spellings:
         return 0
     if graph_id is None:
@@ -314,7 +345,9 @@ def rewrite_token_log_probs(graph: fx.Graph, options: CCEOptions, graph_id: Opti
     candidates += [(g, lambda g=g: _match(g), None) for g in gathers]
     rewritten = 0
     for node, match, squeezed in candidates:
-        matched = sites.decide(graph_id, node, lambda match=match: _checked(*match(), options), prefix="token log-probs: ")
+        matched = sites.decide(
+            graph_id, node, lambda match=match: _checked(*match(), options), prefix="token log-probs: "
+        )
         if matched is None:
             continue
         site, index = matched

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import types
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -57,8 +57,9 @@ def fused_head_loss(lm_head: nn.Module, hidden: torch.Tensor, labels: torch.Tens
         )
 
     def forward(module: nn.Module, rows: torch.Tensor) -> torch.Tensor:
-        return linear_cross_entropy(rows, module.weight, labels, bias=getattr(module, "bias", None),
-                                    reduction="sum", ignore_index=IGNORE_INDEX)
+        return linear_cross_entropy(
+            rows, module.weight, labels, bias=getattr(module, "bias", None), reduction="sum", ignore_index=IGNORE_INDEX
+        )
 
     lm_head.forward = types.MethodType(forward, lm_head)  # an instance attribute: the class's forward is untouched
     try:
@@ -75,13 +76,18 @@ class CCELoss(ChunkedLossWrapper):
     class Config(ChunkedLossWrapper.Config):
         pass
 
-    def __init__(self, config: Config, *, compile_config: Optional[CompileConfig] = None):
+    def __init__(self, config: Config, *, compile_config: CompileConfig | None = None):
         # The inner loss (config.loss_fn) is not built: the fused op is the loss.
         self.num_chunks = 1
-        self.lm_head: Optional[nn.Module] = None
+        self.lm_head: nn.Module | None = None
 
-    def __call__(self, pred: torch.Tensor, labels: torch.Tensor, global_valid_tokens: Optional[torch.Tensor] = None,
-                 **loss_inputs: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    def __call__(
+        self,
+        pred: torch.Tensor,
+        labels: torch.Tensor,
+        global_valid_tokens: torch.Tensor | None = None,
+        **loss_inputs: Any,
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """``pred``: the hidden states ``[B, L, D]`` (the model runs with ``_skip_lm_head``). Returns the summed loss
         divided by ``global_valid_tokens`` (where given) and no metrics, as ``CrossEntropyLoss`` does."""
         del loss_inputs  # (positions: used by the model, not by the loss)

@@ -24,7 +24,7 @@ level; ``is_top1`` compares the logits rounded to the compute dtype, as TRL's ti
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -41,13 +41,18 @@ SUPPORTED_OUTPUTS = ("log_probs", "entropy", "is_top1")
 
 
 def _trl_function() -> Any:
-    from trl.kernels import ChunkedLogProbFunction  # noqa: PLC0415 - TRL is optional
+    from trl.kernels import ChunkedLogProbFunction  # TRL is optional
 
     return ChunkedLogProbFunction
 
 
-def supports(final_logit_softcapping: Optional[float], temperature: float, logit_scale: float, dtype: torch.dtype,
-             outputs: tuple[str, ...]) -> bool:
+def supports(
+    final_logit_softcapping: float | None,
+    temperature: float,
+    logit_scale: float,
+    dtype: torch.dtype,
+    outputs: tuple[str, ...],
+) -> bool:
     """Whether :func:`log_probs` computes this request with the op (else TRL's own function does)."""
     if any(name not in SUPPORTED_OUTPUTS for name in outputs):
         return False
@@ -60,25 +65,27 @@ def supports(final_logit_softcapping: Optional[float], temperature: float, logit
 def log_probs(
     hidden: Tensor,
     weight: Tensor,
-    bias: Optional[Tensor],
+    bias: Tensor | None,
     targets: Tensor,
     temperature: float,
     chunk_size: int,
-    final_logit_softcapping: Optional[float] = None,
+    final_logit_softcapping: float | None = None,
     logit_scale: float = 1.0,
     outputs: tuple[str, ...] = SUPPORTED_OUTPUTS,
-) -> tuple[Tensor, Optional[Tensor], Optional[Tensor], Optional[Tensor], Optional[Tensor]]:
+) -> tuple[Tensor, Tensor | None, Tensor | None, Tensor | None, Tensor | None]:
     """``ChunkedLogProbFunction.apply``'s signature and outputs: ``(log_probs, entropy, log_sum_sq_probs,
     mean_logits, is_top1)``, each ``(N,)`` (fp32; ``is_top1`` bool) or None where not in ``outputs``.
 
     ``hidden`` (N, H), ``weight`` (V, H), ``targets`` (N,) ids in ``[0, V)``; logits ``softcap(hidden @ weight.T *
     logit_scale) / temperature`` in the autocast dtype (where autocast is on) or ``hidden``'s. ``chunk_size`` is TRL's
     tile width, unused here. ``log_probs`` and ``entropy`` are differentiable."""
-    compute = torch.get_autocast_dtype(hidden.device.type) if torch.is_autocast_enabled(hidden.device.type) else \
-        hidden.dtype  # fmt: skip
+    compute = (
+        torch.get_autocast_dtype(hidden.device.type) if torch.is_autocast_enabled(hidden.device.type) else hidden.dtype
+    )
     if not supports(final_logit_softcapping, temperature, logit_scale, compute, outputs):
-        return _trl_function().apply(hidden, weight, bias, targets, temperature, chunk_size, final_logit_softcapping,
-                                     logit_scale, outputs)
+        return _trl_function().apply(
+            hidden, weight, bias, targets, temperature, chunk_size, final_logit_softcapping, logit_scale, outputs
+        )
     e, c, b = hidden, weight, bias
     factor = logit_scale / temperature if final_logit_softcapping is None else logit_scale
     if factor != 1.0:
@@ -88,8 +95,15 @@ def log_probs(
     stored = {e.dtype, c.dtype} | ({b.dtype} if b is not None else set())
     with torch.autocast(hidden.device.type, enabled=False):
         neg_log_probs, _, entropy, argmax = lean_call(
-            e, c, targets.long(), b, softcap=None if final_logit_softcapping is None else float(final_logit_softcapping),
-            ignore_index=_NO_TARGET, reduction="none", options=CCEOptions().encode(), entropy="entropy" in outputs,
+            e,
+            c,
+            targets.long(),
+            b,
+            softcap=None if final_logit_softcapping is None else float(final_logit_softcapping),
+            ignore_index=_NO_TARGET,
+            reduction="none",
+            options=CCEOptions().encode(),
+            entropy="entropy" in outputs,
             argmax=str(compute).removeprefix("torch.") if "is_top1" in outputs else "",
             compute_dtype=None if stored == {compute} else compute,
         )()
@@ -115,7 +129,7 @@ _saved: list[Any] = []
 def install() -> None:
     """Route every ``add_fused_lm_head`` model (TRL's trainers patch theirs when they start) through :func:`log_probs`:
     TRL's patched forward looks ``trl.trainer.utils._ChunkedLogProbFunction`` up on every call. Idempotent."""
-    import trl.trainer.utils as trl_utils  # noqa: PLC0415 - TRL is optional
+    import trl.trainer.utils as trl_utils  # TRL is optional
 
     if trl_utils._ChunkedLogProbFunction is not CCELogProbFunction:
         _saved.append(trl_utils._ChunkedLogProbFunction)
@@ -124,7 +138,7 @@ def install() -> None:
 
 def uninstall() -> None:
     """Put TRL's own function back."""
-    import trl.trainer.utils as trl_utils  # noqa: PLC0415
+    import trl.trainer.utils as trl_utils
 
     if _saved:
         trl_utils._ChunkedLogProbFunction = _saved.pop()

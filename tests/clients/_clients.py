@@ -13,11 +13,22 @@ def tiny_config(family: str = "llama", **extra):
     import transformers
 
     if family == "gpt2":
-        return transformers.GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=1, n_head=4, n_positions=64,
-                                       bos_token_id=1, eos_token_id=2, **extra)  # fmt: skip
-    base = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=4,
-                num_key_value_heads=2, max_position_embeddings=64, head_dim=8, pad_token_id=0, bos_token_id=1,
-                eos_token_id=2)  # fmt: skip
+        return transformers.GPT2Config(
+            vocab_size=VOCAB, n_embd=32, n_layer=1, n_head=4, n_positions=64, bos_token_id=1, eos_token_id=2, **extra
+        )
+    base = dict(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        head_dim=8,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
     base.update(extra)
     return transformers.AutoConfig.for_model(family, **base)
 
@@ -65,8 +76,7 @@ def tokenizer():
 
     tok = Tokenizer(models.WordLevel(vocab={f"w{i}": i for i in range(VOCAB)}, unk_token="w0"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="w0", bos_token="w1", eos_token="w2",
-                                   unk_token="w0")  # fmt: skip
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="w0", bos_token="w1", eos_token="w2", unk_token="w0")
 
 
 def training_logs(history: list[dict]) -> list[dict]:
@@ -75,8 +85,9 @@ def training_logs(history: list[dict]) -> list[dict]:
     return [{k: v for k, v in entry.items() if not any(t in k for t in timing)} for entry in history]
 
 
-def assert_same_logs(got: list[dict], want: list[dict], *, rel: float, abs_: float = 1e-6,
-                     per_key: dict | None = None) -> None:
+def assert_same_logs(
+    got: list[dict], want: list[dict], *, rel: float, abs_: float = 1e-6, per_key: dict | None = None
+) -> None:
     """Every logged entry has the same keys and, per key, values within ``rel`` (``per_key[key]`` where given) /
     ``abs_``."""
     assert len(got) == len(want), (got, want)

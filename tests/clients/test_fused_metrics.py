@@ -11,7 +11,6 @@ import torch.nn.functional as F
 
 import cce_inductor
 from cce_inductor import _chunked, linear_cross_entropy
-
 from tests.support.compare import inductor_caches_off
 
 
@@ -38,13 +37,15 @@ def test_argmax_equals_torch_argmax_with_ties(path, dtype):
         assert not torch.equal(exact.argmax(-1), want)
     got = torch.empty(e.shape[0], dtype=torch.long)
     if path == "chunked":
-        _chunked.forward(e, c, targets, None, softcap=None, ignore_index=-100, argmax_out=got, argmax_round=dtype,
-                         vocab_chunk=32)  # fmt: skip
+        _chunked.forward(
+            e, c, targets, None, softcap=None, ignore_index=-100, argmax_out=got, argmax_round=dtype, vocab_chunk=32
+        )
     else:
         from cce_inductor.kernels import _forward
 
-        _forward.forward(e, c, targets, None, softcap=None, ignore_index=-100, every_row=True, argmax_out=got,
-                         argmax_round=dtype)  # fmt: skip
+        _forward.forward(
+            e, c, targets, None, softcap=None, ignore_index=-100, every_row=True, argmax_out=got, argmax_round=dtype
+        )
     assert torch.equal(got, want), (got, want)
 
 
@@ -52,8 +53,9 @@ def test_argmax_nan_is_largest():
     e, c = torch.randn(4, 8), torch.randn(40, 8)
     c[7] = c[20] = float("nan")
     got = torch.empty(4, dtype=torch.long)
-    _chunked.forward(e, c, torch.zeros(4, dtype=torch.long), None, softcap=None, ignore_index=-100, argmax_out=got,
-                     vocab_chunk=8)  # fmt: skip
+    _chunked.forward(
+        e, c, torch.zeros(4, dtype=torch.long), None, softcap=None, ignore_index=-100, argmax_out=got, vocab_chunk=8
+    )
     assert torch.equal(got, (e @ c.T).argmax(-1))
 
 
@@ -73,8 +75,9 @@ def test_class_weights_match_eager(reduction, ignored):
     torch.testing.assert_close(got, want, equal_nan=True)  # all ignored, mean: 0 / 0 = NaN as eager
     if ignored == "some":
         upstream = torch.rand_like(want)
-        for g, r in zip(torch.autograd.grad((got * upstream).sum(), (e, c)),
-                        torch.autograd.grad((want * upstream).sum(), (e, c))):  # fmt: skip
+        for g, r in zip(
+            torch.autograd.grad((got * upstream).sum(), (e, c)), torch.autograd.grad((want * upstream).sum(), (e, c))
+        ):
             torch.testing.assert_close(g, r)
 
 
@@ -89,8 +92,9 @@ def test_class_weights_refusals():
 def _step(weight, class_weights, smoothing=0.0):
     def f(hidden, labels):
         logits = F.linear(hidden, weight)
-        loss = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), weight=class_weights,
-                               label_smoothing=smoothing)  # fmt: skip
+        loss = F.cross_entropy(
+            logits.float().flatten(0, 1), labels.flatten(), weight=class_weights, label_smoothing=smoothing
+        )
         mask = labels != -100
         accuracy = ((logits.argmax(-1) == labels) & mask).sum() / mask.sum()
         return loss, accuracy
@@ -209,8 +213,10 @@ def test_lazy_logits_refuse_a_modified_head_and_can_be_turned_off():
 
 
 def test_lazy_logits_option_in_the_cache_key():
-    on, off = cce_inductor.CCEGraphPass(cce_inductor.CCEOptions()), cce_inductor.CCEGraphPass(
-        cce_inductor.CCEOptions(lazy_logits=False))
+    on, off = (
+        cce_inductor.CCEGraphPass(cce_inductor.CCEOptions()),
+        cce_inductor.CCEGraphPass(cce_inductor.CCEOptions(lazy_logits=False)),
+    )
     assert on.uuid() != off.uuid()
 
 
@@ -264,8 +270,9 @@ def test_op_with_class_weights_and_argmax_through_the_kernels(kernels_on_cpu, re
     w = torch.rand(70, generator=torch.Generator().manual_seed(2)) + 0.5
     logits = e @ c.T
     want = F.cross_entropy(logits, targets, weight=w, reduction=reduction)
-    loss, _, _, argmax = lean_call(e, c, targets, reduction=reduction, options=CCEOptions().encode(), class_weights=w,
-                                   argmax="float32")()
+    loss, _, _, argmax = lean_call(
+        e, c, targets, reduction=reduction, options=CCEOptions().encode(), class_weights=w, argmax="float32"
+    )()
     assert torch.equal(argmax, logits.argmax(-1))  # every row, ignored ones too; exact ties: the first index
     torch.testing.assert_close(loss, want, equal_nan=True)
     if ignored == "some":

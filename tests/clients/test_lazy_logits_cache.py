@@ -9,7 +9,9 @@ import pytest
 from tests.support.models import MODEL_SRC
 from tests.support.processes import last_json, run_python, subprocess_env
 
-WARM_SCRIPT = MODEL_SRC + '''
+WARM_SCRIPT = (
+    MODEL_SRC
+    + """
 import json
 import sys
 
@@ -33,7 +35,8 @@ print(json.dumps({
     "source_hash": cce_inductor.graph_pass._source_hash(),
     "aot": {k: v for k, v in counters["aot_autograd"].items() if "cache" in k},
 }))
-'''
+"""
+)
 
 
 @pytest.mark.slow

@@ -12,16 +12,25 @@ transformers = pytest.importorskip("transformers", reason="transformers is not i
 pytest.importorskip("accelerate", reason="accelerate is not installed (pip install -e '.[clients]')")
 
 import cce_inductor  # noqa: E402
-
 from tests.clients._clients import LMDataset, assert_same_logs, sequences, tiny_model, training_logs  # noqa: E402
 
 
 def _train(model, tmp_path, name: str, **training_args) -> list[dict]:
     args = transformers.TrainingArguments(
-        output_dir=str(tmp_path / name), per_device_train_batch_size=4, max_steps=3, logging_steps=1,
-        learning_rate=1e-2, torch_compile=True, use_cpu=True, report_to=[], save_strategy="no", disable_tqdm=True,
-        dataloader_num_workers=0, seed=0, **training_args,
-    )  # fmt: skip
+        output_dir=str(tmp_path / name),
+        per_device_train_batch_size=4,
+        max_steps=3,
+        logging_steps=1,
+        learning_rate=1e-2,
+        torch_compile=True,
+        use_cpu=True,
+        report_to=[],
+        save_strategy="no",
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+        seed=0,
+        **training_args,
+    )
     trainer = transformers.Trainer(model=model, args=args, train_dataset=LMDataset(sequences(12)))
     trainer.train()
     return training_logs(trainer.state.log_history)
@@ -29,8 +38,9 @@ def _train(model, tmp_path, name: str, **training_args) -> list[dict]:
 
 def _lora(model):
     peft = pytest.importorskip("peft", reason="peft is not installed (pip install -e '.[clients]')")
-    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0, bias="none",
-                             task_type="CAUSAL_LM")  # fmt: skip
+    config = peft.LoraConfig(
+        r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0, bias="none", task_type="CAUSAL_LM"
+    )
     return peft.get_peft_model(model, config)
 
 

@@ -25,7 +25,6 @@ from torchtitan.trainer import Trainer  # noqa: E402
 
 import cce_inductor  # noqa: E402
 from cce_inductor.integrations.torchtitan import CCELoss  # noqa: E402
-
 from tests.support.compare import rel_l2  # noqa: E402
 
 
@@ -87,7 +86,11 @@ def test_cce_loss_needs_the_head_and_validates():
         hidden = torch.randn(1, 3, model.lm_head.weight.shape[1])
         labels = torch.tensor([[1, -100, 5]])
         loss, metrics = loss_fn(hidden, labels, torch.tensor(2))
-        want = torch.nn.functional.cross_entropy(model.lm_head(hidden).flatten(0, 1).float(), labels.flatten(),
-                                                 reduction="sum") / 2  # fmt: skip
+        want = (
+            torch.nn.functional.cross_entropy(
+                model.lm_head(hidden).flatten(0, 1).float(), labels.flatten(), reduction="sum"
+            )
+            / 2
+        )
     torch.testing.assert_close(loss, want)
     assert metrics == {} and "forward" not in vars(model.lm_head)  # the head's forward is its own again

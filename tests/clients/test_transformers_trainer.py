@@ -93,17 +93,27 @@ print("RESULT " + json.dumps(result))
 
 def _run(tmp_path: Path, precision: str, cce: bool, mode: str = "") -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith("CCE_INDUCTOR")}
-    env.update(PYTHONPATH=str(ROOT), TORCHINDUCTOR_FX_GRAPH_CACHE="0", TORCHINDUCTOR_AUTOGRAD_CACHE="0",
-               TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"), TOKENIZERS_PARALLELISM="false")
+    env.update(
+        PYTHONPATH=str(ROOT),
+        TORCHINDUCTOR_FX_GRAPH_CACHE="0",
+        TORCHINDUCTOR_AUTOGRAD_CACHE="0",
+        TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"),
+        TOKENIZERS_PARALLELISM="false",
+    )
     if cce:
         env["CCE_INDUCTOR"] = "1"  # the one switch
     script = tmp_path / "train.py"
     script.write_text(SCRIPT)
-    proc = subprocess.run([sys.executable, str(script), str(ROOT), str(tmp_path / f"out-{cce}"), precision, mode],
-                          env=env, capture_output=True, text=True, timeout=900)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, str(script), str(ROOT), str(tmp_path / f"out-{cce}"), precision, mode],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     line = next(line for line in proc.stdout.splitlines()[::-1] if line.startswith("RESULT "))
-    return json.loads(line[len("RESULT "):])
+    return json.loads(line[len("RESULT ") :])
 
 
 @pytest.mark.slow

@@ -17,19 +17,27 @@ transformers = pytest.importorskip("transformers", reason="transformers is not i
 trl = pytest.importorskip("trl", reason="trl is not installed (pip install -e '.[clients]')")
 datasets = pytest.importorskip("datasets", reason="datasets is not installed (pip install -e '.[clients]')")
 
-import cce_inductor  # noqa: E402
-from cce_inductor.integrations import trl as cce_trl  # noqa: E402
 from trl.kernels import ChunkedLogProbFunction as TRLFunction  # noqa: E402
 
+import cce_inductor  # noqa: E402
+from cce_inductor.integrations import trl as cce_trl  # noqa: E402
 from tests.clients._clients import assert_same_logs, sequences, tiny_model, tokenizer, training_logs  # noqa: E402
 
 
 def _sft(tmp_path, name: str, steps: int = 3) -> list[dict]:
     args = trl.SFTConfig(
-        output_dir=str(tmp_path / name), per_device_train_batch_size=4, max_steps=steps, logging_steps=1,
-        learning_rate=1e-2, torch_compile=True, use_cpu=True, report_to=[], save_strategy="no", disable_tqdm=True,
+        output_dir=str(tmp_path / name),
+        per_device_train_batch_size=4,
+        max_steps=steps,
+        logging_steps=1,
+        learning_rate=1e-2,
+        torch_compile=True,
+        use_cpu=True,
+        report_to=[],
+        save_strategy="no",
+        disable_tqdm=True,
         seed=0,
-    )  # fmt: skip
+    )
     dataset = datasets.Dataset.from_list([{"input_ids": row} for row in sequences(12)])
     trainer = trl.SFTTrainer(model=tiny_model("llama"), args=args, train_dataset=dataset, processing_class=tokenizer())
     trainer.train()
@@ -74,8 +82,11 @@ OUTPUTS = ("log_probs", "entropy", "is_top1")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("head", [dict(), dict(softcap=5.0), dict(temperature=0.7), dict(scale=0.5, bias=True)],
-                         ids=["plain", "softcap", "temperature", "scale-bias"])
+@pytest.mark.parametrize(
+    "head",
+    [dict(), dict(softcap=5.0), dict(temperature=0.7), dict(scale=0.5, bias=True)],
+    ids=["plain", "softcap", "temperature", "scale-bias"],
+)
 def test_adapter_equals_trl_head(dtype, head):
     torch.manual_seed(0)
     n, d, v = 40, 16, 70
@@ -83,8 +94,17 @@ def test_adapter_equals_trl_head(dtype, head):
     weight = (torch.randn(v, d) / 2).to(dtype).requires_grad_()
     bias = torch.randn(v).to(dtype).requires_grad_() if head.get("bias") else None
     targets = torch.randint(0, v, (n,))
-    args = (hidden, weight, bias, targets, head.get("temperature", 1.0), 32, head.get("softcap"),
-            head.get("scale", 1.0), OUTPUTS)
+    args = (
+        hidden,
+        weight,
+        bias,
+        targets,
+        head.get("temperature", 1.0),
+        32,
+        head.get("softcap"),
+        head.get("scale", 1.0),
+        OUTPUTS,
+    )
     leaves = [x for x in (hidden, weight, bias) if x is not None]
     want = TRLFunction.apply(*args)
     got = cce_trl.log_probs(*args)
@@ -99,8 +119,12 @@ def test_adapter_equals_trl_head(dtype, head):
     grads_want = torch.autograd.grad((want[0] * upstream[0]).sum() + (want[1] * upstream[1]).sum(), leaves)
     grads_got = torch.autograd.grad((got[0] * upstream[0]).sum() + (got[1] * upstream[1]).sum(), leaves)
     for g, w in zip(grads_got, grads_want):
-        torch.testing.assert_close(g.float(), w.float(), rtol=1e-4 if dtype == torch.float32 else 0.05,
-                                   atol=1e-5 if dtype == torch.float32 else 0.02)
+        torch.testing.assert_close(
+            g.float(),
+            w.float(),
+            rtol=1e-4 if dtype == torch.float32 else 0.05,
+            atol=1e-5 if dtype == torch.float32 else 0.02,
+        )
 
 
 def test_adapter_falls_back_to_trl_for_other_outputs():

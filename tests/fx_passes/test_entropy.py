@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 import cce_inductor
-from tests.support.patterns import B, D, T, V, PatternTestCase, rand_hidden, rand_labels, rand_weight
+from tests.support.patterns import B, D, PatternTestCase, T, V, rand_hidden, rand_labels, rand_weight
 
 
 class TestMatchedPatterns(PatternTestCase):
@@ -33,7 +33,9 @@ class TestMatchedPatterns(PatternTestCase):
 
         hidden = torch.randn(B, T, D, dtype=torch.bfloat16, requires_grad=True)
         cap = self.run_pass(f, hidden, params=[weight], atol=1e-2, rtol=1e-2)
-        self.assertExpectedInline(cap.after[0], """\
+        self.assertExpectedInline(
+            cap.after[0],
+            """\
 def forward(self, L_hidden_ : torch.Tensor, L_weight_ : torch.Tensor):
     l_hidden_ = L_hidden_
     l_weight_ = L_weight_
@@ -47,7 +49,8 @@ def forward(self, L_hidden_ : torch.Tensor, L_weight_ : torch.Tensor):
     getitem_1 = linear_cross_entropy_default[2]
     view = getitem_1.view(getitem)
     mean = view.mean()
-    return (mean,)""")
+    return (mean,)""",
+        )
         self.assertIn("entropy: linear: linear, scale=1.25", cce_inductor.stats()["sites"][0]["reason"])
         self.assertTrue(cce_inductor.stats()["summary"].startswith("rewrote 1 of 1 loss sites in 1 graphs"))
 
@@ -86,8 +89,11 @@ def forward(self, L_hidden_ : torch.Tensor, L_weight_ : torch.Tensor):
         self.assertEqual(after.count("linear_cross_entropy.default("), 1)
         self.assertNotIn("log_softmax", after)
         self.assertNotIn("cat(", after)
-        self.assertIn("-9223372036854775808, 'none', 0.0, 'exact=False;products=auto;backward_row_chunk=8192;path=auto;scratch_mb=0', "
-                      "False, True)", after)
+        self.assertIn(
+            "-9223372036854775808, 'none', 0.0, 'exact=False;products=auto;backward_row_chunk=8192;path=auto;scratch_mb=0', "
+            "False, True)",
+            after,
+        )
         reason = cce_inductor.stats()["sites"][0]["reason"]
         self.assertIn("entropy and token log-probs", reason)
 
@@ -110,6 +116,7 @@ def forward(self, L_hidden_ : torch.Tensor, L_weight_ : torch.Tensor):
 
 class TestRefusals(PatternTestCase):
     """Sites the pass must leave alone, each with the reason it reports."""
+
     def setUp(self):
         super().setUp()
         torch.manual_seed(0)
@@ -182,19 +189,25 @@ _NEAR_MISSES = {
     # sum(p z) - logsumexp(z) is -H
     "reversed_difference": lambda logits, ids: (logits.softmax(-1) * logits).sum(-1) - torch.logsumexp(logits, -1),
     # logsumexp + sum(p z) is no entropy
-    "sum_instead_of_difference": lambda logits, ids: torch.logsumexp(logits, -1) + (logits.softmax(-1) * logits).sum(-1),
+    "sum_instead_of_difference": lambda logits, ids: (
+        torch.logsumexp(logits, -1) + (logits.softmax(-1) * logits).sum(-1)
+    ),
     # the softmax-weighted logits of other logits
-    "weighted_other_logits": lambda logits, ids: torch.logsumexp(logits, -1) - (logits.softmax(-1) * logits.exp()).sum(-1),
+    "weighted_other_logits": lambda logits, ids: (
+        torch.logsumexp(logits, -1) - (logits.softmax(-1) * logits.exp()).sum(-1)
+    ),
     # a gather minus the logsumexp of other logits
     "gather_minus_other_lse": lambda logits, ids: (
-        torch.gather(logits, -1, ids.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits * 2, -1)),
+        torch.gather(logits, -1, ids.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits * 2, -1)
+    ),
     # a row loop that stacks the rows out of order
     "rows_out_of_order": lambda logits, ids: torch.stack([_lp(logits[1], ids[1]), _lp(logits[0], ids[0])]),
     # a row loop that pairs each row with another row's ids
     "rows_with_other_ids": lambda logits, ids: torch.stack([_lp(logits[0], ids[1]), _lp(logits[1], ids[0])]),
     # TRL's chunked entropy, its chunks concatenated out of order
     "entropy_chunks_out_of_order": lambda logits, ids: torch.cat(
-        [_entropy_terms(c) for c in logits.reshape(-1, logits.shape[-1]).split(3, dim=0)][::-1]),
+        [_entropy_terms(c) for c in logits.reshape(-1, logits.shape[-1]).split(3, dim=0)][::-1]
+    ),
 }
 
 

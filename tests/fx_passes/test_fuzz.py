@@ -25,7 +25,6 @@ import dataclasses
 import linecache
 import math
 import os
-from typing import Optional
 
 import pytest
 import torch
@@ -33,8 +32,8 @@ import torch._inductor.config as inductor_config
 import torch.nn.functional as F
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import note as _hypothesis_note
-from hypothesis.errors import InvalidArgument
 from hypothesis import strategies as st
+from hypothesis.errors import InvalidArgument
 
 import cce_inductor
 from tests.support.graphs import PassCapture
@@ -47,8 +46,11 @@ COMMON = dict(database=None, report_multiple_bugs=False, suppress_health_check=S
 SCALE = max(float(os.environ.get("CCE_FUZZ_SCALE", "1")), 0.01)
 
 FLOAT_DTYPES = {
-    "float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16
-}  # fmt: skip
+    "float32": torch.float32,
+    "float64": torch.float64,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
 # Tolerances. fp32 / fp64: compiled vs eager of the same function -- the loss elementwise (LOSS_TOL), gradients
 # normwise relative (NORM_RTOL); only rounding-order noise, which a scaled, saturated softcap (1 - tanh^2 near 0)
 # amplifies to ~5e-5 in fp32.
@@ -61,8 +63,20 @@ NORM_RTOL = {torch.float64: 1e-10, torch.float32: 1e-4, torch.bfloat16: 6e-2, to
 LOSS_TOL = {torch.float64: 1e-9, torch.float32: 2e-5, torch.bfloat16: 6e-2, torch.float16: 1e-2}
 LOW_PRECISION_FLOOR = {torch.bfloat16: 2e-2, torch.float16: 4e-3}
 
-HEADS_ANY_RANK = ["linear", "linear_kw", "module", "matmul_T", "torch_matmul_t", "method_matmul", "stored",
-                  "transpose", "transpose_neg", "permute", "mT", "t_method"]
+HEADS_ANY_RANK = [
+    "linear",
+    "linear_kw",
+    "module",
+    "matmul_T",
+    "torch_matmul_t",
+    "method_matmul",
+    "stored",
+    "transpose",
+    "transpose_neg",
+    "permute",
+    "mT",
+    "t_method",
+]
 HEADS_2D_ONLY = ["mm_t", "addmm"]
 HEADS_WITH_BIAS = {"linear", "linear_kw", "module"}  # the bias inside the call; other heads add it after (_bias_add)
 HEADS_BIAS_ONLY = {"addmm"}
@@ -70,8 +84,14 @@ HEADS_BIAS_ONLY = {"addmm"}
 
 def _bias_add(x: str, b: str, form: int) -> str:
     """A (V,) bias added to the head's product ``x``, as real code and reference formulas spell it."""
-    return [f"{x} = {x} + {b}", f"{x} = {b} + {x}", f"{x} += {b}", f"{x}.add_({b})", f"{x} = torch.add({x}, {b})",
-            f"{x} = {x}.add({b})"][form % 6]
+    return [
+        f"{x} = {x} + {b}",
+        f"{x} = {b} + {x}",
+        f"{x} += {b}",
+        f"{x}.add_({b})",
+        f"{x} = torch.add({x}, {b})",
+        f"{x} = {x}.add({b})",
+    ][form % 6]
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -92,17 +112,19 @@ class SiteSpec:
     bias: bool  # linear heads: inside the call; addmm: its input; other heads: added to the product (bias_form)
     chain: list  # tokens, see _render_chain
     chain_forms: list  # one drawn spelling per token
-    softcap: Optional[float]
+    softcap: float | None
     shift: str  # "none" | "slice" | "pad"
     label_flatten: str
     reduction: str
     ignore_index: int
     ignored_share: float
     post: str  # what follows the cross_entropy
-    near_miss: Optional[str] = None  # for near-miss sites: which poison
+    near_miss: str | None = None  # for near-miss sites: which poison
     near_miss_arg: float = 0.0
-    ce_style: str = "functional"  # functional | positional | explicit_defaults | smoothed | module (nn.CrossEntropyLoss)
-    shares: Optional[int] = None  # index of an earlier site whose hidden states, head and bias this one reuses
+    ce_style: str = (
+        "functional"  # functional | positional | explicit_defaults | smoothed | module (nn.CrossEntropyLoss)
+    )
+    shares: int | None = None  # index of an earlier site whose hidden states, head and bias this one reuses
     frozen: str = ""  # "" | "hidden" | "weight" | "bias": that input does not require grad
     bias_form: int = 0  # how a head without a bias argument gets one (_bias_add)
 
@@ -156,14 +178,28 @@ def site_specs(draw, index: int, dtype: torch.dtype, min_vocab: int = 1):
     ignored_share = draw(st.sampled_from([0.0, 0.0, 0.1, 0.5, 0.9, 1.0]))
     post = draw(st.sampled_from(["plain", "divide", "scale"]))
     return SiteSpec(
-        index=index, rank=rank, lead=lead, vocab=vocab, hidden_size=hidden_size, head=head, bias=bias,
-        chain=order, chain_forms=forms, softcap=softcap, shift=shift,
+        index=index,
+        rank=rank,
+        lead=lead,
+        vocab=vocab,
+        hidden_size=hidden_size,
+        head=head,
+        bias=bias,
+        chain=order,
+        chain_forms=forms,
+        softcap=softcap,
+        shift=shift,
         label_flatten=draw(st.sampled_from(["reshape", "flatten", "view"])),
-        reduction=reduction, ignore_index=ignore_index, ignored_share=ignored_share, post=post,
-        ce_style=draw(st.sampled_from(["functional", "functional", "positional", "explicit_defaults", "smoothed",
-                                       "module"])),
-        frozen=draw(st.sampled_from(["", "", "", "hidden", "weight", "bias"])), bias_form=draw(st.integers(0, 5)),
-    )  # fmt: skip
+        reduction=reduction,
+        ignore_index=ignore_index,
+        ignored_share=ignored_share,
+        post=post,
+        ce_style=draw(
+            st.sampled_from(["functional", "functional", "positional", "explicit_defaults", "smoothed", "module"])
+        ),
+        frozen=draw(st.sampled_from(["", "", "", "hidden", "weight", "bias"])),
+        bias_form=draw(st.integers(0, 5)),
+    )
 
 
 def _repair_chain(spec: SiteSpec) -> SiteSpec:
@@ -244,16 +280,29 @@ def _render_site(spec: SiteSpec, dtype: torch.dtype) -> list[str]:
             lines.append(f"{x} = {x}{suffix}")
         elif token == "scale":
             k = [0.5, 2.0, 1.0 / 3.0, -1.5, 0.0625, 10.0][form % 6]
-            lines.append(f"{x} = " + [f"{x} * {k!r}", f"{k!r} * {x}", f"{x} / {1 / k!r}", f"torch.mul({x}, {k!r})",
-                                      f"{x}.div({1 / k!r})", f"torch.div({x}, {1 / k!r})"][(form // 6) % 6])
+            lines.append(
+                f"{x} = "
+                + [
+                    f"{x} * {k!r}",
+                    f"{k!r} * {x}",
+                    f"{x} / {1 / k!r}",
+                    f"torch.mul({x}, {k!r})",
+                    f"{x}.div({1 / k!r})",
+                    f"torch.div({x}, {1 / k!r})",
+                ][(form // 6) % 6]
+            )
         elif token == "softcap":
             lines.append(f"{x} = {_softcap_expr(x, spec.softcap, form)}")
         elif token == "slice":
             lines.append(f"{x} = {x}" + (["[..., :-1, :]", "[:, :-1]" if ndim == 3 else "[:-1]"][form % 2]))
             noncontiguous = noncontiguous or ndim == 3
         elif token == "to_2d":
-            options = [f"{x}.reshape(-1, {V})", f"torch.reshape({x}, (-1, {V}))", f"{x}.flatten(0, -2)",
-                       f"torch.flatten({x}, 0, -2)"]  # fmt: skip
+            options = [
+                f"{x}.reshape(-1, {V})",
+                f"torch.reshape({x}, (-1, {V}))",
+                f"{x}.flatten(0, -2)",
+                f"torch.flatten({x}, 0, -2)",
+            ]
             if ndim == 3:
                 options += [f"{x}.reshape({x}.shape[0] * {x}.shape[1], {x}.shape[-1])", f"{x}.flatten(0, 1)"]
             if not noncontiguous:
@@ -279,11 +328,15 @@ def _render_site(spec: SiteSpec, dtype: torch.dtype) -> list[str]:
     if spec.ce_style == "positional":  # input, target, weight, size_average, ignore_index, reduce, reduction
         ce = f"F.cross_entropy({x}, t{i}, None, None, {spec.ignore_index}, None, {spec.reduction!r})"
     elif spec.ce_style == "explicit_defaults":
-        ce = (f"F.cross_entropy({x}, t{i}, weight=None, ignore_index={spec.ignore_index}, "
-              f"reduction={spec.reduction!r}, label_smoothing=0.0)")  # fmt: skip
+        ce = (
+            f"F.cross_entropy({x}, t{i}, weight=None, ignore_index={spec.ignore_index}, "
+            f"reduction={spec.reduction!r}, label_smoothing=0.0)"
+        )
     elif spec.ce_style == "smoothed":  # label smoothing, as SFT recipes use it
-        ce = (f"F.cross_entropy({x}, t{i}, ignore_index={spec.ignore_index}, reduction={spec.reduction!r}, "
-              f"label_smoothing={0.05 * (1 + spec.index % 3)!r})")  # fmt: skip
+        ce = (
+            f"F.cross_entropy({x}, t{i}, ignore_index={spec.ignore_index}, reduction={spec.reduction!r}, "
+            f"label_smoothing={0.05 * (1 + spec.index % 3)!r})"
+        )
     elif spec.ce_style == "module":  # crit{i} = nn.CrossEntropyLoss(...), a global of the snippet
         ce = f"crit{i}({x}, t{i})"
     else:
@@ -482,9 +535,15 @@ def snippets(draw, dtypes=("float32", "float64"), max_sites: int = 3):
             src = sites[draw(st.integers(0, k - 1))]
             src = src if src.shares is None else sites[src.shares]
             sites[k] = dataclasses.replace(
-                sites[k], shares=src.index, rank=src.rank, lead=src.lead, vocab=src.vocab,
-                hidden_size=src.hidden_size, head=src.head, bias=src.bias,
-            )  # fmt: skip
+                sites[k],
+                shares=src.index,
+                rank=src.rank,
+                lead=src.lead,
+                vocab=src.vocab,
+                hidden_size=src.hidden_size,
+                head=src.head,
+                bias=src.bias,
+            )
             sites[k] = _repair_chain(sites[k])
     logit_scale = draw(st.sampled_from([1.0, 4.0] if dtype in (torch.float32, torch.float64) else [1.0, 2.0]))
     seed = draw(st.integers(0, 2**16))
@@ -520,12 +579,30 @@ def test_fuzz_matched_low_precision(drawn):
 
 # Poisons, rendered by _near_miss_site: each makes the site something the pass does not claim.
 NEAR_MISSES = [
-    "class_weights", "metric", "second_loss", "sigmoid_cap", "clamp_cap",
-    "tanh_no_scale", "mismatched_cap", "double_cap", "negative_cap", "atan_cap", "plus_tensor", "bias_after_scale",
+    "class_weights",
+    "metric",
+    "second_loss",
+    "sigmoid_cap",
+    "clamp_cap",
+    "tanh_no_scale",
+    "mismatched_cap",
+    "double_cap",
+    "negative_cap",
+    "atan_cap",
+    "plus_tensor",
+    "bias_after_scale",
     "bias_after_cap",
-    "times_tensor", "scale_after_cap", "tensor_scale", "vocab_slice", "vocab_narrow", "downcast",
-    "class_dim_not_last", "floor_div_cap", "floor_div_scale", "fp16_bf16_cast",
-]  # fmt: skip
+    "times_tensor",
+    "scale_after_cap",
+    "tensor_scale",
+    "vocab_slice",
+    "vocab_narrow",
+    "downcast",
+    "class_dim_not_last",
+    "floor_div_cap",
+    "floor_div_scale",
+    "fp16_bf16_cast",
+]
 
 
 def _near_miss_site(spec: SiteSpec, dtype: torch.dtype) -> tuple[list[str], dict]:
@@ -704,10 +781,25 @@ def test_fuzz_near_miss_next_to_a_matched_site(matched, near):
 
 def _pinned_near_miss(kind: str, dtype=torch.float32, vocab=11, hidden_size=7, arg=0.5, scale=1.0):
     spec = SiteSpec(
-        index=0, rank=2, lead=(6,), vocab=vocab, hidden_size=hidden_size, head="stored" if kind == "identity_permute"
-        else "linear", bias=False, chain=[], chain_forms=[], softcap=None, shift="none", label_flatten="reshape",
-        reduction="mean", ignore_index=-100, ignored_share=0.0, post="plain", near_miss=kind, near_miss_arg=arg,
-    )  # fmt: skip
+        index=0,
+        rank=2,
+        lead=(6,),
+        vocab=vocab,
+        hidden_size=hidden_size,
+        head="stored" if kind == "identity_permute" else "linear",
+        bias=False,
+        chain=[],
+        chain_forms=[],
+        softcap=None,
+        shift="none",
+        label_flatten="reshape",
+        reduction="mean",
+        ignore_index=-100,
+        ignored_share=0.0,
+        post="plain",
+        near_miss=kind,
+        near_miss_arg=arg,
+    )
     _check_near_miss(dtype, spec, seed=0, logit_scale=scale)
 
 

@@ -26,7 +26,6 @@ from tests.support.compare import assert_same_run, assert_same_values, run
 from tests.support.graphs import PassCapture
 from tests.support.head import D, V, _hf_shift_fn, compile_capture, inputs, make_fn
 
-
 # ----------------------------------------------------------------------------------------------------------------
 # Dynamic shapes
 # ----------------------------------------------------------------------------------------------------------------
@@ -289,15 +288,18 @@ def _mutate_weight_through_its_transpose_after_head(x, weight, labels):
     return F.cross_entropy(logits, labels)
 
 
-@pytest.mark.parametrize("fn", [_mutate_hidden_after_head, _mutate_weight_after_head,
-                                _mutate_weight_through_its_transpose_after_head],
-                         ids=["hidden", "weight", "weight_through_T"])  # fmt: skip
+@pytest.mark.parametrize(
+    "fn",
+    [_mutate_hidden_after_head, _mutate_weight_after_head, _mutate_weight_through_its_transpose_after_head],
+    ids=["hidden", "weight", "weight_through_T"],
+)
 @pytest.mark.parametrize("backend", ["capture", pytest.param("inductor", marks=pytest.mark.slow)])
 def test_in_place_update_after_the_head(no_inductor_caches, fn, backend):
     x, weight, labels = (t.detach() for t in inputs(6))
     want = fn(x.clone(), weight.clone(), labels)
-    compiled = torch.compile(fn, backend=PassCapture() if backend == "capture" else cce_inductor.backend,
-                             fullgraph=True)  # fmt: skip
+    compiled = torch.compile(
+        fn, backend=PassCapture() if backend == "capture" else cce_inductor.backend, fullgraph=True
+    )
     got = compiled(x.clone(), weight.clone(), labels)
     assert_same_values(got, want)
 

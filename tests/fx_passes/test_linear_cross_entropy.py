@@ -19,7 +19,7 @@ import cce_inductor
 from cce_inductor.options import CCEOptions
 from tests.support.compare import inductor_caches_off
 from tests.support.graphs import PassCapture
-from tests.support.patterns import B, D, T, V, PatternTestCase, rand_hidden, rand_labels, rand_weight
+from tests.support.patterns import B, D, PatternTestCase, T, V, rand_hidden, rand_labels, rand_weight
 
 
 class TestMatchedPatterns(PatternTestCase):
@@ -34,22 +34,28 @@ class TestMatchedPatterns(PatternTestCase):
             return F.cross_entropy(F.linear(hidden, weight), labels)
 
         cap = self.run_pass(f, rand_hidden(B * T, D), rand_labels(B * T), params=[weight])
-        self.assertExpectedInline(cap.before[0], """\
+        self.assertExpectedInline(
+            cap.before[0],
+            """\
 def forward(self, L_hidden_ : torch.Tensor, L_labels_ : torch.Tensor, L_weight_ : torch.Tensor):
     l_hidden_ = L_hidden_
     l_labels_ = L_labels_
     l_weight_ = L_weight_
     linear = torch._C._nn.linear(l_hidden_, l_weight_)
     cross_entropy = torch.nn.functional.cross_entropy(linear, l_labels_)
-    return (cross_entropy,)""")
-        self.assertExpectedInline(cap.after[0], """\
+    return (cross_entropy,)""",
+        )
+        self.assertExpectedInline(
+            cap.after[0],
+            """\
 def forward(self, L_hidden_ : torch.Tensor, L_labels_ : torch.Tensor, L_weight_ : torch.Tensor):
     l_hidden_ = L_hidden_
     l_labels_ = L_labels_
     l_weight_ = L_weight_
     linear_cross_entropy_default = torch.ops.cce_inductor.linear_cross_entropy.default(l_hidden_, l_weight_, l_labels_, None, None, -100, 'mean', 0.0, 'exact=False;products=auto;backward_row_chunk=8192;path=auto;scratch_mb=0', False, False)
     getitem = linear_cross_entropy_default[0]
-    return (getitem,)""")
+    return (getitem,)""",
+        )
 
     def test_nn_linear_with_bias_and_cross_entropy_module(self):
         head = nn.Linear(D, V)
@@ -59,7 +65,9 @@ def forward(self, L_hidden_ : torch.Tensor, L_labels_ : torch.Tensor, L_weight_ 
             return criterion(head(hidden), labels)
 
         cap = self.run_pass(f, rand_hidden(B * T, D), rand_labels(B * T), params=list(head.parameters()))
-        self.assertExpectedInline(cap.after[0], """\
+        self.assertExpectedInline(
+            cap.after[0],
+            """\
 def forward(self, L_head_parameters_bias_ : torch.nn.parameter.Parameter, L_head_parameters_weight_ : torch.nn.parameter.Parameter, L_hidden_ : torch.Tensor, L_labels_ : torch.Tensor):
     l_head_parameters_bias_ = L_head_parameters_bias_
     l_head_parameters_weight_ = L_head_parameters_weight_
@@ -67,7 +75,8 @@ def forward(self, L_head_parameters_bias_ : torch.nn.parameter.Parameter, L_head
     l_labels_ = L_labels_
     linear_cross_entropy_default = torch.ops.cce_inductor.linear_cross_entropy.default(l_hidden_, l_head_parameters_weight_, l_labels_, l_head_parameters_bias_, None, -100, 'mean', 0.0, 'exact=False;products=auto;backward_row_chunk=8192;path=auto;scratch_mb=0', False, False)
     getitem = linear_cross_entropy_default[0]
-    return (getitem,)""")
+    return (getitem,)""",
+        )
 
     def test_matmul_with_transposed_weight(self):
         weight = rand_weight(V, D)
@@ -77,7 +86,9 @@ def forward(self, L_head_parameters_bias_ : torch.nn.parameter.Parameter, L_head
             return F.cross_entropy(logits.view(-1, V), labels.view(-1))
 
         cap = self.run_pass(f, rand_hidden(B, T, D), rand_labels(B, T), params=[weight])
-        self.assertExpectedInline(cap.before[0], """\
+        self.assertExpectedInline(
+            cap.before[0],
+            """\
 def forward(self, L_hidden_ : torch.Tensor, L_labels_ : torch.Tensor, L_weight_ : torch.Tensor):
     l_hidden_ = L_hidden_
     l_labels_ = L_labels_
@@ -87,8 +98,11 @@ def forward(self, L_hidden_ : torch.Tensor, L_labels_ : torch.Tensor, L_weight_ 
     view = logits.view(-1, 37)
     view_1 = l_labels_.view(-1)
     cross_entropy = torch.nn.functional.cross_entropy(view, view_1)
-    return (cross_entropy,)""")
-        self.assertExpectedInline(cap.after[0], """\
+    return (cross_entropy,)""",
+        )
+        self.assertExpectedInline(
+            cap.after[0],
+            """\
 def forward(self, L_hidden_ : torch.Tensor, L_labels_ : torch.Tensor, L_weight_ : torch.Tensor):
     l_hidden_ = L_hidden_
     l_labels_ = L_labels_
@@ -97,7 +111,8 @@ def forward(self, L_hidden_ : torch.Tensor, L_labels_ : torch.Tensor, L_weight_ 
     reshape = l_hidden_.reshape(-1, 16)
     linear_cross_entropy_default = torch.ops.cce_inductor.linear_cross_entropy.default(reshape, l_weight_, view_1, None, None, -100, 'mean', 0.0, 'exact=False;products=auto;backward_row_chunk=8192;path=auto;scratch_mb=0', False, False)
     getitem = linear_cross_entropy_default[0]
-    return (getitem,)""")
+    return (getitem,)""",
+        )
 
     def test_torch_matmul_with_t_and_weight_stored_transposed(self):
         weight = rand_weight(V, D)
@@ -109,7 +124,9 @@ def forward(self, L_hidden_ : torch.Tensor, L_labels_ : torch.Tensor, L_weight_ 
             return first + second
 
         cap = self.run_pass(f, rand_hidden(B * T, D), rand_labels(B * T), rewrites=2, params=[weight, weight_t])
-        self.assertExpectedInline(cap.after[0], """\
+        self.assertExpectedInline(
+            cap.after[0],
+            """\
 def forward(self, L_hidden_ : torch.Tensor, L_labels_ : torch.Tensor, L_weight_ : torch.Tensor, L_weight_t_ : torch.Tensor):
     l_hidden_ = L_hidden_
     l_labels_ = L_labels_
@@ -121,7 +138,8 @@ def forward(self, L_hidden_ : torch.Tensor, L_labels_ : torch.Tensor, L_weight_ 
     linear_cross_entropy_default_1 = torch.ops.cce_inductor.linear_cross_entropy.default(l_hidden_, t_1, l_labels_, None, None, -100, 'sum', 0.0, 'exact=False;products=auto;backward_row_chunk=8192;path=auto;scratch_mb=0', False, False)
     getitem_1 = linear_cross_entropy_default_1[0]
     add = getitem + getitem_1
-    return (add,)""")
+    return (add,)""",
+        )
 
     def test_views_contiguous_flatten_and_upcast(self):
         weight = rand_weight(V, D)
@@ -131,7 +149,9 @@ def forward(self, L_hidden_ : torch.Tensor, L_labels_ : torch.Tensor, L_weight_ 
             return F.cross_entropy(logits.contiguous().flatten(0, 1).to(torch.float32), labels.flatten())
 
         cap = self.run_pass(f, rand_hidden(B, T, D), rand_labels(B, T), params=[weight])
-        self.assertExpectedInline(cap.after[0], """\
+        self.assertExpectedInline(
+            cap.after[0],
+            """\
 def forward(self, L_hidden_ : torch.Tensor, L_labels_ : torch.Tensor, L_weight_ : torch.Tensor):
     l_hidden_ = L_hidden_
     l_labels_ = L_labels_
@@ -142,7 +162,8 @@ def forward(self, L_hidden_ : torch.Tensor, L_labels_ : torch.Tensor, L_weight_ 
     flatten_2 = l_hidden_.flatten(0, 1)
     linear_cross_entropy_default = torch.ops.cce_inductor.linear_cross_entropy.default(flatten_2, float_1, flatten_1, None, None, -100, 'mean', 0.0, 'exact=False;products=auto;backward_row_chunk=8192;path=auto;scratch_mb=0', False, False)
     getitem = linear_cross_entropy_default[0]
-    return (getitem,)""")
+    return (getitem,)""",
+        )
 
     def test_bf16_logits_upcast_with_float(self):
         weight = torch.randn(V, D, dtype=torch.bfloat16, requires_grad=True)
@@ -154,7 +175,9 @@ def forward(self, L_hidden_ : torch.Tensor, L_labels_ : torch.Tensor, L_weight_ 
         hidden = torch.randn(B, T, D, dtype=torch.bfloat16, requires_grad=True)
         # eager rounds the logits to bf16 before the loss; the op keeps them in fp32: bf16 tolerance
         cap = self.run_pass(f, hidden, rand_labels(B, T), params=[weight], atol=2e-2, rtol=2e-2)
-        self.assertExpectedInline(cap.after[0], """\
+        self.assertExpectedInline(
+            cap.after[0],
+            """\
 def forward(self, L_hidden_ : torch.Tensor, L_labels_ : torch.Tensor, L_weight_ : torch.Tensor):
     l_hidden_ = L_hidden_
     l_labels_ = L_labels_
@@ -163,7 +186,8 @@ def forward(self, L_hidden_ : torch.Tensor, L_labels_ : torch.Tensor, L_weight_ 
     reshape = l_hidden_.reshape(-1, 16)
     linear_cross_entropy_default = torch.ops.cce_inductor.linear_cross_entropy.default(reshape, l_weight_, view_1, None, None, -100, 'mean', 0.0, 'exact=False;products=auto;backward_row_chunk=8192;path=auto;scratch_mb=0', False, False)
     getitem = linear_cross_entropy_default[0]
-    return (getitem,)""")
+    return (getitem,)""",
+        )
 
     def test_bf16_loss_dtype_is_kept(self):
         weight = torch.randn(V, D, dtype=torch.bfloat16, requires_grad=True)
@@ -173,7 +197,9 @@ def forward(self, L_hidden_ : torch.Tensor, L_labels_ : torch.Tensor, L_weight_ 
 
         hidden = torch.randn(B * T, D, dtype=torch.bfloat16, requires_grad=True)
         cap = self.run_pass(f, hidden, rand_labels(B * T), params=[weight], atol=2e-2, rtol=2e-2)
-        self.assertExpectedInline(cap.after[0], """\
+        self.assertExpectedInline(
+            cap.after[0],
+            """\
 def forward(self, L_hidden_ : torch.Tensor, L_labels_ : torch.Tensor, L_weight_ : torch.Tensor):
     l_hidden_ = L_hidden_
     l_labels_ = L_labels_
@@ -181,7 +207,8 @@ def forward(self, L_hidden_ : torch.Tensor, L_labels_ : torch.Tensor, L_weight_ 
     linear_cross_entropy_default = torch.ops.cce_inductor.linear_cross_entropy.default(l_hidden_, l_weight_, l_labels_, None, None, -100, 'mean', 0.0, 'exact=False;products=auto;backward_row_chunk=8192;path=auto;scratch_mb=0', False, False)
     getitem = linear_cross_entropy_default[0]
     to = getitem.to(torch.bfloat16)
-    return (to,)""")
+    return (to,)""",
+        )
 
     def test_softcap_divide_form(self):
         weight = rand_weight(V, D)
@@ -192,7 +219,9 @@ def forward(self, L_hidden_ : torch.Tensor, L_labels_ : torch.Tensor, L_weight_ 
             return F.cross_entropy(logits.view(-1, V), labels.view(-1))
 
         cap = self.run_pass(f, rand_hidden(B, T, D), rand_labels(B, T), params=[weight])
-        self.assertExpectedInline(cap.before[0], """\
+        self.assertExpectedInline(
+            cap.before[0],
+            """\
 def forward(self, L_hidden_ : torch.Tensor, L_labels_ : torch.Tensor, L_weight_ : torch.Tensor):
     l_hidden_ = L_hidden_
     l_labels_ = L_labels_
@@ -205,8 +234,11 @@ def forward(self, L_hidden_ : torch.Tensor, L_labels_ : torch.Tensor, L_weight_ 
     view = logits_1.view(-1, 37)
     view_1 = l_labels_.view(-1)
     cross_entropy = torch.nn.functional.cross_entropy(view, view_1)
-    return (cross_entropy,)""")
-        self.assertExpectedInline(cap.after[0], """\
+    return (cross_entropy,)""",
+        )
+        self.assertExpectedInline(
+            cap.after[0],
+            """\
 def forward(self, L_hidden_ : torch.Tensor, L_labels_ : torch.Tensor, L_weight_ : torch.Tensor):
     l_hidden_ = L_hidden_
     l_labels_ = L_labels_
@@ -215,7 +247,8 @@ def forward(self, L_hidden_ : torch.Tensor, L_labels_ : torch.Tensor, L_weight_ 
     reshape = l_hidden_.reshape(-1, 16)
     linear_cross_entropy_default = torch.ops.cce_inductor.linear_cross_entropy.default(reshape, l_weight_, view_1, None, 3.0, -100, 'mean', 0.0, 'exact=False;products=auto;backward_row_chunk=8192;path=auto;scratch_mb=0', False, False)
     getitem = linear_cross_entropy_default[0]
-    return (getitem,)""")
+    return (getitem,)""",
+        )
 
     def test_softcap_multiply_by_reciprocal_after_views(self):
         weight = rand_weight(V, D)
@@ -227,7 +260,9 @@ def forward(self, L_hidden_ : torch.Tensor, L_labels_ : torch.Tensor, L_weight_ 
             return F.cross_entropy(logits, labels.view(-1))
 
         cap = self.run_pass(f, rand_hidden(B, T, D), rand_labels(B, T), params=[weight])
-        self.assertExpectedInline(cap.after[0], """\
+        self.assertExpectedInline(
+            cap.after[0],
+            """\
 def forward(self, L_hidden_ : torch.Tensor, L_labels_ : torch.Tensor, L_weight_ : torch.Tensor):
     l_hidden_ = L_hidden_
     l_labels_ = L_labels_
@@ -236,7 +271,8 @@ def forward(self, L_hidden_ : torch.Tensor, L_labels_ : torch.Tensor, L_weight_ 
     reshape = l_hidden_.reshape(-1, 16)
     linear_cross_entropy_default = torch.ops.cce_inductor.linear_cross_entropy.default(reshape, l_weight_, view_1, None, 2.5, -100, 'mean', 0.0, 'exact=False;products=auto;backward_row_chunk=8192;path=auto;scratch_mb=0', False, False)
     getitem = linear_cross_entropy_default[0]
-    return (getitem,)""")
+    return (getitem,)""",
+        )
 
     def test_constant_logit_scale_then_softcap(self):
         head = nn.Linear(D, V)
@@ -248,7 +284,9 @@ def forward(self, L_hidden_ : torch.Tensor, L_labels_ : torch.Tensor, L_weight_ 
             return F.cross_entropy(logits.view(-1, V), labels.view(-1))
 
         cap = self.run_pass(f, rand_hidden(B, T, D), rand_labels(B, T), params=list(head.parameters()))
-        self.assertExpectedInline(cap.after[0], """\
+        self.assertExpectedInline(
+            cap.after[0],
+            """\
 def forward(self, L_head_parameters_bias_ : torch.nn.parameter.Parameter, L_head_parameters_weight_ : torch.nn.parameter.Parameter, L_hidden_ : torch.Tensor, L_labels_ : torch.Tensor):
     l_head_parameters_bias_ = L_head_parameters_bias_
     l_head_parameters_weight_ = L_head_parameters_weight_
@@ -260,7 +298,8 @@ def forward(self, L_head_parameters_bias_ : torch.nn.parameter.Parameter, L_head
     mul_3 = l_head_parameters_bias_ * 0.125
     linear_cross_entropy_default = torch.ops.cce_inductor.linear_cross_entropy.default(reshape, l_head_parameters_weight_, view_1, mul_3, 3.0, -100, 'mean', 0.0, 'exact=False;products=auto;backward_row_chunk=8192;path=auto;scratch_mb=0', False, False)
     getitem = linear_cross_entropy_default[0]
-    return (getitem,)""")
+    return (getitem,)""",
+        )
 
     def test_hf_shift_by_slicing_logits_and_labels(self):
         weight = rand_weight(V, D)
@@ -272,7 +311,9 @@ def forward(self, L_head_parameters_bias_ : torch.nn.parameter.Parameter, L_head
             return F.cross_entropy(shift_logits.view(-1, shift_logits.size(-1)), shift_labels.view(-1))
 
         cap = self.run_pass(f, rand_hidden(B, T, D), rand_labels(B, T), params=[weight])
-        self.assertExpectedInline(cap.before[0], """\
+        self.assertExpectedInline(
+            cap.before[0],
+            """\
 def forward(self, L_hidden_ : torch.Tensor, L_labels_ : torch.Tensor, L_weight_ : torch.Tensor):
     l_hidden_ = L_hidden_
     l_labels_ = L_labels_
@@ -285,8 +326,11 @@ def forward(self, L_hidden_ : torch.Tensor, L_labels_ : torch.Tensor, L_weight_ 
     view = shift_logits.view(-1, 37)
     view_1 = shift_labels.view(-1)
     cross_entropy = torch.nn.functional.cross_entropy(view, view_1)
-    return (cross_entropy,)""")
-        self.assertExpectedInline(cap.after[0], """\
+    return (cross_entropy,)""",
+        )
+        self.assertExpectedInline(
+            cap.after[0],
+            """\
 def forward(self, L_hidden_ : torch.Tensor, L_labels_ : torch.Tensor, L_weight_ : torch.Tensor):
     l_hidden_ = L_hidden_
     l_labels_ = L_labels_
@@ -298,7 +342,8 @@ def forward(self, L_hidden_ : torch.Tensor, L_labels_ : torch.Tensor, L_weight_ 
     reshape = getitem_2.reshape(-1, 16)
     linear_cross_entropy_default = torch.ops.cce_inductor.linear_cross_entropy.default(reshape, l_weight_, view_1, None, None, -100, 'mean', 0.0, 'exact=False;products=auto;backward_row_chunk=8192;path=auto;scratch_mb=0', False, False)
     getitem_3 = linear_cross_entropy_default[0]
-    return (getitem_3,)""")
+    return (getitem_3,)""",
+        )
 
     def test_hf_shift_by_padding_labels_and_num_items_in_batch(self):
         weight = rand_weight(V, D)
@@ -311,7 +356,9 @@ def forward(self, L_hidden_ : torch.Tensor, L_labels_ : torch.Tensor, L_weight_ 
             return loss / num_items_in_batch
 
         cap = self.run_pass(f, rand_hidden(B, T, D), rand_labels(B, T), torch.tensor(7), params=[weight])
-        self.assertExpectedInline(cap.before[0], """\
+        self.assertExpectedInline(
+            cap.before[0],
+            """\
 def forward(self, L_hidden_ : torch.Tensor, L_labels_ : torch.Tensor, L_num_items_in_batch_ : torch.Tensor, L_weight_ : torch.Tensor):
     l_hidden_ = L_hidden_
     l_labels_ = L_labels_
@@ -326,8 +373,11 @@ def forward(self, L_hidden_ : torch.Tensor, L_labels_ : torch.Tensor, L_num_item
     view_1 = shift_labels.view(-1)
     loss = torch.nn.functional.cross_entropy(view, view_1, ignore_index = -100, reduction = 'sum')
     truediv = loss / l_num_items_in_batch_
-    return (truediv,)""")
-        self.assertExpectedInline(cap.after[0], """\
+    return (truediv,)""",
+        )
+        self.assertExpectedInline(
+            cap.after[0],
+            """\
 def forward(self, L_hidden_ : torch.Tensor, L_labels_ : torch.Tensor, L_num_items_in_batch_ : torch.Tensor, L_weight_ : torch.Tensor):
     l_hidden_ = L_hidden_
     l_labels_ = L_labels_
@@ -341,7 +391,8 @@ def forward(self, L_hidden_ : torch.Tensor, L_labels_ : torch.Tensor, L_num_item
     linear_cross_entropy_default = torch.ops.cce_inductor.linear_cross_entropy.default(reshape, l_weight_, view_1, None, None, -100, 'sum', 0.0, 'exact=False;products=auto;backward_row_chunk=8192;path=auto;scratch_mb=0', False, False)
     getitem_1 = linear_cross_entropy_default[0]
     truediv = getitem_1 / l_num_items_in_batch_
-    return (truediv,)""")
+    return (truediv,)""",
+        )
 
     def test_label_smoothing(self):
         """SFT recipes' label smoothing (any epsilon, reduction and ignore_index): the smoothing term needs only
@@ -350,11 +401,14 @@ def forward(self, L_hidden_ : torch.Tensor, L_labels_ : torch.Tensor, L_num_item
 
         def f(hidden, labels):
             logits = torch.tanh(F.linear(hidden, weight) / 4.0) * 4.0
-            return F.cross_entropy(logits.view(-1, V), labels.view(-1), label_smoothing=0.1, ignore_index=3,
-                                   reduction="sum")
+            return F.cross_entropy(
+                logits.view(-1, V), labels.view(-1), label_smoothing=0.1, ignore_index=3, reduction="sum"
+            )
 
         cap = self.run_pass(f, rand_hidden(B, T, D), rand_labels(B, T, ignore_index=3), params=[weight])
-        self.assertExpectedInline(cap.after[0], """\
+        self.assertExpectedInline(
+            cap.after[0],
+            """\
 def forward(self, L_hidden_ : torch.Tensor, L_labels_ : torch.Tensor, L_weight_ : torch.Tensor):
     l_hidden_ = L_hidden_
     l_labels_ = L_labels_
@@ -363,9 +417,10 @@ def forward(self, L_hidden_ : torch.Tensor, L_labels_ : torch.Tensor, L_weight_ 
     reshape = l_hidden_.reshape(-1, 16)
     linear_cross_entropy_default = torch.ops.cce_inductor.linear_cross_entropy.default(reshape, l_weight_, view_1, None, 4.0, 3, 'sum', 0.1, 'exact=False;products=auto;backward_row_chunk=8192;path=auto;scratch_mb=0', False, False)
     getitem = linear_cross_entropy_default[0]
-    return (getitem,)""")
+    return (getitem,)""",
+        )
         for reduction, eps in (("mean", 0.25), ("none", 1.0)):
-            g = lambda h, y: F.cross_entropy(F.linear(h, weight), y, label_smoothing=eps, reduction=reduction)  # noqa: E731
+            g = lambda h, y: F.cross_entropy(F.linear(h, weight), y, label_smoothing=eps, reduction=reduction)  # noqa: E731, B023 - called in this iteration
             self.run_pass(g, rand_hidden(B * T, D), rand_labels(B * T), params=[weight])
 
     def test_z_loss_reuses_the_log_sum_exp(self):
@@ -380,7 +435,9 @@ def forward(self, L_hidden_ : torch.Tensor, L_labels_ : torch.Tensor, L_weight_ 
             return ce + 1e-2 * (z_squared * (labels.view(-1) != -100)).mean() + 1e-3 * z_squared.mean()
 
         cap = self.run_pass(f, rand_hidden(B, T, D), rand_labels(B, T), params=[weight])
-        self.assertExpectedInline(cap.after[0], """\
+        self.assertExpectedInline(
+            cap.after[0],
+            """\
 def forward(self, L_hidden_ : torch.Tensor, L_labels_ : torch.Tensor, L_weight_ : torch.Tensor):
     l_hidden_ = L_hidden_
     l_labels_ = L_labels_
@@ -400,7 +457,8 @@ def forward(self, L_hidden_ : torch.Tensor, L_labels_ : torch.Tensor, L_weight_ 
     mean_1 = z_squared.mean()
     mul_2 = 0.001 * mean_1
     add_1 = add + mul_2
-    return (add_1,)""")
+    return (add_1,)""",
+        )
         self.assertIn("log-sum-exp reused", cce_inductor.stats()["sites"][0]["reason"])
 
     def test_torchtune_chunked_head_is_one_call(self):
@@ -419,7 +477,9 @@ def forward(self, L_hidden_ : torch.Tensor, L_labels_ : torch.Tensor, L_weight_ 
 
         cap = self.run_pass(f, rand_hidden(B, 8, D), rand_labels(B, 8), params=[weight], rewrites=4)
         self.assertEqual(cap.after[0].count("linear_cross_entropy.default("), 1)
-        self.assertExpectedInline(cap.after[0], """\
+        self.assertExpectedInline(
+            cap.after[0],
+            """\
 def forward(self, L_hidden_ : torch.Tensor, L_labels_ : torch.Tensor, L_weight_ : torch.Tensor):
     l_hidden_ = L_hidden_
     l_labels_ = L_labels_
@@ -462,7 +522,8 @@ def forward(self, L_hidden_ : torch.Tensor, L_labels_ : torch.Tensor, L_weight_ 
     ne = l_labels_ != -100
     sum_1 = ne.sum()
     truediv = total_3 / sum_1
-    return (truediv,)""")
+    return (truediv,)""",
+        )
         self.assertIn("one call with 3 other chunk(s)", cce_inductor.stats()["sites"][0]["reason"])
 
     def test_chunks_with_mean_reductions(self):
@@ -485,14 +546,17 @@ def forward(self, L_hidden_ : torch.Tensor, L_labels_ : torch.Tensor, L_weight_ 
         labels = rand_labels(B * T, ignore_index=0, fraction_ignored=0.5)
         cap = self.run_pass(f, rand_hidden(B * T, D), labels, params=[weight])
         self.assertIn(", 0, 'mean', ", cap.after[0])  # ignore_index=0, reduction=mean in the op call
-        self.assertExpectedInline(cap.after[0], """\
+        self.assertExpectedInline(
+            cap.after[0],
+            """\
 def forward(self, L_hidden_ : torch.Tensor, L_labels_ : torch.Tensor, L_weight_ : torch.Tensor):
     l_hidden_ = L_hidden_
     l_labels_ = L_labels_
     l_weight_ = L_weight_
     linear_cross_entropy_default = torch.ops.cce_inductor.linear_cross_entropy.default(l_hidden_, l_weight_, l_labels_, None, None, 0, 'mean', 0.0, 'exact=False;products=auto;backward_row_chunk=8192;path=auto;scratch_mb=0', False, False)
     getitem = linear_cross_entropy_default[0]
-    return (getitem,)""")
+    return (getitem,)""",
+        )
 
     def test_reduction_none_then_mask_and_mean(self):
         head = nn.Linear(D, V, bias=True)
@@ -502,7 +566,9 @@ def forward(self, L_hidden_ : torch.Tensor, L_labels_ : torch.Tensor, L_weight_ 
             return per_token.view(B, T).sum(dim=1).mean()
 
         cap = self.run_pass(f, rand_hidden(B, T, D), rand_labels(B, T), params=list(head.parameters()))
-        self.assertExpectedInline(cap.after[0], """\
+        self.assertExpectedInline(
+            cap.after[0],
+            """\
 def forward(self, L_head_parameters_bias_ : torch.nn.parameter.Parameter, L_head_parameters_weight_ : torch.nn.parameter.Parameter, L_hidden_ : torch.Tensor, L_labels_ : torch.Tensor):
     l_head_parameters_bias_ = L_head_parameters_bias_
     l_head_parameters_weight_ = L_head_parameters_weight_
@@ -515,7 +581,8 @@ def forward(self, L_head_parameters_bias_ : torch.nn.parameter.Parameter, L_head
     view_2 = getitem.view(2, 5)
     sum_1 = view_2.sum(dim = 1)
     mean = sum_1.mean()
-    return (mean,)""")
+    return (mean,)""",
+        )
 
     def test_all_targets_ignored(self):
         weight = rand_weight(V, D)
@@ -537,7 +604,9 @@ def forward(self, L_head_parameters_bias_ : torch.nn.parameter.Parameter, L_head
         params = [p for head in heads for p in head.parameters()]
         cap = self.run_pass(f, rand_hidden(B * T, D), rand_labels(B * T), rewrites=3, params=params)
         self.assertEqual(cap.after[0].count("cce_inductor.linear_cross_entropy"), 3)
-        self.assertExpectedInline(cap.after[0], """\
+        self.assertExpectedInline(
+            cap.after[0],
+            """\
 def forward(self, L_heads_modules_0_parameters_weight_ : torch.nn.parameter.Parameter, L_heads_modules_1_parameters_weight_ : torch.nn.parameter.Parameter, L_heads_modules_2_parameters_weight_ : torch.nn.parameter.Parameter, L_hidden_ : torch.Tensor, L_labels_ : torch.Tensor):
     l_heads_modules_0_parameters_weight_ = L_heads_modules_0_parameters_weight_
     l_heads_modules_1_parameters_weight_ = L_heads_modules_1_parameters_weight_
@@ -553,7 +622,8 @@ def forward(self, L_heads_modules_0_parameters_weight_ : torch.nn.parameter.Para
     value = 0 + getitem
     value_1 = value + getitem_1
     value_2 = value_1 + getitem_2
-    return (value_2,)""")
+    return (value_2,)""",
+        )
 
     def test_frozen_head(self):
         weight = rand_weight(V, D, requires_grad=False)
@@ -595,7 +665,9 @@ def forward(self, L_heads_modules_0_parameters_weight_ : torch.nn.parameter.Para
         self.assertFalse(logits.requires_grad)
         with self.assertRaisesRegex(RuntimeError, "drop_logits"):
             logits.sum()
-        self.assertExpectedInline(capture.after[0], """\
+        self.assertExpectedInline(
+            capture.after[0],
+            """\
 def forward(self, L_hidden_ : torch.Tensor, L_labels_ : torch.Tensor, L_weight_ : torch.Tensor):
     l_hidden_ = L_hidden_
     l_labels_ = L_labels_
@@ -605,7 +677,8 @@ def forward(self, L_hidden_ : torch.Tensor, L_labels_ : torch.Tensor, L_weight_ 
     linear_cross_entropy_default = torch.ops.cce_inductor.linear_cross_entropy.default(reshape, l_weight_, view_1, None, None, -100, 'mean', 0.0, 'exact=False;products=auto;backward_row_chunk=8192;path=auto;scratch_mb=0', False, False)
     getitem = linear_cross_entropy_default[0]
     dropped_logits_default = torch.ops.cce_inductor.dropped_logits.default(view_1, [2, 5, 37], torch.float32)
-    return (getitem, dropped_logits_default)""")
+    return (getitem, dropped_logits_default)""",
+        )
 
 
 def _bias_forms():
@@ -658,12 +731,18 @@ def _bias_forms():
         logits = torch.tanh(logits * 0.5 / 10.0) * 10.0
         return F.cross_entropy(logits.view(-1, V), labels.view(-1), label_smoothing=0.1)
 
-    forms = dict(add_after=add_after, add_in_place=add_in_place, add_in_place_method=add_in_place_method,
-                 add_in_place_after_a_view=add_in_place_after_a_view, bias_first_after_views=bias_first_after_views,
-                 torch_add_and_method=torch_add_and_method, addmm=addmm,
-                 addmm_weight_stored_transposed=addmm_weight_stored_transposed,
-                 bias_then_gemma_softcap_and_shift=bias_then_gemma_softcap_and_shift,
-                 in_place_bias_then_scale_and_softcap=in_place_bias_then_scale_and_softcap)
+    forms = dict(
+        add_after=add_after,
+        add_in_place=add_in_place,
+        add_in_place_method=add_in_place_method,
+        add_in_place_after_a_view=add_in_place_after_a_view,
+        bias_first_after_views=bias_first_after_views,
+        torch_add_and_method=torch_add_and_method,
+        addmm=addmm,
+        addmm_weight_stored_transposed=addmm_weight_stored_transposed,
+        bias_then_gemma_softcap_and_shift=bias_then_gemma_softcap_and_shift,
+        in_place_bias_then_scale_and_softcap=in_place_bias_then_scale_and_softcap,
+    )
     return forms, [weight, weight_t, bias]
 
 
@@ -683,18 +762,33 @@ class TestBiasAddedToTheProduct(PatternTestCase):
                     torch._dynamo.reset()
                     cce_inductor.reset_stats()
                     rewrites = 2 if name == "torch_add_and_method" else 1
-                    cap = self.run_pass(fn, rand_hidden(B, T, D), rand_labels(B, T), rewrites=rewrites,
-                                        params=params, options=CCEOptions(path=path))
+                    cap = self.run_pass(
+                        fn,
+                        rand_hidden(B, T, D),
+                        rand_labels(B, T),
+                        rewrites=rewrites,
+                        params=params,
+                        options=CCEOptions(path=path),
+                    )
                     for product_or_bias in (" @ ", "matmul", "addmm", "+=", "add_(", "add(", "+ l_bias_", "l_bias_ +"):
                         self.assertNotIn(product_or_bias, cap.after[0])
                     sites = cce_inductor.stats()["sites"]
-                    self.assertTrue(all(site["path"] == path and ": matmul, bias" in site["reason"]
-                                        or ": linear, bias" in site["reason"] for site in sites), sites)
+                    self.assertTrue(
+                        all(
+                            site["path"] == path
+                            and ": matmul, bias" in site["reason"]
+                            or ": linear, bias" in site["reason"]
+                            for site in sites
+                        ),
+                        sites,
+                    )
 
     def test_in_place_add_graph(self):
         forms, params = _bias_forms()
         cap = self.run_pass(forms["add_in_place"], rand_hidden(B, T, D), rand_labels(B, T), params=params)
-        self.assertExpectedInline(cap.before[0], """\
+        self.assertExpectedInline(
+            cap.before[0],
+            """\
 def forward(self, L_bias_ : torch.Tensor, L_hidden_ : torch.Tensor, L_labels_ : torch.Tensor, L_weight_ : torch.Tensor):
     l_bias_ = L_bias_
     l_hidden_ = L_hidden_
@@ -706,8 +800,11 @@ def forward(self, L_bias_ : torch.Tensor, L_hidden_ : torch.Tensor, L_labels_ : 
     view = logits_1.view(-1, 37)
     view_1 = l_labels_.view(-1)
     cross_entropy = torch.nn.functional.cross_entropy(view, view_1)
-    return (cross_entropy,)""")
-        self.assertExpectedInline(cap.after[0], """\
+    return (cross_entropy,)""",
+        )
+        self.assertExpectedInline(
+            cap.after[0],
+            """\
 def forward(self, L_bias_ : torch.Tensor, L_hidden_ : torch.Tensor, L_labels_ : torch.Tensor, L_weight_ : torch.Tensor):
     l_bias_ = L_bias_
     l_hidden_ = L_hidden_
@@ -717,12 +814,15 @@ def forward(self, L_bias_ : torch.Tensor, L_hidden_ : torch.Tensor, L_labels_ : 
     reshape = l_hidden_.reshape(-1, 16)
     linear_cross_entropy_default = torch.ops.cce_inductor.linear_cross_entropy.default(reshape, l_weight_, view_1, l_bias_, None, -100, 'mean', 0.0, 'exact=False;products=auto;backward_row_chunk=8192;path=auto;scratch_mb=0', False, False)
     getitem = linear_cross_entropy_default[0]
-    return (getitem,)""")
+    return (getitem,)""",
+        )
 
     def test_add_in_place_method_graph(self):
         forms, params = _bias_forms()
         cap = self.run_pass(forms["add_in_place_method"], rand_hidden(B, T, D), rand_labels(B, T), params=params)
-        self.assertExpectedInline(cap.before[0], """\
+        self.assertExpectedInline(
+            cap.before[0],
+            """\
 def forward(self, L_bias_ : torch.Tensor, L_hidden_ : torch.Tensor, L_labels_ : torch.Tensor, L_weight_ : torch.Tensor):
     l_bias_ = L_bias_
     l_hidden_ = L_hidden_
@@ -734,8 +834,11 @@ def forward(self, L_bias_ : torch.Tensor, L_hidden_ : torch.Tensor, L_labels_ : 
     view = logits.view(-1, 37)
     view_1 = l_labels_.view(-1)
     cross_entropy = torch.nn.functional.cross_entropy(view, view_1)
-    return (cross_entropy,)""")
-        self.assertExpectedInline(cap.after[0], """\
+    return (cross_entropy,)""",
+        )
+        self.assertExpectedInline(
+            cap.after[0],
+            """\
 def forward(self, L_bias_ : torch.Tensor, L_hidden_ : torch.Tensor, L_labels_ : torch.Tensor, L_weight_ : torch.Tensor):
     l_bias_ = L_bias_
     l_hidden_ = L_hidden_
@@ -745,12 +848,15 @@ def forward(self, L_bias_ : torch.Tensor, L_hidden_ : torch.Tensor, L_labels_ : 
     reshape = l_hidden_.reshape(-1, 16)
     linear_cross_entropy_default = torch.ops.cce_inductor.linear_cross_entropy.default(reshape, l_weight_, view_1, l_bias_, None, -100, 'mean', 0.0, 'exact=False;products=auto;backward_row_chunk=8192;path=auto;scratch_mb=0', False, False)
     getitem = linear_cross_entropy_default[0]
-    return (getitem,)""")
+    return (getitem,)""",
+        )
 
     def test_addmm_graph(self):
         forms, params = _bias_forms()
         cap = self.run_pass(forms["addmm"], rand_hidden(B, T, D), rand_labels(B, T), params=params)
-        self.assertExpectedInline(cap.before[0], """\
+        self.assertExpectedInline(
+            cap.before[0],
+            """\
 def forward(self, L_bias_ : torch.Tensor, L_hidden_ : torch.Tensor, L_labels_ : torch.Tensor, L_weight_ : torch.Tensor):
     l_bias_ = L_bias_
     l_hidden_ = L_hidden_
@@ -761,8 +867,11 @@ def forward(self, L_bias_ : torch.Tensor, L_hidden_ : torch.Tensor, L_labels_ : 
     addmm = torch.addmm(l_bias_, view, t)
     view_1 = l_labels_.view(-1)
     cross_entropy = torch.nn.functional.cross_entropy(addmm, view_1)
-    return (cross_entropy,)""")
-        self.assertExpectedInline(cap.after[0], """\
+    return (cross_entropy,)""",
+        )
+        self.assertExpectedInline(
+            cap.after[0],
+            """\
 def forward(self, L_bias_ : torch.Tensor, L_hidden_ : torch.Tensor, L_labels_ : torch.Tensor, L_weight_ : torch.Tensor):
     l_bias_ = L_bias_
     l_hidden_ = L_hidden_
@@ -773,13 +882,17 @@ def forward(self, L_bias_ : torch.Tensor, L_hidden_ : torch.Tensor, L_labels_ : 
     view_1 = l_labels_.view(-1)
     linear_cross_entropy_default = torch.ops.cce_inductor.linear_cross_entropy.default(view, l_weight_, view_1, l_bias_, None, -100, 'mean', 0.0, 'exact=False;products=auto;backward_row_chunk=8192;path=auto;scratch_mb=0', False, False)
     getitem = linear_cross_entropy_default[0]
-    return (getitem,)""")
+    return (getitem,)""",
+        )
 
     def test_bias_then_softcap_graph(self):
         forms, params = _bias_forms()
-        cap = self.run_pass(forms["bias_then_gemma_softcap_and_shift"], rand_hidden(B, T, D), rand_labels(B, T),
-                            params=params)
-        self.assertExpectedInline(cap.before[0], """\
+        cap = self.run_pass(
+            forms["bias_then_gemma_softcap_and_shift"], rand_hidden(B, T, D), rand_labels(B, T), params=params
+        )
+        self.assertExpectedInline(
+            cap.before[0],
+            """\
 def forward(self, L_bias_ : torch.Tensor, L_hidden_ : torch.Tensor, L_labels_ : torch.Tensor, L_weight_ : torch.Tensor):
     l_bias_ = L_bias_
     l_hidden_ = L_hidden_
@@ -796,8 +909,11 @@ def forward(self, L_bias_ : torch.Tensor, L_hidden_ : torch.Tensor, L_labels_ : 
     getitem_1 = l_labels_[(Ellipsis, slice(1, None, None))]
     reshape_1 = getitem_1.reshape(-1)
     cross_entropy = torch.nn.functional.cross_entropy(reshape, reshape_1)
-    return (cross_entropy,)""")
-        self.assertExpectedInline(cap.after[0], """\
+    return (cross_entropy,)""",
+        )
+        self.assertExpectedInline(
+            cap.after[0],
+            """\
 def forward(self, L_bias_ : torch.Tensor, L_hidden_ : torch.Tensor, L_labels_ : torch.Tensor, L_weight_ : torch.Tensor):
     l_bias_ = L_bias_
     l_hidden_ = L_hidden_
@@ -809,7 +925,8 @@ def forward(self, L_bias_ : torch.Tensor, L_hidden_ : torch.Tensor, L_labels_ : 
     reshape_2 = getitem_2.reshape(-1, 16)
     linear_cross_entropy_default = torch.ops.cce_inductor.linear_cross_entropy.default(reshape_2, l_weight_, reshape_1, l_bias_, 30.0, -100, 'mean', 0.0, 'exact=False;products=auto;backward_row_chunk=8192;path=auto;scratch_mb=0', False, False)
     getitem_3 = linear_cross_entropy_default[0]
-    return (getitem_3,)""")
+    return (getitem_3,)""",
+        )
 
     def test_returned_logits_with_an_added_bias_come_back_lazy(self):
         weight, bias = rand_weight(V, D), torch.randn(V, requires_grad=True)
@@ -828,16 +945,26 @@ def forward(self, L_bias_ : torch.Tensor, L_hidden_ : torch.Tensor, L_labels_ : 
     def test_refused_bias_forms(self):
         weight, bias = rand_weight(V, D), torch.randn(V, requires_grad=True)
         cases = {
-            "scaled first": (lambda h, y: F.cross_entropy((h @ weight.T) * 2.0 + bias, y),
-                             "logits are scaled before the bias is added"),
-            "soft-capped first": (lambda h, y: F.cross_entropy(torch.tanh(h @ weight.T / 5.0) * 5.0 + bias, y),
-                                  "logits are soft-capped before the bias is added"),
-            "two biases": (lambda h, y: F.cross_entropy(F.linear(h, weight, bias) + bias, y),
-                           "linear has a bias and add adds another"),
-            "addmm beta": (lambda h, y: F.cross_entropy(torch.addmm(bias, h, weight.t(), beta=0.5), y),
-                           "addmm (addmm) scales its bias or its product (beta, alpha)"),
-            "add alpha": (lambda h, y: F.cross_entropy(torch.add(h @ weight.T, bias, alpha=2.0), y),
-                          "the input of cross_entropy comes from add (add)"),
+            "scaled first": (
+                lambda h, y: F.cross_entropy((h @ weight.T) * 2.0 + bias, y),
+                "logits are scaled before the bias is added",
+            ),
+            "soft-capped first": (
+                lambda h, y: F.cross_entropy(torch.tanh(h @ weight.T / 5.0) * 5.0 + bias, y),
+                "logits are soft-capped before the bias is added",
+            ),
+            "two biases": (
+                lambda h, y: F.cross_entropy(F.linear(h, weight, bias) + bias, y),
+                "linear has a bias and add adds another",
+            ),
+            "addmm beta": (
+                lambda h, y: F.cross_entropy(torch.addmm(bias, h, weight.t(), beta=0.5), y),
+                "addmm (addmm) scales its bias or its product (beta, alpha)",
+            ),
+            "add alpha": (
+                lambda h, y: F.cross_entropy(torch.add(h @ weight.T, bias, alpha=2.0), y),
+                "the input of cross_entropy comes from add (add)",
+            ),
         }
         for name, (f, reason) in cases.items():
             with self.subTest(name):
@@ -864,11 +991,15 @@ def forward(self, L_bias_ : torch.Tensor, L_hidden_ : torch.Tensor, L_labels_ : 
             return F.cross_entropy(hidden.bfloat16() @ weight.T + bias, labels)
 
         reason = self.assert_refused(f, rand_hidden(B * T, D), rand_labels(B * T), reason="bias to")
-        self.assertExpectedInline(reason, """add adds a torch.float32 bias to torch.bfloat16 logits (into torch.float32): only a bias in the head's dtype is fused""")
+        self.assertExpectedInline(
+            reason,
+            """add adds a torch.float32 bias to torch.bfloat16 logits (into torch.float32): only a bias in the head's dtype is fused""",
+        )
 
 
 class TestRefusals(PatternTestCase):
     """Sites the pass must leave alone, each with the reason it reports."""
+
     def setUp(self):
         super().setUp()
         torch.manual_seed(0)
@@ -892,7 +1023,10 @@ class TestRefusals(PatternTestCase):
         weight, class_weight = rand_weight(V, D), torch.rand(V)
         f = lambda h, y: F.cross_entropy(F.linear(h, weight), y, weight=class_weight, label_smoothing=0.1)  # noqa: E731
         reason = self.assert_refused(f, rand_hidden(B * T, D), rand_labels(B * T, fraction_ignored=0), reason="weight")
-        self.assertExpectedInline(reason, """cross_entropy has class weights and label_smoothing: eager's weighted label smoothing (the smoothing term weighted per class) is not implemented""")
+        self.assertExpectedInline(
+            reason,
+            """cross_entropy has class weights and label_smoothing: eager's weighted label smoothing (the smoothing term weighted per class) is not implemented""",
+        )
 
     def test_probability_targets(self):
         weight = rand_weight(V, D)
@@ -910,7 +1044,9 @@ class TestRefusals(PatternTestCase):
             return F.cross_entropy(logits, labels) + confidence
 
         reason = self.assert_refused(f, rand_hidden(B * T, D), rand_labels(B * T), reason="also used by")
-        self.assertExpectedInline(reason, """the logits (logits) are also used by softmax (.softmax()), not only by the loss""")
+        self.assertExpectedInline(
+            reason, """the logits (logits) are also used by softmax (.softmax()), not only by the loss"""
+        )
 
     def test_logits_returned_with_lazy_logits_off(self):
         weight = rand_weight(V, D)
@@ -919,17 +1055,24 @@ class TestRefusals(PatternTestCase):
             logits = F.linear(hidden, weight)
             return F.cross_entropy(logits, labels), logits
 
-        cap = self.run_pass(f, rand_hidden(B * T, D), rand_labels(B * T), rewrites=0,
-                            options=CCEOptions(lazy_logits=False))
+        cap = self.run_pass(
+            f, rand_hidden(B * T, D), rand_labels(B * T), rewrites=0, options=CCEOptions(lazy_logits=False)
+        )
         self.assertEqual(cap.before, cap.after)
         (reason,) = cce_inductor.stats()["reasons"]
-        self.assertExpectedInline(reason, """logits escape the compiled region (logits is a graph output, as in Hugging Face models) and lazy_logits is off (CCE_INDUCTOR_LAZY_LOGITS=0); turn it back on to return them computed on first use, or set CCE_INDUCTOR_DROP_LOGITS=1 or cce_inductor.make_backend(drop_logits=True) to return, in their place, a placeholder that raises on use""")
+        self.assertExpectedInline(
+            reason,
+            """logits escape the compiled region (logits is a graph output, as in Hugging Face models) and lazy_logits is off (CCE_INDUCTOR_LAZY_LOGITS=0); turn it back on to return them computed on first use, or set CCE_INDUCTOR_DROP_LOGITS=1 or cce_inductor.make_backend(drop_logits=True) to return, in their place, a placeholder that raises on use""",
+        )
 
     def test_non_tanh_softcap(self):
         weight = rand_weight(V, D)
         f = lambda h, y: F.cross_entropy(torch.sigmoid(F.linear(h, weight) / 3.0) * 3.0, y)  # noqa: E731
         reason = self.assert_refused(f, rand_hidden(B * T, D), rand_labels(B * T), reason="not from a linear layer")
-        self.assertExpectedInline(reason, """the input of cross_entropy comes from sigmoid (sigmoid), not from a linear layer in the same graph (a graph break between the head and the loss?)""")
+        self.assertExpectedInline(
+            reason,
+            """the input of cross_entropy comes from sigmoid (sigmoid), not from a linear layer in the same graph (a graph break between the head and the loss?)""",
+        )
 
     def test_softcap_with_mismatched_constants(self):
         weight = rand_weight(V, D)
@@ -941,13 +1084,19 @@ class TestRefusals(PatternTestCase):
         offset = torch.randn(B * T, V)  # a tensor per row, not a bias (a (V,) one is: TestBiasAddedToTheProduct)
         f = lambda h, y: F.cross_entropy(F.linear(h, weight) + offset, y)  # noqa: E731
         reason = self.assert_refused(f, rand_hidden(B * T, D), rand_labels(B * T), reason="not from a linear layer")
-        self.assertExpectedInline(reason, """the input of cross_entropy comes from add (add), not from a linear layer in the same graph (a graph break between the head and the loss?)""")
+        self.assertExpectedInline(
+            reason,
+            """the input of cross_entropy comes from add (add), not from a linear layer in the same graph (a graph break between the head and the loss?)""",
+        )
 
     def test_logits_are_a_graph_input(self):
         f = lambda logits, y: F.cross_entropy(logits.float(), y)  # noqa: E731
         logits = torch.randn(B * T, V, requires_grad=True)
         reason = self.assert_refused(f, logits, rand_labels(B * T), reason="graph break")
-        self.assertExpectedInline(reason, """the input of cross_entropy comes from l_logits_ (placeholder), not from a linear layer in the same graph (a graph break between the head and the loss?)""")
+        self.assertExpectedInline(
+            reason,
+            """the input of cross_entropy comes from l_logits_ (placeholder), not from a linear layer in the same graph (a graph break between the head and the loss?)""",
+        )
 
     def test_vocabulary_slice(self):
         weight = rand_weight(V + 3, D)  # a padded vocabulary, sliced back before the loss
@@ -971,7 +1120,10 @@ class TestRefusals(PatternTestCase):
         weight = rand_weight(V, D)
         f = lambda h, y: F.cross_entropy(F.linear(h, weight).transpose(1, 2), y)  # noqa: E731
         reason = self.assert_refused(f, rand_hidden(B, T, D), rand_labels(B, T), reason="only (N, V) logits")
-        self.assertExpectedInline(reason, """cross_entropy input is 3-D and target 2-D; only (N, V) logits with (N,) class targets are matched""")
+        self.assertExpectedInline(
+            reason,
+            """cross_entropy input is 3-D and target 2-D; only (N, V) logits with (N,) class targets are matched""",
+        )
 
     def test_unsupported_device(self):
         weight = torch.randn(V, D, device="meta")

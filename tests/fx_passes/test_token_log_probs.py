@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 import cce_inductor
 from tests.support.graphs import PassCapture
-from tests.support.patterns import B, D, T, V, PatternTestCase, rand_hidden, rand_weight
+from tests.support.patterns import B, D, PatternTestCase, T, V, rand_hidden, rand_weight
 
 
 class TestMatchedPatterns(PatternTestCase):
@@ -41,7 +41,9 @@ class TestMatchedPatterns(PatternTestCase):
         old_logps = -torch.rand(B, T - 1) * 4
         mask = (torch.rand(B, T - 1) < 0.7).float()
         cap = self.run_pass(f, rand_hidden(B, T, D), ids, old_logps, torch.randn(B), mask, params=[weight])
-        self.assertExpectedInline(cap.after[0], """\
+        self.assertExpectedInline(
+            cap.after[0],
+            """\
 def forward(self, L_advantages_ : torch.Tensor, L_hidden_ : torch.Tensor, L_ids_ : torch.Tensor, L_mask_ : torch.Tensor, L_old_logps_ : torch.Tensor, L_weight_ : torch.Tensor):
     l_advantages_ = L_advantages_
     l_hidden_ = L_hidden_
@@ -73,7 +75,8 @@ def forward(self, L_advantages_ : torch.Tensor, L_hidden_ : torch.Tensor, L_ids_
     sum_1 = mul_2.sum()
     sum_2 = l_mask_.sum()
     truediv_1 = sum_1 / sum_2
-    return (truediv_1,)""")
+    return (truediv_1,)""",
+        )
         self.assertIn("token log-probs", cce_inductor.stats()["sites"][0]["reason"])
 
     @staticmethod
@@ -102,7 +105,9 @@ def forward(self, L_advantages_ : torch.Tensor, L_hidden_ : torch.Tensor, L_ids_
             return self._trl_selective_log_softmax(logits, ids[:, 1:]).mean()
 
         cap = self.run_pass(f, rand_hidden(B, T, D), torch.randint(0, V, (B, T)), params=[weight])
-        self.assertExpectedInline(cap.after[0], """\
+        self.assertExpectedInline(
+            cap.after[0],
+            """\
 def forward(self, L_hidden_ : torch.Tensor, L_ids_ : torch.Tensor, L_weight_ : torch.Tensor):
     l_hidden_ = L_hidden_
     l_ids_ = L_ids_
@@ -119,7 +124,8 @@ def forward(self, L_hidden_ : torch.Tensor, L_ids_ : torch.Tensor, L_weight_ : t
     neg = -getitem_5
     view_as = neg.view_as(squeeze_1)
     mean = view_as.mean()
-    return (mean,)""")
+    return (mean,)""",
+        )
 
     def test_trl_selective_log_softmax_bf16_row_loop(self):
         """The 16-bit branch: a loop over the batch rows, each row's log_softmax-gather, stacked. Eager computes it in
@@ -167,6 +173,7 @@ def forward(self, L_hidden_ : torch.Tensor, L_ids_ : torch.Tensor, L_weight_ : t
 
 class TestRefusals(PatternTestCase):
     """Sites the pass must leave alone, each with the reason it reports."""
+
     def setUp(self):
         super().setUp()
         torch.manual_seed(0)

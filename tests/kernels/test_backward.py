@@ -15,12 +15,11 @@ import cce_inductor.kernels as K
 from cce_inductor import CCEOptions, _planning, paths
 from cce_inductor.kernels import _backward
 from tests.support.inputs import IGNORE, make_kernel_inputs
-from tests.support.kernels import backward as kbackward
 from tests.support.kernels import (
     DEVICES,
+    LEAN_LAYOUT,
     LSE_TOL,
     OPTION_SETS,
-    LEAN_LAYOUT,
     TUNING_KEY,
     check_grad,
     device_ok,
@@ -30,6 +29,7 @@ from tests.support.kernels import (
     requires_cuda,
     run_kernels,
 )
+from tests.support.kernels import backward as kbackward
 
 
 @pytest.mark.parametrize("opts", list(OPTION_SETS.values()), ids=list(OPTION_SETS))
@@ -38,17 +38,21 @@ def test_need_flags_and_no_bias(device, opts):
     device_ok(device)
     e, c, targets, b = make_kernel_inputs(20, 70, 16, torch.bfloat16, device, bias=True)
     g = mean_grad_rows(targets)
-    _, _, (de, dc, db) = run_kernels(e, c, targets, b, g, softcap=None, opts=opts,
-                                     need_e=True, need_c=False, need_bias=False)
+    _, _, (de, dc, db) = run_kernels(
+        e, c, targets, b, g, softcap=None, opts=opts, need_e=True, need_c=False, need_bias=False
+    )
     assert dc is None and db is None and de is not None
-    _, _, (de2, dc2, db2) = run_kernels(e, c, targets, b, g, softcap=None, opts=opts,
-                                        need_e=False, need_c=True, need_bias=True)
+    _, _, (de2, dc2, db2) = run_kernels(
+        e, c, targets, b, g, softcap=None, opts=opts, need_e=False, need_c=True, need_bias=True
+    )
     assert de2 is None and dc2 is not None and db2 is not None
-    _, _, (de3, dc3, db3) = run_kernels(e, c, targets, None, g, softcap=None, opts=opts,
-                                        need_e=True, need_c=True, need_bias=True)
+    _, _, (de3, dc3, db3) = run_kernels(
+        e, c, targets, None, g, softcap=None, opts=opts, need_e=True, need_c=True, need_bias=True
+    )
     assert db3 is None
-    _, _, nothing = run_kernels(e, c, targets, b, g, softcap=None, opts=opts,
-                                need_e=False, need_c=False, need_bias=False)
+    _, _, nothing = run_kernels(
+        e, c, targets, b, g, softcap=None, opts=opts, need_e=False, need_c=False, need_bias=False
+    )
     assert nothing == (None, None, None)
     _, _, de_r, dc_r, db_r = reference(e, c, targets, b, g, None)
     _, _, de_r3, dc_r3, _ = reference(e, c, targets, None, g, None)
@@ -92,9 +96,16 @@ def test_backward_is_reproducible_and_chunking_invariant(device, products, monke
 
     def grads(exact=False, row_chunk=0, sixteen=False):
         args = (e16, c16, targets, b16, lse16) if sixteen else (e, c, targets, b, lse)
-        return kbackward(*args, g, softcap=20.0, ignore_index=IGNORE,
-                          opts=CCEOptions(exact=exact, products=products, backward_row_chunk=row_chunk),
-                          need_e=True, need_c=True, need_bias=True)
+        return kbackward(
+            *args,
+            g,
+            softcap=20.0,
+            ignore_index=IGNORE,
+            opts=CCEOptions(exact=exact, products=products, backward_row_chunk=row_chunk),
+            need_e=True,
+            need_c=True,
+            need_bias=True,
+        )
 
     first, second = grads(), grads()
     for x, y in zip(first, second):
@@ -127,6 +138,7 @@ def test_short_row_chunks_get_wider_vocabulary_blocks(device, monkeypatch):
     several row chunks keep the narrow block.  The memory model (``cce_inductor.paths.lean_peak``) assumes the GPU
     tuning's widths."""
     device_ok(device)
+
     def width(block_cols, block_rows, rows, row_chunk, vocab):
         return _planning.block_width(rows, row_chunk, vocab, layout=dict(block_cols=block_cols, block_rows=block_rows))
 
@@ -142,12 +154,27 @@ def test_short_row_chunks_get_wider_vocabulary_blocks(device, monkeypatch):
 
     def grads(g_block_rows, row_chunk):
         monkeypatch.setitem(LEAN_LAYOUT, "block_rows", g_block_rows)
-        return kbackward(e, c, targets, b, lse, g, softcap=None, ignore_index=IGNORE,
-                          opts=CCEOptions(backward_row_chunk=row_chunk), need_e=True, need_c=True, need_bias=True)
+        return kbackward(
+            e,
+            c,
+            targets,
+            b,
+            lse,
+            g,
+            softcap=None,
+            ignore_index=IGNORE,
+            opts=CCEOptions(backward_row_chunk=row_chunk),
+            need_e=True,
+            need_c=True,
+            need_bias=True,
+        )
 
     for row_chunk in (0, 8):
         narrow = grads(0, row_chunk)
-        for g_block_rows in (64, 1 << 12):  # one row chunk: blocks 3 times wider, one over all of V; 8-row chunks: narrow
+        for g_block_rows in (
+            64,
+            1 << 12,
+        ):  # one row chunk: blocks 3 times wider, one over all of V; 8-row chunks: narrow
             for x, y in zip(grads(g_block_rows, row_chunk), narrow):
                 assert rel(x, y) < 1e-6
 
@@ -167,7 +194,7 @@ def test_recompute_tile_groups_cover_every_tile(device, monkeypatch):
     monkeypatch.setitem(LEAN_LAYOUT, "block_rows", 0)
     n, v, d = (700, 5 * 256 - 100, 64) if TUNING_KEY == "gpu" else (70, 5 * 32 - 9, 24)
     e, c, targets, b = make_kernel_inputs(n, v, d, torch.bfloat16, device, ignore_frac=0.2, bias=True, seed=11)
-    targets[n // 2:] = IGNORE  # whole ignored row blocks past the counted ones
+    targets[n // 2 :] = IGNORE  # whole ignored row blocks past the counted ones
     g = mean_grad_rows(targets)
     lse, *_ = K.forward(e, c, targets, b, softcap=20.0, ignore_index=IGNORE)
     block = _backward._block
@@ -175,8 +202,20 @@ def test_recompute_tile_groups_cover_every_tile(device, monkeypatch):
 
     def grads(group_tiles, exact):
         monkeypatch.setitem(tuning, "recompute_group", group_tiles * block_v)
-        return kbackward(e, c, targets, b, lse, g, softcap=20.0, ignore_index=IGNORE,
-                          opts=CCEOptions(exact=exact), need_e=True, need_c=True, need_bias=True)
+        return kbackward(
+            e,
+            c,
+            targets,
+            b,
+            lse,
+            g,
+            softcap=20.0,
+            ignore_index=IGNORE,
+            opts=CCEOptions(exact=exact),
+            need_e=True,
+            need_c=True,
+            need_bias=True,
+        )
 
     for exact in (False, True):
         ungrouped = grads(1 << 10, exact)
@@ -203,8 +242,21 @@ def test_backward_skips_ignored_rows_keeps_eager_nan_pattern(device, products):
     def grads(e_in, c_in, targets=targets, g=g):
         if products == "prefix":  # cuBLAS over a prefix shorter than the counted rows, the Triton tail the rest
             lse, *_ = K.forward(e_in, c_in, targets, b, softcap=None, ignore_index=IGNORE)
-            return kbackward(e_in, c_in, targets, b, lse, g, softcap=None, ignore_index=IGNORE, opts=CCEOptions(),
-                              need_e=True, need_c=True, need_bias=True, counted_hint=0.3)
+            return kbackward(
+                e_in,
+                c_in,
+                targets,
+                b,
+                lse,
+                g,
+                softcap=None,
+                ignore_index=IGNORE,
+                opts=CCEOptions(),
+                need_e=True,
+                need_c=True,
+                need_bias=True,
+                counted_hint=0.3,
+            )
         return run_kernels(e_in, c_in, targets, b, g, softcap=None, opts=CCEOptions(products=products))[2]
 
     got = grads(e, c)
@@ -244,7 +296,7 @@ def test_products_read_only_the_g_positions_stored(device, need_bias, monkeypatc
     n, v, d = (300, 2600, 64) if TUNING_KEY == "gpu" else (90, 170, 24)
     e, c, targets, b = make_kernel_inputs(n, v, d, torch.float32, device, bias=True, seed=3)
     assert _planning.block_width(n, n, v, widen=4) < v  # 4x: two chunks or more
-    targets[5:n - 10] = IGNORE  # 15 counted rows: one row block counted, the others ignored only
+    targets[5 : n - 10] = IGNORE  # 15 counted rows: one row block counted, the others ignored only
     g = mean_grad_rows(targets)
     bias = b if need_bias else None
     lse, *_ = K.forward(e, c, targets, bias, softcap=None, ignore_index=IGNORE)
@@ -253,12 +305,35 @@ def test_products_read_only_the_g_positions_stored(device, need_bias, monkeypatc
     monkeypatch.setattr(_backward, "_block", lambda buf, rows, cols: block(buf.fill_(float("nan")), rows, cols))
     several = n // 3 + 1  # a row chunk that cuts the rows in three (dC summed in fp32 over them)
     for products, hint, widen, row_chunk in (
-            ("cublas", None, 1, 0), ("triton", None, 1, 0), ("triton", 0.1, 1, 0), ("triton", 0.3, 1, 0),
-            ("cublas", 0.0, 1, 0), ("cublas", 0.1, 1, 0), ("cublas", 0.5, 1, 0), ("cublas", None, 4, 0),
-            ("cublas", 0.1, 2, 0), ("cublas", 0.5, 4, 0), ("cublas", 0.1, 2, several), ("triton", 0.1, 2, several)):
-        got = kbackward(e, c, targets, bias, lse, g, softcap=None, ignore_index=IGNORE,
-                         opts=CCEOptions(products=products, backward_row_chunk=row_chunk), need_e=True,
-                         need_c=True, need_bias=need_bias, counted_hint=hint, block_widen=widen)
+        ("cublas", None, 1, 0),
+        ("triton", None, 1, 0),
+        ("triton", 0.1, 1, 0),
+        ("triton", 0.3, 1, 0),
+        ("cublas", 0.0, 1, 0),
+        ("cublas", 0.1, 1, 0),
+        ("cublas", 0.5, 1, 0),
+        ("cublas", None, 4, 0),
+        ("cublas", 0.1, 2, 0),
+        ("cublas", 0.5, 4, 0),
+        ("cublas", 0.1, 2, several),
+        ("triton", 0.1, 2, several),
+    ):
+        got = kbackward(
+            e,
+            c,
+            targets,
+            bias,
+            lse,
+            g,
+            softcap=None,
+            ignore_index=IGNORE,
+            opts=CCEOptions(products=products, backward_row_chunk=row_chunk),
+            need_e=True,
+            need_c=True,
+            need_bias=need_bias,
+            counted_hint=hint,
+            block_widen=widen,
+        )
         for x, r in zip(got, ref):
             if r is not None:
                 assert rel(x, r) < 1e-5, (products, hint, widen, row_chunk)
@@ -284,8 +359,9 @@ def test_row_skipping_widen_and_block_width():
     assert width(8192, 8192, 10000, 4) == 10000
 
     def widen(triton=False, hint=None, one=True, split=False, budget=4):
-        return _planning.g_block_widen(triton_products=triton, counted_hint=hint, one_row_chunk=one, split_g=split,
-                                       block_widen=budget)
+        return _planning.g_block_widen(
+            triton_products=triton, counted_hint=hint, one_row_chunk=one, split_g=split, block_widen=budget
+        )
 
     # the row-skipping products: the wider of their own widening (one row chunk, after an earlier call) and the budget's
     assert widen(triton=True, hint=0.1, budget=1) == 4 and widen(triton=True, hint=0.4, budget=1) == 2
@@ -307,10 +383,25 @@ def test_memory_model_block_width_is_the_plans():
         for row_chunk in (8192, 1024, 0):
             for vocab in (5000, 32000, 50257, 256000):
                 for widen in (1, 2, 4):
-                    facts = paths.HeadFacts(rows=rows, hidden=64, vocab=vocab, element_size=2, kernels=True,
-                                            reduction="mean", needs_grad=True)
-                    plan = _planning.backward_plan(rows, vocab, torch.bfloat16, exact=False, products="cublas",
-                                                   backward_row_chunk=row_chunk, block_widen=widen, layout=gpu)
+                    facts = paths.HeadFacts(
+                        rows=rows,
+                        hidden=64,
+                        vocab=vocab,
+                        element_size=2,
+                        kernels=True,
+                        reduction="mean",
+                        needs_grad=True,
+                    )
+                    plan = _planning.backward_plan(
+                        rows,
+                        vocab,
+                        torch.bfloat16,
+                        exact=False,
+                        products="cublas",
+                        backward_row_chunk=row_chunk,
+                        block_widen=widen,
+                        layout=gpu,
+                    )
                     want = plan.block_width
                     assert paths.lean_block_width(facts, row_chunk, widen) == want, (rows, row_chunk, vocab, widen)
 
@@ -340,20 +431,20 @@ def _gpu_reference_grads(e, c, targets, grad_rows, softcap, chunk=1024):
     dc = torch.zeros_like(c64)
     lse_all = torch.empty(e.shape[0], dtype=torch.float64, device=e.device)
     for s in range(0, e.shape[0], chunk):
-        raw = e64[s:s + chunk] @ c64.T
+        raw = e64[s : s + chunk] @ c64.T
         logits = softcap * torch.tanh(raw / softcap) if softcap is not None else raw
         lse = torch.logsumexp(logits, -1)
-        lse_all[s:s + chunk] = lse
-        t = targets[s:s + chunk]
+        lse_all[s : s + chunk] = lse
+        t = targets[s : s + chunk]
         valid = t != IGNORE
         grad = torch.softmax(logits, -1)
         grad[valid.nonzero()[:, 0], t[valid]] -= 1
-        grad *= grad_rows[s:s + chunk, None].double()
+        grad *= grad_rows[s : s + chunk, None].double()
         if softcap is not None:
             grad *= 1 - (logits / softcap) ** 2
         grad[~valid] = 0
-        de[s:s + chunk] = grad @ c64
-        dc += grad.T @ e64[s:s + chunk]
+        de[s : s + chunk] = grad @ c64
+        dc += grad.T @ e64[s : s + chunk]
         del raw, logits, grad
     return lse_all, de, dc
 
@@ -399,14 +490,38 @@ def test_backward_reports_the_counted_rows_of_its_first_row_chunk(device, monkey
     e, c, targets, _ = make_kernel_inputs(48, 150, 32, torch.bfloat16, device, ignore_frac=0.5, bias=False)
     targets[:16] = 3  # the first row chunk (16 rows) counts all its rows, the rest are mixed
     seen = []
-    kbackward(e, c, targets, None, torch.zeros(48, device=device), mean_grad_rows(targets), softcap=None,
-               ignore_index=IGNORE, opts=CCEOptions(backward_row_chunk=16), need_e=True, need_c=True,
-               need_bias=False, observe_counted=lambda count, rows: seen.append((int(count.reshape(-1)[0]), rows)))
+    kbackward(
+        e,
+        c,
+        targets,
+        None,
+        torch.zeros(48, device=device),
+        mean_grad_rows(targets),
+        softcap=None,
+        ignore_index=IGNORE,
+        opts=CCEOptions(backward_row_chunk=16),
+        need_e=True,
+        need_c=True,
+        need_bias=False,
+        observe_counted=lambda count, rows: seen.append((int(count.reshape(-1)[0]), rows)),
+    )
     assert seen == [(16, 16)]
     seen.clear()
-    kbackward(e, c, targets, None, torch.zeros(48, device=device), mean_grad_rows(targets), softcap=None,
-               ignore_index=IGNORE, opts=CCEOptions(), need_e=True, need_c=True, need_bias=False,
-               observe_counted=lambda count, rows: seen.append((int(count.reshape(-1)[0]), rows)))
+    kbackward(
+        e,
+        c,
+        targets,
+        None,
+        torch.zeros(48, device=device),
+        mean_grad_rows(targets),
+        softcap=None,
+        ignore_index=IGNORE,
+        opts=CCEOptions(),
+        need_e=True,
+        need_c=True,
+        need_bias=False,
+        observe_counted=lambda count, rows: seen.append((int(count.reshape(-1)[0]), rows)),
+    )
     assert seen == [(int((targets != IGNORE).sum()), 48)]
 
 
@@ -431,13 +546,35 @@ def test_counted_prefix_products_match_for_any_hint(device, monkeypatch):
 
     def grads(hint, row_chunk, sixteen=False):
         args = (e16, c16, targets, b16, lse16) if sixteen else (e, c, targets, b, lse)
-        return kbackward(*args, g, softcap=20.0, ignore_index=IGNORE, opts=CCEOptions(backward_row_chunk=row_chunk),
-                          need_e=True, need_c=True, need_bias=True, counted_hint=hint)
+        return kbackward(
+            *args,
+            g,
+            softcap=20.0,
+            ignore_index=IGNORE,
+            opts=CCEOptions(backward_row_chunk=row_chunk),
+            need_e=True,
+            need_c=True,
+            need_bias=True,
+            counted_hint=hint,
+        )
 
     # one gradient only: the other's buffers are never touched
     for need_e, need_c in ((False, True), (True, False)):
-        de, dc, db = kbackward(e, c, targets, b, lse, g, softcap=20.0, ignore_index=IGNORE, opts=CCEOptions(),
-                                need_e=need_e, need_c=need_c, need_bias=True, counted_hint=0.2)
+        de, dc, db = kbackward(
+            e,
+            c,
+            targets,
+            b,
+            lse,
+            g,
+            softcap=20.0,
+            ignore_index=IGNORE,
+            opts=CCEOptions(),
+            need_e=need_e,
+            need_c=need_c,
+            need_bias=True,
+            counted_hint=0.2,
+        )
         assert (de is None) != need_e and (dc is None) != need_c
         for x, ref in zip((de, dc, db), ref32):
             if x is not None:

@@ -20,8 +20,9 @@ from tests.support.inputs import BALANCED, IGNORE, make_balanced_inputs
 from tests.support.kernels import DEVICES, HAS_CUDA, device_ok
 
 
-def reference(e, c, t, b, *, softcap=None, reduction="mean", label_smoothing=0.0, dtype=torch.float64,
-              logits_dtype=None):
+def reference(
+    e, c, t, b, *, softcap=None, reduction="mean", label_smoothing=0.0, dtype=torch.float64, logits_dtype=None
+):
     """Loss and gradients (e, c[, b]) with materialised logits: fp64 by default; with ``logits_dtype`` (= ``dtype``,
     16-bit) eager's own computation: 16-bit logits, upcast, fp32 cross-entropy."""
     leaves = [x.detach().to(dtype).requires_grad_(True) for x in (e, c) + ((b,) if b is not None else ())]
@@ -38,6 +39,7 @@ def reference(e, c, t, b, *, softcap=None, reduction="mean", label_smoothing=0.0
 def sums(got):
     """The gradients of a :class:`K.LossAndGrads` in fp32, as the op's backward sees them at upstream gradient 1:
     ``hi + lo`` for a 16-bit pair, the fp32 gradient itself otherwise (None where not computed)."""
+
     def one(grad, lo):
         if grad is None:
             return None
@@ -58,17 +60,28 @@ CASES = [  # dtype, n, softcap, bias, label_smoothing, ignore, rows per chunk
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
-@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{str(c[0])[6:]}-n{c[1]}-cap{c[2]}-bias{c[3]}-ls{c[4]}-{c[5]}-r{c[6]}")
+@pytest.mark.parametrize(
+    "case", CASES, ids=lambda c: f"{str(c[0])[6:]}-n{c[1]}-cap{c[2]}-bias{c[3]}-ls{c[4]}-{c[5]}-r{c[6]}"
+)
 def test_kernels_match_fp64(device, reduction, case):
     device_ok(device)
     dtype, n, softcap, bias, smoothing, ignore, rows = case
     v, d = 70, 16
     e, c, t, b = make_balanced_inputs(n, v, d, dtype, device, bias=bias, ignore=ignore)
-    got = K.loss_and_grads(e, c, t, b, softcap=softcap, ignore_index=IGNORE, reduction=reduction,
-                           label_smoothing=smoothing, chunk_rows=rows)
+    got = K.loss_and_grads(
+        e,
+        c,
+        t,
+        b,
+        softcap=softcap,
+        ignore_index=IGNORE,
+        reduction=reduction,
+        label_smoothing=smoothing,
+        chunk_rows=rows,
+    )
     loss, grads = reference(e, c, t, b, softcap=softcap, reduction=reduction, label_smoothing=smoothing)
     if ignore == "all":
-        assert (torch.isnan(got.loss) if reduction == "mean" else got.loss == 0), got.loss
+        assert torch.isnan(got.loss) if reduction == "mean" else got.loss == 0, got.loss
         assert not got.grad_e.any() and not got.grad_c.any()
         return
     tol = 1e-5 if dtype == torch.float32 else 1e-2
@@ -86,8 +99,17 @@ def test_kernels_match_fp64(device, reduction, case):
         # G rounded to bf16, fp32-accumulated products, one rounding of the result) in another order (and add the
         # bias before rounding the logits, we after): on these ~2600 logits that alone moves the ratio of the two
         # errors by up to ~6%; test_gpu_real_shape_error_at_most_torch_compiles holds 1.01x at 134M logits
-        _, eager = reference(e, c, t, b, softcap=softcap, reduction=reduction, label_smoothing=smoothing,
-                             dtype=torch.bfloat16, logits_dtype=torch.bfloat16)
+        _, eager = reference(
+            e,
+            c,
+            t,
+            b,
+            softcap=softcap,
+            reduction=reduction,
+            label_smoothing=smoothing,
+            dtype=torch.bfloat16,
+            logits_dtype=torch.bfloat16,
+        )
         for name, mine, theirs, want in zip(("dE", "dC", "dbias"), sums(got), eager, grads):
             if want is not None:
                 assert rel_l2(mine.to(dtype), want) <= 1.1 * rel_l2(theirs, want), name
@@ -96,16 +118,15 @@ def test_kernels_match_fp64(device, reduction, case):
 @pytest.mark.parametrize("device", DEVICES)
 def test_chunks_change_only_rounding_and_dc_is_summed_in_fp32(device):
     """Several row chunks against one change only the order of the sums (dC is summed over the chunks in fp32, or as
-    a bf16 pair of ~16 bits, never rounded to bf16 per chunk): agreement to ~1e-5. On the GPU cuBLAS may round a bf16 logit differently for another
-    chunk shape, which moves G by a bf16 unit in places: there the bar is one bf16 rounding."""
+    a bf16 pair of ~16 bits, never rounded to bf16 per chunk): agreement to ~1e-5. On the GPU cuBLAS may round a bf16
+    logit differently for another chunk shape, which moves G by a bf16 unit in places: there the bar is one bf16
+    rounding."""
     device_ok(device)
     for dtype in (torch.float32, torch.bfloat16):
         tol = 1e-5 if dtype == torch.float32 or device == "cpu" else 2.0**-8
         e, c, t, b = make_balanced_inputs(64, 70, 16, dtype, device, bias=True)
-        one = K.loss_and_grads(e, c, t, b, softcap=None, ignore_index=IGNORE, reduction="sum",
-                               chunk_rows=64)
-        four = K.loss_and_grads(e, c, t, b, softcap=None, ignore_index=IGNORE, reduction="sum",
-                                chunk_rows=16)
+        one = K.loss_and_grads(e, c, t, b, softcap=None, ignore_index=IGNORE, reduction="sum", chunk_rows=64)
+        four = K.loss_and_grads(e, c, t, b, softcap=None, ignore_index=IGNORE, reduction="sum", chunk_rows=16)
         for name, x, y in zip(("dE", "dC", "dbias"), sums(four), sums(one)):
             assert rel_l2(x, y) <= tol, name
         assert abs(four.loss.item() - one.loss.item()) <= 1e-5 * abs(one.loss.item())
@@ -130,8 +151,9 @@ def test_unaligned_vocabularies(device, v):
         for mine, want in zip(sums(got), grads):
             assert mine.shape == want.shape
             assert rel_l2(mine, want) <= 1e-5
-    only_c = K.loss_and_grads(e, c, t, b, softcap=4.0, ignore_index=IGNORE, reduction="mean", chunk_rows=16,
-                              need_e=False, need_bias=False)
+    only_c = K.loss_and_grads(
+        e, c, t, b, softcap=4.0, ignore_index=IGNORE, reduction="mean", chunk_rows=16, need_e=False, need_bias=False
+    )
     assert only_c.grad_e is None and rel_l2(only_c.grad_c, grads[1]) <= 1e-5
 
 
@@ -145,11 +167,13 @@ def test_unaligned_vocabularies_bf16_at_most_eagers_error(device, v):
     device_ok(device)
     e, c, t, b = make_balanced_inputs(37, v, 40, torch.bfloat16, device, bias=True)
     t[1] = v - 1
-    got = K.loss_and_grads(e, c, t, b, softcap=5.0, ignore_index=IGNORE, reduction="sum", label_smoothing=0.1,
-                           chunk_rows=10)
+    got = K.loss_and_grads(
+        e, c, t, b, softcap=5.0, ignore_index=IGNORE, reduction="sum", label_smoothing=0.1, chunk_rows=10
+    )
     loss, want = reference(e, c, t, b, softcap=5.0, reduction="sum", label_smoothing=0.1)
-    _, eager = reference(e, c, t, b, softcap=5.0, reduction="sum", label_smoothing=0.1, dtype=torch.bfloat16,
-                         logits_dtype=torch.bfloat16)
+    _, eager = reference(
+        e, c, t, b, softcap=5.0, reduction="sum", label_smoothing=0.1, dtype=torch.bfloat16, logits_dtype=torch.bfloat16
+    )
     assert abs(got.loss.item() - loss.item()) <= 1e-2 * abs(loss.item())
     for name, mine, theirs, ref in zip(("dE", "dC", "dbias"), sums(got), eager, want):
         assert rel_l2(mine.to(torch.bfloat16), ref) <= 1.1 * rel_l2(theirs, ref), name
@@ -165,17 +189,18 @@ def test_need_flags_and_empty_batch(device):
     device_ok(device)
     e, c, t, b = make_balanced_inputs(20, 70, 16, torch.float32, device, bias=True)
     full = K.loss_and_grads(e, c, t, b, softcap=None, ignore_index=IGNORE, reduction="mean", chunk_rows=14)
-    only_c = K.loss_and_grads(e, c, t, b, softcap=None, ignore_index=IGNORE, reduction="mean", chunk_rows=14,
-                              need_e=False, need_bias=False)
+    only_c = K.loss_and_grads(
+        e, c, t, b, softcap=None, ignore_index=IGNORE, reduction="mean", chunk_rows=14, need_e=False, need_bias=False
+    )
     assert only_c.grad_e is None and only_c.grad_bias is None
     torch.testing.assert_close(only_c.grad_c, full.grad_c, rtol=0, atol=0)
     torch.testing.assert_close(only_c.loss, full.loss, rtol=0, atol=0)
-    empty = K.loss_and_grads(e[:0], c, t[:0], b, softcap=None, ignore_index=IGNORE, reduction="sum",
-                             chunk_rows=14)
+    empty = K.loss_and_grads(e[:0], c, t[:0], b, softcap=None, ignore_index=IGNORE, reduction="sum", chunk_rows=14)
     assert empty.loss.item() == 0 and empty.grad_e.shape == (0, 16)
     assert not empty.grad_c.any() and not empty.grad_bias.any()
-    assert torch.isnan(K.loss_and_grads(e[:0], c, t[:0], b, softcap=None, ignore_index=IGNORE, reduction="mean",
-                                        chunk_rows=14).loss)
+    assert torch.isnan(
+        K.loss_and_grads(e[:0], c, t[:0], b, softcap=None, ignore_index=IGNORE, reduction="mean", chunk_rows=14).loss
+    )
     with pytest.raises(ValueError, match="'mean' and 'sum'"):
         K.loss_and_grads(e, c, t, b, softcap=None, ignore_index=IGNORE, reduction="none", chunk_rows=14)
 
@@ -240,8 +265,7 @@ def test_gpu_real_shape_error_at_most_torch_compiles(softcap, v):
     c = torch.randn(v, d, device="cuda").bfloat16()
     t = torch.randint(0, v, (n,), device="cuda")
     t[::5] = IGNORE
-    got = K.loss_and_grads(e, c, t, None, softcap=softcap, ignore_index=IGNORE, reduction="mean",
-                           chunk_rows=n // 4)
+    got = K.loss_and_grads(e, c, t, None, softcap=softcap, ignore_index=IGNORE, reduction="mean", chunk_rows=n // 4)
     loss, want = reference(e, c, t, None, softcap=softcap, dtype=torch.float32)
     _, eager = reference(e, c, t, None, softcap=softcap, dtype=torch.bfloat16, logits_dtype=torch.bfloat16)
     assert abs(got.loss.item() - loss.item()) <= 1e-3 * loss.item()

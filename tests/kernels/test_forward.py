@@ -19,7 +19,6 @@ import torch.nn.functional as F
 import cce_inductor.kernels as K
 from cce_inductor import CCEOptions
 from tests.support.inputs import IGNORE, make_kernel_inputs
-from tests.support.kernels import backward as kbackward
 from tests.support.kernels import (
     CASES,
     DEFAULT_TOL,
@@ -35,6 +34,7 @@ from tests.support.kernels import (
     rel,
     run_kernels,
 )
+from tests.support.kernels import backward as kbackward
 
 
 def softmax_grad_reference(e, c, targets, grad_rows):
@@ -101,8 +101,17 @@ def test_rows_with_targets_outside_the_vocabulary_count(device, products):
     codes[1::5] = local_ignore  # ignored everywhere
     counted = codes != local_ignore
     g = (torch.rand(n, generator=torch.Generator().manual_seed(2)).to(device) + 0.5) * counted
-    lse, _, (de, dc, _) = run_kernels(e, c, codes, None, g, softcap=None, opts=CCEOptions(products=products),
-                                      ignore_index=local_ignore, need_bias=False)
+    lse, _, (de, dc, _) = run_kernels(
+        e,
+        c,
+        codes,
+        None,
+        g,
+        softcap=None,
+        opts=CCEOptions(products=products),
+        ignore_index=local_ignore,
+        need_bias=False,
+    )
     lse_r, grad = softmax_grad_reference(e, c, codes, g)
     counted = counted.cpu()
     assert rel(lse.cpu()[counted], lse_r[counted]) < LSE_TOL
@@ -111,8 +120,18 @@ def test_rows_with_targets_outside_the_vocabulary_count(device, products):
     assert rel(dc, grad.T @ e.double().cpu()) < 1e-5
     # had the "elsewhere" rows been skipped like ignored ones, dE would be far off: the test has teeth
     skipped = torch.where(codes == -2, local_ignore, codes)
-    _, _, (de_skip, _, _) = run_kernels(e, c, skipped, None, g, softcap=None, opts=CCEOptions(products=products),
-                                        ignore_index=local_ignore, need_c=False, need_bias=False)
+    _, _, (de_skip, _, _) = run_kernels(
+        e,
+        c,
+        skipped,
+        None,
+        g,
+        softcap=None,
+        opts=CCEOptions(products=products),
+        ignore_index=local_ignore,
+        need_c=False,
+        need_bias=False,
+    )
     assert rel(de_skip, grad @ c.double().cpu()) > 1e-2
 
 
@@ -133,8 +152,9 @@ def test_targets_outside_the_vocabulary_read_nothing(device, products):
     targets[1::5] = v + 2
     targets[2::7] = IGNORE
     g = torch.rand(n, generator=torch.Generator().manual_seed(1)).to(device) * (targets != IGNORE)
-    lse, tgt, (de, dc, _) = run_kernels(e, c, targets, None, g, softcap=None, opts=CCEOptions(products=products),
-                                        need_bias=False)
+    lse, tgt, (de, dc, _) = run_kernels(
+        e, c, targets, None, g, softcap=None, opts=CCEOptions(products=products), need_bias=False
+    )
     t = targets.cpu()
     counted = t != IGNORE
     here = (t >= 0) & (t < v)
@@ -155,8 +175,12 @@ def test_targets_outside_the_vocabulary_read_nothing(device, products):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize(
     "dtype, softcap, opts",
-    [(torch.float32, 15.0, CCEOptions()), (torch.bfloat16, None, CCEOptions()),
-     (torch.bfloat16, 15.0, CCEOptions(products="triton")), (torch.bfloat16, 15.0, CCEOptions(exact=True))],
+    [
+        (torch.float32, 15.0, CCEOptions()),
+        (torch.bfloat16, None, CCEOptions()),
+        (torch.bfloat16, 15.0, CCEOptions(products="triton")),
+        (torch.bfloat16, 15.0, CCEOptions(exact=True)),
+    ],
     ids=["fp32_cap", "bf16", "bf16_cap_triton_products", "bf16_cap_exact"],
 )
 def test_label_smoothing_matches_fp64_reference(device, dtype, softcap, opts):
@@ -181,15 +205,31 @@ def test_label_smoothing_matches_fp64_reference(device, dtype, softcap, opts):
     torch.testing.assert_close(row_loss[valid].sum() / valid.sum(), want.detach(), rtol=1e-5, atol=1e-5)
 
     want.backward()
-    grads = kbackward(e, c, targets, b, lse, mean_grad_rows(targets), softcap=softcap, ignore_index=IGNORE,
-                       opts=opts, need_e=True, need_c=True, need_bias=True, label_smoothing=eps)
+    grads = kbackward(
+        e,
+        c,
+        targets,
+        b,
+        lse,
+        mean_grad_rows(targets),
+        softcap=softcap,
+        ignore_index=IGNORE,
+        opts=opts,
+        need_e=True,
+        need_c=True,
+        need_bias=True,
+        label_smoothing=eps,
+    )
     for got, ref in zip(grads, (e64.grad, c64.grad, b64.grad)):
         check_grad(got, ref, opts.exact and dtype != torch.float32)
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("opts", [CCEOptions(), CCEOptions(products="triton"), CCEOptions(exact=True)],
-                         ids=["cublas", "triton_products", "exact"])
+@pytest.mark.parametrize(
+    "opts",
+    [CCEOptions(), CCEOptions(products="triton"), CCEOptions(exact=True)],
+    ids=["cublas", "triton_products", "exact"],
+)
 def test_log_sum_exp_used_beyond_the_loss(device, opts):
     """A z-loss reads every row's lse, ignored rows too (``every_row``), and its gradient h_n enters G as
     ``(g_n + h_n) * softmax``; against fp64 autograd of ``sum(g * row_loss) + sum(h * lse)``."""
@@ -204,8 +244,21 @@ def test_log_sum_exp_used_beyond_the_loss(device, opts):
     grad_lse = torch.rand(37, generator=torch.Generator().manual_seed(3)).to(device) * 2e-2
     row_loss = F.cross_entropy(logits, targets.cpu(), ignore_index=IGNORE, reduction="none")
     ((row_loss * grad_rows.double().cpu()).sum() + (want_lse * grad_lse.double().cpu()).sum()).backward()
-    grads = kbackward(e, c, targets, b, lse, grad_rows, softcap=15.0, ignore_index=IGNORE, opts=opts,
-                       need_e=True, need_c=True, need_bias=True, grad_lse=grad_lse)
+    grads = kbackward(
+        e,
+        c,
+        targets,
+        b,
+        lse,
+        grad_rows,
+        softcap=15.0,
+        ignore_index=IGNORE,
+        opts=opts,
+        need_e=True,
+        need_c=True,
+        need_bias=True,
+        grad_lse=grad_lse,
+    )
     for got, ref in zip(grads, (e64.grad, c64.grad, b64.grad)):
         check_grad(got, ref, opts.exact)
 
@@ -218,8 +271,12 @@ def test_log_sum_exp_used_beyond_the_loss(device, opts):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize(
     "dtype, softcap, opts",
-    [(torch.float32, None, CCEOptions()), (torch.bfloat16, 15.0, CCEOptions()),
-     (torch.bfloat16, 15.0, CCEOptions(products="triton")), (torch.bfloat16, None, CCEOptions(exact=True))],
+    [
+        (torch.float32, None, CCEOptions()),
+        (torch.bfloat16, 15.0, CCEOptions()),
+        (torch.bfloat16, 15.0, CCEOptions(products="triton")),
+        (torch.bfloat16, None, CCEOptions(exact=True)),
+    ],
     ids=["fp32", "bf16_cap", "bf16_cap_triton_products", "bf16_exact"],
 )
 def test_entropy_matches_fp64_reference(device, dtype, softcap, opts):
@@ -229,8 +286,9 @@ def test_entropy_matches_fp64_reference(device, dtype, softcap, opts):
     device_ok(device)
     e, c, targets, b = make_kernel_inputs(37, 150, 40, dtype, device, ignore_frac=0.3, bias=True, seed=5)
     e = (e * torch.linspace(0.2, 3.0, 37, device=device)[:, None].to(dtype)).contiguous()  # from flat to peaked
-    lse, tgt, logit_sum, mean_logit = K.forward(e, c, targets, b, softcap=softcap, ignore_index=IGNORE,
-                                                mean_logit=True, every_row=True)
+    lse, tgt, logit_sum, mean_logit = K.forward(
+        e, c, targets, b, softcap=softcap, ignore_index=IGNORE, mean_logit=True, every_row=True
+    )
     assert logit_sum is None
     e64, c64, b64 = (x.detach().double().cpu().requires_grad_() for x in (e, c, b))
     logits = F.linear(e64, c64, b64)
@@ -242,7 +300,21 @@ def test_entropy_matches_fp64_reference(device, dtype, softcap, opts):
     grad_entropy = torch.randn(37, generator=torch.Generator().manual_seed(4)).to(device) * 2e-2
     row_loss = F.cross_entropy(logits, targets.cpu(), ignore_index=IGNORE, reduction="none")
     ((row_loss * grad_rows.double().cpu()).sum() + (want_entropy * grad_entropy.double().cpu()).sum()).backward()
-    grads = kbackward(e, c, targets, b, lse, grad_rows, softcap=softcap, ignore_index=IGNORE, opts=opts,
-                       need_e=True, need_c=True, need_bias=True, grad_entropy=grad_entropy, mean_logit=mean_logit)
+    grads = kbackward(
+        e,
+        c,
+        targets,
+        b,
+        lse,
+        grad_rows,
+        softcap=softcap,
+        ignore_index=IGNORE,
+        opts=opts,
+        need_e=True,
+        need_c=True,
+        need_bias=True,
+        grad_entropy=grad_entropy,
+        mean_logit=mean_logit,
+    )
     for got, ref in zip(grads, (e64.grad, c64.grad, b64.grad)):
         check_grad(got, ref, opts.exact)

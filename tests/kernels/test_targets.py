@@ -2,6 +2,7 @@
 balanced path's row scale, under the interpreter on CPU (and on CUDA where there is one). The range check's
 device-side assert needs a GPU (the interpreter compiles no asserts): ``tests/test_cuda.py``, "out-of-range
 targets"."""
+
 import pytest
 import torch
 

@@ -38,10 +38,36 @@ def allow_tf32():
 def test_round_to_tf32_is_round_to_nearest_ties_away(device):
     device_ok(device)
     one = 1.0
-    special = [one, one + 2**-11, one + 2**-11 + 2**-20, one + 2**-12, -(one + 2**-11), one - 2**-12, 0.0, -0.0,
-               float("inf"), float("-inf"), 3.4028234663852886e38, 1e-40, -1e-40]
-    want_special = [one, one + 2**-10, one + 2**-10, one, -(one + 2**-10), one, 0.0, -0.0,
-                    float("inf"), float("-inf"), float("inf"), None, None]
+    special = [
+        one,
+        one + 2**-11,
+        one + 2**-11 + 2**-20,
+        one + 2**-12,
+        -(one + 2**-11),
+        one - 2**-12,
+        0.0,
+        -0.0,
+        float("inf"),
+        float("-inf"),
+        3.4028234663852886e38,
+        1e-40,
+        -1e-40,
+    ]
+    want_special = [
+        one,
+        one + 2**-10,
+        one + 2**-10,
+        one,
+        -(one + 2**-10),
+        one,
+        0.0,
+        -0.0,
+        float("inf"),
+        float("-inf"),
+        float("inf"),
+        None,
+        None,
+    ]
     x = torch.cat([torch.tensor(special), torch.randn(4000, generator=torch.Generator().manual_seed(0)) * 30])
     x = x.to(device)
     y = torch.empty_like(x)

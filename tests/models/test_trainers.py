@@ -223,8 +223,12 @@ def test_torchtune_chunked_output_through_inductor(dynamic):
         label_chunks = [chunk.reshape(-1) for chunk in labels.chunk(8, dim=1)]
         total = 0.0
         for logits_chunk, labels_chunk in zip(logits, label_chunks):
-            total += F.cross_entropy(logits_chunk.reshape(-1, logits_chunk.size(-1)).float(), labels_chunk,
-                                     ignore_index=-100, reduction="sum")
+            total += F.cross_entropy(
+                logits_chunk.reshape(-1, logits_chunk.size(-1)).float(),
+                labels_chunk,
+                ignore_index=-100,
+                reduction="sum",
+            )
         return total / (labels != -100).sum()
 
     tokens, labels = torch.randint(0, VOCAB, (2, 16)), torch.randint(0, VOCAB, (2, 16))
@@ -234,7 +238,9 @@ def test_torchtune_chunked_output_through_inductor(dynamic):
     expected_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
     model.zero_grad(set_to_none=True)
     with inductor_caches_off():
-        actual = torch.compile(step, backend=cce_inductor.backend, fullgraph=True, dynamic=dynamic)(model, tokens, labels)
+        actual = torch.compile(step, backend=cce_inductor.backend, fullgraph=True, dynamic=dynamic)(
+            model, tokens, labels
+        )
     actual.backward()
     torch.testing.assert_close(actual, expected, atol=2e-5, rtol=1e-4)
     for name, param in model.named_parameters():

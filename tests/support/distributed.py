@@ -4,8 +4,8 @@ One pair of worker processes (``torch.multiprocessing``, spawn) runs the tasks o
 in turn (:func:`run_selected_tasks`, called by the file's module fixture ``task_results``); the assertions run inside
 the workers, and each test reports its task's outcome (:func:`check_task`: the workers' tracebacks on failure). A
 test file lists its tasks in ``_TASKS``: ``name -> (worker function, extra args)``, checked by ``test_<name>``; the
-workers stop at the first failure, so cheap tasks go first. The run is bounded (``_SPAWN_TIMEOUT_S``) and every collective has a
-timeout (``_PG_TIMEOUT``).
+workers stop at the first failure, so cheap tasks go first. The run is bounded (``_SPAWN_TIMEOUT_S``) and every
+collective has a timeout (``_PG_TIMEOUT``).
 
 Inductor's FX-graph and AOTAutograd caches are off in the workers so that the pass really runs (a cache hit skips
 it and leaves ``stats()`` empty).

@@ -19,18 +19,22 @@ def head_loss(hidden, weight, labels, bias=None, softcap=None, ignore_index=-100
     logits = F.linear(hidden, weight, bias)
     if softcap is not None:
         logits = torch.tanh(logits / softcap) * softcap
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=ignore_index,
-                           reduction=reduction)  # fmt: skip
+    return F.cross_entropy(
+        logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=ignore_index, reduction=reduction
+    )
 
 
 def make_fn(softcap=None, ignore_index=-100, reduction="mean", bias=False):
     """A model snippet with the constants baked in (as model code has them)."""
     if bias:
+
         def fn(hidden, weight, labels, b):
             return head_loss(hidden, weight, labels, b, softcap, ignore_index, reduction)
     else:
+
         def fn(hidden, weight, labels):
             return head_loss(hidden, weight, labels, None, softcap, ignore_index, reduction)
+
     return fn
 
 

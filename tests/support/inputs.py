@@ -48,8 +48,7 @@ def make_op_inputs(lead, vocab, dim, dtype, *, bias=False, ignore="some", ignore
     return e.reshape(*lead, dim).to(dtype), c.to(dtype), targets.reshape(lead), b
 
 
-def make_kernel_inputs(n, v, d, dtype, device, *, ignore_frac=0.0, bias=False, logit_std=3.0, seed=0,
-                       noncontig=False):  # fmt: skip
+def make_kernel_inputs(n, v, d, dtype, device, *, ignore_frac=0.0, bias=False, logit_std=3.0, seed=0, noncontig=False):
     """E ``(n, d)``, C ``(v, d)``, targets ``(n,)`` (a share ``ignore_frac`` ignored), optional bias, on ``device``."""
     gen = torch.Generator().manual_seed(seed)
     c = torch.randn(v, d, generator=gen) / math.sqrt(d)
@@ -89,8 +88,18 @@ def make_balanced_inputs(n, v, d, dtype, device="cpu", *, bias=False, ignore="so
     return cast(e), cast(c), t.to(device), cast(b)
 
 
-def make_cuda_inputs(lead=(96,), d=64, v=1000, *, dtype=torch.float32, seed=0, bias=False, ignore_every=7,
-                     ignore_index=-100, weight_grad=True):  # fmt: skip
+def make_cuda_inputs(
+    lead=(96,),
+    d=64,
+    v=1000,
+    *,
+    dtype=torch.float32,
+    seed=0,
+    bias=False,
+    ignore_every=7,
+    ignore_index=-100,
+    weight_grad=True,
+):
     """hidden (*lead, d), weight (v, d), labels (*lead) with every ``ignore_every``-th ignored, [bias (v,)], on CUDA."""
     gen = torch.Generator().manual_seed(seed)
     hidden = torch.randn(*lead, d, generator=gen) * 2.0

@@ -16,7 +16,7 @@ output dtype* (the error the kernel adds beyond the unavoidable final rounding),
 default-mode 1e-2 against the unrounded fp64 reference.  (With fp32 inputs exact mode is the default path.)
 """
 
-from typing import NamedTuple, Optional
+from typing import NamedTuple
 
 import pytest
 import torch
@@ -33,7 +33,11 @@ DEFAULT_TOL = 1e-2
 EXACT_TOL = 2e-3
 LSE_TOL = 1e-5
 # the default options, the Triton products, exact mode
-OPTION_SETS = {"cublas": CCEOptions(products="cublas"), "triton": CCEOptions(products="triton"), "exact": CCEOptions(exact=True)}
+OPTION_SETS = {
+    "cublas": CCEOptions(products="cublas"),
+    "triton": CCEOptions(products="triton"),
+    "exact": CCEOptions(exact=True),
+}
 TUNING_KEY = "interpret" if K.INTERPRET else "gpu"  # the block sizes the kernels use here
 LEAN_LAYOUT = _planning.LEAN_LAYOUT[TUNING_KEY]  # the lean G block's layout here (tests monkeypatch its entries)
 
@@ -91,25 +95,75 @@ def plan_for(e, c, opts=None, *, counted_hint=None, block_widen=1):
     (widened by the hint where given)."""
     opts = opts or CCEOptions()
     products = "triton" if opts.products == "triton" else "counted_prefix" if counted_hint is not None else "cublas"
-    return _planning.backward_plan(e.shape[0], c.shape[0], e.dtype, exact=opts.exact, products=products,
-                                   backward_row_chunk=opts.backward_row_chunk, counted_hint=counted_hint,
-                                   block_widen=block_widen, row_skipping=K.row_skipping_ok(e, c, opts.exact))
+    return _planning.backward_plan(
+        e.shape[0],
+        c.shape[0],
+        e.dtype,
+        exact=opts.exact,
+        products=products,
+        backward_row_chunk=opts.backward_row_chunk,
+        counted_hint=counted_hint,
+        block_widen=block_widen,
+        row_skipping=K.row_skipping_ok(e, c, opts.exact),
+    )
 
 
-def backward(e, c, targets, bias, lse, grad_rows, *, softcap, opts=None, counted_hint=None, block_widen=1,
-             ignore_index=IGNORE, need_e=True, need_c=True, need_bias=True, **more):
+def backward(
+    e,
+    c,
+    targets,
+    bias,
+    lse,
+    grad_rows,
+    *,
+    softcap,
+    opts=None,
+    counted_hint=None,
+    block_widen=1,
+    ignore_index=IGNORE,
+    need_e=True,
+    need_c=True,
+    need_bias=True,
+    **more,
+):
     """``K.backward`` with the plan of ``opts`` (:func:`plan_for`)."""
     plan = plan_for(e, c, opts, counted_hint=counted_hint, block_widen=block_widen)
-    return K.backward(e, c, targets, bias, lse, grad_rows, softcap=softcap, ignore_index=ignore_index,
-                      need_e=need_e, need_c=need_c, need_bias=need_bias, **plan._asdict(), **more)
+    return K.backward(
+        e,
+        c,
+        targets,
+        bias,
+        lse,
+        grad_rows,
+        softcap=softcap,
+        ignore_index=ignore_index,
+        need_e=need_e,
+        need_c=need_c,
+        need_bias=need_bias,
+        **plan._asdict(),
+        **more,
+    )
 
 
-def run_kernels(e, c, targets, bias, grad_rows, *, softcap, opts=None, ignore_index=IGNORE,
-                need_e=True, need_c=True, need_bias=True):
+def run_kernels(
+    e, c, targets, bias, grad_rows, *, softcap, opts=None, ignore_index=IGNORE, need_e=True, need_c=True, need_bias=True
+):
     """``K.forward`` then ``K.backward``: (lse, target logit, (dE, dC, dbias))."""
     lse, tgt, *_ = K.forward(e, c, targets, bias, softcap=softcap, ignore_index=ignore_index)
-    grads = backward(e, c, targets, bias, lse, grad_rows, softcap=softcap, ignore_index=ignore_index, opts=opts,
-                     need_e=need_e, need_c=need_c, need_bias=need_bias)
+    grads = backward(
+        e,
+        c,
+        targets,
+        bias,
+        lse,
+        grad_rows,
+        softcap=softcap,
+        ignore_index=ignore_index,
+        opts=opts,
+        need_e=need_e,
+        need_c=need_c,
+        need_bias=need_bias,
+    )
     return lse, tgt, grads
 
 
@@ -118,7 +172,7 @@ class Case(NamedTuple):
     n: int
     v: int
     d: int
-    softcap: Optional[float]
+    softcap: float | None
     bias: bool
     ignore_frac: float
     mode: str  # "default" or "exact" (16-bit inputs: G in hi + lo halves, dC summed in fp32)
@@ -153,19 +207,31 @@ TRITON_CASES = [case for case in CASES if case.triton]
 
 
 def case_id(case):
-    return (f"{str(case.dtype).split('.')[-1]}-{case.n}x{case.v}x{case.d}-cap{case.softcap}-bias{int(case.bias)}"
-            f"-ign{case.ignore_frac}-{case.mode}{'-noncontig' if case.noncontig else ''}")
+    return (
+        f"{str(case.dtype).split('.')[-1]}-{case.n}x{case.v}x{case.d}-cap{case.softcap}-bias{int(case.bias)}"
+        f"-ign{case.ignore_frac}-{case.mode}{'-noncontig' if case.noncontig else ''}"
+    )
 
 
 def check_case(case, device, products="cublas", seed=0):
     """One case of the table against the fp64 reference: the forward's row statistics and the gradients (zero for
     ignored rows; all zero when every row is ignored)."""
-    e, c, targets, b = make_kernel_inputs(case.n, case.v, case.d, case.dtype, device, ignore_frac=case.ignore_frac,
-                                          bias=case.bias, seed=seed, noncontig=case.noncontig)
+    e, c, targets, b = make_kernel_inputs(
+        case.n,
+        case.v,
+        case.d,
+        case.dtype,
+        device,
+        ignore_frac=case.ignore_frac,
+        bias=case.bias,
+        seed=seed,
+        noncontig=case.noncontig,
+    )
     grad_rows = mean_grad_rows(targets)
     exact = case.mode == "exact"
-    lse, tgt, (de, dc, db) = run_kernels(e, c, targets, b, grad_rows, softcap=case.softcap,
-                                         opts=CCEOptions(exact=exact, products=products))
+    lse, tgt, (de, dc, db) = run_kernels(
+        e, c, targets, b, grad_rows, softcap=case.softcap, opts=CCEOptions(exact=exact, products=products)
+    )
     lse_r, tgt_r, de_r, dc_r, db_r = reference(e, c, targets, b, grad_rows, case.softcap)
     valid = (targets != IGNORE).cpu()
     assert lse.shape == (case.n,) and lse.dtype == torch.float32 and tgt.shape == (case.n,)

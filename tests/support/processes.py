@@ -25,9 +25,7 @@ def subprocess_env(cache_dir, caches=False, **extra):
 
 
 def run_python(args, env, cwd, timeout=240):
-    proc = subprocess.run(
-        [sys.executable, *args], env=env, cwd=cwd, capture_output=True, text=True, timeout=timeout
-    )
+    proc = subprocess.run([sys.executable, *args], env=env, cwd=cwd, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, f"exit {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr[-6000:]}"
     return proc
 

@@ -38,7 +38,10 @@ def eager_loss(e, c, targets, bias=None, softcap=None, ignore_index=-100, reduct
     if softcap is not None:
         logits = torch.tanh(logits / softcap) * softcap
     loss = F.cross_entropy(
-        logits.reshape(-1, logits.shape[-1]), targets.reshape(-1).long(), ignore_index=ignore_index, reduction=reduction,
+        logits.reshape(-1, logits.shape[-1]),
+        targets.reshape(-1).long(),
+        ignore_index=ignore_index,
+        reduction=reduction,
         label_smoothing=label_smoothing,
     )
     return loss.view(targets.shape) if reduction == "none" else loss
@@ -64,8 +67,21 @@ def grad_output_for(loss_shape, reduction, seed=1):
     return torch.tensor(0.7, dtype=torch.float64)
 
 
-def check_against_eager(lead, vocab, dim, dtype, *, bias, softcap, reduction, ignore="some", ignore_index=-100,
-                        seed=0, transform=None, label_smoothing=0.0):
+def check_against_eager(
+    lead,
+    vocab,
+    dim,
+    dtype,
+    *,
+    bias,
+    softcap,
+    reduction,
+    ignore="some",
+    ignore_index=-100,
+    seed=0,
+    transform=None,
+    label_smoothing=0.0,
+):
     """The op on ``make_op_inputs(...)`` (``transform``ed) against eager in fp64 from the same rounded inputs, and in
     16-bit at least as accurate as eager in that dtype; returns the op's (loss, dE, dC, dbias)."""
     e, c, t, b = make_op_inputs(lead, vocab, dim, dtype, bias=bias, ignore=ignore, ignore_index=ignore_index, seed=seed)
