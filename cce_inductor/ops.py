@@ -57,7 +57,7 @@ class OpCall(NamedTuple):
 
 def _set(**optional) -> dict:
     """The keyword arguments that differ from their defaults (None, "", False)."""
-    return {name: value for name, value in optional.items() if value is not None and value != "" and value is not False}
+    return {name: value for name, value in optional.items() if not (value is None or value is False or value == "")}
 
 
 # --------------------------------------------------------------------------------------------------------------
