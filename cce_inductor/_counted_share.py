@@ -17,7 +17,7 @@ call reads the copies whose events have completed (``Event.query``, which does n
     <= ROW_SKIPPING_AT_MOST (0.4),     the row-skipping products alone, G blocks made wider by the 20th
     or <= 0.6 while the share moves    percentile's share (``cce_inductor/_planning.py``, ``row_skipping_widen``)
 
-Why (measured: see docs/engineering-log.md): at half the rows ignored the counted prefix is the fastest of the
+Why (measured; the figures are in docs/): at half the rows ignored the counted prefix is the fastest of the
 three, well under cuBLAS over every row; at three quarters ignored its host work per vocabulary chunk (four launches
 whatever the rows) leaves it waiting on the host, and the widened row-skipping products take about half its time;
 and where the share moves from call to call its prefix mispredicts and its calls with few counted rows wait on the

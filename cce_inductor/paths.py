@@ -20,8 +20,9 @@ one call; ``benchmarks/`` compares it with measured peaks, ``tests/test_paths.py
                    such graphs the allocator holds three 16-bit logits-sized blocks, four with a softcap
                    (benchmarks/head_memory.py); for fp32 inputs b + 4 = 8 stays under three blocks' 12, so the
                    budget errs lean
-    lean           LB + R W b + N D 4 (dE's fp32 sums, none where dE is fp32) (+ N D b + W D b: E and one vocabulary
-                   chunk of C converted, under autocast; X alone in the forward) (+ W D 4 where N > R, or on
+    lean           LB + R W b + N D 4 (dE's fp32 sums, none where dE is fp32) (+ N D b + W D b + N D (4 + b): E, one
+                   vocabulary chunk of C and C's target rows converted, under autocast; X alone in the forward)
+                   (+ W D 4 where N > R, or on
                    calls that take the counted-prefix products: their fp32 dC sums, cce_inductor/_counted_share.py);
                    R = min(N, backward_row_chunk), W = min(V, 4096 * max(1, 8192 // N) * k) where R = N, else 4096 k;
                    k = lean_widen's 4, 2 or 1, the widest that keeps this peak within the budget below (where the
@@ -75,7 +76,7 @@ _CLEARLY_LEANER = 0.9
 _MIN_BALANCED_ROWS = 256
 # Below this many multiply-adds per logits product (N V D), a lean fwd + bwd on the kernels waits on the host's
 # launch work (~25 Triton / cuBLAS launches and the layers around the op), not on the GPU: GPT-2's and GPT-2
-# medium's heads at N 4096 lie below it, Qwen2.5-0.5B's (GPU-bound) above (measured: see docs/engineering-log.md).
+# medium's heads at N 4096 lie below it, Qwen2.5-0.5B's (GPU-bound) above (measured; the figures are in docs/).
 # stats() says so where the default keeps such a head on the lean path.
 _HOST_BOUND_MACS = 3e11
 
@@ -195,7 +196,11 @@ def lean_peak(f: HeadFacts, backward_row_chunk: int = 8192, widen: int = 1, coun
     b = f.element_size
     dc_sums = width * f.hidden * 4 if f.rows > rows or counted_prefix else 0
     de_sums = f.rows * f.hidden * 4 if f.e_bytes != 4 else 0
-    converted = (f.rows * f.hidden * b if f.e_bytes != b else 0) + (width * f.hidden * b if f.c_bytes != b else 0)
+    # under autocast: E converted; of a wider-stored head one vocabulary chunk converted, and its target rows
+    # gathered and converted for the target logits (kernels/_row_chunks.py)
+    converted = f.rows * f.hidden * b if f.e_bytes != b else 0
+    if f.c_bytes != b:
+        converted += width * f.hidden * b + f.rows * f.hidden * (f.c_bytes + b)
     backward = gradient_bytes(f) + rows * width * b + de_sums + dc_sums + converted
     return max(backward, _converted_bytes(f))
 

@@ -81,7 +81,7 @@ from . import _launch, _pair_sums, _targets
 from ._tile import softmax_grad, tanh
 
 # One program streams one row in BLOCK_V columns; 16-byte vector loads of bf16 need BLOCK_V / (32 * num_warps) >= 8.
-# Rows up to short_row entries take wider blocks (measured: see docs/engineering-log.md).
+# Rows up to short_row entries take wider blocks (measured; the figures are in docs/).
 _TUNING = {
     "gpu": dict(block_v=2048, num_warps=8, short_row=65536, short_row_block_v=4096),
     "interpret": dict(block_v=64, num_warps=4, short_row=0, short_row_block_v=64),

@@ -25,7 +25,7 @@ is row-block fastest, so the programs resident at one time share the same split 
 from HBM about once while E (small) stays in L2.  Row blocks past the device-side count of counted rows
 return at once, so ignored rows cost nothing.  For 16-bit inputs the operand tiles come through the tensor-memory
 accelerator (``_tile``, ``tma_operands``) from a compacted copy of E (the counted rows first, ``N x D``, built per
-call) and from C: less forward time than per-thread ``cp.async`` loads (measured: see docs/engineering-log.md).
+call) and from C: less forward time than per-thread ``cp.async`` loads (measured; the figures are in docs/).
 
 The target logit is not picked out of the tiles: comparing every column of a tile with the row's target kept a
 tile-sized mask live beside the accumulator, and the kernel spilled registers on Hopper (none without it).

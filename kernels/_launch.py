@@ -64,7 +64,7 @@ def dot_precision(dtype: torch.dtype) -> str:
     ``"highest"``, true fp32 products ("ieee"); at ``"high"`` / ``"medium"``, TF32 tensor cores with the operands
     rounded to nearest first ("tf32_rn"), as cuBLAS's TF32 GEMMs give them: at "high", "ieee" would run on the CUDA
     cores, many times slower than torch.compile's TF32 matmuls; plain "tf32" truncates the operands, a biased error
-    well above cuBLAS's; "tf32_rn" matches cuBLAS's error (measured: see docs/engineering-log.md). 16-bit operands
+    well above cuBLAS's; "tf32_rn" matches cuBLAS's error (measured; the figures are in docs/). 16-bit operands
     ignore it."""
     if dtype != torch.float32:
         return "tf32"
