@@ -78,7 +78,7 @@ import triton.language as tl
 from cce_inductor import _planning  # (absolute: this folder may also be imported as a top-level `kernels`)
 
 from . import _launch, _pair_sums, _targets
-from ._tile import softmax_grad, tanh
+from ._tile import round_bf16_rne, softmax_grad, tanh
 
 # One program streams one row in BLOCK_V columns; 16-byte vector loads of bf16 need BLOCK_V / (32 * num_warps) >= 8.
 # Rows up to short_row entries take wider blocks (measured; the figures are in docs/).
@@ -115,15 +115,6 @@ def _load_z(
     if HAS_SOFTCAP:
         x = softcap * tanh(x / softcap)
     return x
-
-
-@triton.jit
-def _round_bf16_rne(x):
-    """fp32 -> the nearest bf16 value (ties to even), still in fp32.  Only under the interpreter, whose fp32 ->
-    bf16 cast truncates (the GPU's cvt.rn rounds to nearest); after it the truncating cast is exact."""
-    bits = x.to(tl.uint32, bitcast=True)
-    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-    return bits.to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -227,7 +218,7 @@ def _softmax_grad_in_place_kernel(
         offset = target_weight * (cols == target).to(tl.float32) + uniform
         g = softmax_grad(z, lse, 1.0, 0.0, 0.0, offset, softcap, HAS_SOFTCAP, False) * scale
         if ROUND_RNE:
-            g = _round_bf16_rne(g)
+            g = round_bf16_rne(g)
         g = tl.where(mask, g, 0.0).to(S.dtype.element_ty)  # the padding columns: 0 (dC's product reads them)
         tl.store(row_ptr + cols, g, mask=cols < stride_row)
         if TAIL:

@@ -32,7 +32,7 @@ import triton.language as tl
 
 from . import _launch
 from ._products import _grouped_tile
-from ._tile import dot
+from ._tile import dot, round_bf16_rne
 
 # Hopper; the interpreter's tiny blocks keep the CPU tests fast.  The GPU entry is the fastest of
 # benchmarks/pair_sums_ab.py's configurations (measured; the figures are in docs/).
@@ -47,9 +47,7 @@ def _round_rne(x, DTYPE: tl.constexpr, ROUND_RNE: tl.constexpr):
     """fp32 -> DTYPE, to nearest even.  ``ROUND_RNE`` (bf16 under the interpreter, whose cast truncates): the bits
     are rounded first, after which the truncating cast is exact."""
     if ROUND_RNE:
-        bits = x.to(tl.uint32, bitcast=True)
-        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-        x = bits.to(tl.float32, bitcast=True)
+        x = round_bf16_rne(x)
     return x.to(DTYPE)
 
 

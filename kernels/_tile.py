@@ -32,6 +32,15 @@ def tanh(x):
 
 
 @triton.jit
+def round_bf16_rne(x):
+    """fp32 -> the nearest bf16 value (ties to even), still in fp32.  For Triton's interpreter, whose fp32 -> bf16
+    cast truncates (the GPU's cvt.rn rounds to nearest): after it the truncating cast is exact."""
+    bits = x.to(tl.uint32, bitcast=True)
+    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def round_to_tf32(x):
     """fp32 -> the nearest TF32 value (10 mantissa bits; ties away from zero, as PTX's ``cvt.rna.tf32.f32``): add
     half of TF32's unit in the last place to the bit pattern, clear the 13 bits TF32 drops. NaN stays NaN (a
