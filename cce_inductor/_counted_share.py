@@ -25,11 +25,18 @@ host, so the row-skipping products alone win there from a higher share. A share 
 a different result beyond rounding. The first call of a head, a call under CUDA graph capture that has
 no earlier count, and runs with ``torch.use_deterministic_algorithms(True)`` (whose bits must not depend on when a
 copy completed) multiply every row with cuBLAS. ``stats()['backward_products']`` counts what ran.
+
+The balanced path (``kernels/_balanced.py``) reads the same shares for its three products per row chunk
+(:func:`balanced_prefix`): cuBLAS over every row where the median share is above ``COUNTED_PREFIX_AT_MOST``, else the
+rows compacted, cuBLAS over the low quantile's share of them and the row-skipping products past it (at every share:
+its chunks past the prefix hold no counted rows when the share holds, so they cost launches, not products).
+``stats()['balanced_rows']`` counts what ran.
 """
 
 from __future__ import annotations
 
 import collections
+import math
 import threading
 from typing import NamedTuple
 
@@ -147,3 +154,18 @@ def products(asked: str, seen: Seen | None, *, row_skipping_ok: bool) -> str:
     if seen.typical <= (MOVING_ROW_SKIPPING_AT_MOST if moving else ROW_SKIPPING_AT_MOST):
         return "triton"
     return "counted_prefix" if seen.typical <= COUNTED_PREFIX_AT_MOST else "cublas"
+
+
+def balanced_prefix(asked: str, seen: Seen | None, rows: int, *, row_skipping_ok: bool) -> int | None:
+    """The compacted rows the balanced path's cuBLAS products multiply (the rest by the row-skipping products), or
+    None: every row by cuBLAS, uncompacted.  ``asked`` (``CCEOptions.products``): ``"cublas"`` None, ``"triton"`` 0;
+    ``"auto"``: None without an earlier count, with deterministic algorithms or a median share above
+    ``COUNTED_PREFIX_AT_MOST``, else the low quantile's share of ``rows`` in whole 128-row blocks (the module
+    docstring).  None wherever the kernels cannot skip rows (``row_skipping_ok``)."""
+    if not row_skipping_ok or asked == "cublas":
+        return None
+    if asked == "triton":
+        return 0
+    if seen is None or torch.are_deterministic_algorithms_enabled() or seen.typical > COUNTED_PREFIX_AT_MOST:
+        return None
+    return min(rows, math.ceil(seen.low * rows / 128) * 128)

@@ -334,6 +334,7 @@ def loss_and_grads(
     need_c: bool,
     need_bias: bool,
     compute_dtype: torch.dtype | None = None,
+    products: str = "auto",
 ):
     """The balanced path: ``(loss, dE, dC, dbias, dE_lo, dC_lo)`` of a "mean" / "sum" loss, the gradients those of
     the loss itself (upstream gradient 1), each in its input's dtype as ``kernels.loss_and_grads`` returns them (an
@@ -341,11 +342,21 @@ def loss_and_grads(
     chunks of logits in a scratch of ``scratch_bytes``; the chunked path runs its forward and backward back to back
     in the accumulation dtype and splits the result the same way. Targets outside ``[0, V)`` that are not
     ``ignore_index`` fail as in eager (:func:`check_target_range`). ``compute_dtype``: the products' dtype where it is
-    not the inputs' (autocast)."""
+    not the inputs' (autocast). ``products`` (``CCEOptions.products``): whether the kernels skip ignored rows, decided
+    per call from the share of rows earlier calls of this head counted (``_counted_share.balanced_prefix``)."""
     dtype = compute_dtype or e.dtype
     if uses_kernels(e.device, dtype):
+        kernels = triton_kernels()
+        share = _counted_share.of_head(e.device, c.shape[0], c.shape[1])
+        prefix = _counted_share.balanced_prefix(products, share.seen(), e.shape[0], row_skipping_ok=True)
+        can_skip = kernels.balanced_row_skipping_ok(e, c, compute_dtype=compute_dtype, need_bias=need_bias)
+        if prefix is not None and not can_skip:
+            diagnostics.count_balanced_rows("cannot_skip")  # ignored rows multiplied where they would be skipped
+            prefix = None
+        elif e.shape[0] > 0:
+            diagnostics.count_balanced_rows("every_row" if prefix is None or prefix >= e.shape[0] else "counted_prefix")
         return tuple(
-            triton_kernels().loss_and_grads(
+            kernels.loss_and_grads(
                 e,
                 c,
                 targets,
@@ -360,6 +371,8 @@ def loss_and_grads(
                 check_range=True,
                 compute_dtype=compute_dtype,
                 chunk_rows=paths.chunk_rows(scratch_bytes, c.shape[0], dtype.itemsize, e.shape[0]),
+                counted_prefix_rows=prefix,
+                observe_counted=share.observe if products == "auto" else None,
             )
         )
     _checks.check_target_range(targets, c.shape[0], ignore_index)

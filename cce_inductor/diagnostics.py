@@ -6,7 +6,8 @@ be seen to use them).
     {'pass': 'on for every torch.compile (enable() or CCE_INDUCTOR)', 'graphs': 1, 'rewritten': 0, 'skipped': 1,
      'reasons': {'logits escape the compiled region (...); set CCE_INDUCTOR_DROP_LOGITS=1 ...': 1}, 'sites': [...],
      'executions': {'linear_cross_entropy': 0, 'vocab_parallel': 0},
-     'backward_products': {'cublas': 0, 'row_skipping': 0, 'counted_prefix': 0}, 'summary': '...'}
+     'backward_products': {'cublas': 0, 'row_skipping': 0, 'counted_prefix': 0},
+     'balanced_rows': {'every_row': 0, 'counted_prefix': 0, 'cannot_skip': 0}, 'summary': '...'}
 """
 
 from __future__ import annotations
@@ -46,6 +47,18 @@ _executions = collections.Counter({"linear_cross_entropy": 0, "vocab_parallel": 
 _products = collections.Counter({"cublas": 0, "row_skipping": 0, "counted_prefix": 0})
 
 
+# The balanced path's row chunks per CUDA call (cce_inductor/_counted_share.py, balanced_prefix): cuBLAS over every
+# row as "auto" chose (or "cublas" asked), the counted prefix of the compacted rows with the row-skipping products
+# past it, or every row because the kernels cannot skip rows for these operands (a bias gradient, autocast's
+# conversion, fp32 gradients, rows the tensor-memory accelerator cannot read).
+_balanced_rows = collections.Counter({"every_row": 0, "counted_prefix": 0, "cannot_skip": 0})
+
+
+def count_balanced_rows(kind: str) -> None:
+    with _lock:
+        _balanced_rows[kind] += 1
+
+
 def count_products(products: str) -> None:
     with _lock:
         _products["row_skipping" if products == "triton" else products] += 1
@@ -81,6 +94,7 @@ def stats(switch: tuple[str, str]) -> dict[str, Any]:
         graphs = _graphs
         executions = dict(_executions)
         products = dict(_products)
+        balanced_rows = dict(_balanced_rows)
     reasons = collections.Counter(site.reason for site in sites if not site.rewritten)
     rewritten = sum(site.rewritten for site in sites)
     switch, switch_line = switch
@@ -93,6 +107,7 @@ def stats(switch: tuple[str, str]) -> dict[str, Any]:
         "sites": [dataclasses.asdict(site) for site in sites],
         "executions": executions,
         "backward_products": products,
+        "balanced_rows": balanced_rows,
         "summary": _summary(
             switch,
             switch_line,
@@ -150,3 +165,5 @@ def reset_stats() -> None:
             _executions[op] = 0
         for kind in _products:
             _products[kind] = 0
+        for kind in _balanced_rows:
+            _balanced_rows[kind] = 0

@@ -382,7 +382,8 @@ def linear_cross_entropy_with_grads_op(
             softcapped=softcap is not None,
             **paths.storage_facts(e.dtype, c.dtype, dtype),
         )
-        scratch = paths.scratch_for(facts, CCEOptions.decode(options).scratch_mb)
+        decoded = CCEOptions.decode(options)
+        scratch = paths.scratch_for(facts, decoded.scratch_mb)
         loss, grad_e, grad_c, grad_bias, grad_e_lo, grad_c_lo = _dispatch.loss_and_grads(
             e,
             c,
@@ -397,6 +398,7 @@ def linear_cross_entropy_with_grads_op(
             need_c=need_c,
             need_bias=need_bias,
             compute_dtype=compute_dtype,
+            products=decoded.products,
         )
     acc = _chunked.accumulation_dtype(dtype)
 

@@ -52,12 +52,13 @@ class CCEOptions:
     exact: the CUDA backward carries the softmax gradient into its products as two 16-bit halves and sums dC in
         fp32: gradients at the rounding floor of the output dtype, for ~1.6x the backward's time.
         Environment: ``CCE_INDUCTOR_EXACT=1``.
-    products: who computes the CUDA lean backward's dE / dC products. ``"auto"`` (default) decides per call:
-        where an earlier call of the same head had at least 10% of its targets ignored (prompt-masked SFT,
-        padding), cuBLAS multiplies only as many rows as that call counted (the compacted batch, counted rows
-        first) and the row-skipping Triton products any counted rows past them; else cuBLAS multiplies every row.
-        Read without waiting on the device (``cce_inductor/_counted_share.py``), counted in
-        ``stats()['backward_products']``. ``"cublas"``: every row, every call (bits that never depend on earlier
+    products: who computes the CUDA lean backward's dE / dC products, and the balanced path's logits, dE and dC
+        products. ``"auto"`` (default) decides per call: where an earlier call of the same head had at least 10%
+        of its targets ignored (prompt-masked SFT, padding), cuBLAS multiplies only as many rows as that call
+        counted (the compacted batch, counted rows first) and the row-skipping Triton products any counted rows past
+        them; else cuBLAS multiplies every row. Read without waiting on the device
+        (``cce_inductor/_counted_share.py``), counted in ``stats()['backward_products']`` and
+        ``stats()['balanced_rows']``. ``"cublas"``: every row, every call (bits that never depend on earlier
         calls); ``"triton"``: the row-skipping Triton products always. Ignored with ``exact``. Environment:
         ``CCE_INDUCTOR_PRODUCTS``.
     backward_row_chunk: rows per block of the CUDA lean backward: bounds its gradient block (one 16-bit

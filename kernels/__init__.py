@@ -16,13 +16,15 @@ Interface used by the custom op and the vocabulary-parallel loss:
   (autocast)
 * ``row_skipping_ok(e, c, exact) -> bool``: whether the row-skipping products can read these operands
 * ``loss_and_grads(e, c, targets, bias, *, softcap, ignore_index, reduction, label_smoothing=0.0, chunk_rows,
-  compute_dtype=None, need_e=True, need_c=True, need_bias=True, check_range=False) -> LossAndGrads(loss, grad_e,
-  grad_c, grad_bias, grad_e_lo, grad_c_lo)``: the balanced path (mean / sum losses whose head needs gradients): the
-  gradients computed with the loss, ``chunk_rows`` rows at a time through one scratch of logits (its rows padded to
-  aligned leading dimensions), each in its input's dtype (a 16-bit one as the pair ``grad`` + ``grad_lo``, an fp32
-  one whole with ``grad_lo`` None; ``grad_bias`` fp32; None where not asked for); ``compute_dtype``: the products'
-  dtype where not the inputs' (autocast); ``check_range=True``: a device-side assert where a counted target lies
-  outside ``[0, V)``, as eager's
+  compute_dtype=None, need_e=True, need_c=True, need_bias=True, check_range=False, counted_prefix_rows=None,
+  observe_counted=None) -> LossAndGrads(loss, grad_e, grad_c, grad_bias, grad_e_lo, grad_c_lo)``: the balanced
+  path (mean / sum losses whose head needs gradients): the gradients computed with the loss, ``chunk_rows`` rows at a
+  time through one scratch of logits (its rows padded to aligned leading dimensions), each in its input's dtype (a
+  16-bit one as the pair ``grad`` + ``grad_lo``, an fp32 one whole with ``grad_lo`` None; ``grad_bias`` fp32; None
+  where not asked for); ``compute_dtype``: the products' dtype where not the inputs' (autocast); ``check_range=True``:
+  a device-side assert where a counted target lies outside ``[0, V)``, as eager's; ``counted_prefix_rows``: rows
+  compacted, cuBLAS over that many, the row-skipping products past them (where
+  ``balanced_row_skipping_ok(e, c, *, compute_dtype, need_bias)``)
 * ``count_targets(targets, ignore_index, *, mean, check_vocab=None) -> (num_counted, row_scale)``: the rows that
   count, on the device, and with ``check_vocab`` V the same range check, in one launch
 
@@ -44,8 +46,18 @@ No host synchronisation: ignored rows are compacted on the device and the kernel
 
 from ._backward import backward, row_skipping_ok
 from ._balanced import LossAndGrads, loss_and_grads
+from ._balanced import row_skipping_ok as balanced_row_skipping_ok
 from ._forward import forward
 from ._launch import INTERPRET
 from ._targets import count_targets
 
-__all__ = ["forward", "backward", "row_skipping_ok", "loss_and_grads", "LossAndGrads", "count_targets", "INTERPRET"]
+__all__ = [
+    "forward",
+    "backward",
+    "row_skipping_ok",
+    "loss_and_grads",
+    "balanced_row_skipping_ok",
+    "LossAndGrads",
+    "count_targets",
+    "INTERPRET",
+]

@@ -54,17 +54,37 @@ buffer (a saved tensor that only the backward reads is a donated buffer to Induc
 place): the gradients carry no more rounding than torch.compile's, whatever g is, and the backward allocates no
 second copy of them.
 
-Ignored rows are not skipped by the matmuls (their sizes must be known on the host, and the count of counted rows
-lives on the device).  NaN pattern: eager's softmax gradient of an ignored row is 0, or NaN in the whole row when
-its log-sum-exp is NaN (a non-finite value in that row of E, or anywhere in C / bias); ``EPoison`` (0 or NaN per row
-of E) plus ``CPoison`` (0 or NaN: C and bias) reproduce it without reading the row.
+Ignored rows: cuBLAS's products are sized on the host, and the count of counted rows lives on the device.  Where an
+earlier call of the head counted a share of its rows (``counted_prefix_rows``, ``cce_inductor/_counted_share.py``),
+the rows are compacted on the device (a stable sort: counted rows first; the targets and poisons with them), the
+first ``counted_prefix_rows`` of them go through the chunks above (each chunk's rows of E gathered, its tail
+logits computed per chunk, dC's product before dE's), and the chunks past them through Triton products that read each chunk's count and
+skip the row blocks (``_products.skip_block()`` rows) that hold no counted row:
+
+    past the prefix, per chunk (K its count of counted rows, K' = K rounded up to a row block):
+        S[:K', :V] = Ec[rows] @ C^T                       ``_products.logits_product``: whole V, no tail buffer
+        the row kernel on rows < K' (rows in [K, K') are ignored ones: their G is their poison)
+        dE32[:K'] = S @ C, rows past K' their poison      ``_products.grad_products`` (dE only)
+        (dC_hi, dC_lo) += S[:K']^T @ Ec[:K']              ``_pair_sums.pair_product`` bounded by K; tiles with no
+                                                          counted row leave the pair untouched
+    every chunk's dE rows are split into the pair at their original rows (``_pair_sums.split_rows_into``), and the
+    first chunk's dC product adds every row's poison (what eager's dC receives from the rows skipped).
+
+So a call that counts no more rows than the prefix pays launches past it, not products; one that counts more pays
+the Triton products' speed for them; the result is the same either way to within rounding.  Only where the
+gradients are 16-bit pairs of the products' dtype, without a bias gradient (:func:`row_skipping_ok`).
+
+NaN pattern: eager's softmax gradient of an ignored row is 0, or NaN in the whole row when its log-sum-exp is NaN
+(a non-finite value in that row of E, or anywhere in C / bias); ``EPoison`` (0 or NaN per row of E) plus
+``CPoison`` (0 or NaN: C and bias) reproduce it without reading the row.
 
 Memory (above the inputs, R the chunk rows, b the products' element size, g each gradient's own)
 ------
     the gradients as returned: 2 x (N + P) x D x g for 16-bit pairs, (N + P) x D x 4 for fp32 ones, fp32 dbias;
     the scratch R x P x b; N fp32 row losses; an fp32 R x D block for a 16-bit dE's rows; the tail buffer N x 64 x b
     (T > 0 only); converted operands where the products' dtype is not the inputs' (``compute_dtype``): (N + V) x D x b
-    for the call.  The backward adds nothing where Inductor compiles it (in place, above).
+    for the call; with rows compacted, N x 28 bytes of order, targets and poisons (the chunk's rows of E are
+    gathered into the fp32 dE rows' buffer, or an R x D x b one of their own where dE is not wanted).  The backward adds nothing where Inductor compiles it (in place, above).
 """
 
 from __future__ import annotations
@@ -77,7 +97,7 @@ import triton.language as tl
 
 from cce_inductor import _planning  # (absolute: this folder may also be imported as a top-level `kernels`)
 
-from . import _launch, _pair_sums, _targets
+from . import _launch, _pair_sums, _products, _targets
 from ._tile import round_bf16_rne, softmax_grad, tanh
 
 # One program streams one row in BLOCK_V columns; 16-byte vector loads of bf16 need BLOCK_V / (32 * num_warps) >= 8.
@@ -127,6 +147,7 @@ def _softmax_grad_in_place_kernel(
     CPoison,
     RowScale,
     RowLoss,
+    NumCounted,
     row0,
     V,
     split,
@@ -141,14 +162,20 @@ def _softmax_grad_in_place_kernel(
     LOGIT_SUM: tl.constexpr,
     ROUND_RNE: tl.constexpr,
     TAIL: tl.constexpr,
+    SKIP_BLOCK: tl.constexpr,
     BLOCK_V: tl.constexpr,
 ):
     """Row ``program_id(0)`` of the chunk that starts at row ``row0``: reads its logits from ``S`` (columns from
     ``split`` on from ``Tail[row0 + row]`` where ``TAIL``), writes its loss (unscaled, 0 if ignored) to
     ``RowLoss[row0 + row]`` and overwrites the row of ``S`` with its scaled softmax gradient, 0 in its padding
     columns up to ``stride_row`` (and the tail's columns of ``Tail`` with theirs).  ``RowScale``: a one-element fp32
-    device tensor (1 / #counted or 1), so the mean needs no host sync."""
+    device tensor (1 / #counted or 1), so the mean needs no host sync.  ``SKIP_BLOCK`` > 0 (rows compacted, counted
+    ones first): rows from ``NumCounted`` (the chunk's count, a device-side int32) rounded up to a multiple of it on
+    are not touched (the products skip them)."""
     row = tl.program_id(0)
+    if SKIP_BLOCK > 0:
+        if row >= tl.cdiv(tl.maximum(tl.load(NumCounted), 0), SKIP_BLOCK) * SKIP_BLOCK:
+            return
     row_ptr = S + row.to(tl.int64) * stride_row
     tail_ptr = Tail + (row0 + row).to(tl.int64) * stride_tail
     offs = tl.arange(0, BLOCK_V)
@@ -276,6 +303,20 @@ def _pair_sums_into(hi, lo, grad, e_rows, *, accumulate: bool, upcast: bool) -> 
         _pair_sums.split_pair(slab, hi[s0:s1], lo[s0:s1])
 
 
+def row_skipping_ok(e, c, *, compute_dtype, need_bias: bool) -> bool:
+    """Whether :func:`loss_and_grads` can skip ignored rows (``counted_prefix_rows``) for these operands: 16-bit
+    gradients in the products' dtype (the pairs; no conversion), no bias gradient (its column sums would read the
+    rows skipped), and rows the tensor-memory accelerator can read."""
+    return (
+        _sixteen_bit(e.dtype)
+        and c.dtype == e.dtype
+        and compute_dtype in (None, e.dtype)
+        and not need_bias
+        and _launch.tma_ok(c)
+        and (e.shape[1] * e.element_size()) % 16 == 0
+    )
+
+
 def loss_and_grads(
     e,
     c,
@@ -292,11 +333,16 @@ def loss_and_grads(
     need_c=True,
     need_bias=True,
     check_range=False,
+    counted_prefix_rows=None,
+    observe_counted=None,
 ) -> LossAndGrads:
     """Launch helper: :class:`LossAndGrads` of ``cross_entropy(softcap(e @ c.T + bias), targets)`` for reduction
     "mean" or "sum", ``chunk_rows`` rows at a time through one scratch of logits (module docstring).
     ``compute_dtype``: the dtype the products run in where it is not the inputs' (autocast: fp32 inputs, 16-bit
-    products; the gradients stay in the inputs' dtypes)."""
+    products; the gradients stay in the inputs' dtypes).  ``counted_prefix_rows`` (where :func:`row_skipping_ok`):
+    rows compacted (counted first), cuBLAS over that many of them, the row-skipping products past them (module
+    docstring); None: cuBLAS over every row.  ``observe_counted``: called with the device-side count of counted rows
+    and the rows (``cce_inductor/_counted_share.py``)."""
     if reduction not in ("mean", "sum"):
         raise ValueError(f"the balanced path computes reductions 'mean' and 'sum', got {reduction!r}")
     tune = _launch.tuning(_TUNING)
@@ -305,11 +351,17 @@ def loss_and_grads(
     device = e.device
     dtype = compute_dtype or e.dtype
     need_bias = need_bias and bias is not None
+    rows_per_chunk = max(1, min(chunk_rows, n))
+    compact = counted_prefix_rows is not None and counted_prefix_rows < n
+    if compact and not row_skipping_ok(e, c, compute_dtype=compute_dtype, need_bias=need_bias):
+        raise ValueError("cce_inductor: the balanced path cannot skip rows for these operands (row_skipping_ok)")
     targets = targets.contiguous()
     # row_scale: 1 / #counted (inf when no row counts; then every row is ignored: G = 0) or 1
     num_counted, row_scale = _targets.count_targets(
         targets, ignore_index, mean=reduction == "mean", check_vocab=v if check_range else None
     )
+    if observe_counted is not None:
+        observe_counted(num_counted, n)
 
     pitch = triton.cdiv(v, ROW_ALIGN) * ROW_ALIGN  # whatever V is, no product sees an odd leading dimension
     split = v - v % ROW_ALIGN  # the vocabulary's aligned part; its tail (fewer than 64 entries) goes apart (below)
@@ -318,73 +370,176 @@ def loss_and_grads(
     # dC's product runs over the padded scratch rows (pitch x D); rows past V are dropped
     grad_c, grad_c_lo = _gradient((pitch, d), c.dtype, device, c_pair) if need_c else (None, None)
     grad_bias = torch.zeros((v,), dtype=torch.float32, device=device) if need_bias else None
-    row_loss = torch.empty((n,), dtype=torch.float32, device=device)  # the kernel writes every row
-    rows_per_chunk = max(1, min(chunk_rows, n))
+    # the kernel writes every row it reads (skipped rows: none, so they start at 0)
+    row_loss = (torch.zeros if compact else torch.empty)((n,), dtype=torch.float32, device=device)
     if n == 0:
         for buffer in (grad_e, grad_e_lo, grad_c, grad_c_lo):
             if buffer is not None:
                 buffer.zero_()
     else:
-        # the operands in the products' dtype: converted once per call, freed with it (never held for the backward)
-        e_cd = e if e.dtype == dtype else e.to(dtype)
-        c_cd = c if c.dtype == dtype else c.to(dtype)
-        bias_cd = bias if bias is None or bias.dtype == dtype else bias.to(dtype)
-        # 16-bit operands, fp32 results: cuBLAS's out_dtype products; where there are none (the CPU interpreter)
-        # the operands are upcast
-        upcast = dtype != torch.float32 and not _launch.fp32_out_mm_available(device)
-        out_dtype = {"out_dtype": torch.float32} if dtype != torch.float32 and not upcast else {}
-        # eager's NaN pattern of ignored rows, computed once for every chunk (the row kernel adds the two)
-        zeros = torch.zeros(d, dtype=dtype, device=device)
-        e_poison, c_poison = _launch.nonfinite_rows(e_cd, zeros), _launch.weight_poison(c_cd, bias_cd, zeros)
-        c_mm = c_cd.float() if upcast else c_cd
-        e_mm = e_cd.float() if upcast else e_cd
-        scratch = torch.empty(rows_per_chunk * pitch, dtype=dtype, device=device)
-        chunk_logits = scratch.view(rows_per_chunk, pitch)
-        # a 16-bit dE is complete after its chunk: its fp32 rows are split into the pair there
-        de_rows32 = torch.empty((rows_per_chunk, d), dtype=torch.float32, device=device) if need_e and e_pair else None
-        c_t = c_cd[:split].T
-        tail = None
-        if split < v:
-            # the tail's logits of every row in one product (not one per chunk), in a buffer of aligned rows; the
-            # row kernel reads them there and overwrites them with their gradient
-            tail = torch.empty((n, ROW_ALIGN), dtype=dtype, device=device)
+        _chunks(
+            e, c, targets, bias, grad_e, grad_e_lo, grad_c, grad_c_lo, grad_bias, row_loss, row_scale,
+            softcap=softcap, ignore_index=ignore_index, label_smoothing=label_smoothing, dtype=dtype,
+            rows_per_chunk=rows_per_chunk, pitch=pitch, split=split, tune=tune,
+            counted_prefix_rows=counted_prefix_rows if compact else None,
+        )  # fmt: skip
+    if need_c:
+        grad_c = grad_c[:v]
+        grad_c_lo = grad_c_lo[:v] if grad_c_lo is not None else None
+    total = row_loss.sum()
+    loss = total / num_counted if reduction == "mean" else total  # 0 / 0 = NaN when every row is ignored, as eager
+    return LossAndGrads(loss, grad_e, grad_c, grad_bias, grad_e_lo, grad_c_lo)
+
+
+class _Compacted(NamedTuple):
+    """The rows in compacted order (counted ones first) and what the chunks past the counted prefix read: each
+    chunk's count relative to its first row (device int32), the rows' poison in that order."""
+
+    row_order: torch.Tensor
+    targets: torch.Tensor
+    e_poison: torch.Tensor
+    row_poison: torch.Tensor  # e_poison + the weight's poison: an ignored row's dE
+    chunk_counts: torch.Tensor  # (chunks past the prefix,) int32: #counted - first row of the chunk
+    dc_poison: torch.Tensor  # what eager's dC (and dbias) receive from every row: 0 or NaN
+    identity: torch.Tensor  # 0 .. rows_per_chunk - 1: the products' row order within a chunk (already compacted)
+
+    @classmethod
+    def of(cls, targets, ignore_index, e_poison, c_poison, prefix, n, rows_per_chunk):
+        row_order, count = _launch.compact_counted(targets != ignore_index)
+        e_poison = e_poison[row_order]
+        starts = torch.arange(prefix, n, rows_per_chunk, dtype=torch.int32, device=targets.device)
+        return cls(
+            row_order,
+            targets[row_order],
+            e_poison,
+            e_poison + c_poison,
+            count - starts,
+            e_poison.sum() + c_poison,
+            torch.arange(rows_per_chunk, dtype=torch.int64, device=targets.device),
+        )
+
+
+def _chunks(
+    e, c, targets, bias, grad_e, grad_e_lo, grad_c, grad_c_lo, grad_bias, row_loss, row_scale, *,
+    softcap, ignore_index, label_smoothing, dtype, rows_per_chunk, pitch, split, tune, counted_prefix_rows,
+):  # fmt: skip
+    """The row chunks of :func:`loss_and_grads` (module docstring), writing the gradients' buffers and ``row_loss``."""
+    n, d = e.shape
+    v = c.shape[0]
+    device = e.device
+    need_e, need_c, need_bias = grad_e is not None, grad_c is not None, grad_bias is not None
+    e_pair, c_pair = grad_e_lo is not None, _sixteen_bit(c.dtype)
+    # the operands in the products' dtype: converted once per call, freed with it (never held for the backward)
+    e_cd = e if e.dtype == dtype else e.to(dtype)
+    c_cd = c if c.dtype == dtype else c.to(dtype)
+    bias_cd = bias if bias is None or bias.dtype == dtype else bias.to(dtype)
+    # 16-bit operands, fp32 results: cuBLAS's out_dtype products; where there are none (the CPU interpreter)
+    # the operands are upcast
+    upcast = dtype != torch.float32 and not _launch.fp32_out_mm_available(device)
+    out_dtype = {"out_dtype": torch.float32} if dtype != torch.float32 and not upcast else {}
+    # eager's NaN pattern of ignored rows, computed once for every chunk (the row kernel adds the two)
+    zeros = torch.zeros(d, dtype=dtype, device=device)
+    e_poison, c_poison = _launch.nonfinite_rows(e_cd, zeros), _launch.weight_poison(c_cd, bias_cd, zeros)
+    compacted = None
+    if counted_prefix_rows is not None:
+        compacted = _Compacted.of(targets, ignore_index, e_poison, c_poison, counted_prefix_rows, n, rows_per_chunk)
+        targets, e_poison = compacted.targets, compacted.e_poison
+    c_mm = c_cd.float() if upcast else c_cd
+    e_mm = e_cd.float() if upcast else e_cd
+    scratch = torch.empty(rows_per_chunk * pitch, dtype=dtype, device=device)
+    chunk_logits = scratch.view(rows_per_chunk, pitch)
+    # a 16-bit dE is complete after its chunk: its fp32 rows are split into the pair there
+    de_rows32 = torch.empty((rows_per_chunk, d), dtype=torch.float32, device=device) if need_e and e_pair else None
+    if compacted is not None:
+        # the chunk's rows of E gathered in compacted order: in the first half of dE's fp32 rows, which are written
+        # only after dC's product has read them (below), so the gather costs no memory where dE is wanted
+        e_gathered = (
+            de_rows32.view(-1).view(dtype)[: rows_per_chunk * d].view(rows_per_chunk, d)
+            if de_rows32 is not None
+            else torch.empty((rows_per_chunk, d), dtype=dtype, device=device)
+        )
+    c_t = c_cd[:split].T
+    tail = None
+    if split < v:
+        # the tail's logits in a buffer of aligned rows (every row in one product, not one per chunk, unless the
+        # rows are compacted chunk by chunk); the row kernel reads them there and overwrites them with their gradient
+        tail = torch.empty((n, ROW_ALIGN), dtype=dtype, device=device)
+        if compacted is None:
             torch.mm(e_cd, c_cd[split:].T, out=tail[:, : v - split])
-        softcap_arg = float(softcap) if softcap is not None else 1.0
-        block_v = tune["short_row_block_v"] if v <= tune["short_row"] else tune["block_v"]
-        for r0 in range(0, n, rows_per_chunk):
-            rows = min(rows_per_chunk, n - r0)
-            padded = chunk_logits if rows == rows_per_chunk else chunk_logits[:rows]
+    softcap_arg = float(softcap) if softcap is not None else 1.0
+    block_v = tune["short_row_block_v"] if v <= tune["short_row"] else tune["block_v"]
+    prefix = n if counted_prefix_rows is None else counted_prefix_rows
+    starts = [*range(0, prefix, rows_per_chunk), *range(prefix, n, rows_per_chunk)]
+    for i, r0 in enumerate(starts):
+        rows = min(rows_per_chunk, (prefix if r0 < prefix else n) - r0)
+        padded = chunk_logits if rows == rows_per_chunk else chunk_logits[:rows]
+        # past the prefix: the count of this chunk's counted rows, which the row-skipping products read
+        count = compacted.chunk_counts[i - len(range(0, prefix, rows_per_chunk)) :][:1] if r0 >= prefix else None
+        if compacted is not None:
+            row_order = compacted.row_order[r0 : r0 + rows]
+            e_rows = torch.index_select(e_cd, 0, row_order, out=e_gathered[:rows])
+        else:
+            e_rows = e_cd[r0 : r0 + rows]
+        chunk_tail = tail is not None and count is None
+        if count is not None:  # every column at once (Triton has no alignment to keep): no tail buffer
+            _products.logits_product(padded[:, :v], e_rows, c_cd, count)
+        else:
             if split:  # rounded to the products' dtype, as torch.compile's matmul rounds them
-                torch.mm(e_cd[r0 : r0 + rows], c_t, out=padded[:, :split])
-            _softmax_grad_in_place_kernel[(rows,)](
+                torch.mm(e_rows, c_t, out=padded[:, :split])
+            if chunk_tail and compacted is not None:
+                torch.mm(e_rows, c_cd[split:].T, out=tail[r0 : r0 + rows, : v - split])
+        _softmax_grad_in_place_kernel[(rows,)](
+            padded,
+            tail if chunk_tail else padded,
+            bias_cd if bias_cd is not None else row_scale,
+            targets,
+            e_poison,
+            c_poison,
+            row_scale,
+            row_loss,
+            count if count is not None else row_scale,
+            r0,
+            v,
+            split if chunk_tail else v,
+            pitch,
+            ROW_ALIGN,
+            ignore_index,
+            softcap_arg,
+            1.0 - label_smoothing,
+            label_smoothing / v,
+            HAS_BIAS=bias is not None,
+            HAS_SOFTCAP=softcap is not None,
+            LOGIT_SUM=label_smoothing != 0.0,
+            ROUND_RNE=_launch.INTERPRET and dtype == torch.bfloat16,
+            TAIL=chunk_tail,
+            SKIP_BLOCK=_products.skip_block() if count is not None else 0,
+            BLOCK_V=block_v,
+            num_warps=tune["num_warps"],
+        )
+        grad = padded.float() if upcast and count is None else padded  # the scratch now holds G, 0 past V
+        if need_c and compacted is not None:  # summed over the counted rows; every row's poison once (before dE's
+            # product, which overwrites the gathered rows)
+            _pair_sums.pair_product(
+                grad_c,
+                grad_c_lo,
                 padded,
-                tail if tail is not None else padded,
-                bias_cd if bias_cd is not None else row_scale,
-                targets,
-                e_poison,
-                c_poison,
-                row_scale,
-                row_loss,
-                r0,
-                v,
-                split,
-                pitch,
-                ROW_ALIGN,
-                ignore_index,
-                softcap_arg,
-                1.0 - label_smoothing,
-                label_smoothing / v,
-                HAS_BIAS=bias is not None,
-                HAS_SOFTCAP=softcap is not None,
-                LOGIT_SUM=label_smoothing != 0.0,
-                ROUND_RNE=_launch.INTERPRET and dtype == torch.bfloat16,
-                TAIL=tail is not None,
-                BLOCK_V=block_v,
-                num_warps=tune["num_warps"],
+                e_rows,
+                accumulate=i > 0,
+                num_counted=count,
+                poison=compacted.dc_poison if i == 0 else None,
             )
-            grad = padded.float() if upcast else padded  # the scratch now holds G, 0 in its padding columns
-            if need_e:  # the chunk's rows of dE, whole: the aligned part of V, then the tail's
-                de_rows = de_rows32[:rows] if e_pair else grad_e[r0 : r0 + rows]
+        if need_e:  # the chunk's rows of dE, whole: the aligned part of V, then the tail's
+            de_rows = de_rows32[:rows] if e_pair else grad_e[r0 : r0 + rows]
+            if count is not None:  # the counted rows' row blocks; the others get their poison
+                _products.grad_products(
+                    padded[:, :v],
+                    count,
+                    c_chunk=c_cd,
+                    de32=de_rows,
+                    row_order=compacted.identity[:rows],
+                    row_poison=compacted.row_poison[r0 : r0 + rows],
+                )
+            else:
                 if split:
                     _launch.product_into(de_rows, grad[:, :split], c_mm[:split], accumulate=False, **out_dtype)
                 if tail is not None:
@@ -396,18 +551,14 @@ def loss_and_grads(
                         accumulate=split > 0,
                         **out_dtype,
                     )
-                if e_pair:
-                    _pair_sums.split_pair(de_rows, grad_e[r0 : r0 + rows], grad_e_lo[r0 : r0 + rows])
-            if need_c and c_pair:  # summed over the chunks as a 16-bit pair
-                _pair_sums_into(grad_c, grad_c_lo, padded, e_cd[r0 : r0 + rows], accumulate=r0 > 0, upcast=upcast)
-            elif need_c:  # an fp32 gradient: the fp32 sum is the gradient
-                _launch.product_into(grad_c, grad.T, e_mm[r0 : r0 + rows], accumulate=r0 > 0, **out_dtype)
-            if need_bias:
-                grad_bias += grad[:, :v].sum(dim=0, dtype=torch.float32)
-            del grad
-    if need_c:
-        grad_c = grad_c[:v]
-        grad_c_lo = grad_c_lo[:v] if grad_c_lo is not None else None
-    total = row_loss.sum()
-    loss = total / num_counted if reduction == "mean" else total  # 0 / 0 = NaN when every row is ignored, as eager
-    return LossAndGrads(loss, grad_e, grad_c, grad_bias, grad_e_lo, grad_c_lo)
+            if compacted is not None:
+                _pair_sums.split_rows_into(de_rows, grad_e, grad_e_lo, row_order)
+            elif e_pair:
+                _pair_sums.split_pair(de_rows, grad_e[r0 : r0 + rows], grad_e_lo[r0 : r0 + rows])
+        if need_c and compacted is None and c_pair:  # summed over the chunks as a 16-bit pair
+            _pair_sums_into(grad_c, grad_c_lo, padded, e_rows, accumulate=r0 > 0, upcast=upcast)
+        elif need_c and compacted is None:  # an fp32 gradient: the fp32 sum is the gradient
+            _launch.product_into(grad_c, grad.T, e_mm[r0 : r0 + rows], accumulate=r0 > 0, **out_dtype)
+        if need_bias:
+            grad_bias += grad[:, :v].sum(dim=0, dtype=torch.float32)
+        del grad

@@ -57,10 +57,14 @@ def _pair_product_kernel(
     b_desc,
     hi_desc,
     lo_desc,
+    NumCounted,
+    Poison,
     M,
     N,
     K,
     ACCUMULATE: tl.constexpr,
+    ROW_BOUND: tl.constexpr,
+    HAS_POISON: tl.constexpr,
     ROUND_RNE: tl.constexpr,
     UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
@@ -69,15 +73,24 @@ def _pair_product_kernel(
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
 ):
-    """``(hi, lo) (+)= A^T @ B`` for tile ``program_id(0)``: A is ``K x M`` (G of one row chunk), B ``K x N``; the
-    pair's tiles through the tensor-memory accelerator too (reads past an edge give 0, stores past it are dropped)."""
+    """``(hi, lo) (+)= A^T @ B (+ poison)`` for tile ``program_id(0)``: A is ``K x M`` (G of one row chunk), B
+    ``K x N``; the pair's tiles through the tensor-memory accelerator too (reads past an edge give 0, stores past it
+    are dropped).  ``ROW_BOUND``: only A's and B's first ``NumCounted`` rows (a device-side count, rounded up to
+    ``BLOCK_K``) are read; an accumulating tile with none leaves the pair as it is."""
     pid_m, pid_n = _grouped_tile(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
     m0, n0 = pid_m * BLOCK_M, pid_n * BLOCK_N
+    k_end = K
+    if ROW_BOUND:
+        k_end = tl.minimum(K, tl.load(NumCounted))
+        if ACCUMULATE and not HAS_POISON and k_end <= 0:
+            return
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in range(0, k_end, BLOCK_K):
         a = a_desc.load([k0, m0])
         b = b_desc.load([k0, n0])
         acc = dot(tl.trans(a), b, acc, UPCAST, DOT_PRECISION)
+    if HAS_POISON:
+        acc += tl.load(Poison)
     if ACCUMULATE:
         acc += hi_desc.load([m0, n0]).to(tl.float32)
         acc += lo_desc.load([m0, n0]).to(tl.float32)
@@ -87,10 +100,22 @@ def _pair_product_kernel(
     lo_desc.store([m0, n0], lo)
 
 
-def pair_product(hi: torch.Tensor, lo: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, accumulate: bool) -> None:
-    """Launch helper: ``(hi, lo) (+)= a^T @ b`` (module docstring).  ``a``: ``K x M``, ``b``: ``K x N``, both in one
-    16-bit or fp32 dtype; ``hi`` / ``lo``: ``M x N``, one 16-bit dtype; all four readable by the tensor-memory
-    accelerator (:func:`_launch.tma_ok`)."""
+def pair_product(
+    hi: torch.Tensor,
+    lo: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    *,
+    accumulate: bool,
+    num_counted: torch.Tensor | None = None,
+    poison: torch.Tensor | None = None,
+) -> None:
+    """Launch helper: ``(hi, lo) (+)= a^T @ b (+ poison)`` (module docstring).  ``a``: ``K x M``, ``b``: ``K x N``,
+    both in one 16-bit or fp32 dtype; ``hi`` / ``lo``: ``M x N``, one 16-bit dtype; all four readable by the
+    tensor-memory accelerator (:func:`_launch.tma_ok`).  ``num_counted`` (a 1-element int32 device tensor): only the
+    first that many rows of ``a`` and ``b`` (rounded up to the K step) are summed, and tiles with none are not touched
+    (compacted rows, ignored ones last).  ``poison``: a 0-dim fp32 device tensor added to every element (0, or NaN
+    where eager's gradient is NaN)."""
     k, m = a.shape
     n = b.shape[1]
     tune = dict(_launch.tuning(_TUNING))
@@ -102,10 +127,14 @@ def pair_product(hi: torch.Tensor, lo: torch.Tensor, a: torch.Tensor, b: torch.T
         _launch.descriptor(b, [bk, bn]),
         _launch.descriptor(hi, [bm, bn]),
         _launch.descriptor(lo, [bm, bn]),
+        num_counted if num_counted is not None else hi,
+        poison if poison is not None else hi,
         m,
         n,
         k,
         ACCUMULATE=accumulate,
+        ROW_BOUND=num_counted is not None,
+        HAS_POISON=poison is not None,
         ROUND_RNE=_launch.INTERPRET and hi.dtype == torch.bfloat16,
         UPCAST=_launch.upcast_dots(a.dtype),
         DOT_PRECISION=_launch.dot_precision(a.dtype),
@@ -119,3 +148,39 @@ def split_pair(x32: torch.Tensor, hi: torch.Tensor, lo: torch.Tensor) -> None:
     hi.copy_(x32)
     x32.sub_(hi)
     lo.copy_(x32)
+
+
+@triton.jit
+def _split_rows_kernel(X32, Hi, Lo, RowIndex, D, stride_x, stride_out, ROUND_RNE: tl.constexpr, BLOCK: tl.constexpr):
+    """Row ``program_id(0)`` of X32 split into the pair at row ``RowIndex[row]`` of hi / lo, ``BLOCK`` columns per
+    program ``program_id(1)``."""
+    row = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < D
+    x = tl.load(X32 + row.to(tl.int64) * stride_x + cols, mask=mask, other=0.0)
+    out_row = tl.load(RowIndex + row).to(tl.int64) * stride_out
+    hi = _round_rne(x, Hi.dtype.element_ty, ROUND_RNE)
+    lo = _round_rne(x - hi.to(tl.float32), Hi.dtype.element_ty, ROUND_RNE)
+    tl.store(Hi + out_row + cols, hi, mask=mask)
+    tl.store(Lo + out_row + cols, lo, mask=mask)
+
+
+def split_rows_into(x32: torch.Tensor, hi: torch.Tensor, lo: torch.Tensor, row_index: torch.Tensor) -> None:
+    """Launch helper: :func:`split_pair` of each row ``p`` of ``x32`` (fp32, rows x D) into row ``row_index[p]`` of
+    ``hi`` / ``lo`` (one 16-bit dtype, contiguous rows): a chunk's rows computed in compacted order put back."""
+    rows, d = x32.shape
+    if rows == 0:
+        return
+    block = 1024
+    _split_rows_kernel[(rows, triton.cdiv(d, block))](
+        x32,
+        hi,
+        lo,
+        row_index,
+        d,
+        x32.stride(0),
+        hi.stride(0),
+        ROUND_RNE=_launch.INTERPRET and hi.dtype == torch.bfloat16,
+        BLOCK=block if not _launch.INTERPRET else 64,
+        num_warps=4,
+    )

@@ -58,11 +58,16 @@ import triton
 import triton.language as tl
 
 from . import _launch
-from ._tile import dot
+from ._tile import dot, round_bf16_rne
 
 # Hopper; the interpreter's tiny blocks keep the CPU tests fast.
 _TUNING = {
     "gpu": dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=4),
+    "interpret": dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, GROUP_M=2, num_warps=4, num_stages=1),
+}
+# The logits product's tiles: BLOCK_M must be the products' (a row block is skipped or computed whole in both).
+_LOGITS_TUNING = {
+    "gpu": dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3),
     "interpret": dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, GROUP_M=2, num_warps=4, num_stages=1),
 }
 
@@ -244,6 +249,37 @@ def _grad_products_kernel(
             )
 
 
+@triton.jit
+def _logits_kernel(
+    e_desc,
+    c_desc,
+    s_desc,
+    NumCounted,
+    n_rows,
+    width,
+    D,
+    ROUND_RNE: tl.constexpr,
+    UPCAST: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+):
+    """``S[p, :width] = Ec[p] @ C[:width]^T`` rounded to S's dtype, for the row blocks reaching below K (tile
+    ``program_id(0)``; descriptors over Ec, C and S): the balanced path's logits over compacted rows."""
+    pid_m, pid_n = _grouped_tile(tl.program_id(0), tl.cdiv(n_rows, BLOCK_M), tl.cdiv(width, BLOCK_N), GROUP_M)
+    if pid_m * BLOCK_M < tl.load(NumCounted):
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, D, BLOCK_K):
+            a = e_desc.load([pid_m * BLOCK_M, k0])
+            b = c_desc.load([pid_n * BLOCK_N, k0])
+            acc = dot(a, tl.trans(b), acc, UPCAST, DOT_PRECISION)
+        if ROUND_RNE:
+            acc = round_bf16_rne(acc)
+        s_desc.store([pid_m * BLOCK_M, pid_n * BLOCK_N], acc.to(s_desc.dtype))
+
+
 def _launch_args(element_size: int):
     launch = dict(_launch.tuning(_TUNING))
     # fit_num_stages sizes one (rows x K) + (cols x K) operand pair per stage, the same bytes as here
@@ -322,3 +358,33 @@ def grad_products(
     )
     if has_c and out is not dc_chunk:
         dc_chunk.copy_(out)
+
+
+def skip_block() -> int:
+    """The row blocks these products skip or compute whole (their ``BLOCK_M``): rows past the count up to the next
+    multiple of it are read, so they must hold real data (an ignored row's G: its poison)."""
+    return _launch.tuning(_TUNING)["BLOCK_M"]
+
+
+def logits_product(out: torch.Tensor, e_compact: torch.Tensor, c: torch.Tensor, num_counted: torch.Tensor) -> None:
+    """Launch helper: ``out[p] = e_compact[p] @ c^T`` (rounded to ``out``'s dtype) for the row blocks of
+    :func:`skip_block` rows that hold a position below ``num_counted`` (a 1-element int32 device tensor, the count
+    relative to ``e_compact``'s first row); the other rows of ``out`` are left as they are.  ``out``: rows x width
+    (a view with aligned row pitch), ``c``: width x D; all three pass :func:`_launch.tma_ok`, one dtype."""
+    rows, width = out.shape
+    d = e_compact.shape[1]
+    launch = dict(_launch.tuning(_LOGITS_TUNING))
+    bm, bn, bk = launch["BLOCK_M"], launch["BLOCK_N"], launch["BLOCK_K"]
+    launch["num_stages"] = _launch.fit_num_stages(launch["num_stages"], bm, bn, bk, e_compact.element_size())
+    _logits_kernel[(triton.cdiv(rows, bm) * triton.cdiv(width, bn),)](
+        _launch.descriptor(e_compact, [bm, bk]),
+        _launch.descriptor(c, [bn, bk]),
+        _launch.descriptor(out, [bm, bn]),
+        num_counted,
+        rows,
+        width,
+        d,
+        ROUND_RNE=_launch.INTERPRET and out.dtype == torch.bfloat16,
+        **_dot_flags(e_compact.dtype),
+        **launch,
+    )

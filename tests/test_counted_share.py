@@ -169,6 +169,88 @@ def test_dispatch_passes_the_kernels_what_the_earlier_calls_counted(
     assert got["block_width"] == min(vocab, base * widen)
 
 
+@pytest.mark.parametrize(
+    "asked, seen, ok, prefix",
+    [
+        ("auto", None, True, None),  # the head's first call: every row
+        ("auto", _steady(AT_MOST + 0.01), True, None),  # nearly every row counts: nothing worth compacting
+        ("auto", _steady(0.5), True, 512),  # the low quantile's share in whole 128-row blocks
+        ("auto", _moving(0.5), True, 384),  # (0.5 - 0.15) x 1000 = 350 rows -> 384
+        ("auto", _steady(0.0), True, 0),  # every row ignored: the row-skipping products alone
+        ("auto", _steady(0.999), True, None),
+        ("cublas", _steady(0.1), True, None),  # forced: every row, whatever was seen
+        ("triton", None, True, 0),  # forced: the row-skipping products over every row
+        ("triton", None, False, None),  # operands the kernels cannot skip rows for
+        ("auto", _steady(0.5), False, None),
+    ],
+)
+def test_balanced_prefix_table(asked, seen, ok, prefix):
+    assert _counted_share.balanced_prefix(asked, seen, 1000, row_skipping_ok=ok) == prefix
+
+
+def test_balanced_prefix_deterministic_takes_every_row():
+    torch.use_deterministic_algorithms(True)
+    try:
+        assert _counted_share.balanced_prefix("auto", _steady(0.5), 1000, row_skipping_ok=True) is None
+    finally:
+        torch.use_deterministic_algorithms(False)
+
+
+@pytest.mark.parametrize(
+    "asked, shares, can_skip, prefix, counted",
+    [
+        ("auto", [], True, None, "every_row"),  # nothing seen: every row, and this call's count recorded
+        ("auto", [0.5] * 8, True, 128, "counted_prefix"),
+        ("auto", [0.5] * 8, False, None, "cannot_skip"),  # a bias gradient, autocast, fp32: said in stats()
+        ("auto", [1.0] * 8, False, None, "every_row"),  # nothing to skip: not a miss
+        ("cublas", [0.5] * 8, True, None, "every_row"),
+    ],
+)
+def test_dispatch_hands_the_balanced_kernels_the_counted_prefix(monkeypatch, asked, shares, can_skip, prefix, counted):
+    """``_dispatch.loss_and_grads`` with the kernels stubbed (CPU): the counted prefix it hands the balanced kernels
+    (the 20th percentile of the head's last shares, in 128-row blocks), whether it has the call's count recorded,
+    and what ``stats()['balanced_rows']`` counts."""
+    from types import SimpleNamespace
+
+    from cce_inductor import _dispatch
+
+    vocab = next(_fresh_vocab)
+    head = _counted_share.of_head(torch.device("cpu"), vocab, 16)
+    for s in shares:
+        head.observe(torch.tensor([round(256 * s)], dtype=torch.int32), 256)
+    got = {}
+
+    def loss_and_grads(*args, counted_prefix_rows, observe_counted, **kwargs):
+        got.update(prefix=counted_prefix_rows, observes=observe_counted is not None)
+        return (None,) * 6
+
+    kernels = SimpleNamespace(
+        balanced_row_skipping_ok=lambda e, c, compute_dtype, need_bias: can_skip, loss_and_grads=loss_and_grads
+    )
+    monkeypatch.setattr(_dispatch, "uses_kernels", lambda device, dtype: True)
+    monkeypatch.setattr(_dispatch, "triton_kernels", lambda: kernels)
+    cce_inductor.reset_stats()
+    e, c, t = torch.zeros(256, 16), torch.zeros(vocab, 16), torch.zeros(256, dtype=torch.long)
+    _dispatch.loss_and_grads(
+        e,
+        c,
+        t,
+        None,
+        softcap=None,
+        ignore_index=-100,
+        reduction="mean",
+        label_smoothing=0.0,
+        scratch_bytes=1 << 20,
+        need_e=True,
+        need_c=True,
+        need_bias=False,
+        products=asked,
+    )
+    assert got == {"prefix": prefix, "observes": asked == "auto"}
+    rows = cce_inductor.stats()["balanced_rows"]
+    assert rows == {kind: int(kind == counted) for kind in ("every_row", "counted_prefix", "cannot_skip")}, rows
+
+
 def test_one_record_per_head_shape():
     cpu = torch.device("cpu")
     first = _counted_share.of_head(cpu, 1001, 64)
@@ -267,3 +349,33 @@ def test_cuda_every_row_calls_take_cublas_and_teach_nothing():
         torch.cuda.synchronize()
     assert cce_inductor.stats()["backward_products"] == {"cublas": 1, "row_skipping": 1, "counted_prefix": 0}
     assert share.latest() == float((targets != -100).sum()) / 1024  # the second call's count, not the first's 1.0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_balanced_path_skips_rows_after_the_first_call():
+    """The balanced path with half the targets ignored: the first call multiplies every row; the next ones compact the
+    rows, cuBLAS over the counted prefix and the row-skipping products past it, with no host synchronisation, within
+    the products' summation order of the forced every-row call, and ``stats()`` counts them."""
+    vocab = 8192 + 320  # a head shape of its own
+    e, c, targets, _ = make_kernel_inputs(2048, vocab, 256, torch.bfloat16, "cuda", ignore_frac=0.5, bias=False)
+
+    def grads(products):
+        x, w = e.detach().requires_grad_(), c.detach().requires_grad_()
+        options = CCEOptions(path="balanced", products=products)
+        loss = cce_inductor.linear_cross_entropy(x, w, targets, options=options)
+        loss.backward()
+        return loss.detach(), x.grad, w.grad
+
+    every = grads("cublas")
+    cce_inductor.reset_stats()
+    grads("auto")
+    torch.cuda.synchronize()  # (the test's own wait: the op's read of the count never waits)
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        second = grads("auto")
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert cce_inductor.stats()["balanced_rows"] == {"every_row": 1, "counted_prefix": 1, "cannot_skip": 0}
+    for x, y in zip(second, every):
+        assert float((x.float() - y.float()).norm() / y.float().norm()) < 5e-3

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 import cce_inductor
 import cce_inductor.kernels as K
 from cce_inductor import CCEOptions
+from cce_inductor.kernels import _pair_sums, _products
 from tests.support.compare import rel_l2
 from tests.support.inputs import BALANCED, IGNORE, make_balanced_inputs
 from tests.support.kernels import DEVICES, HAS_CUDA, device_ok
@@ -245,6 +246,120 @@ def test_nonfinite_logits_in_counted_rows_match_eager(device):
         assert torch.isnan(got.loss) and torch.isnan(loss)
         assert torch.equal(torch.isnan(got.grad_e), torch.isnan(ge))
         assert torch.equal(torch.isnan(got.grad_c), torch.isnan(gc))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Ignored rows skipped: rows compacted, cuBLAS over a counted prefix, the row-skipping products past it
+# ----------------------------------------------------------------------------------------------------------------
+
+SKIP = _products.skip_block()
+
+
+def _ignore_share(t, share, seed=1):
+    gen = torch.Generator().manual_seed(seed)
+    t = t.clone()
+    t[torch.rand(t.shape[0], generator=gen) < share] = IGNORE
+    return t
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("ignored", [0.0, 0.5, 1.0])
+@pytest.mark.parametrize("prefix", [0, SKIP, 3 * SKIP], ids=lambda p: f"prefix{p}")
+@pytest.mark.parametrize("v, softcap, smoothing", [(70, None, 0.0), (130, 5.0, 0.1)])
+def test_row_skipping_matches_fp64_and_every_row(device, ignored, prefix, v, softcap, smoothing, monkeypatch):
+    """0%, 50% and 100% of the rows ignored, a counted prefix of none, one row block (shorter than the counted rows:
+    counted rows past it go through the row-skipping products) and three; V aligned or not, softcap and label
+    smoothing; several chunks: the loss and gradients meet ``test_kernels_match_fp64``'s bf16 bars against fp64,
+    agree with the every-row path to the order of their sums, and the row-skipping products ran past the prefix."""
+    device_ok(device)
+    n, d, rows = 100, 16, 2 * SKIP
+    e, c, t, _ = make_balanced_inputs(n, v, d, torch.bfloat16, device, ignore="none")
+    t = _ignore_share(t, ignored)
+    launched = []
+    original = _products.logits_product
+    monkeypatch.setattr(_products, "logits_product", lambda *a: launched.append(a[0].shape[0]) or original(*a))
+    kw = dict(softcap=softcap, ignore_index=IGNORE, reduction="mean", label_smoothing=smoothing, chunk_rows=rows)
+    got = K.loss_and_grads(e, c, t, None, counted_prefix_rows=prefix, need_bias=False, **kw)
+    every = K.loss_and_grads(e, c, t, None, need_bias=False, **kw)
+    assert len(launched) == len(range(prefix, n, rows))  # one launch per chunk past the prefix
+    if ignored == 1.0:
+        assert torch.isnan(got.loss) and not got.grad_e.any() and not got.grad_c.any()
+        return
+    loss, grads = reference(e, c, t, None, softcap=softcap, label_smoothing=smoothing)
+    _, eager = reference(
+        e, c, t, None, softcap=softcap, label_smoothing=smoothing, dtype=torch.bfloat16, logits_dtype=torch.bfloat16
+    )
+    assert abs(got.loss.item() - loss.item()) <= 1e-2 * abs(loss.item())
+    assert abs(got.loss.item() - every.loss.item()) <= 1e-6 * abs(every.loss.item())
+    for name, mine, theirs, want, rows_all in zip(("dE", "dC"), sums(got), eager, grads, sums(every)):
+        assert rel_l2(mine.to(torch.bfloat16), want) <= 1.1 * rel_l2(theirs, want), name
+        assert rel_l2(mine, rows_all) <= 2.0**-12, name  # the same roundings, summed in another order
+    assert not got.grad_e[t == IGNORE].any()  # ignored rows: dE 0, in their own rows
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("poisoned", ["ignored", "counted", "weight"])
+def test_row_skipping_keeps_eagers_nan_pattern(device, poisoned):
+    """A NaN in an ignored row of E (a row the products skip: eager's dE row and all of dC are NaN), in a counted one,
+    or in C: the NaN pattern of the gradients is eager's, and the loss's."""
+    device_ok(device)
+    e, c, t, _ = make_balanced_inputs(80, 70, 16, torch.bfloat16, device, ignore="none")
+    t = _ignore_share(t, 0.5)
+    where = (t == IGNORE).nonzero()[-1, 0] if poisoned == "ignored" else (t != IGNORE).nonzero()[0, 0]
+    if poisoned == "weight":
+        c[5, 2] = float("nan")
+    else:
+        e[where, 3] = float("nan")
+    got = K.loss_and_grads(
+        e, c, t, None, softcap=None, ignore_index=IGNORE, reduction="sum", chunk_rows=SKIP, counted_prefix_rows=SKIP
+    )
+    loss, (ge, gc, _) = reference(e, c, t, None, reduction="sum")
+    assert torch.isnan(got.loss) == torch.isnan(loss)
+    assert torch.equal(torch.isnan(sums(got)[0]), torch.isnan(ge))
+    assert torch.equal(torch.isnan(sums(got)[1]), torch.isnan(gc))
+
+
+def test_row_skipping_ok_and_refusal():
+    """Rows are skipped only where the gradients are 16-bit pairs of the products' dtype without a bias gradient; a
+    call that asks elsewhere is refused (the caller asks :func:`balanced_row_skipping_ok` first)."""
+    e, c, t, b = make_balanced_inputs(32, 64, 16, torch.bfloat16, bias=True)
+    ok = K.balanced_row_skipping_ok
+    assert ok(e, c, compute_dtype=None, need_bias=False)
+    assert not ok(e, c, compute_dtype=None, need_bias=True)
+    assert not ok(e.float(), c.float(), compute_dtype=None, need_bias=False)
+    assert not ok(e.float(), c.float(), compute_dtype=torch.bfloat16, need_bias=False)
+    assert not ok(e[:, :7], c[:, :7], compute_dtype=None, need_bias=False)  # 14-byte rows: no descriptor
+    with pytest.raises(ValueError, match="cannot skip rows"):
+        K.loss_and_grads(
+            e, c, t, b, softcap=None, ignore_index=IGNORE, reduction="mean", chunk_rows=16, counted_prefix_rows=0
+        )
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_row_skipping_products_leave_rows_past_the_count_alone(device):
+    """What makes skipped rows free: the logits product writes no row block past the count (a sentinel there stays),
+    and the pair product with no counted row leaves the pair bit for bit (its operands' rows past the count may be
+    garbage: NaN there reaches nothing)."""
+    device_ok(device)
+    gen = torch.Generator().manual_seed(0)
+    e = torch.randn(4 * SKIP, 16, generator=gen).bfloat16().to(device)
+    c = torch.randn(64, 16, generator=gen).bfloat16().to(device)
+    out = torch.full((4 * SKIP, 64), 7.0, dtype=torch.bfloat16, device=device)
+    count = torch.tensor([SKIP + 1], dtype=torch.int32, device=device)  # two row blocks computed
+    _products.logits_product(out, e, c, count)
+    torch.testing.assert_close(out[: 2 * SKIP].float(), (e[: 2 * SKIP].float() @ c.float().T), atol=0.05, rtol=0.02)
+    assert (out[2 * SKIP :] == 7.0).all()
+    hi, lo = torch.randn(64, 16, generator=gen).bfloat16().to(device), torch.zeros(64, 16, dtype=torch.bfloat16)
+    lo = lo.to(device)
+    before = hi.clone(), lo.clone()
+    g = torch.full((4 * SKIP, 64), float("nan"), dtype=torch.bfloat16, device=device)
+    none = torch.tensor([0], dtype=torch.int32, device=device)
+    _pair_sums.pair_product(hi, lo, g, e, accumulate=True, num_counted=none)
+    assert torch.equal(hi, before[0]) and torch.equal(lo, before[1])
+    g[:SKIP] = 0.5
+    _pair_sums.pair_product(hi, lo, g, e, accumulate=True, num_counted=torch.tensor([3], dtype=torch.int32).to(device))
+    want = before[0].float() + 0.5 * e[:SKIP].float().sum(0)  # the first block of rows, whole (rows 3.. are G too)
+    assert torch.isfinite(hi).all() and rel_l2(hi.float() + lo.float(), want.expand(64, 16)) < 1e-3
 
 
 # ----------------------------------------------------------------------------------------------------------------
