@@ -45,8 +45,8 @@ Data ("lm" regime): c Gaussian with unit-norm rows; each row of e a sum of 48 pl
 weights 14 - log(rank) drawn from a Zipf popularity; its target sampled from them; --ignore P sets P% of the
 targets (random rows) to -100. Seeded (--seed). --ignore-spread S: each timed call runs 8 target sets in turn whose
 ignored shares are spread over P +- S % (a batch whose prompt share moves from step to step), fwd+bwd_ms is its time
-over 8 (errors are those of the first set, at P %). The cce methods' rows carry stats()['backward_products'] (which
-products the calls took).
+over 8 (errors are those of the first set, at P %). The cce methods' rows carry stats()['backward_products'] and
+stats()['balanced_rows'] (which products the calls took).
 
 Columns (JSON lines in --out; the first line of each run is a header: device, torch / triton versions, date,
 command line, the methods' keywords, the peers found):
@@ -131,6 +131,7 @@ COLUMNS = (
     "error",
     "ignore_spread",
     "backward_products",
+    "balanced_rows",
 )
 
 
@@ -298,6 +299,7 @@ def measure(fn, e, c, t, args, dynamic, ref, is_cce, fwd, profile):
         r["fwdbwd_ms"] = C.bench(timed_step, dev, args.reps, grad_to_none=[e, c]) / len(variants)
         if is_cce:  # the lean backward's products per call, every call so far (cce_inductor/_counted_share.py)
             r["backward_products"] = cce_inductor.stats()["backward_products"]
+            r["balanced_rows"] = cce_inductor.stats()["balanced_rows"]
         if profile:
             e.grad = c.grad = None
             r["kernels"] = C.kernel_breakdown(timed_step, dev)  # (--ignore-spread: over all the target sets)
