@@ -57,9 +57,9 @@ second copy of them.
 Ignored rows: cuBLAS's products are sized on the host, and the count of counted rows lives on the device.  Where an
 earlier call of the head counted a share of its rows (``counted_prefix_rows``, ``cce_inductor/_counted_share.py``),
 the rows are compacted on the device (a stable sort: counted rows first; the targets and poisons with them), the
-first ``counted_prefix_rows`` of them go through the chunks above (each chunk's rows of E gathered, its tail
-logits computed per chunk, dC's product before dE's), and the chunks past them through Triton products that read each chunk's count and
-skip the row blocks (``_products.skip_block()`` rows) that hold no counted row:
+first ``counted_prefix_rows`` of them go through the chunks above (each chunk's rows of E gathered, its tail logits
+computed per chunk, dC's product before dE's), and the chunks past them through Triton products that read each
+chunk's count and skip the row blocks (``_products.skip_block()`` rows) that hold no counted row:
 
     past the prefix, per chunk (K its count of counted rows, K' = K rounded up to a row block):
         S[:K', :V] = Ec[rows] @ C^T                       ``_products.logits_product``: whole V, no tail buffer
@@ -84,7 +84,8 @@ Memory (above the inputs, R the chunk rows, b the products' element size, g each
     the scratch R x P x b; N fp32 row losses; an fp32 R x D block for a 16-bit dE's rows; the tail buffer N x 64 x b
     (T > 0 only); converted operands where the products' dtype is not the inputs' (``compute_dtype``): (N + V) x D x b
     for the call; with rows compacted, N x 28 bytes of order, targets and poisons (the chunk's rows of E are
-    gathered into the fp32 dE rows' buffer, or an R x D x b one of their own where dE is not wanted).  The backward adds nothing where Inductor compiles it (in place, above).
+    gathered into the fp32 dE rows' buffer, or an R x D x b one of their own where dE is not wanted).  The backward
+    adds nothing where Inductor compiles it (in place, above).
 """
 
 from __future__ import annotations
