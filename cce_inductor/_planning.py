@@ -31,6 +31,9 @@ LEAN_LAYOUT = {
 # multiple of this many elements: cuBLAS runs a 16-bit product several times slower when one of its dimensions is
 # not a multiple of 8 elements, whatever the leading dimensions.
 VOCAB_ALIGN = 64
+# Rows whose target rows of C the lean backward gathers and converts at a time where C is stored wider than the
+# products' dtype (autocast's fp32 head): a block of ``TARGET_ROW_BLOCK x D`` in each dtype, not all N rows at once.
+TARGET_ROW_BLOCK = 1024
 
 
 def lean_layout(interpret: bool | None = None) -> dict:

@@ -20,8 +20,9 @@ one call; ``benchmarks/`` compares it with measured peaks, ``tests/test_paths.py
                    such graphs the allocator holds three 16-bit logits-sized blocks, four with a softcap
                    (benchmarks/head_memory.py); for fp32 inputs b + 4 = 8 stays under three blocks' 12, so the
                    budget errs lean
-    lean           LB + R W b + N D 4 (dE's fp32 sums, none where dE is fp32) (+ N D b + W D b + N D (4 + b): E, one
-                   vocabulary chunk of C and C's target rows converted, under autocast; X alone in the forward)
+    lean           LB + R W b + N D 4 (dE's fp32 sums, none where dE is fp32) (+ N D b + W D b + T D (4 + b): E, one
+                   vocabulary chunk of C and a block of T = min(N, 1024) of C's target rows converted, under
+                   autocast; X alone in the forward)
                    (+ W D 4 where N > R, or on
                    calls that take the counted-prefix products: their fp32 dC sums, cce_inductor/_counted_share.py);
                    R = min(N, backward_row_chunk), W = min(V, 4096 * max(1, 8192 // N) * k) where R = N, else 4096 k;
@@ -196,11 +197,12 @@ def lean_peak(f: HeadFacts, backward_row_chunk: int = 8192, widen: int = 1, coun
     b = f.element_size
     dc_sums = width * f.hidden * 4 if f.rows > rows or counted_prefix else 0
     de_sums = f.rows * f.hidden * 4 if f.e_bytes != 4 else 0
-    # under autocast: E converted; of a wider-stored head one vocabulary chunk converted, and its target rows
-    # gathered and converted for the target logits (kernels/_row_chunks.py)
+    # under autocast: E converted; of a wider-stored head one vocabulary chunk converted, and one block of its target
+    # rows gathered and converted for the target logits (kernels/_row_chunks.py)
     converted = f.rows * f.hidden * b if f.e_bytes != b else 0
     if f.c_bytes != b:
-        converted += width * f.hidden * b + f.rows * f.hidden * (f.c_bytes + b)
+        target_rows = min(f.rows, _planning.TARGET_ROW_BLOCK)
+        converted += width * f.hidden * b + target_rows * f.hidden * (f.c_bytes + b)
     backward = gradient_bytes(f) + rows * width * b + de_sums + dc_sums + converted
     return max(backward, _converted_bytes(f))
 

@@ -9,8 +9,8 @@ Per row chunk of the (rows x vocabulary) plane (``_backward``'s module docstring
 * :func:`counted_prefix` and :class:`_PrefixTail`: with the counted-prefix products, how many compacted rows cuBLAS
   multiplies (an earlier call's counted share, in whole row blocks) and the row-skipping products past them, sized on
   the device by this call's counted rows beyond the prefix;
-* :func:`_target_logits`: every row's target logit, once per call (from the targets' rows of C alone where C is
-  stored in another dtype than the products');
+* :func:`_target_logits`: every row's target logit, once per call (from the targets' rows of C, a row block at a
+  time, where C is stored in another dtype than the products');
 * :func:`_uncompact_rows`: dE summed in compacted order, put back in row order at the end;
 * :func:`_block`: a ``rows x cols`` view at the start of a flat scratch (the G block; the last chunks are narrower).
 
@@ -23,6 +23,8 @@ import math
 from typing import NamedTuple
 
 import torch
+
+from cce_inductor import _planning  # (absolute: this folder may also be imported as a top-level `kernels`)
 
 from . import _forward, _launch, _products
 
@@ -122,23 +124,27 @@ class _PrefixTail(NamedTuple):
 
 def _target_logits(e, c, targets, bias, softcap, compute_dtype):
     """Every row's target logit, fp32 (0 where the target is outside ``[0, V)``); with ``compute_dtype`` (C and bias
-    stored wider than the products' dtype) from the targets' rows of C, converted: ``N x D``, not all of C."""
+    stored wider than the products' dtype) from the targets' rows of C, gathered and converted
+    ``_planning.TARGET_ROW_BLOCK`` rows at a time: not all of C, nor all N of its target rows at once."""
     if compute_dtype is None:
         return _forward.target_logits(e, c, targets, bias, softcap=softcap, ignore_index=_forward.EVERY_ROW)
-    v = c.shape[0]
+    v, n = c.shape[0], targets.shape[0]
     inside = (targets >= 0) & (targets < v)
     ids = torch.where(inside, targets, 0)
-    rows = c.index_select(0, ids).to(compute_dtype)
-    own = torch.arange(targets.shape[0], device=targets.device)
-    logit = _forward.target_logits(
-        e,
-        rows,
-        own,
-        None if bias is None else bias.index_select(0, ids),
-        softcap=softcap,
-        ignore_index=_forward.EVERY_ROW,
-    )
-    return torch.where(inside, logit, 0.0)
+    out = torch.empty((n,), dtype=torch.float32, device=e.device)
+    step = _planning.TARGET_ROW_BLOCK
+    own = torch.arange(min(n, step), device=targets.device)
+    for r0 in range(0, n, step):
+        block = ids[r0 : r0 + step]
+        out[r0 : r0 + step] = _forward.target_logits(
+            e[r0 : r0 + step],
+            c.index_select(0, block).to(compute_dtype),
+            own[: block.shape[0]],
+            None if bias is None else bias.index_select(0, block),
+            softcap=softcap,
+            ignore_index=_forward.EVERY_ROW,
+        )
+    return torch.where(inside, out, 0.0)
 
 
 def _uncompact_rows(out: torch.Tensor, compact32: torch.Tensor, row_order: torch.Tensor, step: int = 2048) -> None:

@@ -339,6 +339,30 @@ def test_products_read_only_the_g_positions_stored(device, need_bias, monkeypatc
                 assert rel(x, r) < 1e-5, (products, hint, widen, row_chunk)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_target_logits_of_a_wider_head_in_row_blocks(device, monkeypatch):
+    """Under autocast (an fp32 head, bf16 products) the target logits come from the targets' rows of C gathered and
+    converted a row block at a time (``_planning.TARGET_ROW_BLOCK``, here 7 rows): equal to converting the whole head
+    first, targets outside ``[0, V)`` (a vocabulary shard's) and the last short block included."""
+    device_ok(device)
+    from cce_inductor.kernels import _forward, _row_chunks
+
+    gen = torch.Generator().manual_seed(3)
+    e = torch.randn(30, 16, generator=gen).bfloat16().to(device)
+    c = torch.randn(50, 16, generator=gen).to(device)
+    bias = torch.randn(50, generator=gen).to(device)
+    targets = torch.randint(0, 50, (30,), generator=gen).to(device)
+    targets[[2, 9]] = torch.tensor([-1, 50], device=device)  # another shard's targets: logit 0
+    monkeypatch.setattr(_planning, "TARGET_ROW_BLOCK", 7)
+    got = _row_chunks._target_logits(e, c, targets, bias, 5.0, torch.bfloat16)
+    whole = _forward.target_logits(
+        e, c.bfloat16(), targets.clamp(0, 49), bias, softcap=5.0, ignore_index=_forward.EVERY_ROW
+    )
+    want = torch.where((targets >= 0) & (targets < 50), whole, 0.0)
+    assert got.shape == (30,) and got[2] == 0 and got[9] == 0
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
 def test_row_skipping_widen_and_block_width():
     """The row-skipping products' G block after calls that counted as little as ``hint`` of their rows:
     ``ceil(0.5 / hint)`` times wider (at least half a narrow block's counted entries), 1 to 4 times; only where the
