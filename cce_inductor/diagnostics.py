@@ -116,6 +116,7 @@ def stats(switch: tuple[str, str]) -> dict[str, Any]:
             reasons,
             sum(executions.values()),
             sum(site.path == "balanced" for site in sites),
+            balanced_rows["cannot_skip"],
         ),
     }
 
@@ -128,8 +129,14 @@ def _summary(
     reasons: collections.Counter,
     executions: int,
     balanced: int,
+    cannot_skip: int = 0,
 ) -> str:
     ran = f"the fused op ran {executions} times in this process"
+    if cannot_skip:
+        ran += (
+            f" ({cannot_skip} balanced calls multiplied ignored rows they could not skip: a bias gradient, autocast's "
+            "conversion or fp32 gradients; stats()['balanced_rows'])"
+        )
     if switch == "refused":  # CCE_INDUCTOR asked for the pass and could not get it: that comes first
         return f"the pass is {switch_line}; {_sites_line(graphs, rewritten, reasons, balanced)}; {ran}"
     if graphs == 0:

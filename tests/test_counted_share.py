@@ -247,8 +247,10 @@ def test_dispatch_hands_the_balanced_kernels_the_counted_prefix(monkeypatch, ask
         products=asked,
     )
     assert got == {"prefix": prefix, "observes": asked == "auto"}
-    rows = cce_inductor.stats()["balanced_rows"]
+    stats = cce_inductor.stats()
+    rows = stats["balanced_rows"]
     assert rows == {kind: int(kind == counted) for kind in ("every_row", "counted_prefix", "cannot_skip")}, rows
+    assert ("could not skip" in stats["summary"]) == (counted == "cannot_skip")
 
 
 def test_one_record_per_head_shape():
