@@ -49,8 +49,8 @@ _products = collections.Counter({"cublas": 0, "row_skipping": 0, "counted_prefix
 
 # The balanced path's row chunks per CUDA call (cce_inductor/_counted_share.py, balanced_prefix): cuBLAS over every
 # row as "auto" chose (or "cublas" asked), the counted prefix of the compacted rows with the row-skipping products
-# past it, or every row because the kernels cannot skip rows for these operands (a bias gradient, autocast's
-# conversion, fp32 gradients, rows the tensor-memory accelerator cannot read).
+# past it, or every row where the earlier calls' share would have skipped rows but the kernels cannot for these
+# operands (a bias gradient, autocast's conversion, fp32 gradients, rows the tensor-memory accelerator cannot read).
 _balanced_rows = collections.Counter({"every_row": 0, "counted_prefix": 0, "cannot_skip": 0})
 
 
