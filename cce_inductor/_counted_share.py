@@ -156,13 +156,13 @@ def products(asked: str, seen: Seen | None, *, row_skipping_ok: bool) -> str:
     return "counted_prefix" if seen.typical <= COUNTED_PREFIX_AT_MOST else "cublas"
 
 
-def balanced_prefix(asked: str, seen: Seen | None, rows: int, *, row_skipping_ok: bool) -> int | None:
+def balanced_prefix(asked: str, seen: Seen | None, rows: int) -> int | None:
     """The compacted rows the balanced path's cuBLAS products multiply (the rest by the row-skipping products), or
     None: every row by cuBLAS, uncompacted.  ``asked`` (``CCEOptions.products``): ``"cublas"`` None, ``"triton"`` 0;
     ``"auto"``: None without an earlier count, with deterministic algorithms or a median share above
     ``COUNTED_PREFIX_AT_MOST``, else the low quantile's share of ``rows`` in whole 128-row blocks (the module
-    docstring).  None wherever the kernels cannot skip rows (``row_skipping_ok``)."""
-    if not row_skipping_ok or asked == "cublas":
+    docstring).  Whether the kernels can skip rows for the operands is the caller's to ask."""
+    if asked == "cublas":
         return None
     if asked == "triton":
         return 0

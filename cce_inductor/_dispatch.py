@@ -149,6 +149,13 @@ def head_facts(
     )
 
 
+def in_compute_dtype(e: Tensor, c: Tensor, bias: Tensor | None, compute_dtype: torch.dtype | None):
+    """The operands in the products' dtype, converted for this call only (autocast's ``F.linear`` casts)."""
+    if compute_dtype is None:
+        return e, c, bias
+    return tuple(None if x is None else x.to(compute_dtype) for x in (e, c, bias))
+
+
 def check_target_range(e: Tensor, targets: Tensor, vocab: int, ignore_index: int) -> None:
     """Out-of-range targets fail as in eager (:func:`cce_inductor._checks.check_target_range`); where the kernels run,
     in one launch (``kernels._targets``, which also counts the rows for the balanced path) instead of eight."""
@@ -235,7 +242,7 @@ def backward(
     de_dtype, dc_dtype, db_dtype = e.dtype, c.dtype, None if bias is None else bias.dtype
     dtype = compute_dtype or e.dtype
     if compute_dtype is not None and not uses_kernels(e.device, dtype):
-        e, c, bias = (None if x is None else x.to(compute_dtype) for x in (e, c, bias))
+        e, c, bias = in_compute_dtype(e, c, bias, compute_dtype)
     elif compute_dtype is not None:
         e = e.to(compute_dtype)
     if uses_kernels(e.device, dtype) and e.shape[0] > 0:
@@ -348,7 +355,7 @@ def loss_and_grads(
     if uses_kernels(e.device, dtype):
         kernels = triton_kernels()
         share = _counted_share.of_head(e.device, c.shape[0], c.shape[1])
-        prefix = _counted_share.balanced_prefix(products, share.seen(), e.shape[0], row_skipping_ok=True)
+        prefix = _counted_share.balanced_prefix(products, share.seen(), e.shape[0])
         can_skip = kernels.balanced_row_skipping_ok(e, c, compute_dtype=compute_dtype, need_bias=need_bias)
         if prefix is not None and not can_skip:
             diagnostics.count_balanced_rows("cannot_skip")  # ignored rows multiplied where they would be skipped
@@ -378,7 +385,7 @@ def loss_and_grads(
     _checks.check_target_range(targets, c.shape[0], ignore_index)
     stored = (e.dtype, c.dtype)
     if compute_dtype is not None:  # autocast's casts, as F.linear makes them
-        e, c, bias = (None if x is None else x.to(compute_dtype) for x in (e, c, bias))
+        e, c, bias = in_compute_dtype(e, c, bias, compute_dtype)
     acc = _chunked.accumulation_dtype(e.dtype)
     lse, target_logit, logit_sum, _ = _chunked.forward(
         e, c, targets, bias, softcap=softcap, ignore_index=ignore_index, logit_sum=label_smoothing != 0.0

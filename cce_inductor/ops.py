@@ -113,7 +113,7 @@ def linear_cross_entropy_op(
     with torch.autocast(e.device.type, enabled=False):
         _checks.check_inputs(e, c, targets, bias, compute_dtype)
         _checks.check_class_weights(class_weights, c)
-        e, c, bias = _in_compute_dtype(e, c, bias, compute_dtype)
+        e, c, bias = _dispatch.in_compute_dtype(e, c, bias, compute_dtype)
         _dispatch.check_target_range(e, targets, c.shape[0], ignore_index)
         acc = _chunked.accumulation_dtype(e.dtype)
         argmax_out = torch.empty(e.shape[0] if argmax else 0, dtype=torch.int64, device=e.device)
@@ -166,13 +166,6 @@ def _(
         e.new_empty((n_rows if entropy else 0,), dtype=row_dtype),
         e.new_empty((n_rows if argmax else 0,), dtype=torch.int64),
     )
-
-
-def _in_compute_dtype(e: Tensor, c: Tensor, bias: Tensor | None, compute_dtype: torch.dtype | None):
-    """The operands in the products' dtype, converted for this call only (autocast's ``F.linear`` casts)."""
-    if compute_dtype is None:
-        return e, c, bias
-    return tuple(None if x is None else x.to(compute_dtype) for x in (e, c, bias))
 
 
 def lean_call(

@@ -41,9 +41,9 @@ own, or autocast's (``compute_dtype``; fp32 inputs are converted once per call, 
                    pass 2 reads it again and overwrites it with G (fp32 math, stored in the products' dtype):
                           S[:, :V] (0 in the padding columns up to P) and the tail's columns of Tail
                    ignored rows read nothing: pass 2 writes their G (0, or NaN for a non-finite row)
-        dE[rows]  = S[:, :A] @ C[:A] + Tail[rows] @ C[A:] cuBLAS, fp32 results: complete for these rows
         dC_P    (+)= S^T @ E[rows]                        over the padded rows, summed over the chunks; dC is the
                                                           first V rows of the P x D sum
+        dE[rows]  = S[:, :A] @ C[:A] + Tail[rows] @ C[A:] cuBLAS, fp32 results: complete for these rows
         dbias    += S[:, :V].sum(0)                       fp32
 
 Each gradient leaves in its input's dtype, rounded once: an fp32 gradient (fp32 inputs, autocast's fp32 weights) is
@@ -57,9 +57,10 @@ second copy of them.
 Ignored rows: cuBLAS's products are sized on the host, and the count of counted rows lives on the device.  Where an
 earlier call of the head counted a share of its rows (``counted_prefix_rows``, ``cce_inductor/_counted_share.py``),
 the rows are compacted on the device (a stable sort: counted rows first; the targets and poisons with them), the
-first ``counted_prefix_rows`` of them go through the chunks above (each chunk's rows of E gathered, its tail logits
-computed per chunk, dC's product before dE's), and the chunks past them through Triton products that read each
-chunk's count and skip the row blocks (``_products.skip_block()`` rows) that hold no counted row:
+first ``counted_prefix_rows`` of them go through the chunks above (each chunk's rows of E gathered into dE's fp32
+rows, which hold them until dC's product has read them; its tail logits computed per chunk), and the chunks past them
+through Triton products that read each chunk's count and skip the row blocks (``_products.skip_block()`` rows) that
+hold no counted row:
 
     past the prefix, per chunk (K its count of counted rows, K' = K rounded up to a row block):
         S[:K', :V] = Ec[rows] @ C^T                       ``_products.logits_product``: whole V, no tail buffer
@@ -286,12 +287,16 @@ def _gradient(shape, dtype, device, pair: bool):
     )
 
 
-def _pair_sums_into(hi, lo, grad, e_rows, *, accumulate: bool, upcast: bool) -> None:
-    """``(hi, lo) (+)= grad^T @ e_rows`` (``_pair_sums``): the Triton product where the tensor-memory accelerator
-    reads the operands, else in fp32 slabs of ``_FALLBACK_SLAB`` rows of the result."""
+def _pair_sums_into(hi, lo, grad, e_rows, *, accumulate: bool, upcast: bool, num_counted=None, poison=None) -> None:
+    """``(hi, lo) (+)= grad^T @ e_rows (+ poison)`` (``_pair_sums``): the Triton product where the tensor-memory
+    accelerator reads the operands, else in fp32 slabs of ``_FALLBACK_SLAB`` rows of the result.  ``num_counted`` /
+    ``poison`` (rows compacted, which :func:`row_skipping_ok` allows only for operands the accelerator reads): the
+    Triton product's device-side bound on the rows summed, and the poison it adds."""
     if _launch.tma_ok(grad, e_rows):
-        _pair_sums.pair_product(hi, lo, grad, e_rows, accumulate=accumulate)
+        _pair_sums.pair_product(hi, lo, grad, e_rows, accumulate=accumulate, num_counted=num_counted, poison=poison)
         return
+    if num_counted is not None or poison is not None:
+        raise ValueError("cce_inductor: a row-bounded pair sum needs operands the tensor-memory accelerator reads")
     a = grad.float() if upcast else grad
     b = e_rows.float() if upcast else e_rows
     out_dtype = {} if upcast or a.dtype == torch.float32 else {"out_dtype": torch.float32}
@@ -518,17 +523,21 @@ def _chunks(
             num_warps=tune["num_warps"],
         )
         grad = padded.float() if upcast and count is None else padded  # the scratch now holds G, 0 past V
-        if need_c and compacted is not None:  # summed over the counted rows; every row's poison once (before dE's
-            # product, which overwrites the gathered rows)
-            _pair_sums.pair_product(
+        # dC before dE: dE's product overwrites the gathered rows of E (compacted rows)
+        if need_c and c_pair:  # summed over the chunks as a 16-bit pair; compacted, every row's poison once
+            first_poison = compacted.dc_poison if compacted is not None and i == 0 else None
+            _pair_sums_into(
                 grad_c,
                 grad_c_lo,
                 padded,
                 e_rows,
                 accumulate=i > 0,
+                upcast=upcast,
                 num_counted=count,
-                poison=compacted.dc_poison if i == 0 else None,
+                poison=first_poison,
             )
+        elif need_c:  # an fp32 gradient: the fp32 sum is the gradient
+            _launch.product_into(grad_c, grad.T, e_mm[r0 : r0 + rows], accumulate=i > 0, **out_dtype)
         if need_e:  # the chunk's rows of dE, whole: the aligned part of V, then the tail's
             de_rows = de_rows32[:rows] if e_pair else grad_e[r0 : r0 + rows]
             if count is not None:  # the counted rows' row blocks; the others get their poison
@@ -556,10 +565,6 @@ def _chunks(
                 _pair_sums.split_rows_into(de_rows, grad_e, grad_e_lo, row_order)
             elif e_pair:
                 _pair_sums.split_pair(de_rows, grad_e[r0 : r0 + rows], grad_e_lo[r0 : r0 + rows])
-        if need_c and compacted is None and c_pair:  # summed over the chunks as a 16-bit pair
-            _pair_sums_into(grad_c, grad_c_lo, padded, e_rows, accumulate=r0 > 0, upcast=upcast)
-        elif need_c and compacted is None:  # an fp32 gradient: the fp32 sum is the gradient
-            _launch.product_into(grad_c, grad.T, e_mm[r0 : r0 + rows], accumulate=r0 > 0, **out_dtype)
         if need_bias:
             grad_bias += grad[:, :v].sum(dim=0, dtype=torch.float32)
         del grad

@@ -170,28 +170,26 @@ def test_dispatch_passes_the_kernels_what_the_earlier_calls_counted(
 
 
 @pytest.mark.parametrize(
-    "asked, seen, ok, prefix",
+    "asked, seen, prefix",
     [
-        ("auto", None, True, None),  # the head's first call: every row
-        ("auto", _steady(AT_MOST + 0.01), True, None),  # nearly every row counts: nothing worth compacting
-        ("auto", _steady(0.5), True, 512),  # the low quantile's share in whole 128-row blocks
-        ("auto", _moving(0.5), True, 384),  # (0.5 - 0.15) x 1000 = 350 rows -> 384
-        ("auto", _steady(0.0), True, 0),  # every row ignored: the row-skipping products alone
-        ("auto", _steady(0.999), True, None),
-        ("cublas", _steady(0.1), True, None),  # forced: every row, whatever was seen
-        ("triton", None, True, 0),  # forced: the row-skipping products over every row
-        ("triton", None, False, None),  # operands the kernels cannot skip rows for
-        ("auto", _steady(0.5), False, None),
+        ("auto", None, None),  # the head's first call: every row
+        ("auto", _steady(AT_MOST + 0.01), None),  # nearly every row counts: nothing worth compacting
+        ("auto", _steady(0.5), 512),  # the low quantile's share in whole 128-row blocks
+        ("auto", _moving(0.5), 384),  # (0.5 - 0.15) x 1000 = 350 rows -> 384
+        ("auto", _steady(0.0), 0),  # every row ignored: the row-skipping products alone
+        ("auto", _steady(0.999), None),
+        ("cublas", _steady(0.1), None),  # forced: every row, whatever was seen
+        ("triton", None, 0),  # forced: the row-skipping products over every row
     ],
 )
-def test_balanced_prefix_table(asked, seen, ok, prefix):
-    assert _counted_share.balanced_prefix(asked, seen, 1000, row_skipping_ok=ok) == prefix
+def test_balanced_prefix_table(asked, seen, prefix):
+    assert _counted_share.balanced_prefix(asked, seen, 1000) == prefix
 
 
 def test_balanced_prefix_deterministic_takes_every_row():
     torch.use_deterministic_algorithms(True)
     try:
-        assert _counted_share.balanced_prefix("auto", _steady(0.5), 1000, row_skipping_ok=True) is None
+        assert _counted_share.balanced_prefix("auto", _steady(0.5), 1000) is None
     finally:
         torch.use_deterministic_algorithms(False)
 
@@ -202,6 +200,7 @@ def test_balanced_prefix_deterministic_takes_every_row():
         ("auto", [], True, None, "every_row"),  # nothing seen: every row, and this call's count recorded
         ("auto", [0.5] * 8, True, 128, "counted_prefix"),
         ("auto", [0.5] * 8, False, None, "cannot_skip"),  # a bias gradient, autocast, fp32: said in stats()
+        ("triton", [], False, None, "cannot_skip"),  # forced, where the kernels cannot skip rows
         ("auto", [1.0] * 8, False, None, "every_row"),  # nothing to skip: not a miss
         ("cublas", [0.5] * 8, True, None, "every_row"),
     ],
