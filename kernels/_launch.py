@@ -47,12 +47,15 @@ def _cuda_sms(index: int) -> int:
 _PIPELINE_SMEM_BYTES = 200 * 1024
 
 
-def fit_num_stages(num_stages: int, block_rows: int, block_cols: int, block_d: int, element_size: int) -> int:
+def fit_num_stages(
+    num_stages: int, block_rows: int, block_cols: int, block_d: int, element_size: int, cols_element_size: int = 0
+) -> int:
     """``num_stages`` lowered until the operand buffers fit: a loop pipelined over ``num_stages`` keeps one pair
     of ``block_rows x block_d`` and ``block_cols x block_d`` tiles in shared memory per stage (fp32 128 x 256 x 64
     tiles at 3 stages ask for 3 x 98304 bytes, over Hopper's limit). fp32 inputs need twice what 16-bit ones do;
-    every 16-bit tuning here fits as it is."""
-    per_stage = (block_rows + block_cols) * block_d * element_size
+    every 16-bit tuning here fits as it is. ``cols_element_size``: the second tile's, where it differs (a head
+    stored in fp32, converted tile by tile)."""
+    per_stage = (block_rows * element_size + block_cols * (cols_element_size or element_size)) * block_d
     while num_stages > 2 and num_stages * per_stage > _PIPELINE_SMEM_BYTES:
         num_stages -= 1
     return num_stages
@@ -134,13 +137,18 @@ def nonfinite_rows(rows: torch.Tensor, zeros: torch.Tensor | None = None) -> tor
     return torch.mv(rows, zeros).float()
 
 
-def weight_poison(c: torch.Tensor, bias: torch.Tensor | None, zeros: torch.Tensor | None = None) -> torch.Tensor:
-    """0-dim: 0, or NaN when any of C / bias is not finite (then every logit row holds a NaN).  The rows of C are
-    summed in C's dtype (each is 0 or NaN), the bias in fp32 (a 16-bit sum of finite biases may overflow)."""
-    if zeros is None:
-        zeros = torch.zeros(c.shape[1], dtype=c.dtype, device=c.device)
-    poison = torch.mv(c, zeros).sum()
-    return poison if bias is None else poison + bias.float().sum() * 0.0
+def weight_poison(c: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """0-dim fp32: 0, or NaN when any of C / bias, converted to the products' ``dtype`` (default: C's), is not finite
+    (then every logit row holds a NaN).  C's largest magnitude (one reduction, no temporary) is converted as its
+    entries are (rounding is monotone: an entry overflows the products' dtype, as autocast converts a wider head, iff
+    the largest does; NaN propagates); the bias's entries are summed in fp32 (a 16-bit sum of finite ones may
+    overflow)."""
+    dtype = dtype or c.dtype
+    if c.numel() == 0:  # (no largest magnitude: nothing to poison)
+        poison = torch.zeros((), dtype=torch.float32, device=c.device)
+    else:
+        poison = torch.linalg.vector_norm(c, ord=float("inf")).to(dtype).float() * 0.0
+    return poison if bias is None else poison + bias.to(dtype).float().sum() * 0.0
 
 
 def tma_ok(*tensors: torch.Tensor) -> bool:

@@ -45,6 +45,9 @@ def test_pipeline_depth_fits_shared_memory():
     assert fit_num_stages(3, 128, 256, 64, 4) == 2
     assert fit_num_stages(4, 128, 128, 64, 4) == 3  # the Triton products' tiles in fp32: 3 x 64 KB
     assert fit_num_stages(2, 512, 512, 256, 4) == 2  # never below double buffering
+    # a 16-bit row tile beside an fp32 head's (converted tile by tile): 80 KB a stage, 48 KB
+    assert fit_num_stages(3, 128, 256, 64, 2, 4) == 2
+    assert fit_num_stages(4, 128, 128, 64, 2, 4) == 4
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
@@ -54,12 +57,34 @@ def test_poison_is_zero_for_finite_inputs_and_nan_for_any_nonfinite(dtype):
     bias = torch.full((50,), 60000.0).to(dtype)  # finite, but its fp16 sum is not: the bias is summed in fp32
     zeros = torch.zeros(8, dtype=dtype)
     assert _launch.weight_poison(c, None).item() == 0.0
-    assert _launch.weight_poison(c, bias, zeros).item() == 0.0
+    assert _launch.weight_poison(c, bias).item() == 0.0
     assert torch.equal(_launch.nonfinite_rows(e, zeros), torch.zeros(6))
     e[2, 3], c[7, 1] = float("inf"), float("nan")
     rows = _launch.nonfinite_rows(e, zeros)
     assert rows.dtype == torch.float32 and torch.isnan(rows[2]) and (rows[torch.arange(6) != 2] == 0).all()
     assert torch.isnan(_launch.weight_poison(c, None))
     c[7, 1] = 0.0
+    c[4, 0] = float("-inf")
+    assert torch.isnan(_launch.weight_poison(c, None))
+    c[4, 0] = 0.0
     bias[3] = float("-inf")
-    assert torch.isnan(_launch.weight_poison(c, bias, zeros))
+    assert torch.isnan(_launch.weight_poison(c, bias))
+    assert _launch.weight_poison(c[:0], None).item() == 0.0
+
+
+@pytest.mark.parametrize("products", [torch.float16, torch.bfloat16])
+def test_poison_of_a_wider_head_is_that_of_its_conversion(products):
+    """Autocast converts an fp32 head to the products' dtype: an entry finite in fp32 but past the products' range
+    becomes inf there, and eager's logits hold NaN / inf in every row."""
+    c = torch.randn(50, 8)
+    big = min(torch.finfo(products).max * 1.01, torch.finfo(torch.float32).max)  # finite in fp32, inf converted
+    bias = torch.zeros(50)
+    assert _launch.weight_poison(c, bias, products).item() == 0.0
+    c[9, 5] = -big
+    assert torch.isinf(c.to(products)).any()
+    assert _launch.weight_poison(c, None).item() == 0.0  # fp32 products: finite
+    assert torch.isnan(_launch.weight_poison(c, None, products))
+    c[9, 5] = 0.0
+    bias[1] = big
+    assert _launch.weight_poison(c, bias).item() == 0.0
+    assert torch.isnan(_launch.weight_poison(c, bias, products))
