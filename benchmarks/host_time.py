@@ -15,7 +15,8 @@ op's own checks and row losses) against the helpers themselves. ``--trace DIR`` 
 of 4 lean and 4 default steps. ``--shapes dynamic``: each compiled method is first called with N - 64 rows, so it is
 timed at N under automatic dynamic shapes (what a trainer whose lengths vary gets; the vocabulary grid's dynamic cells).
 
-Reproduce (CUDA):  python benchmarks/host_time.py [--n 4096 --d 768 --v 50257] [--shapes dynamic] [--out results.json]
+Reproduce (CUDA):  python benchmarks/host_time.py [--n 4096 --d 768 --v 50257] [--shapes dynamic] [--ignore 50]
+                   [--out results.json]
 CPU smoke run of the harness (the compiled methods only, on the chunked path):  python benchmarks/host_time.py --tiny
 Measured (an H200 host of the device pool, torch 2.11, Triton 3.6, 2026-11-25; engineering log v15): torch.compile
 1.03 ms host / 2.23 ms wall; the lean path through the pass 4.32 / 4.34 (host-bound), its kernels' launch helpers
@@ -93,6 +94,7 @@ def main():
         default="static",
         help="dynamic: each compiled method is first called with N - 64 rows (automatic dynamic shapes)",
     )
+    ap.add_argument("--ignore", type=float, default=0.0, help="%% of the targets set to -100 (at random)")
     ap.add_argument("--out", default=None, help="JSON results (default: print only)")
     ap.add_argument("--trace", default=None, help="directory for torch.profiler traces of the lean and default steps")
     ap.add_argument("--tiny", action="store_true", help="CPU smoke run: N 256, D 64, V 1001, compiled methods only")
@@ -102,6 +104,7 @@ def main():
     e = (torch.randn(n, d, device=dev) * 0.5).to(torch.bfloat16).requires_grad_()
     c = (torch.randn(v, d, device=dev) * 0.05).to(torch.bfloat16).requires_grad_()
     t = torch.randint(0, v, (n,), device=dev)
+    t[torch.rand(n, device=dev) < args.ignore / 100] = -100
 
     def train_step(fn, e=e, t=t):
         def step(marks=None):

@@ -36,14 +36,6 @@ VOCAB_ALIGN = 64
 TARGET_ROW_BLOCK = 1024
 
 
-
-def head_converted_per_tile(hidden: int, stored_bytes: int, products_bytes: int) -> bool:
-    """Whether the balanced path reads a head stored wider than the products' dtype (autocast's fp32 weights) as it is,
-    converting each tile inside its Triton logits and dE products, instead of a converted copy held for the call:
-    where the tensor-memory accelerator can read its rows and those of E's converted copy (16-byte row pitches; a
-    16-byte aligned base, which the kernels check at run time and the memory model takes for granted)."""
-    return stored_bytes > products_bytes and (hidden * stored_bytes) % 16 == 0 and (hidden * products_bytes) % 16 == 0
-
 def lean_layout(interpret: bool | None = None) -> dict:
     """The lean G block's layout constants where the kernels run (the interpreter's under ``TRITON_INTERPRET=1``)."""
     if interpret is None:

@@ -20,9 +20,10 @@ one call; ``benchmarks/`` compares it with measured peaks, ``tests/test_paths.py
                    such graphs the allocator holds three 16-bit logits-sized blocks, four with a softcap
                    (benchmarks/head_memory.py); for fp32 inputs b + 4 = 8 stays under three blocks' 12, so the
                    budget errs lean
-    lean           LB + R W b + N D 4 (dE's fp32 sums, none where dE is fp32) (+ N D b + W D b + T D (4 + b): E, one
-                   vocabulary chunk of C and a block of T = min(N, 1024) of C's target rows converted, under
-                   autocast; X alone in the forward)
+    lean           LB + R W b + N D 4 (dE's fp32 sums, none where dE is fp32) (+ N D b + W D b + max(N D b,
+                   T D (4 + b)) under autocast: E and one vocabulary chunk of C converted, and the larger of E's
+                   compacted rows (E converted) and a block of T = min(N, 1024) of C's target rows converted, which
+                   live one after the other; X alone in the forward)
                    (+ W D 4 where N > R, or on
                    calls that take the counted-prefix products: their fp32 dC sums, cce_inductor/_counted_share.py);
                    R = min(N, backward_row_chunk), W = min(V, 4096 * max(1, 8192 // N) * k) where R = N, else 4096 k;
@@ -190,20 +191,24 @@ def lean_peak(f: HeadFacts, backward_row_chunk: int = 8192, widen: int = 1, coun
     """The backward's: the gradients, one G block (``R x W``, R the row chunk, W :func:`lean_block_width`), dE in
     fp32 (the gradient itself where it is fp32) and, past one row chunk or with the ``counted_prefix`` products (their
     cuBLAS part's sums), one vocabulary chunk of dC in fp32 (``kernels/_backward.py``); under autocast E converted to
-    the products' dtype and one vocabulary chunk of C. Or the forward's, where more: under autocast the inputs'
-    converted copies, for the call."""
+    the products' dtype with its compacted copy, one vocabulary chunk of C and a block of C's target rows (module
+    docstring). Or the forward's, where more: under autocast the inputs' converted copies, for the call."""
     rows = min(f.rows, backward_row_chunk or f.rows)
     width = lean_block_width(f, backward_row_chunk, widen)
     b = f.element_size
     dc_sums = width * f.hidden * 4 if f.rows > rows or counted_prefix else 0
     de_sums = f.rows * f.hidden * 4 if f.e_bytes != 4 else 0
-    # under autocast: E converted; of a wider-stored head one vocabulary chunk converted, and one block of its target
-    # rows gathered and converted for the target logits (kernels/_row_chunks.py)
-    converted = f.rows * f.hidden * b if f.e_bytes != b else 0
-    if f.c_bytes != b:
-        target_rows = min(f.rows, _planning.TARGET_ROW_BLOCK)
-        converted += width * f.hidden * b + target_rows * f.hidden * (f.c_bytes + b)
-    backward = gradient_bytes(f) + rows * width * b + de_sums + dc_sums + converted
+    # under autocast: E converted, and (its dE being its fp32 sums, whose rows are never free) the compacted copy of
+    # its rows the products read in a buffer of its own; of a wider-stored head one vocabulary chunk converted, and
+    # one block of its target rows gathered and converted for the target logits, freed before the compacted copy is
+    # made (kernels/_backward.py, kernels/_row_chunks.py)
+    e_converted = compacted = f.rows * f.hidden * b if f.e_bytes != b else 0
+    wider_c = f.c_bytes != b
+    c_chunk = width * f.hidden * b if wider_c else 0
+    target_rows = min(f.rows, _planning.TARGET_ROW_BLOCK) * f.hidden * (f.c_bytes + b) if wider_c else 0
+    backward = (
+        gradient_bytes(f) + rows * width * b + de_sums + dc_sums + e_converted + c_chunk + max(compacted, target_rows)
+    )
     return max(backward, _converted_bytes(f))
 
 

@@ -309,13 +309,6 @@ def _pair_sums_into(hi, lo, grad, e_rows, *, accumulate: bool, upcast: bool, num
         _pair_sums.split_pair(slab, hi[s0:s1], lo[s0:s1])
 
 
-def converts_head_per_tile(c, dtype: torch.dtype) -> bool:
-    """Whether :func:`loss_and_grads` reads a head stored wider than the products' ``dtype`` (autocast's fp32 weights)
-    as it is, each tile converted inside the Triton logits and dE products (``_planning.head_converted_per_tile``;
-    the base's alignment checked here), instead of a converted copy of the whole head held for the call."""
-    return _planning.head_converted_per_tile(c.shape[1], c.element_size(), dtype.itemsize) and _launch.tma_ok(c)
-
-
 def row_skipping_ok(e, c, *, compute_dtype, need_bias: bool) -> bool:
     """Whether :func:`loss_and_grads` can skip ignored rows (``counted_prefix_rows``) for these operands: 16-bit
     gradients in the products' dtype (the pairs; no conversion), no bias gradient (its column sums would read the
@@ -442,18 +435,16 @@ def _chunks(
     device = e.device
     need_e, need_c, need_bias = grad_e is not None, grad_c is not None, grad_bias is not None
     e_pair, c_pair = grad_e_lo is not None, _sixteen_bit(c.dtype)
-    # the operands in the products' dtype: converted once per call, freed with it (never held for the backward); a
-    # wider head converted tile by tile instead, where the Triton products read it (module docstring)
-    per_tile = converts_head_per_tile(c, dtype)
+    # the operands in the products' dtype: converted once per call, freed with it (never held for the backward)
     e_cd = e if e.dtype == dtype else e.to(dtype)
-    c_cd = c if c.dtype == dtype or per_tile else c.to(dtype)
+    c_cd = c if c.dtype == dtype else c.to(dtype)
     bias_cd = bias if bias is None or bias.dtype == dtype else bias.to(dtype)
     # 16-bit operands, fp32 results: cuBLAS's out_dtype products; where there are none (the CPU interpreter)
     # the operands are upcast
     upcast = dtype != torch.float32 and not _launch.fp32_out_mm_available(device)
     out_dtype = {"out_dtype": torch.float32} if dtype != torch.float32 and not upcast else {}
     # eager's NaN pattern of ignored rows, computed once for every chunk (the row kernel adds the two)
-    e_poison, c_poison = _launch.nonfinite_rows(e_cd), _launch.weight_poison(c, bias, dtype)
+    e_poison, c_poison = _launch.nonfinite_rows(e_cd), _launch.weight_poison(c_cd, bias_cd)
     compacted = None
     if counted_prefix_rows is not None:
         compacted = _Compacted.of(targets, ignore_index, e_poison, c_poison, counted_prefix_rows, n, rows_per_chunk)
@@ -472,13 +463,9 @@ def _chunks(
             if de_rows32 is not None
             else torch.empty((rows_per_chunk, d), dtype=dtype, device=device)
         )
-    if per_tile:
-        # every row of every chunk through the Triton products, which read the whole V (no tail buffer)
-        every_row = torch.full((1,), rows_per_chunk, dtype=torch.int32, device=device)
-        identity = torch.arange(rows_per_chunk, dtype=torch.int64, device=device)
     c_t = c_cd[:split].T
     tail = None
-    if split < v and not per_tile:
+    if split < v:
         # the tail's logits in a buffer of aligned rows (every row in one product, not one per chunk, unless the
         # rows are compacted chunk by chunk); the row kernel reads them there and overwrites them with their gradient
         tail = torch.empty((n, ROW_ALIGN), dtype=dtype, device=device)
@@ -499,8 +486,8 @@ def _chunks(
         else:
             e_rows = e_cd[r0 : r0 + rows]
         chunk_tail = tail is not None and count is None
-        if count is not None or per_tile:  # every column at once (Triton has no alignment to keep): no tail buffer
-            _products.logits_product(padded[:, :v], e_rows, c_cd, every_row if per_tile else count)
+        if count is not None:  # every column at once (Triton has no alignment to keep): no tail buffer
+            _products.logits_product(padded[:, :v], e_rows, c_cd, count)
         else:
             if split:  # rounded to the products' dtype, as torch.compile's matmul rounds them
                 torch.mm(e_rows, c_t, out=padded[:, :split])
@@ -560,10 +547,6 @@ def _chunks(
                     de32=de_rows,
                     row_order=compacted.identity[:rows],
                     row_poison=compacted.row_poison[r0 : r0 + rows],
-                )
-            elif per_tile:  # every row block (the poison is never read)
-                _products.grad_products(
-                    padded[:, :v], every_row, c_chunk=c, de32=de_rows, row_order=identity[:rows], row_poison=e_poison
                 )
             else:
                 if split:

@@ -47,15 +47,12 @@ def _cuda_sms(index: int) -> int:
 _PIPELINE_SMEM_BYTES = 200 * 1024
 
 
-def fit_num_stages(
-    num_stages: int, block_rows: int, block_cols: int, block_d: int, element_size: int, cols_element_size: int = 0
-) -> int:
+def fit_num_stages(num_stages: int, block_rows: int, block_cols: int, block_d: int, element_size: int) -> int:
     """``num_stages`` lowered until the operand buffers fit: a loop pipelined over ``num_stages`` keeps one pair
     of ``block_rows x block_d`` and ``block_cols x block_d`` tiles in shared memory per stage (fp32 128 x 256 x 64
     tiles at 3 stages ask for 3 x 98304 bytes, over Hopper's limit). fp32 inputs need twice what 16-bit ones do;
-    every 16-bit tuning here fits as it is. ``cols_element_size``: the second tile's, where it differs (a head
-    stored in fp32, converted tile by tile)."""
-    per_stage = (block_rows * element_size + block_cols * (cols_element_size or element_size)) * block_d
+    every 16-bit tuning here fits as it is."""
+    per_stage = (block_rows + block_cols) * block_d * element_size
     while num_stages > 2 and num_stages * per_stage > _PIPELINE_SMEM_BYTES:
         num_stages -= 1
     return num_stages

@@ -58,7 +58,7 @@ import triton
 import triton.language as tl
 
 from . import _launch
-from ._tile import dot, narrow, round_bf16_rne
+from ._tile import dot, round_bf16_rne
 
 # Hopper; the interpreter's tiny blocks keep the CPU tests fast.
 _TUNING = {
@@ -99,15 +99,12 @@ def _grad_e_tile(
     ACCUMULATE: tl.constexpr,
     UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
-    ROUND_RNE: tl.constexpr,
-    HEAD_AS_A: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
 ):
-    """``DE[row_order[p]] (+)= G[p] @ C[chunk]`` for tile ``pid`` (descriptors over G and the C chunk; a wider C's
-    tiles converted to G's dtype, :func:`_tile.narrow`)."""
+    """``DE[row_order[p]] (+)= G[p] @ C[chunk]`` for tile ``pid`` (descriptors over G and the C chunk)."""
     pid_m, pid_n = _grouped_tile(pid, tl.cdiv(n_rows, BLOCK_M), tl.cdiv(D, BLOCK_N), GROUP_M)
     pos = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     in_chunk = pos < n_rows
@@ -120,19 +117,11 @@ def _grad_e_tile(
             poison = tl.load(RowPoison + rows, mask=in_chunk, other=0.0)
             tl.store(out_ptrs, poison[:, None] + tl.zeros((BLOCK_M, BLOCK_N), tl.float32), mask=out_mask)
     else:
-        if HEAD_AS_A:
-            acc_t = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-            for k0 in range(0, width, BLOCK_K):
-                a = g_desc.load([pid_m * BLOCK_M, k0])
-                b = narrow(c_desc.load([k0, pid_n * BLOCK_N]), a.dtype, ROUND_RNE)
-                acc_t = dot(tl.trans(b), tl.trans(a), acc_t, UPCAST, DOT_PRECISION)
-            acc = tl.trans(acc_t)
-        else:
-            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            for k0 in range(0, width, BLOCK_K):
-                a = g_desc.load([pid_m * BLOCK_M, k0])
-                b = narrow(c_desc.load([k0, pid_n * BLOCK_N]), a.dtype, ROUND_RNE)
-                acc = dot(a, b, acc, UPCAST, DOT_PRECISION)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, width, BLOCK_K):
+            a = g_desc.load([pid_m * BLOCK_M, k0])
+            b = c_desc.load([k0, pid_n * BLOCK_N])
+            acc = dot(a, b, acc, UPCAST, DOT_PRECISION)
         if ACCUMULATE:
             acc += tl.load(out_ptrs, mask=out_mask, other=0.0)
         tl.store(out_ptrs, acc, mask=out_mask)
@@ -205,8 +194,6 @@ def _grad_products_kernel(
     ACCUMULATE_C: tl.constexpr,
     UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
-    ROUND_RNE: tl.constexpr,
-    HEAD_AS_A: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -233,8 +220,6 @@ def _grad_products_kernel(
                 ACCUMULATE_E,
                 UPCAST,
                 DOT_PRECISION,
-                ROUND_RNE,
-                HEAD_AS_A,
                 BLOCK_M,
                 BLOCK_N,
                 BLOCK_K,
@@ -276,59 +261,36 @@ def _logits_kernel(
     ROUND_RNE: tl.constexpr,
     UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
-    HEAD_AS_A: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
 ):
     """``S[p, :width] = Ec[p] @ C[:width]^T`` rounded to S's dtype, for the row blocks reaching below K (tile
-    ``program_id(0)``; descriptors over Ec, C and S; a wider C's tiles converted to Ec's dtype,
-    :func:`_tile.narrow`): the balanced path's logits over compacted rows, or over every row of a chunk whose head
-    is converted tile by tile."""
+    ``program_id(0)``; descriptors over Ec, C and S): the balanced path's logits over compacted rows."""
     pid_m, pid_n = _grouped_tile(tl.program_id(0), tl.cdiv(n_rows, BLOCK_M), tl.cdiv(width, BLOCK_N), GROUP_M)
     if pid_m * BLOCK_M < tl.load(NumCounted):
-        if HEAD_AS_A:
-            acc_t = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-            for k0 in range(0, D, BLOCK_K):
-                a = e_desc.load([pid_m * BLOCK_M, k0])
-                b = narrow(c_desc.load([pid_n * BLOCK_N, k0]), a.dtype, ROUND_RNE)
-                acc_t = dot(b, tl.trans(a), acc_t, UPCAST, DOT_PRECISION)
-            acc = tl.trans(acc_t)
-        else:
-            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            for k0 in range(0, D, BLOCK_K):
-                a = e_desc.load([pid_m * BLOCK_M, k0])
-                b = narrow(c_desc.load([pid_n * BLOCK_N, k0]), a.dtype, ROUND_RNE)
-                acc = dot(a, tl.trans(b), acc, UPCAST, DOT_PRECISION)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, D, BLOCK_K):
+            a = e_desc.load([pid_m * BLOCK_M, k0])
+            b = c_desc.load([pid_n * BLOCK_N, k0])
+            acc = dot(a, tl.trans(b), acc, UPCAST, DOT_PRECISION)
         if ROUND_RNE:
             acc = round_bf16_rne(acc)
         s_desc.store([pid_m * BLOCK_M, pid_n * BLOCK_N], acc.to(s_desc.dtype))
 
 
-# (experiment) the converted head's tile as the A operand, from registers
-_HEAD_AS_A = False
-
-
-def _launch_args(element_size: int, head_element_size: int, tuning: dict = _TUNING):
-    """The tuning's launch arguments, its pipeline depth fitted to the operand tiles: one (rows x K) tile of the
-    products' dtype and one (cols x K) tile of the head's as stored per stage, the same bytes as here."""
-    launch = dict(_launch.tuning(tuning))
+def _launch_args(element_size: int):
+    launch = dict(_launch.tuning(_TUNING))
+    # fit_num_stages sizes one (rows x K) + (cols x K) operand pair per stage, the same bytes as here
     launch["num_stages"] = _launch.fit_num_stages(
-        launch["num_stages"], launch["BLOCK_M"], launch["BLOCK_N"], launch["BLOCK_K"], element_size, head_element_size
+        launch["num_stages"], launch["BLOCK_M"], launch["BLOCK_N"], launch["BLOCK_K"], element_size
     )
     return launch
 
 
 def _dot_flags(dtype: torch.dtype):
-    """The dot's flags for products in ``dtype``, and whether a wider head's tiles are rounded by hand
-    (:func:`_tile.narrow`)."""
-    return dict(
-        UPCAST=_launch.upcast_dots(dtype),
-        DOT_PRECISION=_launch.dot_precision(dtype),
-        ROUND_RNE=_launch.INTERPRET and dtype == torch.bfloat16,
-        HEAD_AS_A=_HEAD_AS_A,
-    )
+    return dict(UPCAST=_launch.upcast_dots(dtype), DOT_PRECISION=_launch.dot_precision(dtype))
 
 
 def grad_products(
@@ -359,7 +321,7 @@ def grad_products(
     if not (has_e or has_c):
         return
     d = (c_chunk if has_e else e_compact).shape[1]
-    launch = _launch_args(grad.element_size(), c_chunk.element_size() if has_e else grad.element_size())
+    launch = _launch_args(grad.element_size())
     bm, bn, bk = launch["BLOCK_M"], launch["BLOCK_N"], launch["BLOCK_K"]
     e_tiles = triton.cdiv(rows, bm) * triton.cdiv(d, bn) if has_e else 0
     c_tiles = triton.cdiv(width, bm) * triton.cdiv(d, bn) if has_c else 0
@@ -411,8 +373,9 @@ def logits_product(out: torch.Tensor, e_compact: torch.Tensor, c: torch.Tensor, 
     (a view with aligned row pitch), ``c``: width x D; all three pass :func:`_launch.tma_ok`, one dtype."""
     rows, width = out.shape
     d = e_compact.shape[1]
-    launch = _launch_args(e_compact.element_size(), c.element_size(), _LOGITS_TUNING)
+    launch = dict(_launch.tuning(_LOGITS_TUNING))
     bm, bn, bk = launch["BLOCK_M"], launch["BLOCK_N"], launch["BLOCK_K"]
+    launch["num_stages"] = _launch.fit_num_stages(launch["num_stages"], bm, bn, bk, e_compact.element_size())
     _logits_kernel[(triton.cdiv(rows, bm) * triton.cdiv(width, bn),)](
         _launch.descriptor(e_compact, [bm, bk]),
         _launch.descriptor(c, [bn, bk]),
@@ -421,6 +384,7 @@ def logits_product(out: torch.Tensor, e_compact: torch.Tensor, c: torch.Tensor, 
         rows,
         width,
         d,
+        ROUND_RNE=_launch.INTERPRET and out.dtype == torch.bfloat16,
         **_dot_flags(e_compact.dtype),
         **launch,
     )

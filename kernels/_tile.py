@@ -51,18 +51,6 @@ def round_to_tf32(x):
 
 
 @triton.jit
-def narrow(x, dtype: tl.constexpr, ROUND_RNE: tl.constexpr):
-    """An operand tile in the products' ``dtype``: a wider-stored head's tile (fp32 weights under autocast) rounded to
-    nearest, as autocast's own conversion rounds it; a tile already in ``dtype`` as it is. ``ROUND_RNE``: the
-    interpreter, whose fp32 -> bf16 cast truncates (:func:`round_bf16_rne`)."""
-    if x.dtype != dtype:
-        if ROUND_RNE:
-            x = round_bf16_rne(x)
-        x = x.to(dtype)
-    return x
-
-
-@triton.jit
 def dot(a, b, acc, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """``acc + a @ b`` in fp32 for every kernel here. ``DOT_PRECISION`` as ``_launch.dot_precision`` gives it:
     "tf32_rn" rounds fp32 operands to the nearest TF32 value first and multiplies in TF32 (``tl.dot``'s "tf32"

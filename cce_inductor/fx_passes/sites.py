@@ -283,8 +283,15 @@ def choose_path(site: Site, options: CCEOptions, *, per_row_outputs: bool = Fals
     size it was traced with). What requires grad is known here: Dynamo traced the graph with it, and guards on it (the
     loss itself: a head computed with grad whose loss is taken under no_grad needs no gradient). Logits the graph
     returns (``site.escaping``) count in torch.compile's estimated peak: it must materialise them, the rewrite
-    returns them lazily or drops them."""
+    returns them lazily or drops them. Operands stored wider than the logits (autocast's fp32 hidden states or head)
+    reach the op as stored (:func:`replace_site`): their gradients, and the op's converted copies, count at their
+    widths, as the op counts them when it sizes its scratch at run time."""
     logits, hidden = example_value(site.chain[-1]), example_value(site.hidden)
+    stored = (
+        paths.storage_facts(hidden.dtype, example_value(site.weight).dtype, site.compute_dtype)
+        if op_compute_dtype(site) is not None
+        else {}
+    )
     facts = _dispatch.head_facts(
         logits.shape[0],
         hidden.shape[-1],
@@ -297,6 +304,7 @@ def choose_path(site: Site, options: CCEOptions, *, per_row_outputs: bool = Fals
         per_row_outputs=per_row_outputs,
         returned_logits=bool(site.escaping),
         softcapped=site.softcap is not None,
+        **stored,
     )
     choice = paths.choose(facts, options.path, options.scratch_mb, options.backward_row_chunk, options.products)
     missing = _dispatch.no_kernels_note(hidden.device, site.compute_dtype)

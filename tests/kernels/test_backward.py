@@ -363,6 +363,38 @@ def test_target_logits_of_a_wider_head_in_row_blocks(device, monkeypatch):
     torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_wider_head_past_the_products_range_poisons_ignored_rows(device):
+    """Autocast's fp32 head with an entry finite in fp32 but past bf16's range: eager converts it to inf, so every
+    row's logits hold inf and, with every row ignored, every row of eager's dE holds a NaN (0 * inf). The lean
+    backward, which reads no ignored row, poisons them from the converted head's largest magnitude
+    (``_launch.weight_poison``): its NaNs cover eager's."""
+    device_ok(device)
+    gen = torch.Generator().manual_seed(5)
+    e = torch.randn(12, 16, generator=gen).bfloat16().to(device)
+    c = torch.randn(40, 16, generator=gen).to(device)
+    c[7, 0] = torch.finfo(torch.float32).max  # bf16: inf
+    targets = torch.full((12,), IGNORE, device=device)
+    lse = torch.full((12,), float("inf"), device=device)
+    grads = kbackward(
+        e,
+        c,
+        targets,
+        None,
+        lse,
+        torch.zeros(12, device=device),
+        softcap=None,
+        need_bias=False,
+        compute_dtype=torch.bfloat16,
+        de_dtype=torch.bfloat16,
+        dc_dtype=torch.float32,
+    )
+    e_ref, c_ref = (x.detach().double().requires_grad_(True) for x in (e, c.bfloat16()))
+    torch.nn.functional.cross_entropy(e_ref @ c_ref.T, targets, ignore_index=IGNORE, reduction="sum").backward()
+    assert e_ref.grad.isnan().any(dim=1).all()
+    assert grads[0].isnan()[e_ref.grad.isnan()].all() and grads[1].isnan()[c_ref.grad.isnan()].all()
+
+
 def test_row_skipping_widen_and_block_width():
     """The row-skipping products' G block after calls that counted as little as ``hint`` of their rows:
     ``ceil(0.5 / hint)`` times wider (at least half a narrow block's counted entries), 1 to 4 times; only where the

@@ -319,53 +319,6 @@ def test_row_skipping_keeps_eagers_nan_pattern(device, poisoned):
     assert torch.equal(torch.isnan(sums(got)[1]), torch.isnan(gc))
 
 
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("e_dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("v", [70, 129])
-def test_wider_head_converted_per_tile(device, e_dtype, v, monkeypatch):
-    """Autocast's fp32 head (bf16 products): the Triton logits and dE products read it as stored and convert each
-    tile (no converted copy of the head; no tail buffer for an unaligned V), every row of every chunk. The gradients
-    in the inputs' dtypes (dC fp32, dE as E), within 1.1x of eager autocast's error against fp64 (eager rounds dC to
-    bf16 before its upcast; we sum it in fp32), within a bf16 rounding of the converted copy's route; an fp32 entry
-    that overflows bf16 gives NaN wherever eager autocast's gradients hold one, ignored rows included (eager's pattern
-    of an inf weight depends on signs; the kernels poison the ignored rows' whole row, ``test_launch``)."""
-    device_ok(device)
-    e, c, t, b = make_balanced_inputs(37, v, 24, torch.float32, device, bias=True)
-    e = e.to(e_dtype)
-    heads = []
-    original = _products.logits_product
-    monkeypatch.setattr(_products, "logits_product", lambda *a: heads.append(a[2].dtype) or original(*a))
-
-    def run(e, c):
-        return K.loss_and_grads(
-            e, c, t, b, softcap=5.0, ignore_index=IGNORE, reduction="mean", chunk_rows=16, compute_dtype=torch.bfloat16
-        )
-
-    got = run(e, c)
-    assert heads == [torch.float32] * 3  # three chunks, each reading the fp32 head
-    assert got.grad_c.dtype == torch.float32 and got.grad_c_lo is None and got.grad_e.dtype == e_dtype
-    loss, want = reference(e, c, t, b, softcap=5.0)
-    converted = [x.to(torch.bfloat16) for x in (e, c, b)]
-    _, eager = reference(
-        *converted[:2], t, converted[2], softcap=5.0, dtype=torch.bfloat16, logits_dtype=torch.bfloat16
-    )
-    assert abs(got.loss.item() - loss.item()) <= 1e-2 * abs(loss.item())
-    for name, mine, theirs, ref in zip(("dE", "dC", "dbias"), sums(got), eager, want):
-        assert rel_l2(mine, ref) <= 1.1 * rel_l2(theirs.float(), ref), name
-    monkeypatch.setattr(K._balanced, "converts_head_per_tile", lambda c, dtype: False)
-    copied = run(e, c)
-    for name, x, y in zip(("dE", "dC", "dbias"), sums(got), sums(copied)):
-        assert rel_l2(x, y) <= 2.0**-8, name
-    c[5, 3] = torch.finfo(torch.float32).max  # finite as stored, inf once converted: every logit row has inf / NaN
-    monkeypatch.undo()
-    poisoned = run(e, c)
-    eager_loss, (ge, gc, _) = reference(e.to(torch.bfloat16), c.to(torch.bfloat16), t, converted[2], softcap=5.0)
-    assert abs(poisoned.loss.item() - eager_loss.item()) <= 1e-2 * abs(eager_loss.item())  # softcapped: finite
-    assert torch.isnan(ge[0]).any() and torch.isnan(poisoned.grad_e[0]).all()  # row 0 is ignored
-    for mine, theirs in ((poisoned.grad_e, ge), (poisoned.grad_c, gc)):
-        assert torch.isnan(mine[torch.isnan(theirs)]).all()
-
-
 def test_row_skipping_ok_and_refusal():
     """Rows are skipped only where the gradients are 16-bit pairs of the products' dtype without a bias gradient; a
     call that asks elsewhere is refused (the caller asks :func:`balanced_row_skipping_ok` first)."""
