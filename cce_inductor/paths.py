@@ -20,10 +20,10 @@ one call; ``benchmarks/`` compares it with measured peaks, ``tests/test_paths.py
                    such graphs the allocator holds three 16-bit logits-sized blocks, four with a softcap
                    (benchmarks/head_memory.py); for fp32 inputs b + 4 = 8 stays under three blocks' 12, so the
                    budget errs lean
-    lean           LB + R W b + N D 4 (dE's fp32 sums, none where dE is fp32) (+ N D b + W D b + max(N D b,
-                   T D (4 + b)) under autocast: E and one vocabulary chunk of C converted, and the larger of E's
-                   compacted rows (E converted) and a block of T = min(N, 1024) of C's target rows converted, which
-                   live one after the other; X alone in the forward)
+    lean           LB + R W b + N D 4 (dE's fp32 sums; where dE is fp32 it is its own sums, but on counted-prefix
+                   calls) (+ N D b + W D b + max(N D b, T D (4 + b)) under autocast: E and one vocabulary chunk of C
+                   converted, and the larger of E's compacted rows (E converted) and a block of T = min(N, 1024) of
+                   C's target rows converted, which live one after the other; X alone in the forward)
                    (+ W D 4 where N > R, or on
                    calls that take the counted-prefix products: their fp32 dC sums, cce_inductor/_counted_share.py);
                    R = min(N, backward_row_chunk), W = min(V, 4096 * max(1, 8192 // N) * k) where R = N, else 4096 k;
@@ -197,7 +197,9 @@ def lean_peak(f: HeadFacts, backward_row_chunk: int = 8192, widen: int = 1, coun
     width = lean_block_width(f, backward_row_chunk, widen)
     b = f.element_size
     dc_sums = width * f.hidden * 4 if f.rows > rows or counted_prefix else 0
-    de_sums = f.rows * f.hidden * 4 if f.e_bytes != 4 else 0
+    # dE's fp32 sums: the gradient itself where it is fp32, but not on the counted-prefix calls, which sum it in
+    # compacted order and put it back at the end (kernels/_backward.py)
+    de_sums = f.rows * f.hidden * 4 if f.e_bytes != 4 or counted_prefix else 0
     # under autocast: E converted, and (its dE being its fp32 sums, whose rows are never free) the compacted copy of
     # its rows the products read in a buffer of its own; of a wider-stored head one vocabulary chunk converted, and
     # one block of its target rows gathered and converted for the target logits, freed before the compacted copy is

@@ -217,6 +217,19 @@ def test_lean_g_block_widens_for_a_small_n_only():
     )  # at most V wide
 
 
+def test_lean_peak_of_counted_prefix_calls():
+    """Calls that take the counted-prefix products sum dC's vocabulary chunk in fp32 (``W D 4``) and dE in compacted
+    order (``kernels/_backward.py``: ``de32`` is not the gradient's own buffer when ``products == "prefix"``), so an
+    fp32 dE (autocast's fp32 hidden states) holds its fp32 sums beside it (``N D 4``), where other calls sum into the
+    gradient itself; a 16-bit dE has its fp32 sums on every call."""
+    n, d = 8192, 4096
+    width = paths.lean_block_width(_facts("llama3", n))
+    bf16 = _facts("llama3", n)
+    autocast = _facts("llama3", n, e_element_size=4, c_element_size=4)
+    assert paths.lean_peak(bf16, counted_prefix=True) - paths.lean_peak(bf16) == width * d * 4
+    assert paths.lean_peak(autocast, counted_prefix=True) - paths.lean_peak(autocast) == width * d * 4 + n * d * 4
+
+
 def test_lean_g_block_widens_where_the_budget_leaves_room():
     """``lean_widen``: the lean backward's G block 4, 2 or 1 times wider than tuned, the widest whose peak stays
     within the budget (the path choice's: half of torch.compile's), with the default row chunk only (another is the
