@@ -359,7 +359,7 @@ def choose(
             choice,
             reason=choice.reason
             + _lean_block_note(f, backward_row_chunk)
-            + (_PRODUCTS_NOTE if products == "auto" else ""),
+            + (_products_note(f, backward_row_chunk) if products == "auto" else ""),
         )
     return choice
 
@@ -386,12 +386,17 @@ def _lean_block_note(f: HeadFacts, backward_row_chunk: int) -> str:
     )
 
 
-# cce_inductor/_counted_share.py
-_PRODUCTS_NOTE = (
-    "; its backward's products: cuBLAS over every row, or over the counted rows only on calls after "
-    "ones with >= 10% of the targets ignored (cuBLAS; the row-skipping Triton products alone where >= "
-    "60% are ignored, or >= 40% and the share moves) (stats()['backward_products'])"
-)
+def _products_note(f: HeadFacts, backward_row_chunk: int) -> str:
+    """How the lean backward picks its products per call (``cce_inductor/_counted_share.py``), and the est. peak of the
+    calls that take the counted prefix (its fp32 dC sums, and an fp32 dE's compacted sums: :func:`lean_peak`)."""
+    prefix_peak = lean_peak(f, backward_row_chunk, lean_widen(f, backward_row_chunk, True), True)
+    return (
+        "; its backward's products: cuBLAS over every row, or over the counted rows only on calls after "
+        "ones with >= 10% of the targets ignored (cuBLAS, est. peak "
+        f"{_mib(prefix_peak)}{' (over the budget)' if prefix_peak > balanced_budget(f)[0] else ''} on those calls; the "
+        "row-skipping Triton products alone where >= 60% are ignored, or >= 40% and the share moves) "
+        "(stats()['backward_products'])"
+    )
 
 
 def _choose(f: HeadFacts, path: str, scratch_mb: int, backward_row_chunk: int) -> PathChoice:

@@ -230,6 +230,21 @@ def test_lean_peak_of_counted_prefix_calls():
     assert paths.lean_peak(autocast, counted_prefix=True) - paths.lean_peak(autocast) == width * d * 4 + n * d * 4
 
 
+def test_lean_reason_states_the_counted_prefix_calls_peak():
+    """stats() says what a lean head's calls with ignored targets hold (the counted prefix's fp32 sums), and where that
+    is over the budget the calls over every row keep to: nothing about the memory is silent."""
+    autocast = _facts("llama3", 8192, e_element_size=4, c_element_size=4)
+    prefix = paths.lean_peak(autocast, 8192, paths.lean_widen(autocast, 8192, True), True)
+    assert prefix > paths.budget(autocast) >= paths.lean_peak(autocast, 8192, paths.lean_widen(autocast))
+    reason = paths.choose(autocast).reason
+    assert f"est. peak {prefix / 2**20:.0f} MiB (over the budget) on those calls" in reason, reason
+    gemma = _facts("gemma2", 8192)
+    prefix = paths.lean_peak(gemma, 8192, paths.lean_widen(gemma, 8192, True), True)
+    assert prefix <= paths.budget(gemma)
+    assert f"est. peak {prefix / 2**20:.0f} MiB on those calls" in paths.choose(gemma).reason
+    assert "on those calls" not in paths.choose(gemma, products="cublas").reason
+
+
 def test_lean_g_block_widens_where_the_budget_leaves_room():
     """``lean_widen``: the lean backward's G block 4, 2 or 1 times wider than tuned, the widest whose peak stays
     within the budget (the path choice's: half of torch.compile's), with the default row chunk only (another is the
