@@ -386,6 +386,7 @@ def _lean_block_note(f: HeadFacts, backward_row_chunk: int) -> str:
     )
 
 
+@functools.lru_cache(maxsize=256)  # (direct calls of the op choose on every call)
 def _products_note(f: HeadFacts, backward_row_chunk: int) -> str:
     """How the lean backward picks its products per call (``cce_inductor/_counted_share.py``), and the est. peak of the
     calls that take the counted prefix (its fp32 dC sums, and an fp32 dE's compacted sums: :func:`lean_peak`)."""

@@ -499,7 +499,7 @@ def backward(
         mean_logit = mean_logit.to(torch.float32).contiguous()
     targets = targets.contiguous()
     # 0, or NaN when any of C / bias is not finite (then every logit row holds a NaN)
-    weight_poison = _launch.weight_poison(c, bias, compute_dtype if convert_c else None)
+    weight_poison = _launch.weight_poison(c, bias, compute_dtype)  # (as autocast converts a wider head)
     if convert_c:
         bias = None if bias is None else bias.to(compute_dtype)
         c_buf = torch.empty((vocab_chunk, d), dtype=compute_dtype, device=device)

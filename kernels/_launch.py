@@ -124,14 +124,11 @@ def product_into(
         product_into(out, a[:, split:], b[split:], accumulate=True, **out_dtype)
 
 
-def nonfinite_rows(rows: torch.Tensor, zeros: torch.Tensor | None = None) -> torch.Tensor:
+def nonfinite_rows(rows: torch.Tensor) -> torch.Tensor:
     """Per row of a 2-D tensor, fp32: 0 where it is finite, NaN where it holds a NaN / inf (0 * x summed); one
     matrix-vector product, no temporary the size of ``rows``.  Eager's softmax gradient of a row that gets no
-    gradient is 0, or NaN everywhere when its log-sum-exp is NaN: the kernels write this there.  ``zeros``: a
-    zero vector of the rows' length and dtype to reuse (one launch less per call)."""
-    if zeros is None:
-        zeros = torch.zeros(rows.shape[1], dtype=rows.dtype, device=rows.device)
-    return torch.mv(rows, zeros).float()
+    gradient is 0, or NaN everywhere when its log-sum-exp is NaN: the kernels write this there."""
+    return torch.mv(rows, torch.zeros(rows.shape[1], dtype=rows.dtype, device=rows.device)).float()
 
 
 def weight_poison(c: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype | None = None) -> torch.Tensor:
