@@ -1,7 +1,8 @@
 """Whole training steps of full-depth Hugging Face models: plain torch.compile vs cce_inductor's backend.
 
 The models are built from config in code (the published hyper-parameters, no weights, nothing downloaded), fp32
-master parameters, the forward under torch.autocast(bfloat16), AdamW (fused on CUDA), sequences of 2048 random
+master parameters, the forward under torch.autocast(bfloat16) (``--weights bf16``: bf16 parameters, no autocast),
+AdamW (fused on CUDA), sequences of 2048 random
 tokens, labels = input_ids (the model shifts them), ``model(input_ids=x, labels=x).loss.backward()``.
 
 Reproduce: one worker process per (model, method), run in turn by the driver; every row is appended to --out as it
@@ -43,7 +44,8 @@ percent; rows carry their round, and the table pools the rounds (the median of e
 each round's median beside it).
 
 Columns (JSON lines; the first line of each run is a header: device, versions, date, command line):
-    model, method, ckpt (off / on), batch, seq, tokens (batch * seq), round (1 .. --rounds)
+    model, method, ckpt (off / on), batch, seq, tokens (batch * seq), round (1 .. --rounds), weights
+                  (fp32-autocast / bf16: the rows of one --weights are reported apart from the other's)
     first_step_s  the first step at this batch, wall clock, synchronised (its compile or recompile included)
     step_ms       median over the further steps (forward, backward, optimizer step, zero_grad), synchronised: at
                   least --steps of them and as many more as --min-timed-s seconds take, up to 100
@@ -173,6 +175,7 @@ COLUMNS = (
     "seq",
     "tokens",
     "round",
+    "weights",
     "first_step_s",
     "step_ms",
     "tokens_s",
@@ -201,6 +204,8 @@ def build_model(name, args):
     torch.manual_seed(args.seed)
     with torch.device(args.device):
         model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=args.attn or attn)
+    if args.weights == "bf16":
+        model = model.to(torch.bfloat16)
     return model.train()
 
 
@@ -224,12 +229,12 @@ def enable_checkpointing(model):
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
 
-def training_step(compiled, opt, tokens, device):
-    """One whole step as a trainer runs it: the forward under bf16 autocast, backward, AdamW, zero_grad; returns
-    the loss (detached)."""
+def training_step(compiled, opt, tokens, device, autocast=True):
+    """One whole step as a trainer runs it: the forward (under bf16 autocast for fp32 parameters), backward, AdamW,
+    zero_grad; returns the loss (detached)."""
 
     def step():
-        with torch.autocast(device, dtype=torch.bfloat16):
+        with torch.autocast(device, dtype=torch.bfloat16, enabled=autocast):
             loss = compiled(input_ids=tokens, labels=tokens).loss
         loss.backward()
         opt.step()
@@ -283,6 +288,7 @@ def worker(args):
                 and r.get("model") == args.model
                 and r.get("method") == args.method
                 and (r.get("round") or 1) == args.round
+                and r.get("weights", "fp32-autocast") == args.weights
             ):
                 done[unit_key(r)] = r
     slowest, bad = 0.0, 0
@@ -331,6 +337,7 @@ def worker(args):
                 seq=args.seq,
                 tokens=b * args.seq,
                 round=args.round,
+                weights=args.weights,
             )
             began = time.time()
             if args.static:
@@ -338,7 +345,7 @@ def worker(args):
                 compiled = compile_model(model, args.method, backends, True)
             tokens = torch.randint(0, vocab, (b, args.seq), device=dev, generator=gen)
 
-            step = training_step(compiled, opt, tokens, dev)
+            step = training_step(compiled, opt, tokens, dev, autocast=args.weights == "fp32-autocast")
             failed, fatal = False, False
             try:
                 cce_inductor.reset_stats()
@@ -545,6 +552,7 @@ def driver(args, argv):
                     rounds=args.rounds,
                     configs={m: MODELS[m][1] for m in args.models},
                     tiny=args.tiny,
+                    weights=args.weights,
                 ),
             ),
         )
@@ -582,7 +590,10 @@ def driver(args, argv):
     rows = [
         r
         for r in C.latest(C.read_rows(args.out), unit_key)
-        if r.get("model") in args.models and r.get("method") in args.methods and r.get("seq") in (args.seq, None)
+        if r.get("model") in args.models
+        and r.get("method") in args.methods
+        and r.get("seq") in (args.seq, None)
+        and r.get("weights", "fp32-autocast") == args.weights
     ]
     ended = {(r["model"], r["method"], r["ckpt"]) for r in rows if r.get("oom") or r.get("error")}
     have = {unit_key(r) for r in rows}
@@ -626,6 +637,12 @@ def parse_args(argv):
         help="more timed steps until they add up to this many seconds, at most 100 (default 2; tiny 0)",
     )
     ap.add_argument("--batch-shapes", choices=("dynamic", "static"), default="dynamic")
+    ap.add_argument(
+        "--weights",
+        choices=("fp32-autocast", "bf16"),
+        default="fp32-autocast",
+        help="fp32 parameters with the forward under bf16 autocast (default), or bf16 parameters without autocast",
+    )
     ap.add_argument("--rounds", type=int, default=1, help="run every worker this many times, methods alternating")
     ap.add_argument(
         "--kernels",

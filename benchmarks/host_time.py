@@ -16,7 +16,7 @@ of 4 lean and 4 default steps. ``--shapes dynamic``: each compiled method is fir
 timed at N under automatic dynamic shapes (what a trainer whose lengths vary gets; the vocabulary grid's dynamic cells).
 
 Reproduce (CUDA):  python benchmarks/host_time.py [--n 4096 --d 768 --v 50257] [--shapes dynamic] [--ignore 50]
-                   [--out results.json]
+                   [--dtype autocast] [--out results.json]
 CPU smoke run of the harness (the compiled methods only, on the chunked path):  python benchmarks/host_time.py --tiny
 Measured (an H200 host of the device pool, torch 2.11, Triton 3.6, 2026-11-25; engineering log v15): torch.compile
 1.03 ms host / 2.23 ms wall; the lean path through the pass 4.32 / 4.34 (host-bound), its kernels' launch helpers
@@ -94,6 +94,12 @@ def main():
         default="static",
         help="dynamic: each compiled method is first called with N - 64 rows (automatic dynamic shapes)",
     )
+    ap.add_argument(
+        "--dtype",
+        choices=["bf16", "autocast"],
+        default="bf16",
+        help="autocast: fp32 E and C, the loss under bf16 autocast (fp32 weights as the Trainer's bf16=True runs them)",
+    )
     ap.add_argument("--ignore", type=float, default=0.0, help="%% of the targets set to -100 (at random)")
     ap.add_argument("--out", default=None, help="JSON results (default: print only)")
     ap.add_argument("--trace", default=None, help="directory for torch.profiler traces of the lean and default steps")
@@ -101,14 +107,16 @@ def main():
     args = ap.parse_args()
     torch.manual_seed(0)
     n, d, v, dev = (256, 64, 1001, "cpu") if args.tiny else (args.n, args.d, args.v, "cuda")
-    e = (torch.randn(n, d, device=dev) * 0.5).to(torch.bfloat16).requires_grad_()
-    c = (torch.randn(v, d, device=dev) * 0.05).to(torch.bfloat16).requires_grad_()
+    stored = torch.float32 if args.dtype == "autocast" else torch.bfloat16
+    e = (torch.randn(n, d, device=dev) * 0.5).to(stored).requires_grad_()
+    c = (torch.randn(v, d, device=dev) * 0.05).to(stored).requires_grad_()
     t = torch.randint(0, v, (n,), device=dev)
     t[torch.rand(n, device=dev) < args.ignore / 100] = -100
 
     def train_step(fn, e=e, t=t):
         def step(marks=None):
-            loss = fn(e, c, t)
+            with torch.autocast(dev, dtype=torch.bfloat16, enabled=args.dtype == "autocast"):
+                loss = fn(e, c, t)
             if marks is not None:
                 marks.append(("forward returned", time.perf_counter()))
             loss.backward()
@@ -137,7 +145,7 @@ def main():
         results[name] = host_and_wall(steps[name], dev)
         if name in ("lean", "default"):
             results[f"{name} timeline (us)"] = timeline(steps[name], device=dev)
-    if not args.tiny:
+    if not args.tiny and args.dtype == "bf16":  # the helpers are timed on bf16 operands
         kernel_helpers(results, train_step, e, c, t, n, dev)
     if args.trace:
         from torch.profiler import ProfilerActivity, profile
@@ -154,9 +162,19 @@ def main():
     if args.out:
         with open(args.out, "w") as f:
             json.dump(
-                {"device": device, "n": n, "d": d, "v": v, "shapes": args.shapes, "results": results}, f, indent=1
+                {
+                    "device": device,
+                    "n": n,
+                    "d": d,
+                    "v": v,
+                    "dtype": args.dtype,
+                    "shapes": args.shapes,
+                    "results": results,
+                },
+                f,
+                indent=1,
             )
-    print(f"# {device}; N {n}, D {d}, V {v}, bf16, {args.shapes} shapes")
+    print(f"# {device}; N {n}, D {d}, V {v}, {args.dtype}, {args.shapes} shapes")
     print(f"{'way of calling':28s} {'host ms':>8s} {'wall ms':>8s}")
     for name, r in results.items():
         if "host_ms" in r:
