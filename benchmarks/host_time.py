@@ -3,7 +3,9 @@
 At small N (GPT-2's head, N 4096) a fused fwd+bwd takes longer on the host than its kernels take on the GPU, so the
 wall time is the host's. This prints, per way of calling the same head (bf16, LM-like sizes, random data):
 
-    host ms   the Python side of one fwd+bwd step, steps issued back to back (nothing waits for the GPU)
+    host ms   the Python side of one fwd+bwd step, steps issued back to back (nothing waits for the GPU; but where
+              the steps' launches outrun the GPU by more than CUDA keeps pending, a launch blocks and this reads
+              the GPU's time)
     wall ms   the same steps, until the GPU is done (host-bound when equal to host ms)
 
 for torch.compile, the pass with each path forced (balanced in one chunk: a 4 GiB scratch), the default, the op
