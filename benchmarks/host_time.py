@@ -1,12 +1,14 @@
 """Where a small head's time goes on the host: a compiled fused call against its kernels called directly.
 
 At small N (GPT-2's head, N 4096) a fused fwd+bwd takes longer on the host than its kernels take on the GPU, so the
-wall time is the host's. This prints, per way of calling the same head (bf16, LM-like sizes, random data):
+wall time is the host's. This prints, per way of calling the same head (bf16, or ``--dtype autocast``; LM-like sizes,
+random data):
 
     host ms   the Python side of one fwd+bwd step, steps issued back to back (nothing waits for the GPU; but where
               the steps' launches outrun the GPU by more than CUDA keeps pending, a launch blocks and this reads
               the GPU's time)
-    wall ms   the same steps, until the GPU is done (host-bound when equal to host ms)
+    wall ms   the same steps, until the GPU is done (host-bound when equal to host ms, unless a launch blocked:
+              the ``--trace`` timelines tell which)
 
 for torch.compile, the pass with each path forced (balanced in one chunk: a 4 GiB scratch), the default, the op
 called eagerly (``cce_inductor.linear_cross_entropy``), and the kernels' launch helpers called directly
