@@ -27,6 +27,7 @@ METHODS = {
     "balanced": {"path": "balanced"},
     "rowskip": {"path": "lean", "products": "triton"},
     "lean_cublas": {"path": "lean", "products": "cublas"},
+    "exact": {"exact": True},
 }
 FALLBACK = {
     "lean": {"scratch_mb": 0},
@@ -113,6 +114,31 @@ def site_pick(stats):
 def sync(device):
     if device == "cuda":
         torch.cuda.synchronize()
+
+
+def synced_ms(fn, device, reps=10, grad_to_none=None):
+    """Median ms of ``fn`` called on its own: the device synchronised before each call and CUDA events around it
+    (what a training step's loss sees, the host's launch work included), after one warm-up call; on the CPU
+    perf_counter. :func:`bench` times calls queued back to back instead: report both."""
+    times = []
+    for i in range(reps + 1):
+        for x in grad_to_none or ():
+            x.grad = None
+        sync(device)
+        if device == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            ms = start.elapsed_time(end)
+        else:
+            t0 = time.perf_counter()
+            fn()
+            ms = (time.perf_counter() - t0) * 1e3
+        if i:
+            times.append(ms)
+    return statistics.median(times)
 
 
 def bench(fn, device, reps=2, grad_to_none=None):

@@ -8,14 +8,14 @@ has no "not done" line (finished cases are skipped, an unfinished one is redone 
 
     python benchmarks/vocab_grid.py --heads H --shapes static --resume     # for each head H, then
     python benchmarks/vocab_grid.py --heads H --shapes dynamic --resume
-        H: gpt2 gpt2-medium llama2 phi35 v65535 v65536 v100352 llama3 qwen25-0.5b qwen25-7b gemma2 gemma3
+        H: gpt2 gpt2-medium llama2 phi35 v62421 v65535 v65536 v100277 v100352 llama3 qwen25-0.5b qwen25-7b gemma2 gemma3
            deepseek-v3 mistral-nemo (small heads can share a command: --heads gpt2,gpt2-medium,llama2)
     python benchmarks/vocab_grid.py --report                   # the table of everything in --out, nothing run
     python benchmarks/vocab_grid.py --heads gemma2 --n 8192 --ignore 0 --shapes static --profile   # kernel times
     python benchmarks/vocab_grid.py --tiny                     # CPU run of the harness (2-4 minutes on 2 cores)
 
-Defaults: --n 4096,8192,32768 --ignore 0,50 --shapes static,dynamic --methods matmul,compile,default,lean,
-balanced,peers; --out $OUT/vocab_grid.jsonl ($OUT unset: ./vocab_grid.jsonl); --budget-s 500 (the driver starts no
+Defaults: --n 4096,8192,32768 --ignore 0,50 --shapes static,dynamic --methods matmul,compile,auto_chunker,default,
+exact,peers; --out $OUT/vocab_grid.jsonl ($OUT unset: ./vocab_grid.jsonl); --budget-s 500 (the driver starts no
 worker, and a worker no case, that would end past it). One process per head: the driver runs
 ``vocab_grid.py --worker --head X`` in turn; a head that crashes is recorded as an error row and the next goes on.
 
@@ -23,11 +23,13 @@ Methods (each its own freshly created Python function, so no two share Dynamo's 
 torch._dynamo.reset() before each method of each case):
     matmul    one bf16 N x D @ D x V product (forward only): the floor
     compile   torch.compile(loss), Inductor's default backend: the bar
+    auto_chunker  the same with torch._inductor.config.auto_chunker.enable (Inductor's own large-logit rewrite)
     default / lean / balanced   torch.compile(loss, backend=cce_inductor.make_backend(**METHODS[name])) with
               METHODS = {"default": {}, "lean": {"path": "lean"}, "balanced": {"path": "balanced"}}; without a
               CCEOptions.path field, lean / balanced are {"scratch_mb": 0} / {"scratch_mb": 1024} (printed at start)
     balanced_mb<k>  make_backend(path="balanced", scratch_mb=k): the balanced path at a scratch of k MiB (as many row
               chunks as it needs; e.g. balanced_mb197 runs GPT-2 medium's 4096 rows in two chunks)
+    exact     make_backend(exact=True): the lean path, gradients at no more than torch.compile's error
     rowskip   make_backend(path="lean", products="triton"): the lean path whose dE / dC products skip the ignored
               rows (Triton products reading the device-side count), for the ignored-target cells against TRL
     lean_cublas  make_backend(path="lean", products="cublas"): the lean path with cuBLAS products on every call (the
@@ -37,6 +39,8 @@ torch._dynamo.reset() before each method of each case):
               trl       trl.kernels.chunked_logprob.ChunkedLogProbFunction as TRL's SFT calls it (valid rows only,
                         outputs log_probs, entropy, is_top1, TRL's chunk size); loss = mean over valid rows of -logprob
               liger     liger_kernel.transformers.functional.liger_fused_linear_cross_entropy (CUDA only)
+              torch_lce F.linear_cross_entropy(..., options=torch.nn.LinearCrossEntropyOptions()): PyTorch's
+                        chunked loss, where the installed torch has it
               apple_cce cut_cross_entropy.linear_cross_entropy with its defaults (CUDA only)
 Shapes: static = torch.compile(dynamic=False), called at N only. dynamic = torch.compile() (dynamic=None), called
 first with N-64 rows (forward + backward), then with N (Dynamo's automatic dynamic-shape recompile), timed at N.
@@ -54,11 +58,14 @@ command line, the methods' keywords, the peers found):
     pick          the path stats() reports for the timed graph's site (cce methods; pick_reason: why). A cce method
                   whose site was not rewritten is an error ("NOT REWRITTEN: ...") and makes the command exit 1.
     fwd_ms        forward only, under no_grad (matmul, compile, default)
-    fwdbwd_ms     loss + loss.backward() (grads of e and c): median of CUDA-event timings after warm-up
-                  (triton.testing.do_bench, return_mode="median", grads set to None between reps)
+    fwdbwd_ms     loss + loss.backward() (grads of e and c), calls queued back to back: median of CUDA-event
+                  timings after warm-up (triton.testing.do_bench, return_mode="median", grads set to None between reps)
+    sync_ms       the same, each call on its own: synchronised before, CUDA events around it (what a training
+                  step's loss sees, host launch work included; C.synced_ms, median of >= 10 calls)
     peak_mb       torch.cuda.max_memory_allocated() during one fwd+bwd above what was allocated before it
                   (inputs excluded, gradients included)
-    x_compile_ms, x_compile_mb   fwdbwd_ms and peak_mb over compile's, same process, case and shapes
+    x_compile_ms, x_compile_sync, x_compile_mb   fwdbwd_ms, sync_ms and peak_mb over compile's, same process,
+                  case and shapes
     err_de, err_dc  relative L2 (Frobenius) errors of dE, dC against gradients from fp32 logits (computed from the
                   bf16 inputs, chunked over rows); compile's is the bar
     lower_bound_mb  (N*D + V*D) * 2 / 2**20: the inputs' size, what a gradient-returning method must at least write
@@ -96,7 +103,9 @@ HEADS = {  # name: (D, V)
     "llama2": (4096, 32000),
     "phi35": (3072, 32064),
     "v65535": (2048, 65535),
+    "v62421": (2048, 62421),
     "v65536": (2048, 65536),
+    "v100277": (4096, 100277),
     "v100352": (2048, 100352),
     "llama3": (4096, 128256),
     "qwen25-0.5b": (896, 151936),
@@ -109,7 +118,7 @@ HEADS = {  # name: (D, V)
 TINY_HEADS = {"tiny2003": (64, 2003), "tiny2048": (64, 2048)}
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "autocast": torch.float32}
 IGNORE = -100
-BASE = ("matmul", "compile")
+BASE = ("matmul", "compile", "auto_chunker")
 FWD_TOO = ("matmul", "compile", "default")  # methods also timed forward-only
 COLUMNS = (
     "head",
@@ -122,6 +131,7 @@ COLUMNS = (
     "pick",
     "fwd_ms",
     "fwdbwd_ms",
+    "sync_ms",
     "peak_mb",
     "x_compile_ms",
     "x_compile_mb",
@@ -219,6 +229,14 @@ def find_peers(device):
         peers["trl"] = trl_loss
     except Exception as exc:  # noqa: BLE001
         notes.append(f"trl: {C.err_text(exc)}")
+    if hasattr(F, "linear_cross_entropy"):  # PyTorch's own chunked loss, where this torch has it
+        try:
+            options = getattr(torch.nn, "LinearCrossEntropyOptions", None) or F.LinearCrossEntropyOptions
+            peers["torch_lce"] = lambda e, c, t: F.linear_cross_entropy(e, c, t, ignore_index=IGNORE, options=options())
+        except Exception as exc:  # noqa: BLE001
+            notes.append(f"torch_lce: {C.err_text(exc)}")
+    else:
+        notes.append("torch_lce: this torch has no F.linear_cross_entropy")
     try:
         from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy as liger
 
@@ -244,6 +262,18 @@ def build(name, backends, peers, dynamic, tag):
     fn = C.fresh_loss(tag, IGNORE)
     if name == "compile":
         return torch.compile(fn, dynamic=dynamic)
+    if name == "auto_chunker":  # Inductor's own rewrite of large-logit losses, where this torch has it
+        import torch._inductor.config as inductor_config
+
+        if not hasattr(inductor_config, "auto_chunker"):
+            raise RuntimeError("torch._inductor.config has no auto_chunker in this torch")
+        compiled = torch.compile(fn, dynamic=dynamic)
+
+        def chunked(*a):
+            with inductor_config.patch({"auto_chunker.enable": True}):
+                return compiled(*a)
+
+        return chunked
     import cce_inductor
 
     return torch.compile(fn, backend=cce_inductor.make_backend(**backends[name]), dynamic=dynamic)
@@ -297,6 +327,7 @@ def measure(fn, e, c, t, args, dynamic, ref, is_cce, fwd, profile):
         r["err_de"], r["err_dc"] = rel(e.grad, ref[0]), rel(c.grad, ref[1])
         e.grad = c.grad = None
         r["fwdbwd_ms"] = C.bench(timed_step, dev, args.reps, grad_to_none=[e, c]) / len(variants)
+        r["sync_ms"] = C.synced_ms(timed_step, dev, max(args.reps, 10), grad_to_none=[e, c]) / len(variants)
         if is_cce:  # the lean backward's products per call, every call so far (cce_inductor/_counted_share.py)
             r["backward_products"] = cce_inductor.stats()["backward_products"]
             r["balanced_rows"] = cce_inductor.stats()["balanced_rows"]
@@ -460,7 +491,11 @@ def worker(args):
                         C.free(args.device)
                     row["wall_s"] = round(time.time() - t0, 1)
                     base = results.get("compile", {})
-                    for key, col in (("fwdbwd_ms", "x_compile_ms"), ("peak_mb", "x_compile_mb")):
+                    for key, col in (
+                        ("fwdbwd_ms", "x_compile_ms"),
+                        ("sync_ms", "x_compile_sync"),
+                        ("peak_mb", "x_compile_mb"),
+                    ):
                         if row.get(key) and base.get(key):
                             row[col] = row[key] / base[key]
                     results[name] = row
@@ -487,6 +522,7 @@ def print_row(r):
     line = (
         f"  {r['head']} N={r['n']} ign={r['ignore_pct']}{spread}% {r['shapes']:7s} {r['method']:10s} "
         f"fwd {f(r.get('fwd_ms')):>8s} fwd+bwd {f(r.get('fwdbwd_ms')):>8s} ms {x(r.get('x_compile_ms'))} "
+        f"synced {f(r.get('sync_ms')):>8s} ms {x(r.get('x_compile_sync'))} "
         f"peak {f(r.get('peak_mb'), '.0f'):>7s} MB {x(r.get('x_compile_mb'))} "
         f"err dE {f(r.get('err_de'), '.2e')} dC {f(r.get('err_dc'), '.2e')} {r.get('pick') or ''}"
     )
@@ -509,6 +545,8 @@ def table(rows):
             r["method"],
             f(r.get("fwdbwd_ms")) or (f(r.get("fwd_ms")) + " (fwd)" if r.get("fwd_ms") else ""),
             f(r.get("x_compile_ms")),
+            f(r.get("sync_ms")),
+            f(r.get("x_compile_sync")),
             f(r.get("peak_mb"), ".0f"),
             f(r.get("x_compile_mb")),
             f(r.get("err_de"), ".1e"),
@@ -525,6 +563,8 @@ def table(rows):
             "shapes",
             "method",
             "fwd+bwd ms",
+            "x compile",
+            "synced ms",
             "x compile",
             "peak MB",
             "x compile",
@@ -617,7 +657,7 @@ def parse_args(argv):
     ap.add_argument("--n", default=None, help="rows per case, comma list (default 4096,8192,32768)")
     ap.add_argument("--ignore", default="0,50", help="%% of targets set to -100, comma list")
     ap.add_argument("--shapes", default="static,dynamic", help="static, dynamic or both")
-    ap.add_argument("--methods", default="matmul,compile,default,lean,balanced,peers")
+    ap.add_argument("--methods", default="matmul,compile,auto_chunker,default,exact,peers")
     ap.add_argument("--out", default=None, help="JSON lines, appended (default $OUT/vocab_grid.jsonl)")
     ap.add_argument("--resume", action="store_true", help="skip the cases --out already holds")
     ap.add_argument("--report", action="store_true", help="print the table of --out's rows; run nothing")

@@ -336,21 +336,23 @@ def loss_and_grads(
     ignore_index: int,
     reduction: str,
     label_smoothing: float,
-    scratch_bytes: int,
+    chunk_rows: int,
+    plain_sum: bool,
     need_e: bool,
     need_c: bool,
     need_bias: bool,
     compute_dtype: torch.dtype | None = None,
     products: str = "auto",
 ):
-    """The balanced path: ``(loss, dE, dC, dbias, dE_lo, dC_lo)`` of a "mean" / "sum" loss, the gradients those of
-    the loss itself (upstream gradient 1), each in its input's dtype as ``kernels.loss_and_grads`` returns them (an
-    fp32 gradient whole, a 16-bit one as a pair; dbias in fp32; None where not asked for). The kernels go through row
-    chunks of logits in a scratch of ``scratch_bytes``; the chunked path runs its forward and backward back to back
-    in the accumulation dtype and splits the result the same way. Targets outside ``[0, V)`` that are not
-    ``ignore_index`` fail as in eager (:func:`check_target_range`). ``compute_dtype``: the products' dtype where it is
-    not the inputs' (autocast). ``products`` (``CCEOptions.products``): whether the kernels skip ignored rows, decided
-    per call from the share of rows earlier calls of this head counted (``_counted_share.balanced_prefix``)."""
+    """The balanced path: ``(loss, dE, dC, dbias, dE_lo, dC_lo)`` of a "mean" / "sum" loss, the gradients those of the
+    loss itself (upstream gradient 1), each in its input's dtype as ``kernels.loss_and_grads`` returns them (an fp32
+    gradient whole, a 16-bit one as a pair, a 16-bit dC with ``plain_sum`` alone; dbias in fp32; None where not asked
+    for). The kernels go through row chunks of ``chunk_rows`` rows (``paths.BalancedPlan``); the chunked path runs its
+    forward and backward back to back in the accumulation dtype and rounds the result the same way. Targets outside
+    ``[0, V)`` that are not ``ignore_index`` fail as in eager (:func:`check_target_range`). ``compute_dtype``: the
+    products' dtype where it is not the inputs' (autocast). ``products`` (``CCEOptions.products``): whether the kernels
+    skip ignored rows, decided per call from the share of rows earlier calls of this head counted
+    (``_counted_share.balanced_prefix``)."""
     dtype = compute_dtype or e.dtype
     if uses_kernels(e.device, dtype):
         kernels = triton_kernels()
@@ -377,7 +379,8 @@ def loss_and_grads(
                 need_bias=need_bias,
                 check_range=True,
                 compute_dtype=compute_dtype,
-                chunk_rows=paths.chunk_rows(scratch_bytes, c.shape[0], dtype.itemsize, e.shape[0]),
+                chunk_rows=chunk_rows,
+                plain_sum=plain_sum,
                 counted_prefix_rows=prefix,
                 observe_counted=share.observe if products == "auto" else None,
             )
@@ -408,18 +411,17 @@ def loss_and_grads(
         label_smoothing=label_smoothing,
         in_accumulation_dtype=True,
     )
-    (grad_e, grad_e_lo), (grad_c, grad_c_lo) = (
-        _as_stored(grad, dtype) for grad, dtype in zip((grad_e, grad_c), stored)
-    )
+    (grad_e, grad_e_lo), (grad_c, grad_c_lo) = _as_stored(grad_e, stored[0]), _as_stored(grad_c, stored[1], plain_sum)
     return loss, grad_e, grad_c, grad_bias, grad_e_lo, grad_c_lo
 
 
-def _as_stored(grad: Tensor | None, dtype: torch.dtype) -> tuple[Tensor | None, Tensor | None]:
+def _as_stored(grad: Tensor | None, dtype: torch.dtype, plain_sum: bool = False) -> tuple[Tensor | None, Tensor | None]:
     """A gradient summed in the accumulation dtype as the balanced op returns it in ``dtype``: as it is in fp32 /
-    fp64 (rounded to fp32 from fp64 only where stored in fp32), a 16-bit pair ``(round(x), round(x - round(x)))``."""
+    fp64 (rounded to fp32 from fp64 only where stored in fp32), a 16-bit pair ``(round(x), round(x - round(x)))``,
+    or with ``plain_sum`` a 16-bit gradient alone, rounded once."""
     if grad is None:
         return None, None
-    if dtype.itemsize >= 4:
+    if dtype.itemsize >= 4 or plain_sum:
         return grad.to(dtype), None
     hi = grad.to(dtype)
     return hi, (grad - hi.to(grad.dtype)).to(dtype)

@@ -31,6 +31,14 @@ LEAN_LAYOUT = {
 # multiple of this many elements: cuBLAS runs a 16-bit product several times slower when one of its dimensions is
 # not a multiple of 8 elements, whatever the leading dimensions.
 VOCAB_ALIGN = 64
+# The balanced path sums a 16-bit dC over its row chunks in the gradient's own dtype (each chunk's product added
+# by the product's epilogue, one rounding a chunk, no remainder bytes) over at most this many chunks; past it, the
+# sum keeps a 16-bit remainder beside it (the pair, kernels/_pair_sums.py). The bound is the error budget: on flat
+# logits (a model at initialisation), where torch.compile's own dC error is the bf16 rounding of one product, each
+# further rounding of the running sum adds to it; at this many chunks the error stays within the budget's 1.35x
+# torch.compile's, at one more it does not (tests/kernels/test_balanced.py holds both; docs/engineering-log.md v41).
+PLAIN_SUM_MAX_CHUNKS = 2
+
 # Rows whose target rows of C the lean backward gathers and converts at a time where C is stored wider than the
 # products' dtype (autocast's fp32 head): a block of ``TARGET_ROW_BLOCK x D`` in each dtype, not all N rows at once.
 TARGET_ROW_BLOCK = 1024
@@ -119,3 +127,24 @@ def backward_plan(
     )
     width = block_width(rows, row_chunk, vocab, widen, layout)
     return BackwardPlan(row_chunk, width, split_g, kind, hint)
+
+
+def balanced_chunks(
+    rows: int, chunk_rows: int, counted_prefix: int | None, plain_sum: bool
+) -> tuple[int, list[tuple[int, int]]]:
+    """The balanced path's counted prefix and row chunks, ``(prefix, [(first row, rows), ...])`` (the prefix is
+    ``rows`` where there is none): ``chunk_rows`` at a time; with a counted prefix
+    (rows compacted, counted ones first: cuBLAS over the prefix, the row-skipping products past it) the chunks of the
+    prefix, then those past it. With ``plain_sum`` (a 16-bit dC summed in its own dtype, one rounding a chunk) the
+    chunks are at most ``PLAIN_SUM_MAX_CHUNKS`` whatever the prefix: ``chunk_rows >= rows / 2`` is the caller's,
+    and the prefix is moved into ``[rows - chunk_rows, chunk_rows]``, so that the rows on either side of it are one
+    chunk each (cuBLAS then multiplies up to that many ignored rows' poison, or the Triton products that many
+    counted rows past it)."""
+    step = max(1, min(chunk_rows, rows))
+    if plain_sum and -(-rows // step) > PLAIN_SUM_MAX_CHUNKS:
+        raise ValueError(f"a plain 16-bit sum takes at most {PLAIN_SUM_MAX_CHUNKS} chunks: {rows} rows of {step}")
+    prefix = rows if counted_prefix is None else min(counted_prefix, rows)
+    if plain_sum and prefix < rows:
+        prefix = min(max(prefix, rows - step), step)
+    starts = [*range(0, prefix, step), *range(prefix, rows, step)]
+    return prefix, [(r0, min(step, (prefix if r0 < prefix else rows) - r0)) for r0 in starts]

@@ -345,17 +345,19 @@ def linear_cross_entropy_with_grads_op(
     need_bias: bool,
     returned_logits: bool,
     compute_dtype: torch.dtype | None = None,
+    plain_sum: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """Returns ``(loss, grad_e, grad_c, grad_bias, grad_e_lo, grad_c_lo)``: the loss (reduction "mean" or "sum") and
-    its own gradients (upstream gradient 1), each in its input's dtype: an fp32 gradient whole, a 16-bit one as the
-    pair ``(grad, grad_lo)`` whose sum carries ~16 mantissa bits (``kernels/_pair_sums.py``); dbias in the accumulation
-    dtype; what is not asked for (or an fp32 gradient's ``lo``) an empty tensor. The autograd formula rounds
-    ``grad_loss * (grad + grad_lo)`` once to the input's dtype, in the gradient's own buffer where Inductor compiles
-    it (a saved tensor only the backward reads is a donated buffer). On CUDA the balanced kernels
-    (``kernels/_balanced.py``: row chunks of logits in a scratch of ``options.scratch_mb``, or sized here for the
-    rows of the call within the budget of ``cce_inductor.paths``); elsewhere the chunked path's forward and backward
-    back to back. ``returned_logits``: the site's graph also returns the logits (``paths.HeadFacts``), which raises
-    that budget as it raised it when the pass chose this path. ``compute_dtype``: module docstring."""
+    """Returns ``(loss, grad_e, grad_c, grad_bias, grad_e_lo, grad_c_lo)``: the loss (reduction "mean" or "sum") and its
+    own gradients (upstream gradient 1), each in its input's dtype: an fp32 gradient whole, a 16-bit one as the pair
+    ``(grad, grad_lo)`` whose sum carries ~16 mantissa bits (``kernels/_pair_sums.py``), but a 16-bit dC with
+    ``plain_sum`` (the site's ``paths.BalancedPlan``: summed in its own dtype over at most two row chunks) alone; dbias
+    in the accumulation dtype; what is not asked for (or an fp32 gradient's ``lo``) an empty tensor. The autograd
+    formula rounds ``grad_loss * (grad + grad_lo)`` once to the input's dtype, in the gradient's own buffer where
+    Inductor compiles it (a saved tensor only the backward reads is a donated buffer). On CUDA the balanced kernels
+    (``kernels/_balanced.py``: row chunks of logits in a scratch of ``options.scratch_mb``, or sized here for the rows
+    of the call within the budget of ``cce_inductor.paths``); elsewhere the chunked path's forward and backward back to
+    back. ``returned_logits``: the site's graph also returns the logits (``paths.HeadFacts``), which raises that budget
+    as it raised it when the pass chose this path. ``compute_dtype``: module docstring."""
     diagnostics.count_execution("linear_cross_entropy")
     if reduction not in ("mean", "sum"):
         raise ValueError(f"linear_cross_entropy_with_grads computes reductions 'mean' and 'sum', got {reduction!r}")
@@ -376,7 +378,7 @@ def linear_cross_entropy_with_grads_op(
             **paths.storage_facts(e.dtype, c.dtype, dtype),
         )
         decoded = CCEOptions.decode(options)
-        scratch = paths.scratch_for(facts, decoded.scratch_mb)
+        plan = paths.balanced_plan(facts, decoded.scratch_mb, plain_sum=plain_sum)
         loss, grad_e, grad_c, grad_bias, grad_e_lo, grad_c_lo = _dispatch.loss_and_grads(
             e,
             c,
@@ -386,7 +388,8 @@ def linear_cross_entropy_with_grads_op(
             ignore_index=ignore_index,
             reduction=reduction,
             label_smoothing=label_smoothing,
-            scratch_bytes=scratch,
+            chunk_rows=plan.chunk_rows,
+            plain_sum=plan.plain_sum,
             need_e=need_e,
             need_c=need_c,
             need_bias=need_bias,
@@ -424,6 +427,7 @@ def _(
     need_bias,
     returned_logits,
     compute_dtype=None,
+    plain_sum=False,
 ):
     _checks.check_inputs(e, c, targets, bias, compute_dtype)
     acc = _chunked.accumulation_dtype(compute_dtype or e.dtype)
@@ -434,7 +438,7 @@ def _(
         grad_c,
         grad_bias.to(acc),
         torch.empty_like(grad_e) if _pair(need_e, e) else e.new_empty(0),
-        torch.empty_like(grad_c) if _pair(need_c, c) else c.new_empty(0),
+        torch.empty_like(grad_c) if _pair(need_c, c) and not plain_sum else c.new_empty(0),
     )
 
 
@@ -459,6 +463,7 @@ def balanced_call(
     need_bias: bool,
     returned_logits: bool = False,
     compute_dtype: torch.dtype | None = None,
+    plain_sum: bool = False,
 ) -> OpCall:
     """A call of ``linear_cross_entropy_with_grads`` (its docstring has the arguments)."""
     return OpCall(
@@ -478,7 +483,7 @@ def balanced_call(
             need_bias,
             returned_logits,
         ),
-        _set(compute_dtype=compute_dtype),
+        _set(compute_dtype=compute_dtype, plain_sum=plain_sum),
     )
 
 
@@ -607,12 +612,19 @@ def linear_cross_entropy(
         needs_grad=torch.is_grad_enabled() and any(need),
         **paths.storage_facts(e.dtype, c.dtype, dtype),
     )
-    if (
-        class_weights is None
-        and paths.choose(facts, options.path, options.scratch_mb, options.backward_row_chunk, options.products).path
-        == "balanced"
-    ):
+    choice = paths.choose_for(facts, options)
+    if class_weights is None and choice.path == "balanced":
         need_e, need_c, need_bias = need
-        return balanced_call(rows, c, targets, bias, need_e=need_e, need_c=need_c, need_bias=need_bias, **common)()[0]
+        return balanced_call(
+            rows,
+            c,
+            targets,
+            bias,
+            need_e=need_e,
+            need_c=need_c,
+            need_bias=need_bias,
+            plain_sum=choice.plain_sum,
+            **common,
+        )()[0]
     loss = lean_call(rows, c, targets, bias, class_weights=class_weights, **common)()[0]
     return loss.view(shape) if reduction == "none" else loss

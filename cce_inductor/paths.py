@@ -7,8 +7,8 @@ The two paths (``docs/design.md``; kernels in ``kernels/``):
   logits block by block. Four matmuls of ``N x V x D``; memory above the gradients: one G block and dE's fp32 sums.
 * **balanced** (``ops.linear_cross_entropy_with_grads``): the gradients are computed with the loss, row chunk by row
   chunk, through a scratch of logits, and the backward only scales them, in place. Three matmuls, as torch.compile
-  does; memory: the scratch, and each gradient at 4 bytes an element until the backward (an fp32 sum, or a 16-bit
-  gradient beside the 16-bit remainder of its sum).
+  does; memory: the scratch and the gradients, a 16-bit dE beside the 16-bit remainder of its sum, a 16-bit dC
+  summed in its own dtype over at most two chunks (one rounding a chunk: the error budget) or beside its remainder.
 
 The memory model, bytes above the inputs, gradients included (``b`` the products' element size; the gradients in
 their inputs' dtypes, ``LB`` their bytes; under autocast ``X`` the inputs' copies in the products' dtype, held for
@@ -30,19 +30,21 @@ one call; ``benchmarks/`` compares it with measured peaks, ``tests/test_paths.py
                    k = lean_widen's 4, 2 or 1, the widest that keeps this peak within the budget below (where the
                    row-skipping products run alone over one row chunk, their own widening may take the block past
                    k: up to 3 more G blocks, not in lean_peak)
-    balanced       4 (N + P) D + S + 4 R D (a 16-bit dE's rows of one chunk) + X    (S the scratch, R its rows,
-                   P = V rounded up to 64)
+    balanced       (N + P) D g + S + X         (g each gradient's own bytes; S the scratch, R its rows, P = V
+                   + N D 2 + 4 R D             rounded up to 64)  a 16-bit dE: its remainder, one chunk's fp32 rows
+                   + P D 2                     a 16-bit dC summed as a pair (not as a plain 16-bit sum)
 
-The default (``path="auto"``) takes the fastest path whose peak fits the budget ``max(0.5 x torch.compile's,
-1.15 x LB)``: balanced where it fits (three matmuls), else lean (four matmuls, always within the budget's second
-term up to its fixed scratch). So the default never trades memory for speed past half of torch.compile's estimated
-peak. On a 16-bit head whose V is not a multiple of 8, where Inductor pads the products, torch.compile holds more
-(``_PADDED_LOGIT_BYTES``), so where the first budget leaves the balanced path no scratch, such a head is sized
-against half of that larger estimate (:func:`balanced_budget`). Where balanced does not fit (large V x D against
-N x V, e.g. N 8192 on Gemma-2's head) the lean path's time is the price, and ``stats()`` says so. Where the graph
-also returns the logits (Hugging Face models), torch.compile's peak holds more per logit, so the balanced path fits
-from fewer rows. ``path="lean"`` / ``"balanced"`` force a path; a forced balanced path fatter than torch.compile
-says so too.
+The default (``path="auto"``) is speed first with an explicit error budget (issue 62): the balanced path (three
+matmuls, as torch.compile) wherever it computes the loss on the kernels, sized by :func:`balanced_plan` against the
+memory target ``LB + 0.3 x torch.compile's overhead`` (its estimated peak less LB; under autocast the converted
+inputs plus 0.15 x it): a 16-bit dC summed in its own dtype over one or two row chunks (each further rounding of
+the running sum adds to torch.compile's one; on flat logits two stay within 1.35x its dC error, three do not:
+``_planning.PLAIN_SUM_MAX_CHUNKS``), else as a pair with the scratch the target leaves, else, speed first, the plain
+sum over two chunks above the target (``stats()`` says so). The lean path (four matmuls, fp32 sums: below
+torch.compile's error) takes the forms only it computes, ``exact=True``, the chunked PyTorch path and tiny batches.
+On a 16-bit head whose V is not a multiple of 8, where Inductor pads the products, torch.compile holds 4 bytes a
+logit (``_PADDED_LOGIT_BYTES``); where the graph also returns the logits (Hugging Face models), more: both raise the
+target. ``path="lean"`` / ``"balanced"`` force a path; a forced balanced path fatter than torch.compile says so.
 """
 
 from __future__ import annotations
@@ -57,23 +59,22 @@ Path = Literal["lean", "balanced"]
 
 # The lean backward's G block as the kernels lay it out on a GPU (the memory model is about GPUs).
 _LEAN_LAYOUT = _planning.LEAN_LAYOUT["gpu"]
-# The balanced path's scratch: at least this many rows per chunk (smaller chunks make the dC products memory bound:
-# each chunk reads and writes the fp32 dC sums, 8 V D bytes), at most this many bytes.
-_MIN_CHUNK_ROWS = 1024
+# The balanced path's scratch: at least this many rows per chunk where dC's sums (an fp32 gradient, a 16-bit pair)
+# are read and written by every chunk's product (smaller chunks make those products memory bound), at most this many
+# bytes (a scratch past it buys little time and would raise a whole step's peak).
+_MIN_CHUNK_ROWS = 2048
 _MAX_SCRATCH_BYTES = 1 << 30
-# The scratch is no larger than keeps the peak within this share of torch.compile's (or the gradients, the
-# remainders of 16-bit sums and this slack) where that still leaves chunks of _TARGET_CHUNK_ROWS rows
-# (balanced_scratch, memory_target).
-_TARGET_SHARE = 0.35
-_TARGET_SLACK = 256 << 20
-_TARGET_CHUNK_ROWS = 2048
-# The budget: the default takes the balanced path only where its peak is at most this share of torch.compile's, or
-# (where the gradients alone are more than that) within this factor of the gradients' own bytes.
+# The default's memory target (issue 62): the balanced path's peak above the gradients' own bytes within this share
+# of torch.compile's; under autocast the inputs' converted copies plus this smaller share (overhead_target).
+_OVERHEAD_SHARE = 0.3
+_CONVERTED_OVERHEAD_SHARE = 0.15
+# Where neither sum of a 16-bit dC fits that target, the pair (its epilogue and more chunks cost time) is taken over
+# the plain sum over two chunks only where it holds less than this share of the plain sum's bytes above the gradients.
+_PAIR_LEANER = 0.6
+# The lean backward's wider G blocks keep its peak within this share of torch.compile's (or this factor of the
+# gradients' own bytes): lean_widen.
 _COMPILE_SHARE = 0.5
 _GRADIENT_FACTOR = 1.15
-# stats() suggests a scratch_mb for a lean head only where the balanced path's estimated peak stays under this share
-# of torch.compile's.
-_CLEARLY_LEANER = 0.9
 # Below this many rows a chunk loop is not worth it (and the scratch would be tiny): lean.
 _MIN_BALANCED_ROWS = 256
 # Below this many multiply-adds per logits product (N V D), a lean fwd + bwd on the kernels waits on the host's
@@ -131,6 +132,7 @@ class PathChoice:
     path: Path
     reason: str  # one sentence for stats(): why this path
     scratch_bytes: int = 0  # the balanced path's scratch (0 for lean)
+    plain_sum: bool = False  # the balanced path sums a 16-bit dC in its own dtype (BalancedPlan)
 
 
 # torch.compile's bytes per logit beyond the input's width where the graph also returns the logits: of the three bf16
@@ -236,30 +238,38 @@ def lean_widen(f: HeadFacts, backward_row_chunk: int = 8192, counted_prefix: boo
     return 1
 
 
-def balanced_peak(f: HeadFacts, scratch_bytes: int) -> int:
-    """The balanced path's peak (``kernels/_balanced.py``): each gradient as 4 bytes an element (an fp32 sum, or a
-    16-bit pair), dC over the scratch's padded rows, the scratch, a 16-bit dE's fp32 rows of one chunk, the inputs'
-    converted copies under autocast. The backward scales the gradients in place (Inductor, donated buffers), so it
-    adds nothing."""
+def balanced_peak(f: HeadFacts, scratch_bytes: int, plain_sum: bool = False) -> int:
+    """The balanced path's peak (``kernels/_balanced.py``): the gradients in their inputs' dtypes, dC over the
+    scratch's padded rows; a 16-bit dE's remainder (the pair's ``lo``) and its fp32 rows of one chunk; a 16-bit dC's
+    remainder unless it is a ``plain_sum`` (summed in its own dtype); the scratch; the inputs' converted copies
+    under autocast. The backward scales the gradients in place (Inductor, donated buffers), so it adds nothing."""
     rows = chunk_rows(scratch_bytes, f.vocab, f.element_size, f.rows) if scratch_bytes else 0
-    de_rows = rows * f.hidden * 4 if f.e_bytes != 4 else 0
-    return 4 * (f.rows + scratch_row_pitch(f.vocab)) * f.hidden + scratch_bytes + de_rows + _converted_bytes(f)
+    pitch = scratch_row_pitch(f.vocab)
+    gradients = (f.rows * f.e_bytes + pitch * f.c_bytes) * f.hidden
+    de_extra = (f.rows * f.hidden * f.e_bytes + rows * f.hidden * 4) if f.e_bytes != 4 else 0
+    dc_remainder = pitch * f.hidden * f.c_bytes if f.c_bytes != 4 and not plain_sum else 0
+    return gradients + de_extra + dc_remainder + scratch_bytes + _converted_bytes(f)
 
 
 def budget(f: HeadFacts, padded: bool = False) -> int:
+    """The lean backward's budget for its wider G blocks (:func:`lean_widen`): half of torch.compile's estimated
+    peak, or 1.15x the gradients' own bytes where that is more."""
     return max(int(_COMPILE_SHARE * compile_peak(f, padded)), int(_GRADIENT_FACTOR * gradient_bytes(f)))
 
 
-def balanced_budget(f: HeadFacts) -> tuple[int, bool]:
-    """The budget the default sizes the balanced path against, and whether it counts 4 bytes a logit for torch.compile:
-    :func:`budget`, or where that leaves no scratch and torch.compile pads the products (:func:`pads_product`), the
-    budget of its padded peak. The second moves V 65535 at N 8192 and GPT-2's and GPT-2 medium's heads at N 4096
-    from the lean path to two balanced chunks, faster at well under torch.compile's peak (docs/performance.md);
-    heads that fit the first keep its smaller scratch."""
-    limit = budget(f)
-    if _scratch_within(f, limit) or not pads_product(f):
-        return limit, False
-    return budget(f, padded=True), True
+def compile_overhead(f: HeadFacts) -> int:
+    """torch.compile's estimated peak above the gradients' own bytes (:func:`compile_peak`, at 4 bytes a logit where
+    it pads the products of an unaligned vocabulary, :func:`pads_product`)."""
+    return compile_peak(f, padded=pads_product(f)) - gradient_bytes(f)
+
+
+def overhead_target(f: HeadFacts) -> int:
+    """The memory the balanced path may hold above the gradients' own bytes (issue 62's target):
+    ``_OVERHEAD_SHARE`` of torch.compile's overhead; under autocast the inputs' converted copies (one call's) plus
+    ``_CONVERTED_OVERHEAD_SHARE`` of it."""
+    converted = _converted_bytes(f)
+    share = _CONVERTED_OVERHEAD_SHARE if converted else _OVERHEAD_SHARE
+    return int(share * compile_overhead(f)) + converted
 
 
 def scratch_row_pitch(vocab: int) -> int:
@@ -271,7 +281,7 @@ def scratch_row_pitch(vocab: int) -> int:
 
 def chunk_rows(scratch_bytes: int, vocab: int, element_size: int, rows: int) -> int:
     """Rows per balanced chunk: as many chunks as the padded rows that fit in ``scratch_bytes`` need, of equal size
-    (no short last chunk: each chunk reads and writes the fp32 dC sums whatever its rows), a multiple of 128 once
+    (no short last chunk: each chunk reads and writes dC's sums whatever its rows), a multiple of 128 once
     >= 128 (whole matmul tiles); at least 1, at most ``max(rows, 1)``."""
     fit = max(1, scratch_bytes // (scratch_row_pitch(vocab) * element_size))
     if fit >= 128:
@@ -285,54 +295,92 @@ def chunk_rows(scratch_bytes: int, vocab: int, element_size: int, rows: int) -> 
     return even
 
 
-def balanced_scratch(f: HeadFacts, limit: int | None = None) -> int:
-    """The balanced path's scratch for these facts: as large as ``limit`` (default: the budget,
-    :func:`balanced_budget`) leaves beside its fixed memory, at most 1 GiB and all rows, but no larger than keeps the
-    peak within :func:`memory_target` where that still leaves chunks of ``_TARGET_CHUNK_ROWS`` rows (or all rows); 0
-    where not even ``_MIN_CHUNK_ROWS`` rows (or all rows, if fewer) fit ``limit``."""
-    limit = balanced_budget(f)[0] if limit is None else limit
-    scratch = _scratch_within(f, limit)
-    lean_scratch = _scratch_within(f, min(limit, memory_target(f)))
-    rows = chunk_rows(lean_scratch, f.vocab, f.element_size, f.rows) if lean_scratch else 0
-    return lean_scratch if rows >= min(f.rows, _TARGET_CHUNK_ROWS) else scratch
+@dataclasses.dataclass(frozen=True)
+class BalancedPlan:
+    """How the balanced path runs a head: its scratch, the rows per chunk that scratch gives, and how a 16-bit dC is
+    summed over the chunks: ``plain_sum`` in its own dtype (one rounding a chunk, no remainder bytes, at most
+    ``_planning.PLAIN_SUM_MAX_CHUNKS`` chunks), else as a 16-bit pair (a remainder of ``V x D`` 16-bit elements,
+    exact at any number of chunks). An fp32 dC is its own sum either way."""
+
+    scratch_bytes: int
+    chunk_rows: int
+    chunks: int
+    plain_sum: bool
+    peak: int  # est. bytes (:func:`balanced_peak`)
+    within_target: bool  # the peak within the gradients plus :func:`overhead_target`
 
 
-def memory_target(f: HeadFacts) -> int:
-    """The peak the balanced path's scratch keeps to where it can (:func:`balanced_scratch`): ``_TARGET_SHARE`` of
-    torch.compile's estimated peak, or the gradients' own bytes plus the remainders of the head's 16-bit sums
-    (``V D`` elements) and ``_TARGET_SLACK`` where that is more. Each chunk rewrites dC's sums (8 bytes an element),
-    so a smaller scratch costs time; chunks of ``_TARGET_CHUNK_ROWS`` rows keep that small beside the products."""
-    remainders = f.vocab * f.hidden * f.c_bytes if f.c_bytes != 4 else 0
-    return max(int(_TARGET_SHARE * compile_peak(f)), gradient_bytes(f) + remainders + _TARGET_SLACK)
+def _plan(f: HeadFacts, scratch_bytes: int, plain_sum: bool) -> BalancedPlan:
+    rows = chunk_rows(scratch_bytes, f.vocab, f.element_size, f.rows)
+    peak = balanced_peak(f, scratch_bytes, plain_sum)
+    within = peak <= gradient_bytes(f) + overhead_target(f)
+    return BalancedPlan(scratch_bytes, rows, -(-max(f.rows, 1) // rows), plain_sum, peak, within)
 
 
-def _scratch_within(f: HeadFacts, limit: int) -> int:
-    """The largest scratch (at most 1 GiB, all rows) whose :func:`balanced_peak` fits ``limit``; 0 where not even
+def _scratch_of_chunks(f: HeadFacts, chunks: int) -> int:
+    """The scratch whose chunks (:func:`chunk_rows`) are at most ``chunks``: ``ceil(N / chunks)`` rows, rounded up to
+    a multiple of 128 once >= 128."""
+    rows = -(-max(f.rows, 1) // chunks)
+    if rows >= 128:
+        rows = -(-rows // 128) * 128
+    return rows * scratch_row_pitch(f.vocab) * f.element_size
+
+
+def _largest_scratch_within(f: HeadFacts, limit: int, plain_sum: bool) -> int:
+    """The largest scratch (at most ``_MAX_SCRATCH_BYTES``, all rows) whose peak fits ``limit``; 0 where not even
     ``_MIN_CHUNK_ROWS`` rows (or all rows, if fewer) fit."""
     row_bytes = scratch_row_pitch(f.vocab) * f.element_size
     # per scratch byte, a 16-bit dE's fp32 rows of the chunk grow too
     per_byte = 1 + (f.hidden * 4 / row_bytes if f.e_bytes != 4 else 0)
-    room = int((limit - balanced_peak(f, 0)) / per_byte)
+    room = int((limit - balanced_peak(f, 0, plain_sum)) / per_byte)
     want = min(_MAX_SCRATCH_BYTES, max(f.rows, 1) * row_bytes)
     if room < min(_MIN_CHUNK_ROWS, max(f.rows, 1)) * row_bytes:
         return 0
     return min(want, room)
 
 
+def balanced_plan(f: HeadFacts, scratch_mb: int = 0, plain_sum: bool | None = None) -> BalancedPlan:
+    """The balanced path's plan for these facts (the pass asks at the batch it traced, the op at each call's).
+    ``plain_sum``: the site's choice (the op's argument), or None to choose here. The rule, fastest first, within
+    the memory target (the gradients plus :func:`overhead_target`) and a scratch of at most ``_MAX_SCRATCH_BYTES``:
+
+    * a 16-bit dC summed in its own dtype over 1, else 2 chunks (``PLAIN_SUM_MAX_CHUNKS``: the error budget);
+    * else as a 16-bit pair (exact at any number of chunks, for the pair product's epilogue), the largest scratch
+      within the target, but chunks of at least ``_MIN_CHUNK_ROWS`` rows: each chunk reads and writes the pair;
+    * where neither fits, speed first: the plain sum over 2 chunks, or the pair where it holds less than
+      ``_PAIR_LEANER`` of the plain sum's bytes above the gradients; ``within_target`` False (stats() says so).
+
+    An fp32 dC (fp32 heads, autocast's fp32 weights) is its own fp32 sum at any number of chunks: the largest scratch
+    within the target, chunks of at least ``_MIN_CHUNK_ROWS`` rows. ``scratch_mb`` (> 0) sets the scratch; a plain sum
+    then still takes at most 2 chunks."""
+    most = _planning.PLAIN_SUM_MAX_CHUNKS
+    sixteen = f.c_bytes == 2
+    if scratch_mb:
+        scratch = scratch_mb * 2**20
+        fits_plain = -(-max(f.rows, 1) // chunk_rows(scratch, f.vocab, f.element_size, f.rows)) <= most
+        plain = sixteen and (fits_plain if plain_sum is None else plain_sum)
+        return _plan(f, scratch if fits_plain or not plain else _scratch_of_chunks(f, most), plain)
+    limit = gradient_bytes(f) + overhead_target(f)
+    floor = min(_MIN_CHUNK_ROWS, max(f.rows, 1)) * scratch_row_pitch(f.vocab) * f.element_size
+    sums = _plan(f, max(_largest_scratch_within(f, limit, False), floor), False)  # fp32 sums, or the pair
+    if not sixteen or plain_sum is False:
+        return sums
+    if plain_sum is None:
+        for chunks in range(1, most + 1):
+            plan = _plan(f, _scratch_of_chunks(f, chunks), True)
+            if plan.within_target and plan.scratch_bytes <= _MAX_SCRATCH_BYTES:
+                return plan
+        if sums.within_target:
+            return sums
+    plain = _plan(f, _scratch_of_chunks(f, most), True)
+    base = gradient_bytes(f)
+    if plain_sum is None and sums.peak - base < _PAIR_LEANER * (plain.peak - base):
+        return sums
+    return plain
+
+
 def _mib(n: int) -> str:
     return f"{n / 2**20:.0f} MiB"
-
-
-def _compile_estimate(f: HeadFacts, padded: bool = False) -> str:
-    if padded:
-        return (
-            f"{_mib(compile_peak(f, padded=True))}, 4 bytes a logit as it holds them where it pads an unaligned "
-            "vocabulary's products: the logits' gradient and a padded copy of it"
-        )
-    returned = (
-        f", the logits it returns included: {compile_bytes_per_logit(f)} bytes per logit" if f.returned_logits else ""
-    )
-    return f"{_mib(compile_peak(f))}{returned}"
 
 
 def lean_only_reason(f: HeadFacts) -> str | None:
@@ -347,13 +395,19 @@ def lean_only_reason(f: HeadFacts) -> str | None:
 
 
 def choose(
-    f: HeadFacts, path: str = "auto", scratch_mb: int = 0, backward_row_chunk: int = 8192, products: str = "auto"
+    f: HeadFacts,
+    path: str = "auto",
+    scratch_mb: int = 0,
+    backward_row_chunk: int = 8192,
+    products: str = "auto",
+    exact: bool = False,
 ) -> PathChoice:
     """The path for a site (module docstring). ``path``: ``"auto"``, or a forced ``"lean"`` / ``"balanced"``;
     ``scratch_mb``: the balanced path's scratch (0: sized here); a ``scratch_mb`` with ``path="auto"`` asks for the
     balanced path, as it did before the automatic choice existed. ``products``: ``CCEOptions.products``, which the
-    lean path's record explains where it is decided per call."""
-    choice = _choose(f, path, scratch_mb, backward_row_chunk)
+    lean path's record explains where it is decided per call. ``exact``: gradients at no more than torch.compile's
+    error (the lean path; a forced balanced path sums a 16-bit dC as a pair)."""
+    choice = _choose(f, path, scratch_mb, exact)
     if choice.path == "lean" and f.kernels and f.needs_grad:
         return dataclasses.replace(
             choice,
@@ -362,6 +416,11 @@ def choose(
             + (_products_note(f, backward_row_chunk) if products == "auto" else ""),
         )
     return choice
+
+
+def choose_for(f: HeadFacts, options) -> PathChoice:
+    """:func:`choose` with the fields of a ``CCEOptions`` (the pass and the direct call)."""
+    return choose(f, options.path, options.scratch_mb, options.backward_row_chunk, options.products, options.exact)
 
 
 def _lean_block_note(f: HeadFacts, backward_row_chunk: int) -> str:
@@ -394,28 +453,28 @@ def _products_note(f: HeadFacts, backward_row_chunk: int) -> str:
     return (
         "; its backward's products: cuBLAS over every row, or over the counted rows only on calls after "
         "ones with >= 10% of the targets ignored (cuBLAS, est. peak "
-        f"{_mib(prefix_peak)}{' (over the budget)' if prefix_peak > balanced_budget(f)[0] else ''} on those calls; the "
+        f"{_mib(prefix_peak)}{' (over the budget)' if prefix_peak > budget(f) else ''} on those calls; the "
         "row-skipping Triton products alone where >= 60% are ignored, or >= 40% and the share moves) "
         "(stats()['backward_products'])"
     )
 
 
-def _choose(f: HeadFacts, path: str, scratch_mb: int, backward_row_chunk: int) -> PathChoice:
+def _choose(f: HeadFacts, path: str, scratch_mb: int, exact: bool) -> PathChoice:
     if path == "lean":
-        return PathChoice(
-            "lean", "lean path (forced: path='lean')" + _lean_cost_note(f, backward_row_chunk) + _host_bound_note(f)
-        )
+        return PathChoice("lean", "lean path (forced: path='lean')" + _lean_cost_note(f, exact) + _host_bound_note(f))
     why_not = lean_only_reason(f)
     if why_not is not None:
         note = "" if path == "auto" and not scratch_mb else " (a balanced path was asked for)"
         return PathChoice("lean", f"lean path: {why_not}{note}")
     if path == "balanced" or scratch_mb:
-        scratch = scratch_for(f, scratch_mb)
+        plan = balanced_plan(f, scratch_mb, plain_sum=False if exact else None)
         why = "forced: path='balanced'" if path == "balanced" else f"asked for by scratch_mb={scratch_mb}"
+        return _balanced_choice(f, plan, f"balanced path ({why})")
+    if exact:
         return PathChoice(
-            "balanced",
-            f"balanced path ({why}; {_mib(scratch)} scratch)" + _fat_note(f, scratch) + _host_bound_note(f, "balanced"),
-            scratch,
+            "lean",
+            "lean path: exact=True (fp32 sums, four matmuls: gradients below torch.compile's error, where the "
+            "default's balanced path sums a 16-bit dC in its own dtype, within 1.35x of it)" + _host_bound_note(f),
         )
     if not f.kernels:
         return PathChoice(
@@ -425,73 +484,60 @@ def _choose(f: HeadFacts, path: str, scratch_mb: int, backward_row_chunk: int) -
         )
     if f.rows < _MIN_BALANCED_ROWS:
         return PathChoice("lean", f"lean path: {f.rows} rows are too few for the balanced path's chunks")
-    limit, padded = balanced_budget(f)
-    scratch = balanced_scratch(f, limit)
-    if scratch:
-        return PathChoice(
-            "balanced",
-            f"balanced path: three matmuls, est. peak {_mib(balanced_peak(f, scratch))} "
-            f"within the budget {_mib(limit)} (half of torch.compile's est. "
-            f"{_compile_estimate(f, padded)}; {_mib(scratch)} scratch)" + _host_bound_note(f, "balanced"),
-            scratch,
+    return _balanced_choice(f, balanced_plan(f), "balanced path")
+
+
+def _balanced_choice(f: HeadFacts, plan: BalancedPlan, head: str) -> PathChoice:
+    """A balanced path's record: how dC is summed over how many chunks, its est. peak against torch.compile's."""
+    if f.c_bytes == 4:
+        sums = "the gradients summed in fp32"
+    elif plan.plain_sum:
+        sums = (
+            f"dC summed in its own 16-bit dtype, one rounding a chunk (at most {_planning.PLAIN_SUM_MAX_CHUNKS} "
+            "chunks: within 1.35x torch.compile's dC error)"
         )
-    need = balanced_peak(f, min(f.rows, _MIN_CHUNK_ROWS) * scratch_row_pitch(f.vocab) * f.element_size)
-    lean = lean_peak(f, backward_row_chunk)
+    else:
+        sums = "dC summed as a 16-bit pair (a V x D remainder, exact at any number of chunks)"
+    overhead = plan.peak - gradient_bytes(f)
+    ratio = overhead / max(compile_overhead(f), 1)
+    target = _CONVERTED_OVERHEAD_SHARE if _converted_bytes(f) else _OVERHEAD_SHARE
     over = (
         ""
-        if lean <= limit
+        if plan.within_target
         else (
-            f"; the lean path's est. peak {_mib(lean)} is over the budget too (its G block "
-            "and dE summed in fp32 against a small V x D), the least of the two"
+            " (over the memory target, speed first: more chunks would put dC's 16-bit sum past the error budget, and "
+            "its remainder alone is past the target)"
+            if plan.plain_sum
+            else " (over the memory target)"
         )
     )
     return PathChoice(
-        "lean",
-        f"lean path: the balanced path's est. peak {_mib(need)} (its gradients at 4 bytes "
-        f"an element, {_mib(4 * (f.vocab + f.rows) * f.hidden)}) exceeds the budget "
-        f"{_mib(limit)} (half of "
-        f"torch.compile's est. {_compile_estimate(f, padded)}); four matmuls where "
-        "torch.compile does three (more time on the head: docs/performance.md)"
-        f"{over}{_host_bound_note(f)}"
-        f"{_balanced_instead_note(f)}",
+        "balanced",
+        f"{head}: three matmuls, {plan.chunks} row chunk{'s' if plan.chunks > 1 else ''} of {plan.chunk_rows} rows "
+        f"({_mib(plan.scratch_bytes)} scratch), {sums}; est. peak {_mib(plan.peak)}, {_mib(overhead)} above the "
+        f"gradients: {ratio:.2f}x torch.compile's est. {_mib(compile_overhead(f))}{_compile_note(f)} (target {target}x"
+        f"{' beside the converted inputs' if _converted_bytes(f) else ''}){over}"
+        + _fat_note(f, plan)
+        + _host_bound_note(f, "balanced"),
+        plan.scratch_bytes,
+        plan.plain_sum,
     )
 
 
-def scratch_for(f: HeadFacts, scratch_mb: int = 0) -> int:
-    """The balanced path's scratch once it is taken: ``scratch_mb`` MiB where given, else what the budget leaves
-    (:func:`balanced_scratch`), and where it leaves none (a forced path, or a batch larger than the one the site was
-    compiled for) up to 1 GiB: the balanced path was chosen for speed. The op calls this at run time, with the real
-    N and the site's ``returned_logits``, so it reads the budget the choice read."""
-    if scratch_mb:
-        return scratch_mb * 2**20
-    # past the budget (forced), the scratch that makes the balanced path fast: fewer chunks, fewer fp32 dC passes
-    return balanced_scratch(f) or min(_MAX_SCRATCH_BYTES, max(f.rows, 1) * scratch_row_pitch(f.vocab) * f.element_size)
-
-
-def _fat_note(f: HeadFacts, scratch: int) -> str:
-    peak, compile_bytes = balanced_peak(f, scratch), compile_peak(f)
-    if f.kernels and peak > compile_bytes:
-        return (
-            f"; est. peak {_mib(peak)} is above torch.compile's {_mib(compile_bytes)} (its gradients at 4 bytes an "
-            "element: path='auto' would take the lean path here)"
-        )
+def _compile_note(f: HeadFacts) -> str:
+    """What torch.compile's estimate holds per logit, where it is not the input's width."""
+    if pads_product(f):
+        return f" at {_PADDED_LOGIT_BYTES} bytes a logit, as it holds them where it pads an unaligned vocabulary"
+    if f.returned_logits:
+        return f", the logits it returns included: {compile_bytes_per_logit(f)} bytes per logit"
     return ""
 
 
-def _balanced_instead_note(f: HeadFacts) -> str:
-    """Where the default keeps a head lean for memory, the way to trade memory for time instead: the balanced path
-    with the largest scratch (at most 1 GiB) that keeps its estimated peak under 0.9x torch.compile's (clearly
-    leaner, with room for the estimates' error), as a ``scratch_mb`` to set: three matmuls instead of four, about
-    torch.compile's time (docs/performance.md)."""
-    scratch = balanced_scratch(f, limit=int(_CLEARLY_LEANER * compile_peak(f))) // 2**20 * 2**20
-    if scratch < 2**20:
-        return ""
-    peak = balanced_peak(f, scratch)
-    return (
-        f"; scratch_mb={scratch // 2**20} (CCE_INDUCTOR_SCRATCH_MB) would take the balanced path instead: three "
-        f"matmuls (about torch.compile's time) at est. peak {_mib(peak)}, "
-        f"{peak / compile_peak(f):.2f}x torch.compile's"
-    )
+def _fat_note(f: HeadFacts, plan: BalancedPlan) -> str:
+    compile_bytes = compile_peak(f)
+    if f.kernels and plan.peak > compile_bytes:
+        return f"; est. peak above torch.compile's {_mib(compile_bytes)}"
+    return ""
 
 
 def _host_bound_note(f: HeadFacts, path: Path = "lean") -> str:
@@ -514,13 +560,11 @@ def _host_bound_note(f: HeadFacts, path: Path = "lean") -> str:
     )
 
 
-def _lean_cost_note(f: HeadFacts, backward_row_chunk: int) -> str:
-    if not f.kernels or lean_only_reason(f) is not None:
+def _lean_cost_note(f: HeadFacts, exact: bool) -> str:
+    if not f.kernels or lean_only_reason(f) is not None or f.rows < _MIN_BALANCED_ROWS or exact:
         return ""
-    scratch = balanced_scratch(f)
-    if scratch:
-        return (
-            f"; path='auto' would take the balanced path (three matmuls instead of four, est. peak "
-            f"{_mib(balanced_peak(f, scratch))} against {_mib(lean_peak(f, backward_row_chunk))})"
-        )
-    return ""
+    plan = balanced_plan(f)
+    return (
+        f"; path='auto' would take the balanced path (three matmuls instead of four, est. peak {_mib(plan.peak)} "
+        f"against {_mib(lean_peak(f))})"
+    )

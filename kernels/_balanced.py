@@ -341,6 +341,7 @@ def loss_and_grads(
     check_range=False,
     counted_prefix_rows=None,
     observe_counted=None,
+    plain_sum=False,
 ) -> LossAndGrads:
     """Launch helper: :class:`LossAndGrads` of ``cross_entropy(softcap(e @ c.T + bias), targets)`` for reduction
     "mean" or "sum", ``chunk_rows`` rows at a time through one scratch of logits (module docstring).
@@ -348,7 +349,10 @@ def loss_and_grads(
     products; the gradients stay in the inputs' dtypes).  ``counted_prefix_rows`` (where :func:`row_skipping_ok`):
     rows compacted (counted first), cuBLAS over that many of them, the row-skipping products past them (module
     docstring); None: cuBLAS over every row.  ``observe_counted``: called with the device-side count of counted rows
-    and the rows (``cce_inductor/_counted_share.py``)."""
+    and the rows (``cce_inductor/_counted_share.py``).  ``plain_sum``: a 16-bit dC is summed in its own dtype, one
+    rounding a chunk, over at most ``PLAIN_SUM_MAX_CHUNKS`` chunks (``chunk_rows >= N / 2``; with a counted prefix
+    the chunks are laid out so, ``_planning.balanced_chunks``), and returned without a remainder (``grad_c_lo``
+    None); else as the pair (module docstring)."""
     if reduction not in ("mean", "sum"):
         raise ValueError(f"the balanced path computes reductions 'mean' and 'sum', got {reduction!r}")
     tune = _launch.tuning(_TUNING)
@@ -372,6 +376,8 @@ def loss_and_grads(
     pitch = triton.cdiv(v, ROW_ALIGN) * ROW_ALIGN  # whatever V is, no product sees an odd leading dimension
     split = v - v % ROW_ALIGN  # the vocabulary's aligned part; its tail (fewer than 64 entries) goes apart (below)
     e_pair, c_pair = _sixteen_bit(e.dtype), _sixteen_bit(c.dtype)
+    plain_sum = bool(plain_sum) and c_pair and need_c  # (an fp32 dC is its own fp32 sum at any number of chunks)
+    c_pair = c_pair and not plain_sum
     grad_e, grad_e_lo = _gradient((n, d), e.dtype, device, e_pair) if need_e else (None, None)
     # dC's product runs over the padded scratch rows (pitch x D); rows past V are dropped
     grad_c, grad_c_lo = _gradient((pitch, d), c.dtype, device, c_pair) if need_c else (None, None)
@@ -387,7 +393,7 @@ def loss_and_grads(
             e, c, targets, bias, grad_e, grad_e_lo, grad_c, grad_c_lo, grad_bias, row_loss, row_scale,
             softcap=softcap, ignore_index=ignore_index, label_smoothing=label_smoothing, dtype=dtype,
             rows_per_chunk=rows_per_chunk, pitch=pitch, split=split, tune=tune,
-            counted_prefix_rows=counted_prefix_rows if compact else None,
+            counted_prefix_rows=counted_prefix_rows if compact else None, plain_sum=plain_sum,
         )  # fmt: skip
     if need_c:
         grad_c = grad_c[:v]
@@ -425,36 +431,66 @@ class _Compacted(NamedTuple):
         )
 
 
-def _chunks(
-    e, c, targets, bias, grad_e, grad_e_lo, grad_c, grad_c_lo, grad_bias, row_loss, row_scale, *,
-    softcap, ignore_index, label_smoothing, dtype, rows_per_chunk, pitch, split, tune, counted_prefix_rows,
-):  # fmt: skip
-    """The row chunks of :func:`loss_and_grads` (module docstring), writing the gradients' buffers and ``row_loss``."""
-    n, d = e.shape
-    v = c.shape[0]
-    device = e.device
-    need_e, need_c, need_bias = grad_e is not None, grad_c is not None, grad_bias is not None
-    e_pair, c_pair = grad_e_lo is not None, _sixteen_bit(c.dtype)
-    # the operands in the products' dtype: converted once per call, freed with it (never held for the backward)
+class _Operands(NamedTuple):
+    """What every chunk reads: the operands in the products' dtype (converted once per call), their fp32 copies
+    where the products upcast (the CPU interpreter: no 16-bit products with fp32 results), and the keywords of an
+    fp32-result product."""
+
+    e: torch.Tensor
+    c: torch.Tensor
+    bias: torch.Tensor | None
+    e_mm: torch.Tensor
+    c_mm: torch.Tensor
+    upcast: bool
+    out_dtype: dict
+
+
+def _operands(e, c, bias, dtype) -> _Operands:
     e_cd = e if e.dtype == dtype else e.to(dtype)
     c_cd = c if c.dtype == dtype else c.to(dtype)
     bias_cd = bias if bias is None or bias.dtype == dtype else bias.to(dtype)
     # 16-bit operands, fp32 results: cuBLAS's out_dtype products; where there are none (the CPU interpreter)
     # the operands are upcast
-    upcast = dtype != torch.float32 and not _launch.fp32_out_mm_available(device)
+    upcast = dtype != torch.float32 and not _launch.fp32_out_mm_available(e.device)
     out_dtype = {"out_dtype": torch.float32} if dtype != torch.float32 and not upcast else {}
+    e_mm = e_cd.float() if upcast else e_cd
+    c_mm = c_cd.float() if upcast else c_cd
+    return _Operands(e_cd, c_cd, bias_cd, e_mm, c_mm, upcast, out_dtype)
+
+
+def _plain_sum_into(out, a, b, *, accumulate: bool, upcast: bool) -> None:
+    """``out (+)= a @ b`` in ``out``'s 16-bit dtype, one rounding: cuBLAS's epilogue adds ``out`` to the fp32
+    product before it rounds (``beta = 1``); the interpreter's CPU path does the same in fp32."""
+    if not upcast:
+        _launch.product_into(out, a, b, accumulate=accumulate)
+        return
+    acc = a.float() @ b.float()
+    if accumulate:
+        acc += out.float()
+    out.copy_(acc)
+
+
+def _chunks(
+    e, c, targets, bias, grad_e, grad_e_lo, grad_c, grad_c_lo, grad_bias, row_loss, row_scale, *,
+    softcap, ignore_index, label_smoothing, dtype, rows_per_chunk, pitch, split, tune, counted_prefix_rows,
+    plain_sum,
+):  # fmt: skip
+    """The row chunks of :func:`loss_and_grads` (module docstring), writing the gradients' buffers and ``row_loss``."""
+    n, d = e.shape
+    v = c.shape[0]
+    device = e.device
+    ops = _operands(e, c, bias, dtype)
     # eager's NaN pattern of ignored rows, computed once for every chunk (the row kernel adds the two)
-    e_poison, c_poison = _launch.nonfinite_rows(e_cd), _launch.weight_poison(c_cd, bias_cd)
+    e_poison, c_poison = _launch.nonfinite_rows(ops.e), _launch.weight_poison(ops.c, ops.bias)
+    prefix, layout = _planning.balanced_chunks(n, rows_per_chunk, counted_prefix_rows, plain_sum)
     compacted = None
     if counted_prefix_rows is not None:
-        compacted = _Compacted.of(targets, ignore_index, e_poison, c_poison, counted_prefix_rows, n, rows_per_chunk)
+        compacted = _Compacted.of(targets, ignore_index, e_poison, c_poison, prefix, n, rows_per_chunk)
         targets, e_poison = compacted.targets, compacted.e_poison
-    c_mm = c_cd.float() if upcast else c_cd
-    e_mm = e_cd.float() if upcast else e_cd
     scratch = torch.empty(rows_per_chunk * pitch, dtype=dtype, device=device)
     chunk_logits = scratch.view(rows_per_chunk, pitch)
     # a 16-bit dE is complete after its chunk: its fp32 rows are split into the pair there
-    de_rows32 = torch.empty((rows_per_chunk, d), dtype=torch.float32, device=device) if need_e and e_pair else None
+    de_rows32 = torch.empty((rows_per_chunk, d), dtype=torch.float32, device=device) if grad_e_lo is not None else None
     if compacted is not None:
         # the chunk's rows of E gathered in compacted order: in the first half of dE's fp32 rows, which are written
         # only after dC's product has read them (below), so the gather costs no memory where dE is wanted
@@ -463,40 +499,39 @@ def _chunks(
             if de_rows32 is not None
             else torch.empty((rows_per_chunk, d), dtype=dtype, device=device)
         )
-    c_t = c_cd[:split].T
     tail = None
     if split < v:
         # the tail's logits in a buffer of aligned rows (every row in one product, not one per chunk, unless the
         # rows are compacted chunk by chunk); the row kernel reads them there and overwrites them with their gradient
         tail = torch.empty((n, ROW_ALIGN), dtype=dtype, device=device)
         if compacted is None:
-            torch.mm(e_cd, c_cd[split:].T, out=tail[:, : v - split])
-    softcap_arg = float(softcap) if softcap is not None else 1.0
+            torch.mm(ops.e, ops.c[split:].T, out=tail[:, : v - split])
     block_v = tune["short_row_block_v"] if v <= tune["short_row"] else tune["block_v"]
-    prefix = n if counted_prefix_rows is None else counted_prefix_rows
-    starts = [*range(0, prefix, rows_per_chunk), *range(prefix, n, rows_per_chunk)]
-    for i, r0 in enumerate(starts):
-        rows = min(rows_per_chunk, (prefix if r0 < prefix else n) - r0)
+    past_prefix = 0
+    for i, (r0, rows) in enumerate(layout):
         padded = chunk_logits if rows == rows_per_chunk else chunk_logits[:rows]
         # past the prefix: the count of this chunk's counted rows, which the row-skipping products read
-        count = compacted.chunk_counts[i - len(range(0, prefix, rows_per_chunk)) :][:1] if r0 >= prefix else None
+        count = None
+        if compacted is not None and r0 >= prefix:
+            count = compacted.chunk_counts[past_prefix : past_prefix + 1]
+            past_prefix += 1
         if compacted is not None:
             row_order = compacted.row_order[r0 : r0 + rows]
-            e_rows = torch.index_select(e_cd, 0, row_order, out=e_gathered[:rows])
+            e_rows = torch.index_select(ops.e, 0, row_order, out=e_gathered[:rows])
         else:
-            e_rows = e_cd[r0 : r0 + rows]
+            e_rows = ops.e[r0 : r0 + rows]
         chunk_tail = tail is not None and count is None
         if count is not None:  # every column at once (Triton has no alignment to keep): no tail buffer
-            _products.logits_product(padded[:, :v], e_rows, c_cd, count)
+            _products.logits_product(padded[:, :v], e_rows, ops.c, count)
         else:
             if split:  # rounded to the products' dtype, as torch.compile's matmul rounds them
-                torch.mm(e_rows, c_t, out=padded[:, :split])
+                torch.mm(e_rows, ops.c[:split].T, out=padded[:, :split])
             if chunk_tail and compacted is not None:
-                torch.mm(e_rows, c_cd[split:].T, out=tail[r0 : r0 + rows, : v - split])
+                torch.mm(e_rows, ops.c[split:].T, out=tail[r0 : r0 + rows, : v - split])
         _softmax_grad_in_place_kernel[(rows,)](
             padded,
             tail if chunk_tail else padded,
-            bias_cd if bias_cd is not None else row_scale,
+            ops.bias if ops.bias is not None else row_scale,
             targets,
             e_poison,
             c_poison,
@@ -509,7 +544,7 @@ def _chunks(
             pitch,
             ROW_ALIGN,
             ignore_index,
-            softcap_arg,
+            float(softcap) if softcap is not None else 1.0,
             1.0 - label_smoothing,
             label_smoothing / v,
             HAS_BIAS=bias is not None,
@@ -521,49 +556,66 @@ def _chunks(
             BLOCK_V=block_v,
             num_warps=tune["num_warps"],
         )
-        grad = padded.float() if upcast and count is None else padded  # the scratch now holds G, 0 past V
-        # dC before dE: dE's product overwrites the gathered rows of E (compacted rows)
-        if need_c and c_pair:  # summed over the chunks as a 16-bit pair; compacted, every row's poison once
-            first_poison = compacted.dc_poison if compacted is not None and i == 0 else None
-            _pair_sums_into(
-                grad_c,
-                grad_c_lo,
-                padded,
-                e_rows,
-                accumulate=i > 0,
-                upcast=upcast,
-                num_counted=count,
-                poison=first_poison,
-            )
-        elif need_c:  # an fp32 gradient: the fp32 sum is the gradient
-            _launch.product_into(grad_c, grad.T, e_mm[r0 : r0 + rows], accumulate=i > 0, **out_dtype)
-        if need_e:  # the chunk's rows of dE, whole: the aligned part of V, then the tail's
-            de_rows = de_rows32[:rows] if e_pair else grad_e[r0 : r0 + rows]
-            if count is not None:  # the counted rows' row blocks; the others get their poison
-                _products.grad_products(
-                    padded[:, :v],
-                    count,
-                    c_chunk=c_cd,
-                    de32=de_rows,
-                    row_order=compacted.identity[:rows],
-                    row_poison=compacted.row_poison[r0 : r0 + rows],
-                )
-            else:
-                if split:
-                    _launch.product_into(de_rows, grad[:, :split], c_mm[:split], accumulate=False, **out_dtype)
-                if tail is not None:
-                    grad_tail = tail[r0 : r0 + rows, : v - split]
-                    _launch.product_into(
-                        de_rows,
-                        grad_tail.float() if upcast else grad_tail,
-                        c_mm[split:],
-                        accumulate=split > 0,
-                        **out_dtype,
-                    )
-            if compacted is not None:
-                _pair_sums.split_rows_into(de_rows, grad_e, grad_e_lo, row_order)
-            elif e_pair:
-                _pair_sums.split_pair(de_rows, grad_e[r0 : r0 + rows], grad_e_lo[r0 : r0 + rows])
-        if need_bias:
+        # the scratch now holds G, 0 past V.  dC before dE: dE's product overwrites the gathered rows of E
+        if grad_c is not None:
+            # compacted: every row's poison enters dC once, with the first chunk whose product can add it (the pair
+            # product's; a plain sum's cuBLAS products cannot: its first chunk past the prefix)
+            adds_poison = compacted is not None and (past_prefix == 1 and count is not None if plain_sum else i == 0)
+            poison = compacted.dc_poison if adds_poison else None
+            _dc_chunk(grad_c, grad_c_lo, padded, e_rows, ops, v, first=i == 0, count=count, poison=poison)
+        if grad_e is not None:
+            _de_chunk(grad_e, grad_e_lo, de_rows32, padded, ops, tail, v, split, r0, rows, count, compacted)
+        if grad_bias is not None:
+            grad = padded.float() if ops.upcast else padded
             grad_bias += grad[:, :v].sum(dim=0, dtype=torch.float32)
-        del grad
+
+
+def _dc_chunk(grad_c, grad_c_lo, padded, e_rows, ops: _Operands, v, *, first: bool, count, poison) -> None:
+    """``dC (+)= G^T @ E[rows]`` for one chunk (``padded``: its G, over the padded vocabulary), rows past the prefix
+    (``count``: their device-side count) by the row-skipping products, ``poison`` (a device scalar) added to every
+    element where given: a 16-bit pair by the pair product; a plain 16-bit sum rounded once a chunk; an fp32 gradient
+    is its own fp32 sum."""
+    if grad_c_lo is not None:
+        _pair_sums_into(
+            grad_c, grad_c_lo, padded, e_rows, accumulate=not first, upcast=ops.upcast, num_counted=count, poison=poison
+        )
+    elif count is not None:
+        if poison is None:
+            poison = torch.zeros((), dtype=torch.float32, device=grad_c.device)
+        _products.grad_products(
+            padded[:, :v], count, e_compact=e_rows, dc_chunk=grad_c[:v], ignored_poison=poison, accumulate_c=not first
+        )
+    elif grad_c.dtype == torch.float32:
+        grad = padded.float() if ops.upcast else padded
+        rows = e_rows.float() if ops.upcast else e_rows
+        _launch.product_into(grad_c, grad.T, rows, accumulate=not first, **ops.out_dtype)
+    else:
+        _plain_sum_into(grad_c, padded.T, e_rows, accumulate=not first, upcast=ops.upcast)
+
+
+def _de_chunk(grad_e, grad_e_lo, de_rows32, padded, ops: _Operands, tail, v, split, r0, rows, count, compacted):
+    """The chunk's rows of dE, whole (the aligned part of V, then the tail's; past the prefix the counted rows' row
+    blocks, the others their poison), put into the pair at their rows (compacted: their original rows) or, for an
+    fp32 dE, written in place."""
+    de_rows = de_rows32[:rows] if grad_e_lo is not None else grad_e[r0 : r0 + rows]
+    if count is not None:
+        _products.grad_products(
+            padded[:, :v],
+            count,
+            c_chunk=ops.c,
+            de32=de_rows,
+            row_order=compacted.identity[:rows],
+            row_poison=compacted.row_poison[r0 : r0 + rows],
+        )
+    else:
+        grad = padded.float() if ops.upcast else padded
+        if split:
+            _launch.product_into(de_rows, grad[:, :split], ops.c_mm[:split], accumulate=False, **ops.out_dtype)
+        if tail is not None:
+            grad_tail = tail[r0 : r0 + rows, : v - split]
+            grad_tail = grad_tail.float() if ops.upcast else grad_tail
+            _launch.product_into(de_rows, grad_tail, ops.c_mm[split:], accumulate=split > 0, **ops.out_dtype)
+    if compacted is not None:
+        _pair_sums.split_rows_into(de_rows, grad_e, grad_e_lo, compacted.row_order[r0 : r0 + rows])
+    elif grad_e_lo is not None:
+        _pair_sums.split_pair(de_rows, grad_e[r0 : r0 + rows], grad_e_lo[r0 : r0 + rows])

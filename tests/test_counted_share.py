@@ -239,7 +239,8 @@ def test_dispatch_hands_the_balanced_kernels_the_counted_prefix(monkeypatch, ask
         ignore_index=-100,
         reduction="mean",
         label_smoothing=0.0,
-        scratch_bytes=1 << 20,
+        chunk_rows=256,
+        plain_sum=False,
         need_e=True,
         need_c=True,
         need_bias=False,
@@ -271,9 +272,10 @@ def test_lean_record_says_how_products_are_chosen():
     gemma2 = paths.HeadFacts(
         rows=8192, hidden=2304, vocab=256000, element_size=2, kernels=True, reduction="mean", needs_grad=True
     )
-    assert "counted rows only" in paths.choose(gemma2).reason
-    assert "counted rows only" not in paths.choose(gemma2, products="cublas").reason
-    assert "counted rows only" not in paths.choose(gemma2, path="balanced").reason
+    assert "counted rows only" in paths.choose(gemma2, path="lean").reason
+    assert "counted rows only" in paths.choose(gemma2, exact=True).reason
+    assert "counted rows only" not in paths.choose(gemma2, path="lean", products="cublas").reason
+    assert "counted rows only" not in paths.choose(gemma2).reason  # the default: balanced
     no_grad = paths.HeadFacts(**{**gemma2.__dict__, "needs_grad": False})
     assert "counted rows only" not in paths.choose(no_grad).reason  # no backward
     cpu = paths.HeadFacts(**{**gemma2.__dict__, "kernels": False})

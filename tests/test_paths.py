@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import cce_inductor
-from cce_inductor import CCEOptions, paths
+from cce_inductor import CCEOptions, _planning, paths
 from tests.support.compare import rel_l2
 from tests.support.inputs import BALANCED, IGNORE, make_balanced_inputs
 
@@ -28,36 +28,88 @@ from tests.support.inputs import BALANCED, IGNORE, make_balanced_inputs
 # The choice as a pure function
 # ----------------------------------------------------------------------------------------------------------------
 
-HEADS = {  # name: (D, V)
+HEADS = {  # name: (D, V): issue 62's grid
     "gpt2": (768, 50257),
     "gpt2-medium": (1024, 50257),
+    "v62421": (2048, 62421),
+    "v65535": (2048, 65535),
+    "v65536": (2048, 65536),
+    "qwen25-0.5b": (896, 151936),
     "llama2": (4096, 32000),
     "phi35": (3072, 32064),
-    "v65535": (2048, 65535),
-    "llama3": (4096, 128256),
-    "qwen25-0.5b": (896, 151936),
     "gemma2": (2304, 256000),
+    "llama3": (4096, 128256),
+    "qwen25-7b": (3584, 152064),
+    "v100277": (4096, 100277),
+    "mistral-nemo": (5120, 131072),
     "deepseek-v3": (7168, 129280),
 }
 
-# The default's pick for bf16 mean losses with gradients on the CUDA kernels: balanced exactly where its estimated
-# peak (its gradients at 4 bytes an element, as 16-bit pairs, and at least 1024 rows of scratch) fits half of
-# torch.compile's (its logits), i.e. where N V >~ 3 (N + V) D; on an unaligned V (GPT-2's 50257, 65535) half of
-# torch.compile's at 4 bytes a logit where the first leaves no scratch.
-PICKS = {
-    4096: {"gpt2": "balanced", "gpt2-medium": "balanced"},
-    8192: {"gpt2": "balanced", "gpt2-medium": "balanced", "qwen25-0.5b": "balanced", "v65535": "balanced"},
-    32768: {
-        "gpt2": "balanced",
-        "gpt2-medium": "balanced",
-        "phi35": "balanced",
-        "v65535": "balanced",
-        "llama3": "balanced",
-        "qwen25-0.5b": "balanced",
-        "gemma2": "balanced",
-        "llama2": "balanced",
-        "deepseek-v3": "balanced",
-    },
+# The default's plan for mean losses with gradients on the CUDA kernels (paths.balanced_plan): how dC is summed
+# ("plain": a 16-bit sum in its own dtype; "pair": with its 16-bit remainder; "fp32": autocast's fp32 head, its own
+# sum), over how many row chunks, and whether the peak is within the memory target (the gradients plus 0.3x
+# torch.compile's overhead; under autocast the converted inputs plus 0.15x). Comments: the estimated overhead as a
+# share of torch.compile's. A plain sum is within the target where torch.compile holds 4 bytes a logit (an unaligned
+# V): two chunks hold ~1/4 of its overhead; elsewhere ~1/2, which the error budget does not let more chunks cut, and
+# the pair's V x D remainder is past the target too (small N against D): over the target, speed first. At N 32768 the
+# pair fits (with chunks of >= 2048 rows, a scratch of <= 1 GiB), or holds much less than the plain sum.
+PLANS = {
+    ("gpt2", 4096, "bf16"): ("plain", 2, True),  # 0.27x
+    ("gpt2-medium", 4096, "bf16"): ("plain", 2, True),  # 0.27x
+    ("v62421", 4096, "bf16"): ("plain", 2, True),  # 0.28x
+    ("v65535", 4096, "bf16"): ("plain", 2, True),  # 0.28x
+    ("v65536", 4096, "bf16"): ("plain", 2, False),  # 0.56x
+    ("qwen25-0.5b", 4096, "bf16"): ("plain", 2, False),  # 0.51x
+    ("llama2", 4096, "bf16"): ("plain", 2, False),  # 0.76x
+    ("phi35", 4096, "bf16"): ("plain", 2, False),  # 0.69x
+    ("gemma2", 4096, "bf16"): ("plain", 2, False),  # 0.52x
+    ("llama3", 4096, "bf16"): ("plain", 2, False),  # 0.56x
+    ("qwen25-7b", 4096, "bf16"): ("plain", 2, False),  # 0.55x
+    ("v100277", 4096, "bf16"): ("plain", 2, True),  # 0.29x
+    ("mistral-nemo", 4096, "bf16"): ("plain", 2, False),  # 0.58x
+    ("deepseek-v3", 4096, "bf16"): ("plain", 2, False),  # 0.61x
+    ("gpt2", 8192, "bf16"): ("plain", 2, True),  # 0.27x
+    ("gpt2", 8192, "autocast"): ("fp32", 4, True),  # 0.20x
+    ("gpt2-medium", 8192, "bf16"): ("plain", 2, True),  # 0.27x
+    ("gpt2-medium", 8192, "autocast"): ("fp32", 4, True),  # 0.22x
+    ("v62421", 8192, "bf16"): ("plain", 2, True),  # 0.28x
+    ("v62421", 8192, "autocast"): ("fp32", 4, True),  # 0.29x
+    ("v65535", 8192, "bf16"): ("plain", 2, True),  # 0.28x
+    ("v65535", 8192, "autocast"): ("fp32", 4, True),  # 0.29x
+    ("v65536", 8192, "bf16"): ("plain", 2, False),  # 0.56x
+    ("v65536", 8192, "autocast"): ("fp32", 4, False),  # 0.53x
+    ("qwen25-0.5b", 8192, "bf16"): ("plain", 2, False),  # 0.51x
+    ("qwen25-0.5b", 8192, "autocast"): ("fp32", 4, False),  # 0.37x
+    ("llama2", 8192, "bf16"): ("plain", 2, False),  # 0.76x
+    ("llama2", 8192, "autocast"): ("fp32", 4, False),  # 0.88x
+    ("phi35", 8192, "bf16"): ("plain", 2, False),  # 0.69x
+    ("phi35", 8192, "autocast"): ("fp32", 4, False),  # 0.72x
+    ("gemma2", 8192, "bf16"): ("plain", 2, False),  # 0.52x
+    ("gemma2", 8192, "autocast"): ("fp32", 4, False),  # 0.54x
+    ("llama3", 8192, "bf16"): ("plain", 2, False),  # 0.56x
+    ("llama3", 8192, "autocast"): ("fp32", 4, False),  # 0.78x
+    ("qwen25-7b", 8192, "bf16"): ("plain", 2, False),  # 0.55x
+    ("qwen25-7b", 8192, "autocast"): ("fp32", 4, False),  # 0.71x
+    ("v100277", 8192, "bf16"): ("plain", 2, True),  # 0.29x
+    ("v100277", 8192, "autocast"): ("fp32", 4, True),  # 0.42x
+    ("mistral-nemo", 8192, "bf16"): ("plain", 2, False),  # 0.58x
+    ("mistral-nemo", 8192, "autocast"): ("fp32", 4, False),  # 0.91x
+    ("deepseek-v3", 8192, "bf16"): ("plain", 2, False),  # 0.61x
+    ("deepseek-v3", 8192, "autocast"): ("fp32", 4, False),  # 1.18x
+    ("gpt2", 32768, "bf16"): ("pair", 4, True),  # 0.19x
+    ("gpt2-medium", 32768, "bf16"): ("pair", 4, True),  # 0.19x
+    ("v62421", 32768, "bf16"): ("pair", 4, True),  # 0.19x
+    ("v65535", 32768, "bf16"): ("pair", 4, True),  # 0.18x
+    ("v65536", 32768, "bf16"): ("pair", 6, True),  # 0.30x
+    ("qwen25-0.5b", 32768, "bf16"): ("pair", 10, True),  # 0.14x
+    ("llama2", 32768, "bf16"): ("pair", 16, False),  # 0.33x
+    ("phi35", 32768, "bf16"): ("pair", 12, True),  # 0.30x
+    ("gemma2", 32768, "bf16"): ("pair", 16, True),  # 0.14x
+    ("llama3", 32768, "bf16"): ("pair", 8, True),  # 0.29x
+    ("qwen25-7b", 32768, "bf16"): ("pair", 10, True),  # 0.25x
+    ("v100277", 32768, "bf16"): ("pair", 7, True),  # 0.17x
+    ("mistral-nemo", 32768, "bf16"): ("pair", 11, True),  # 0.30x
+    ("deepseek-v3", 32768, "bf16"): ("pair", 16, False),  # 0.34x
 }
 
 
@@ -67,123 +119,125 @@ def _facts(head, n, **kw):
     return paths.HeadFacts(**{**base, **kw})
 
 
-@pytest.mark.parametrize("n", sorted(PICKS))
-@pytest.mark.parametrize("head", sorted(HEADS))
-def test_default_pick_table(head, n):
-    facts = _facts(head, n)
+AUTOCAST = dict(e_element_size=4, c_element_size=4)
+
+
+@pytest.mark.parametrize("head, n, dtype", sorted(PLANS), ids=lambda x: str(x))
+def test_default_plan_table(head, n, dtype):
+    """Issue 62's choice as a table over the grid's heads, batches and dtypes: always the balanced path (three
+    matmuls), and the plan above; the memory model's overhead against the target; the error budget: a plain sum over
+    at most ``PLAIN_SUM_MAX_CHUNKS`` chunks; stats() says how dC is summed, over how many chunks and whether the
+    target is met."""
+    mode, chunks, within = PLANS[head, n, dtype]
+    facts = _facts(head, n, **(AUTOCAST if dtype == "autocast" else {}))
+    plan = paths.balanced_plan(facts)
+    got = "fp32" if facts.c_bytes == 4 else "plain" if plan.plain_sum else "pair"
+    assert (got, plan.chunks, plan.within_target) == (mode, chunks, within)
+    assert plan.chunks == -(-n // plan.chunk_rows) and plan.peak == paths.balanced_peak(
+        facts, plan.scratch_bytes, plan.plain_sum
+    )
+    target = paths.gradient_bytes(facts) + paths.overhead_target(facts)
+    assert (plan.peak <= target) == within
+    if plan.plain_sum:
+        assert plan.chunks <= _planning.PLAIN_SUM_MAX_CHUNKS
+    else:  # dC's sums are read and written by every chunk: at least 2048 rows (or all), at most 1 GiB
+        assert plan.chunk_rows >= min(n, 2048) and plan.scratch_bytes <= 2**30
     choice = paths.choose(facts)
-    assert choice.path == PICKS[n].get(head, "lean"), choice.reason
-    assert paths.budget(facts) == max(paths.compile_peak(facts) // 2, int(1.15 * paths.gradient_bytes(facts)))
-    budget, padded = paths.balanced_budget(facts)
-    assert padded == (facts.vocab % 8 != 0 and not paths.balanced_scratch(facts, paths.budget(facts)))
-    if choice.path == "balanced":
-        assert paths.balanced_peak(facts, choice.scratch_bytes) <= budget
-        # at least 1024 rows (or all) per chunk, at most 1 GiB
-        assert paths.chunk_rows(choice.scratch_bytes, facts.vocab, 2, n) >= min(n, 1024)
-        assert choice.scratch_bytes <= 2**30
-        assert "within the budget" in choice.reason
-    else:
-        assert choice.scratch_bytes == 0
-        assert paths.balanced_peak(facts, min(n, 1024) * paths.scratch_row_pitch(facts.vocab) * 2) > budget
-        assert "exceeds the budget" in choice.reason and "four matmuls" in choice.reason
-        # where even the lean path is over the budget (a small V x D against its G block and fp32 dE), it says so
-        assert ("over the budget too" in choice.reason) == (paths.lean_peak(facts) > budget)
+    assert choice.path == "balanced" and choice.scratch_bytes == plan.scratch_bytes
+    assert choice.plain_sum == plan.plain_sum
+    assert f"{plan.chunks} row chunks of {plan.chunk_rows} rows" in choice.reason, choice.reason
+    words = {"plain": "in its own 16-bit dtype", "pair": "as a 16-bit pair", "fp32": "summed in fp32"}
+    assert words[mode] in choice.reason and ("over the memory target" in choice.reason) == (not within)
 
 
-@pytest.mark.parametrize("head, n, chunks", [("v65535", 8192, 2), ("gpt2-medium", 4096, 2), ("gpt2", 4096, 2)])
-def test_unaligned_vocabularies_count_torch_compiles_padded_bytes(head, n, chunks):
+def test_plan_is_the_cheapest_that_fits_then_speed_first():
+    """Why each plan: a plain sum within the target over fewer chunks is never passed over; where the plain sum is
+    over the target and the pair within it, the pair; where both are over, the plain sum unless the pair holds less
+    than 0.6x its bytes above the gradients."""
+    most = _planning.PLAIN_SUM_MAX_CHUNKS
+    for key in PLANS:
+        head, n, dtype = key
+        if dtype != "bf16":
+            continue
+        facts = _facts(head, n)
+        plan = paths.balanced_plan(facts)
+        plains = [paths.balanced_plan(facts, plain_sum=True)]
+        pair = paths.balanced_plan(facts, plain_sum=False)
+        assert not pair.plain_sum and plains[0].plain_sum and plains[0].chunks <= most
+        base = paths.gradient_bytes(facts)
+        if plan.plain_sum and plan.within_target:
+            continue
+        if pair.within_target:
+            assert plan == pair, key
+        elif plan == pair:
+            assert pair.peak - base < 0.6 * (plains[0].peak - base), key
+        else:
+            assert plan == plains[0] and pair.peak - base >= 0.6 * (plan.peak - base), key
+
+
+@pytest.mark.parametrize("n", [256, 1000, 4097, 8192, 12345, 32768])
+@pytest.mark.parametrize("scratch_mb", [0, 1, 64, 4096])
+@pytest.mark.parametrize("head", ["gpt2", "llama3", "gemma2"])
+def test_a_plain_sum_never_takes_more_chunks_than_the_error_budget(head, n, scratch_mb):
+    """Whatever the batch (the op plans at each call's) and the scratch asked for: a plan with a plain 16-bit sum has at
+    most ``PLAIN_SUM_MAX_CHUNKS`` chunks, also where the site's choice (``plain_sum=True``) meets a batch or a
+    ``scratch_mb`` that would take more; where the pair was chosen it stays a pair."""
+    facts = _facts(head, n)
+    for asked in (None, True):
+        plan = paths.balanced_plan(facts, scratch_mb, plain_sum=asked)
+        if plan.plain_sum:
+            assert plan.chunks <= _planning.PLAIN_SUM_MAX_CHUNKS, (asked, plan)
+        assert plan.plain_sum or asked is None
+    assert not paths.balanced_plan(facts, scratch_mb, plain_sum=False).plain_sum
+
+
+@pytest.mark.parametrize("rows", [1, 100, 4096, 8191])
+@pytest.mark.parametrize("share", [0.0, 0.1, 0.25, 0.5, 0.6, 0.9, 1.0])
+def test_balanced_chunks_with_ignored_rows(rows, share):
+    """The row chunks with a counted prefix (ignored targets, rows compacted: cuBLAS over the prefix, the row-skipping
+    products past it) at every share of counted rows: they tile the rows in order; a pair's chunks are of the chunk
+    rows, its prefix the one asked for; a plain sum's are at most two, its prefix moved into ``[rows - chunk, chunk]``
+    (so the rows on either side are one chunk each)."""
+    asked = round(share * rows)
+    for plain in (False, True):
+        chunk = -(-rows // 2) if plain else max(1, rows // 5)
+        prefix, layout = _planning.balanced_chunks(rows, chunk, asked, plain)
+        assert [r0 for r0, _ in layout] == sorted(r0 for r0, _ in layout) and layout[0][0] == 0
+        assert sum(n for _, n in layout) == rows and all(0 < n <= chunk for _, n in layout)
+        assert all(r0 + n == nxt for (r0, n), (nxt, _) in zip(layout, layout[1:]))
+        if plain:
+            assert len(layout) <= _planning.PLAIN_SUM_MAX_CHUNKS
+            assert rows - chunk <= prefix <= chunk or prefix == rows
+        else:
+            assert prefix == asked and any(r0 == prefix for r0, _ in layout) == (prefix < rows)
+    assert _planning.balanced_chunks(10, 5, None, True) == (10, [(0, 5), (5, 5)])
+    with pytest.raises(ValueError, match="at most"):
+        _planning.balanced_chunks(10, 3, None, True)
+
+
+@pytest.mark.parametrize("head, n", [("v65535", 8192), ("gpt2-medium", 4096), ("gpt2", 4096)])
+def test_unaligned_vocabularies_count_torch_compiles_padded_bytes(head, n):
     """On a 16-bit head whose V is not a multiple of 8, Inductor pads torch.compile's products, and torch.compile held
     4 bytes a logit (the gradient and a padded copy of it) in 12 of the 15 such grid cells measured (engineering log
-    v28 / v29). Where half of the 2-byte estimate leaves the balanced path no scratch, the default sizes it against
-    half of the 4-byte one: two chunks, measured at 1.02x / 1.01x torch.compile's time and 0.47x / 0.46x its peak on
-    V 65535 at N 8192 and GPT-2 medium's head at N 4096 (H100), where the lean path took 1.24x / 1.87x. stats() says
-    which estimate it read; the op sizes the same scratch at run time. An aligned neighbour, a graph that returns the
-    logits (measured at its own bytes per logit), 32-bit inputs and the chunked path keep the 2-byte estimate."""
+    v28 / v29): its overhead is counted so, and a plain sum over two chunks is within the target there, where an
+    aligned neighbour's is not; stats() says which estimate it read. A graph that returns the logits (measured at its
+    own bytes per logit), 32-bit inputs and the chunked path keep the 2-byte estimate."""
     facts = _facts(head, n)
-    assert paths.pads_product(facts) and not paths.balanced_scratch(facts, paths.budget(facts))
-    limit, padded = paths.balanced_budget(facts)
-    assert padded and limit == max(paths.compile_peak(facts, padded=True) // 2, int(1.15 * paths.gradient_bytes(facts)))
+    assert paths.pads_product(facts)
+    assert paths.compile_overhead(facts) == paths.compile_peak(facts, padded=True) - paths.gradient_bytes(facts)
     assert paths.compile_peak(facts, padded=True) == paths.compile_peak(facts) + n * facts.vocab * 2
     choice = paths.choose(facts)
-    assert choice.path == "balanced" and "4 bytes a logit" in choice.reason, choice.reason
-    assert paths.balanced_peak(facts, choice.scratch_bytes) <= limit
-    assert -(-n // paths.chunk_rows(choice.scratch_bytes, facts.vocab, 2, n)) == chunks
-    assert paths.scratch_for(facts) == choice.scratch_bytes
-    # heads the first budget already fits keep its (smaller) scratch
-    assert paths.balanced_budget(_facts(head, 32768)) == (paths.budget(_facts(head, 32768)), False)
-    d = HEADS[head][0]
-    aligned = paths.HeadFacts(
-        rows=n, hidden=d, vocab=65536, element_size=2, kernels=True, reduction="mean", needs_grad=True
-    )
+    assert choice.path == "balanced" and choice.plain_sum and "4 bytes a logit" in choice.reason, choice.reason
+    assert paths.balanced_plan(facts).within_target
+    aligned = dataclasses.replace(facts, vocab=65536)
+    assert not paths.balanced_plan(aligned).within_target
     for other in (
         aligned,
         _facts(head, n, returned_logits=True),
         _facts(head, n, element_size=4),
         _facts(head, n, kernels=False),
     ):
-        assert not paths.pads_product(other) and paths.balanced_budget(other) == (paths.budget(other), False)
-        assert "4 bytes a logit" not in paths.choose(other).reason
-
-
-def test_lean_over_budget_is_said():
-    """Llama-2's head at N 8192: the lean path's own estimate (G block and fp32 dE) is over half of torch.compile's
-    peak (measured 506 MB against 814, H100): stats() says so."""
-    choice = paths.choose(_facts("llama2", 8192))
-    assert choice.path == "lean" and "over the budget too" in choice.reason, choice.reason
-
-
-def test_host_bound_small_heads_are_said():
-    """A small head on the lean path waits on the host (GPT-2's at N 4096, lean until v28: 1.3-2.3x torch.compile's
-    time, engineering log v16; at 2048 rows it still is lean): stats() says so there, and not where the GPU is the
-    limit or the chunked path runs."""
-    for head, n in (("gpt2", 2048), ("gpt2-medium", 2048)):
-        choice = paths.choose(_facts(head, n))
-        assert choice.path == "lean" and "waits on the host" in choice.reason, choice.reason
-    for head, n in (("qwen25-0.5b", 4096), ("gemma2", 8192), ("llama2", 8192)):
-        choice = paths.choose(_facts(head, n))
-        assert choice.path == "lean" and "host" not in choice.reason, choice.reason
-    assert "host" not in paths.choose(_facts("gpt2", 4096, kernels=False)).reason
-    # a forced lean path says it too
-    assert "waits on the host" in paths.choose(_facts("gpt2", 4096), path="lean").reason
-    assert "host" not in paths.choose(_facts("gemma2", 8192), path="lean").reason
-
-
-def test_host_bound_balanced_sites_are_said():
-    """The balanced path has fewer launches than the lean one, but a head this small still launches longer than it
-    runs (GPT-2 medium's at 2048 rows: 2.70 ms on 1.42 ms of kernels, H100, v25), and whole steps that small spread
-    around torch.compile's (0.93-1.10x at 2048-4096 rows, v25-v28): stats() says so where the default (or a forced
-    path) takes the balanced path on such a head, and not on heads where the GPU is the limit."""
-    for head, n in (("gpt2-medium", 2048), ("gpt2-medium", 4096), ("qwen25-0.5b", 2048)):
-        choice = paths.choose(_facts(head, n, returned_logits=True))  # batch 1 / 2 of a Hugging Face model
-        assert choice.path == "balanced" and "may wait on the host" in choice.reason, choice.reason
-    for head in ("gpt2", "gpt2-medium"):  # loss-only code, unaligned V: the budget of torch.compile's 4 bytes
-        choice = paths.choose(_facts(head, 4096))
-        assert choice.path == "balanced" and "may wait on the host" in choice.reason, choice.reason
-    for head, n, kw in (("qwen25-0.5b", 4096, dict(returned_logits=True)), ("gpt2", 8192, {}), ("gemma2", 32768, {})):
-        choice = paths.choose(_facts(head, n, **kw))
-        assert choice.path == "balanced" and "host" not in choice.reason, choice.reason
-    assert "may wait on the host" in paths.choose(_facts("gpt2", 4096), path="balanced").reason
-    assert "host" not in paths.choose(_facts("gemma2", 8192), path="balanced").reason
-
-
-def test_lean_for_memory_says_how_to_trade_it_for_time():
-    """Where the default keeps a head lean for memory and the balanced path would still be clearly leaner than
-    torch.compile (est. peak <= 0.9x its), stats() names the scratch_mb that takes it (the forced balanced path at
-    N 8192 measured 1.02-1.11x torch.compile's time against the lean path's 1.24-1.40x, engineering log v16 / v17);
-    that scratch_mb does take the balanced path there, under 0.9x torch.compile's estimated peak. Not where the
-    balanced path would be about as fat as torch.compile (Llama-2 at N 4096, DeepSeek-V3 at N 8192) or cannot run
-    (the chunked path)."""
-    for head, n in (("gemma2", 8192), ("qwen25-0.5b", 4096), ("deepseek-v3", 16384), ("llama3", 8192)):
-        facts = _facts(head, n)
-        choice = paths.choose(facts)
-        assert choice.path == "lean" and "would take the balanced path instead" in choice.reason, choice.reason
-        mb = int(choice.reason.split("scratch_mb=")[1].split()[0])
-        forced = paths.choose(facts, scratch_mb=mb)
-        assert forced.path == "balanced" and forced.scratch_bytes == mb * 2**20
-        assert paths.balanced_peak(facts, forced.scratch_bytes) <= 0.9 * paths.compile_peak(facts)
-        assert f"est. peak {paths._mib(paths.balanced_peak(facts, forced.scratch_bytes))}" in choice.reason
-    for facts in (_facts("llama2", 4096), _facts("deepseek-v3", 8192), _facts("gemma2", 8192, kernels=False)):
-        assert "scratch_mb=" not in paths.choose(facts).reason
+        assert not paths.pads_product(other) and "4 bytes a logit" not in paths.choose(other).reason
 
 
 def test_memory_model_matches_the_measured_peaks():
@@ -236,13 +290,13 @@ def test_lean_reason_states_the_counted_prefix_calls_peak():
     autocast = _facts("llama3", 8192, e_element_size=4, c_element_size=4)
     prefix = paths.lean_peak(autocast, 8192, paths.lean_widen(autocast, 8192, True), True)
     assert prefix > paths.budget(autocast) >= paths.lean_peak(autocast, 8192, paths.lean_widen(autocast))
-    reason = paths.choose(autocast).reason
+    reason = paths.choose(autocast, path="lean").reason
     assert f"est. peak {prefix / 2**20:.0f} MiB (over the budget) on those calls" in reason, reason
     gemma = _facts("gemma2", 8192)
     prefix = paths.lean_peak(gemma, 8192, paths.lean_widen(gemma, 8192, True), True)
     assert prefix <= paths.budget(gemma)
-    assert f"est. peak {prefix / 2**20:.0f} MiB on those calls" in paths.choose(gemma).reason
-    assert "on those calls" not in paths.choose(gemma, products="cublas").reason
+    assert f"est. peak {prefix / 2**20:.0f} MiB on those calls" in paths.choose(gemma, path="lean").reason
+    assert "on those calls" not in paths.choose(gemma, path="lean", products="cublas").reason
 
 
 def test_lean_g_block_widens_where_the_budget_leaves_room():
@@ -279,9 +333,9 @@ def test_lean_g_block_widens_where_the_budget_leaves_room():
     for kw in (dict(returned_logits=True), dict(returned_logits=True, softcapped=True)):
         assert paths.lean_widen(_facts("deepseek-v3", 8192, **kw)) == 1
     # stats() says so where the block is widened
-    assert "G block 16384 columns wide (4x" in paths.choose(_facts("gemma2", 8192)).reason
+    assert "G block 16384 columns wide (4x" in paths.choose(_facts("gemma2", 8192), exact=True).reason
     assert "G block 16384 columns wide (4x" in paths.choose(_facts("gemma2", 8192), path="lean").reason
-    assert "columns wide" not in paths.choose(_facts("llama2", 8192)).reason
+    assert "columns wide" not in paths.choose(_facts("llama2", 8192), path="lean").reason
     assert "columns wide" not in paths.choose(_facts("gemma2", 8192, kernels=False)).reason
     mib = 2**20
     measured = {("gemma2", 8192): 1490, ("llama3", 8192): 1450, ("llama3", 16384): 1899, ("gemma2", 4096): 1436}
@@ -326,9 +380,9 @@ def test_lean_g_block_widens_on_counted_prefix_calls_with_their_dc_sums_counted(
     # stats() names the narrower block where the prefix's sums make it differ
     assert (
         "8192 columns (2x, est. peak 1450 MiB) on calls that take the counted-prefix products"
-        in paths.choose(_facts("llama3", 8192)).reason
+        in paths.choose(_facts("llama3", 8192), path="lean").reason
     )
-    assert "counted-prefix products, whose" not in paths.choose(_facts("gemma2", 8192)).reason
+    assert "counted-prefix products, whose" not in paths.choose(_facts("gemma2", 8192), path="lean").reason
     mib = 2**20
     measured = {
         ("gemma2", 8192, 1): 1334,
@@ -360,86 +414,17 @@ def test_lean_only_facts(facts_kw, reason):
     assert choice.path == "lean" and reason in choice.reason, choice.reason
 
 
-def test_forced_paths_say_what_the_default_would_do():
-    fat = paths.choose(_facts("deepseek-v3", 8192), path="balanced")
-    assert fat.path == "balanced" and fat.scratch_bytes == 2**30
-    assert "forced: path='balanced'" in fat.reason and "above torch.compile's" in fat.reason
-    slow = paths.choose(_facts("gpt2", 8192), path="lean")
-    assert slow.path == "lean" and "path='auto' would take the balanced path" in slow.reason
-    # a forced balanced path cannot compute per-row outputs: lean, and it says a balanced path was asked for
-    per_row = paths.choose(_facts("gpt2", 8192, reduction="none"), path="balanced")
-    assert per_row.path == "lean" and "(a balanced path was asked for)" in per_row.reason
-    asked = paths.choose(_facts("gemma2", 8192), scratch_mb=512)
-    assert asked.path == "balanced" and asked.scratch_bytes == 512 * 2**20 and "scratch_mb=512" in asked.reason
-
-
-def test_scratch_at_run_time():
-    """The op sizes the scratch from the real N: what the budget leaves, or (past it: a forced path, a batch larger
-    than the compiled one) up to 1 GiB."""
-    assert paths.scratch_for(_facts("gpt2", 8192)) == paths.balanced_scratch(_facts("gpt2", 8192)) > 0
-    assert paths.scratch_for(_facts("gemma2", 8192)) == 2**30
-    assert paths.scratch_for(_facts("gpt2", 100)) == 100 * paths.scratch_row_pitch(50257) * 2
-    assert paths.scratch_for(_facts("gpt2", 8192), scratch_mb=3) == 3 * 2**20
-
-
-@pytest.mark.parametrize(
-    "d, v, n, want",
-    [
-        (2304, 256000, 8192, "balanced"),  # Gemma-2's head
-        (2304, 256000, 3072, "balanced"),  # Gemma-2's at 3072 rows
-        (2048, 128256, 4096, "balanced"),  # Llama-3.2-1B's
-        (2304, 256000, 2048, "lean"),  # Gemma-2's at 2048 rows: the gradients' 4 bytes an element alone are over half
-        (4096, 128256, 4096, "lean"),  # Llama-3 8B's at 4096 rows: likewise
-    ],
-)
-def test_returned_logits_count_in_torch_compiles_peak(d, v, n, want):
-    """Where the graph also returns the logits (Hugging Face models), torch.compile of the same code holds more
-    than the loss-only code's 2 bytes per bf16 logit: 5.5-7.4 measured at full depth (engineering log v25), modelled
-    as 6 (4 more: one fp32 copy), while the rewrite holds none (lazy or dropped logits). Half of that joins the
-    budget: the balanced path then fits from 4096 rows on Gemma-2's head and from 8192 on Llama-3.2-1B's (lean
-    without returned logits), not at 2048 on Gemma-2's nor at 4096 on Llama-3 8B's; stats() says what the estimate
-    holds, and the op, sizing the scratch at run time from the same facts, takes the scratch the choice named."""
-    base = dict(rows=n, hidden=d, vocab=v, element_size=2, kernels=True, reduction="mean", needs_grad=True)
-    plain, returned = paths.HeadFacts(**base), paths.HeadFacts(**base, returned_logits=True)
-    assert paths.compile_peak(returned) == paths.compile_peak(plain) + n * v * 4
-    assert paths.choose(plain).path == "lean"
-    choice = paths.choose(returned)
-    assert choice.path == want, choice.reason
-    assert "the logits it returns included: 6 bytes per logit" in choice.reason
-    if want == "balanced":
-        assert paths.balanced_peak(returned, choice.scratch_bytes) <= paths.budget(returned)
-        assert paths.scratch_for(returned) == choice.scratch_bytes > 0
-    # the budget stays under 4 bytes per logit (and the gradients): below every torch.compile head measured in such
-    # graphs (>= 5.5), so the default is leaner than torch.compile there even where the model overstates it
-    assert paths.budget(returned) < paths.compile_peak(plain) + n * v * 2
-
-
-@pytest.mark.parametrize(
-    "d, n, want",
-    [
-        (2304, 2560, "balanced"),  # Gemma-2-2B's head at 2560 rows: lean if its 4th block is not counted
-        (4608, 4096, "balanced"),  # Gemma-2-27B's at 4096 rows: likewise
-        (2304, 2048, "lean"),  # Gemma-2-2B's at 2048 rows: the gradients' 4 bytes an element alone are over half
-    ],
-)
-def test_softcapped_returned_logits_count_one_more_block(d, n, want):
+def test_softcapped_returned_logits_count_one_more_block():
     """Where the returned logits are softcapped, torch.compile's step peak holds four logits-sized blocks of the
     input's width, not three (Gemma-2-2B: 8.0 bytes per bf16 logit against GPT-2 medium's and Llama-3.2-1B's 6.0;
-    H200, benchmarks/head_memory.py, engineering log v26): the estimate counts the fourth, stats() says 8 bytes,
-    and the balanced path fits from fewer rows. Without returned logits the softcap changes nothing."""
-    base = dict(rows=n, hidden=d, vocab=256000, element_size=2, kernels=True, reduction="mean", needs_grad=True)
+    H200, benchmarks/head_memory.py, engineering log v26): the estimate counts the fourth and stats() says 8 bytes.
+    Without returned logits the softcap changes nothing."""
+    base = dict(rows=4096, hidden=2304, vocab=256000, element_size=2, kernels=True, reduction="mean", needs_grad=True)
     capped = paths.HeadFacts(**base, returned_logits=True, softcapped=True)
     uncapped = paths.HeadFacts(**base, returned_logits=True)
-    assert paths.compile_peak(capped) == paths.compile_peak(uncapped) + n * 256000 * 2
+    assert paths.compile_peak(capped) == paths.compile_peak(uncapped) + 4096 * 256000 * 2
     assert paths.compile_peak(paths.HeadFacts(**base, softcapped=True)) == paths.compile_peak(paths.HeadFacts(**base))
-    choice = paths.choose(capped)
-    assert choice.path == want, choice.reason
-    assert "the logits it returns included: 8 bytes per logit" in choice.reason
-    if want == "balanced":
-        assert paths.choose(uncapped).path == "lean"
-        assert paths.balanced_peak(capped, choice.scratch_bytes) <= paths.budget(capped)
-    # still under every torch.compile head measured in such graphs: half of 8 bytes, plus half the gradients
-    assert paths.budget(capped) < paths.compile_peak(paths.HeadFacts(**base)) + n * 256000 * 3
+    assert "the logits it returns included: 8 bytes per logit" in paths.choose(capped).reason
 
 
 def test_chunk_rows():
@@ -566,7 +551,8 @@ def test_pass_takes_the_balanced_path_and_matches_eager(setting, no_inductor_cac
     loss, grads, stats = _compiled_run(model, ids, labels, BALANCED, reduction=reduction, compile=compile_kwargs)
     # (dynamic=True: Dynamo may restart its analysis after calling the backend once: the site is then seen twice)
     assert {s["path"] for s in stats["sites"]} == {"balanced"}, stats["sites"]
-    assert "balanced path (asked for by scratch_mb=1; 1 MiB scratch)" in stats["sites"][0]["reason"]
+    reason = stats["sites"][0]["reason"]
+    assert "balanced path (asked for by scratch_mb=1): three matmuls" in reason and "(1 MiB scratch)" in reason
     assert ("symbolic" in stats["sites"][0]["reason"]) == (setting == "dynamic")
     assert f"({len(stats['sites'])} on the balanced path)" in stats["summary"]
     torch.testing.assert_close(loss, want_loss, rtol=1e-5, atol=1e-6)
@@ -647,7 +633,7 @@ def test_pass_tells_the_choice_and_the_op_whether_the_graph_returns_logits(
     whether the graph returns the logits and whether they are softcapped (paths.HeadFacts.returned_logits,
     .softcapped); the results match eager, the returned (lazy) logits included."""
     seen = {"choose": [], "scratch": []}
-    choose, scratch_for = paths.choose, paths.scratch_for
+    choose, balanced_plan = paths.choose, paths.balanced_plan
 
     def spy(name, fn):
         def call(facts, *args, **kwargs):
@@ -657,7 +643,7 @@ def test_pass_tells_the_choice_and_the_op_whether_the_graph_returns_logits(
         return call
 
     monkeypatch.setattr(paths, "choose", spy("choose", choose))
-    monkeypatch.setattr(paths, "scratch_for", spy("scratch", scratch_for))
+    monkeypatch.setattr(paths, "balanced_plan", spy("scratch", balanced_plan))
     torch.manual_seed(0)
     model = HeadReturningLogits(softcap) if returns_logits else Head()
     ids, labels = _data()

@@ -283,7 +283,8 @@ def _fused_loss(options: CCEOptions) -> EmitLoss:
                     **common,
                 ),
             )
-        if choose_path(site, options).path == "balanced":
+        choice = choose_path(site, options)
+        if choice.path == "balanced":
             fused = ops.balanced_call(
                 rows,
                 weight,
@@ -293,6 +294,7 @@ def _fused_loss(options: CCEOptions) -> EmitLoss:
                 need_c=requires_grad(site.weight),
                 need_bias=site.bias is not None and requires_grad(site.bias),
                 returned_logits=bool(site.escaping),
+                plain_sum=choice.plain_sum,
                 **common,
             ).emit(graph)
             return graph.call_function(operator.getitem, (fused, 0))

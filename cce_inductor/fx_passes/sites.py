@@ -306,7 +306,7 @@ def choose_path(site: Site, options: CCEOptions, *, per_row_outputs: bool = Fals
         softcapped=site.softcap is not None,
         **stored,
     )
-    choice = paths.choose(facts, options.path, options.scratch_mb, options.backward_row_chunk, options.products)
+    choice = paths.choose_for(facts, options)
     missing = _dispatch.no_kernels_note(hidden.device, site.compute_dtype)
     if missing:
         choice = dataclasses.replace(choice, reason=choice.reason + missing)
