@@ -95,12 +95,8 @@ def main():
         needs_grad=True,
         **paths.storage_facts(stored, stored, torch.bfloat16),
     )
-    # the model of the path the site took (the balanced path's scratch as the op sizes it at run time)
-    model = (
-        paths.lean_peak(f, widen=paths.lean_widen(f))
-        if taken == "lean"
-        else paths.balanced_peak(f, paths.scratch_for(f))
-    )
+    # the model of the path the site took (the balanced path's plan as the op makes it at run time)
+    model = paths.lean_peak(f) if taken == "lean" else paths.balanced_plan(f).peak
     print(f"model: {taken} {model / mib:.0f} MiB; LB {paths.gradient_bytes(f) / mib:.0f}")
     groups = collections.defaultdict(list)
     for event in at_peak.values():

@@ -259,17 +259,6 @@ def backward(
         # chose them (the calls that count fewest rows are the ones that wait on the host)
         auto_row_skipping = products == "triton" and options.products == "auto"
         hint = seen.low if prefix or auto_row_skipping else None
-        # a wider G block where the budget leaves room, the counted prefix's fp32 dC sums counted
-        facts = head_facts(
-            e.shape[0],
-            e.shape[1],
-            c.shape[0],
-            e.dtype,
-            e.device,
-            "mean",
-            needs_grad=True,
-            **paths.storage_facts(de_dtype, dc_dtype, dtype),
-        )
         plan = _planning.backward_plan(
             e.shape[0],
             c.shape[0],
@@ -279,7 +268,6 @@ def backward(
             backward_row_chunk=options.backward_row_chunk,
             counted_hint=hint,
             row_skipping=can_skip,
-            block_widen=paths.lean_widen(facts, options.backward_row_chunk, prefix),
         )
         grads = kernels.backward(
             e,

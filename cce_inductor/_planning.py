@@ -7,9 +7,9 @@ the memory model can read the same numbers the launches use.
 Lean backward (``kernels/_backward.py``): the (rows x vocabulary) plane is cut into G blocks of ``row_chunk`` rows
 and ``block_width`` columns, the vocabulary the outer loop. The block is ``block_cols`` columns wide; where all N
 rows are one row chunk shorter than ``block_rows``, as many times wider as keeps its bytes (fewer vocabulary steps,
-fewer launches); and up to ``max_widen`` times wider again where the memory budget leaves room
-(``cce_inductor.paths.lean_widen``) or where the row-skipping products would otherwise wait on the host
-(:func:`row_skipping_widen`).
+fewer launches); and up to ``max_widen`` times wider again where the row-skipping products would otherwise wait on
+the host (:func:`row_skipping_widen`), or where a caller asks (``block_widen``: measured 1-4% of the lean path's
+time where memory allows, engineering log v33; no caller asks since the default left the lean path, v41).
 """
 
 from __future__ import annotations
@@ -71,10 +71,10 @@ def row_skipping_widen(counted_hint: float, max_widen: int = 4) -> int:
 def g_block_widen(
     *, triton_products: bool, counted_hint: float | None, one_row_chunk: bool, split_g: bool, block_widen: int
 ) -> int:
-    """How many times wider than :func:`block_width`'s base a backward's G block is: the budget's ``block_widen``
-    (``cce_inductor.paths.lean_widen``), and for the row-skipping products at least their :func:`row_skipping_widen`
-    after an earlier call's ``counted_hint`` (one row chunk only: several keep the budget's block, or their dC sums
-    would grow); 1 in exact mode (its second block is not in the budget's model)."""
+    """How many times wider than :func:`block_width`'s base a backward's G block is: the caller's ``block_widen``,
+    and for the row-skipping products at least their :func:`row_skipping_widen`
+    after an earlier call's ``counted_hint`` (one row chunk only: several keep the narrow block, or their dC sums
+    would grow); 1 in exact mode (its second block is not in the memory model)."""
     if triton_products:
         skipping = row_skipping_widen(counted_hint) if counted_hint is not None and one_row_chunk else 1
         return max(skipping, block_widen)
@@ -107,8 +107,8 @@ def backward_plan(
     """The lean backward's plan for ``rows`` x ``vocab``. ``products``: ``"cublas"``, ``"triton"`` or
     ``"counted_prefix"`` (as decided per call by ``cce_inductor._counted_share``); ``row_skipping``: whether the
     row-skipping kernels can read these operands (``kernels.row_skipping_ok``; else cuBLAS runs). ``counted_hint``
-    sizes the counted prefix, or (row-skipping products) widens a single row chunk's block. ``block_widen``: the
-    budget's widening (``cce_inductor.paths.lean_widen``)."""
+    sizes the counted prefix, or (row-skipping products) widens a single row chunk's block. ``block_widen``: a
+    wider block asked for (:func:`g_block_widen`)."""
     row_chunk = min(rows, backward_row_chunk or rows) if rows else 0
     split_g = exact and dtype in (torch.bfloat16, torch.float16)  # fp32 inputs: G is fp32 already
     if split_g or not row_skipping:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
+import re
 import warnings
 from typing import Any, Literal
 
@@ -49,9 +50,9 @@ class CCEOptions:
         and dtype that raises on any use (``DroppedLogits``): for code that must never compute them. Off by default
         (docs/design.md, "Dropping logits by default?"; docs/clients.md, "The one switch: lazy logits").
         Environment: ``CCE_INDUCTOR_DROP_LOGITS=1``.
-    exact: the CUDA backward carries the softmax gradient into its products as two 16-bit halves and sums dC in
-        fp32: gradients at the rounding floor of the output dtype, for ~1.6x the backward's time.
-        Environment: ``CCE_INDUCTOR_EXACT=1``.
+    exact: gradients at no more than torch.compile's error: the lean path (fp32 sums), whose CUDA backward carries
+        the softmax gradient into its products as two 16-bit halves (the rounding floor of the output dtype); with a
+        forced balanced path, dC summed as an exact pair. Environment: ``CCE_INDUCTOR_EXACT=1``.
     products: who computes the CUDA lean backward's dE / dC products, and the balanced path's logits, dE and dC
         products. ``"auto"`` (default) decides per call: where an earlier call of the same head had at least 10%
         of its targets ignored (prompt-masked SFT, padding), cuBLAS multiplies only as many rows as that call
@@ -62,21 +63,20 @@ class CCEOptions:
         calls); ``"triton"``: the row-skipping Triton products always. Ignored with ``exact``. Environment:
         ``CCE_INDUCTOR_PRODUCTS``.
     backward_row_chunk: rows per block of the CUDA lean backward: bounds its gradient block (one 16-bit
-        ``row_chunk x 4096`` block; with the default 8192, up to 4x wider where half of torch.compile's peak leaves
-        room, ``cce_inductor.paths.lean_widen``) whatever the batch; dE is summed in fp32 (``N x D x 4`` bytes)
-        and, past one row chunk, each vocabulary chunk of dC too, so every gradient is rounded once. 0 takes all
-        rows in one block. Environment: ``CCE_INDUCTOR_BACKWARD_ROW_CHUNK``.
-    path: which path a rewritten loss takes. ``"auto"`` (default): per site, the fastest path whose estimated peak
-        fits the budget (half of torch.compile's peak for the same head, or 1.15x the gradients' own bytes where that
-        is more): the balanced path (the gradients computed with the loss: three matmuls, as torch.compile does)
-        where it fits, else the lean path (four matmuls; the least memory). ``"lean"`` / ``"balanced"`` force one;
+        ``row_chunk x 4096`` block, wider for a short batch of the same bytes) whatever the batch; dE is summed in
+        fp32 (``N x D x 4`` bytes) and, past one row chunk, each vocabulary chunk of dC too, so every gradient is
+        rounded once. 0 takes all rows in one block. Environment: ``CCE_INDUCTOR_BACKWARD_ROW_CHUNK``.
+    path: which path a rewritten loss takes. ``"auto"`` (default): per site, the balanced path (the gradients
+        computed with the loss: three matmuls, as torch.compile does; a 16-bit dC summed in its own dtype over at
+        most two row chunks, within 1.35x torch.compile's error, or as an exact pair where that fits the memory
+        target), else the lean path (four matmuls, fp32 sums; the least memory). ``"lean"`` / ``"balanced"`` force one;
         a forced path that the automatic choice would not take says so in ``stats()``. The balanced path computes
         mean and sum losses whose head needs gradients; per-row outputs, a reused log-sum-exp and the
         vocabulary-parallel loss are always lean. ``cce_inductor/paths.py`` holds the rule and its memory model.
         Environment: ``CCE_INDUCTOR_PATH``.
-    scratch_mb: the balanced path's scratch for one row chunk of logits, in MiB; 0 (default) sizes it from the
-        budget at run time. A value > 0 with ``path="auto"`` asks for the balanced path (its meaning before the
-        automatic choice existed). Environment: ``CCE_INDUCTOR_SCRATCH_MB``.
+    scratch_mb: the balanced path's scratch for one row chunk of logits, in MiB; 0 (default) plans it at run time
+        (``cce_inductor.paths.balanced_plan``). A value > 0 with ``path="auto"`` asks for the balanced path (its
+        meaning before the automatic choice existed). Environment: ``CCE_INDUCTOR_SCRATCH_MB``.
     """
 
     drop_logits: bool = False
@@ -173,11 +173,10 @@ def _parse(name: str, raw: str, annotation: Any) -> Any:
         if raw.lower() in _FALSY:
             return False
         raise ValueError(f"{name}={raw!r} is not a boolean (1/0, true/false, yes/no, on/off)")
-    if kind == "int":
-        try:
-            return int(raw)
-        except ValueError as exc:
-            raise ValueError(f"{name}={raw!r} is not an integer") from exc
+    if kind == "int":  # decimal digits (and a minus, for the range check's message): not 1_000, +64 or 0x40
+        if not re.fullmatch(r"-?[0-9]+", raw):
+            raise ValueError(f"{name}={raw!r} is not an integer (decimal digits)")
+        return int(raw)
     return raw
 
 

@@ -26,10 +26,9 @@ one call; ``benchmarks/`` compares it with measured peaks, ``tests/test_paths.py
                    C's target rows converted, which live one after the other; X alone in the forward)
                    (+ W D 4 where N > R, or on
                    calls that take the counted-prefix products: their fp32 dC sums, cce_inductor/_counted_share.py);
-                   R = min(N, backward_row_chunk), W = min(V, 4096 * max(1, 8192 // N) * k) where R = N, else 4096 k;
-                   k = lean_widen's 4, 2 or 1, the widest that keeps this peak within the budget below (where the
-                   row-skipping products run alone over one row chunk, their own widening may take the block past
-                   k: up to 3 more G blocks, not in lean_peak)
+                   R = min(N, backward_row_chunk), W = min(V, 4096 * max(1, 8192 // N)) where R = N, else 4096
+                   (where the row-skipping products run alone over one row chunk, their own widening may take the
+                   block up to 4x: not in lean_peak)
     balanced       (N + P) D g + S + X         (g each gradient's own bytes; S the scratch, R its rows, P = V
                    + N D 2 + 4 R D             rounded up to 64)  a 16-bit dE: its remainder, one chunk's fp32 rows
                    + P D 2                     a 16-bit dC summed as a pair (not as a plain 16-bit sum)
@@ -71,10 +70,6 @@ _CONVERTED_OVERHEAD_SHARE = 0.15
 # Where neither sum of a 16-bit dC fits that target, the pair (its epilogue and more chunks cost time) is taken over
 # the plain sum over two chunks only where it holds less than this share of the plain sum's bytes above the gradients.
 _PAIR_LEANER = 0.6
-# The lean backward's wider G blocks keep its peak within this share of torch.compile's (or this factor of the
-# gradients' own bytes): lean_widen.
-_COMPILE_SHARE = 0.5
-_GRADIENT_FACTOR = 1.15
 # Below this many rows a chunk loop is not worth it (and the scratch would be tiny): lean.
 _MIN_BALANCED_ROWS = 256
 # Below this many multiply-adds per logits product (N V D), a lean fwd + bwd on the kernels waits on the host's
@@ -216,28 +211,6 @@ def lean_peak(f: HeadFacts, backward_row_chunk: int = 8192, widen: int = 1, coun
     return max(backward, _converted_bytes(f))
 
 
-@functools.lru_cache(maxsize=256)
-def lean_widen(f: HeadFacts, backward_row_chunk: int = 8192, counted_prefix: bool = False) -> int:
-    """How many times wider than its tuned width the lean backward's G block is made (``_planning.backward_plan``'s
-    ``block_widen``, for its cuBLAS products over every row or, ``counted_prefix``, over the counted rows first): the
-    largest of 4, 2, 1 whose :func:`lean_peak` stays within the :func:`budget`. A wider block gives each dE / dC
-    product a longer K, reads and writes dE's fp32 rows fewer times and costs the host fewer launches (a few percent
-    less fwd + bwd time: docs/performance.md); the budget keeps the head within half of torch.compile's peak, as the
-    path choice does, that of the loss-only graph (the op, which decides at run time, does not know whether the site
-    returns the logits). A row chunk other than the default (``CCEOptions.backward_row_chunk``) is a choice about
-    memory: its block stays as tuned."""
-    if backward_row_chunk != _LEAN_LAYOUT["block_rows"]:
-        return 1
-    limit = budget(dataclasses.replace(f, returned_logits=False, softcapped=False))
-    for widen in (_LEAN_LAYOUT["max_widen"], _LEAN_LAYOUT["max_widen"] // 2):
-        if (
-            lean_block_width(f, backward_row_chunk, widen) > lean_block_width(f, backward_row_chunk)
-            and lean_peak(f, backward_row_chunk, widen, counted_prefix) <= limit
-        ):
-            return widen
-    return 1
-
-
 def balanced_peak(f: HeadFacts, scratch_bytes: int, plain_sum: bool = False) -> int:
     """The balanced path's peak (``kernels/_balanced.py``): the gradients in their inputs' dtypes, dC over the
     scratch's padded rows; a 16-bit dE's remainder (the pair's ``lo``) and its fp32 rows of one chunk; a 16-bit dC's
@@ -249,12 +222,6 @@ def balanced_peak(f: HeadFacts, scratch_bytes: int, plain_sum: bool = False) -> 
     de_extra = (f.rows * f.hidden * f.e_bytes + rows * f.hidden * 4) if f.e_bytes != 4 else 0
     dc_remainder = pitch * f.hidden * f.c_bytes if f.c_bytes != 4 and not plain_sum else 0
     return gradients + de_extra + dc_remainder + scratch_bytes + _converted_bytes(f)
-
-
-def budget(f: HeadFacts, padded: bool = False) -> int:
-    """The lean backward's budget for its wider G blocks (:func:`lean_widen`): half of torch.compile's estimated
-    peak, or 1.15x the gradients' own bytes where that is more."""
-    return max(int(_COMPILE_SHARE * compile_peak(f, padded)), int(_GRADIENT_FACTOR * gradient_bytes(f)))
 
 
 def compile_overhead(f: HeadFacts) -> int:
@@ -411,9 +378,7 @@ def choose(
     if choice.path == "lean" and f.kernels and f.needs_grad:
         return dataclasses.replace(
             choice,
-            reason=choice.reason
-            + _lean_block_note(f, backward_row_chunk)
-            + (_products_note(f, backward_row_chunk) if products == "auto" else ""),
+            reason=choice.reason + (_products_note(f, backward_row_chunk) if products == "auto" else ""),
         )
     return choice
 
@@ -423,37 +388,15 @@ def choose_for(f: HeadFacts, options) -> PathChoice:
     return choose(f, options.path, options.scratch_mb, options.backward_row_chunk, options.products, options.exact)
 
 
-def _lean_block_note(f: HeadFacts, backward_row_chunk: int) -> str:
-    """Where the lean backward's G block is widened (:func:`lean_widen`), by how much and at what estimated peak, on
-    calls over every row and, where it differs, on those that take the counted-prefix products."""
-    widen, prefix_widen = lean_widen(f, backward_row_chunk), lean_widen(f, backward_row_chunk, True)
-    if widen == 1:
-        return ""
-    prefix = (
-        ""
-        if prefix_widen == widen
-        else (
-            f"; {lean_block_width(f, backward_row_chunk, prefix_widen)} columns ({prefix_widen}x, est. peak "
-            f"{_mib(lean_peak(f, backward_row_chunk, prefix_widen, True))}) on calls that take the counted-prefix "
-            "products, whose dC sums are in fp32"
-        )
-    )
-    return (
-        f"; its backward's G block {lean_block_width(f, backward_row_chunk, widen)} columns wide ({widen}x, as "
-        f"the budget leaves room: est. peak {_mib(lean_peak(f, backward_row_chunk, widen))}{prefix}; in default "
-        "mode)"
-    )
-
-
 @functools.lru_cache(maxsize=256)  # (direct calls of the op choose on every call)
 def _products_note(f: HeadFacts, backward_row_chunk: int) -> str:
     """How the lean backward picks its products per call (``cce_inductor/_counted_share.py``), and the est. peak of the
     calls that take the counted prefix (its fp32 dC sums, and an fp32 dE's compacted sums: :func:`lean_peak`)."""
-    prefix_peak = lean_peak(f, backward_row_chunk, lean_widen(f, backward_row_chunk, True), True)
+    prefix_peak = lean_peak(f, backward_row_chunk, counted_prefix=True)
     return (
         "; its backward's products: cuBLAS over every row, or over the counted rows only on calls after "
         "ones with >= 10% of the targets ignored (cuBLAS, est. peak "
-        f"{_mib(prefix_peak)}{' (over the budget)' if prefix_peak > budget(f) else ''} on those calls; the "
+        f"{_mib(prefix_peak)} on those calls, {prefix_peak / compile_peak(f):.2f}x torch.compile's; the "
         "row-skipping Triton products alone where >= 60% are ignored, or >= 40% and the share moves) "
         "(stats()['backward_products'])"
     )

@@ -385,6 +385,15 @@ def target_logits(e, c, targets, bias, *, softcap, ignore_index, out=None):
 _ROUND = {None: 0, torch.float32: 0, torch.float64: 0, torch.bfloat16: 1, torch.float16: 2}
 
 
+def _vocab_splits(row_blocks: int, vblocks: int, waves: int, device) -> tuple[int, int]:
+    """``(splits, vocabulary blocks per split)``: enough programs for ``waves`` of the device's multiprocessors,
+    each split a whole number of blocks, no split empty."""
+    want = max(1, waves * _launch.num_sms(device))
+    splits = max(1, min(vblocks, triton.cdiv(want, row_blocks)))
+    per_split = triton.cdiv(vblocks, splits)
+    return triton.cdiv(vblocks, per_split), per_split
+
+
 def forward(
     e,
     c,
@@ -418,11 +427,7 @@ def forward(
     row_order, num_valid = _launch.compact_counted(targets != ignore_index)
     block_n, block_v, block_d = tune["block_n"], tune["block_v"], tune["block_d"]
     row_blocks = triton.cdiv(n, block_n)
-    vblocks = triton.cdiv(v, block_v)
-    want = max(1, tune["waves"] * _launch.num_sms(device))
-    splits = max(1, min(vblocks, triton.cdiv(want, row_blocks)))
-    vblocks_per_split = triton.cdiv(vblocks, splits)
-    splits = triton.cdiv(vblocks, vblocks_per_split)
+    splits, vblocks_per_split = _vocab_splits(row_blocks, triton.cdiv(v, block_v), tune["waves"], device)
 
     argmax = argmax_out is not None
     part = torch.empty((2 + logit_sum + mean_logit + argmax, splits, n), dtype=torch.float32, device=device)
@@ -474,6 +479,14 @@ def forward(
         num_stages=_launch.fit_num_stages(tune["num_stages"], block_n, block_v, block_d, e.element_size()),
     )
     target_logits(e, c, targets, bias, softcap=softcap, ignore_index=ignore_index, out=target_logit)
+    stats = RowStats(lse, target_logit, row_sums, row_means)
+    _combine(stats, part, part_logit_sum, part_zexp, part_best, part_best_index, targets, ignore_index, argmax_out)
+    return stats
+
+
+def _combine(stats, part, part_logit_sum, part_zexp, part_best, part_best_index, targets, ignore_index, argmax_out):
+    """The splits' partial sums merged into ``stats`` (and each row's argmax into ``argmax_out``, where given)."""
+    splits, n = part.shape[1:]
     combine_block = 256
     _combine_kernel[(triton.cdiv(n, combine_block),)](
         part[0],
@@ -481,19 +494,18 @@ def forward(
         part_logit_sum,
         part_zexp,
         targets,
-        lse,
-        row_sums if logit_sum else lse,
-        row_means if mean_logit else lse,
+        stats.lse,
+        stats.logit_sum if stats.logit_sum is not None else stats.lse,
+        stats.mean_logit if stats.mean_logit is not None else stats.lse,
         n,
         splits,
         ignore_index,
-        LOGIT_SUM=logit_sum,
-        MEAN_LOGIT=mean_logit,
+        LOGIT_SUM=stats.logit_sum is not None,
+        MEAN_LOGIT=stats.mean_logit is not None,
         BLOCK=combine_block,
         num_warps=4,
         PartBest=part_best,
         PartBestIndex=part_best_index,
-        Argmax=argmax_out if argmax else row_order,
-        ARGMAX=argmax,
+        Argmax=argmax_out if argmax_out is not None else part_best_index,
+        ARGMAX=argmax_out is not None,
     )
-    return RowStats(lse, target_logit, row_sums, row_means)

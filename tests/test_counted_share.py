@@ -117,8 +117,7 @@ def test_dispatch_passes_the_kernels_what_the_earlier_calls_counted(
 ):
     """``_dispatch.backward`` with the kernels stubbed (CPU): the products it hands them, and the hint, the 20th
     percentile of the head's last shares, that sizes the counted prefix or widens the row-skipping products' G blocks
-    (``kernels/_backward.py``, ``row_skipping_widen``), whether the call's own count is recorded, and the budget's
-    widening (``paths.lean_widen``), asked with the counted prefix's dC sums where that prefix runs."""
+    (``kernels/_backward.py``, ``row_skipping_widen``), and whether the call's own count is recorded."""
     from types import SimpleNamespace
 
     from cce_inductor import _dispatch
@@ -133,14 +132,9 @@ def test_dispatch_passes_the_kernels_what_the_earlier_calls_counted(
         got.update(products=products, hint=counted_hint, observes=observe_counted is not None, block_width=block_width)
         return None, None, None
 
-    def lean_widen(facts, backward_row_chunk, counted_prefix):
-        got.update(widen_asked=(facts.rows, facts.hidden, facts.vocab, backward_row_chunk, counted_prefix))
-        return 3
-
     kernels = SimpleNamespace(row_skipping_ok=lambda e, c, exact: True, backward=backward)
     monkeypatch.setattr(_dispatch, "uses_kernels", lambda device, dtype: True)
     monkeypatch.setattr(_dispatch, "triton_kernels", lambda: kernels)
-    monkeypatch.setattr(_dispatch.paths, "lean_widen", lean_widen)
     e, c, t = torch.zeros(4, 16), torch.zeros(vocab, 16), torch.zeros(4, dtype=torch.long)
     _dispatch.backward(
         e,
@@ -160,12 +154,10 @@ def test_dispatch_passes_the_kernels_what_the_earlier_calls_counted(
     assert got["products"] == products
     assert got["hint"] == (None if hint is None else pytest.approx(hint))
     assert got["observes"] == (asked == "auto" and not every_row)
-    prefix = products == "prefix"
-    assert got["widen_asked"] == (4, 16, vocab, CCEOptions().backward_row_chunk, prefix)
-    # the budget's 3x of the narrow block (the interpreter's layout: no short-batch widening); the row-skipping
-    # products after an earlier call widen by at least their own ceil(0.5 / hint)
+    # the narrow block (the interpreter's layout: no short-batch widening); the row-skipping products after an
+    # earlier call widen by their own ceil(0.5 / hint)
     base = _planning.lean_layout()["block_cols"]
-    widen = max(3, _planning.row_skipping_widen(hint)) if products == "triton" and hint is not None else 3
+    widen = _planning.row_skipping_widen(hint) if products == "triton" and hint is not None else 1
     assert got["block_width"] == min(vocab, base * widen)
 
 

@@ -106,6 +106,8 @@ def test_environment_covers_every_field(monkeypatch):
     [
         ("CCE_INDUCTOR_EXACT", "maybe", "is not a boolean"),
         ("CCE_INDUCTOR_BACKWARD_ROW_CHUNK", "8k", "not an integer"),
+        ("CCE_INDUCTOR_BACKWARD_ROW_CHUNK", "8_192", r"not an integer \(decimal digits\)"),  # int() takes these
+        ("CCE_INDUCTOR_SCRATCH_MB", "+64", r"not an integer \(decimal digits\)"),
         ("CCE_INDUCTOR_BACKWARD_ROW_CHUNK", "-1", "must be >= 0"),
         ("CCE_INDUCTOR_PRODUCTS", "cutlass", "'cublas' or"),
     ],

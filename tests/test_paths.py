@@ -285,116 +285,17 @@ def test_lean_peak_of_counted_prefix_calls():
 
 
 def test_lean_reason_states_the_counted_prefix_calls_peak():
-    """stats() says what a lean head's calls with ignored targets hold (the counted prefix's fp32 sums), and where that
-    is over the budget the calls over every row keep to: nothing about the memory is silent."""
+    """stats() says what a lean head's calls with ignored targets hold (the counted prefix's fp32 sums) against
+    torch.compile's estimate: nothing about the memory is silent."""
     autocast = _facts("llama3", 8192, e_element_size=4, c_element_size=4)
-    prefix = paths.lean_peak(autocast, 8192, paths.lean_widen(autocast, 8192, True), True)
-    assert prefix > paths.budget(autocast) >= paths.lean_peak(autocast, 8192, paths.lean_widen(autocast))
+    prefix = paths.lean_peak(autocast, 8192, counted_prefix=True)
+    assert prefix > paths.lean_peak(autocast, 8192)
     reason = paths.choose(autocast, path="lean").reason
-    assert f"est. peak {prefix / 2**20:.0f} MiB (over the budget) on those calls" in reason, reason
+    share = prefix / paths.compile_peak(autocast)
+    assert f"est. peak {prefix / 2**20:.0f} MiB on those calls, {share:.2f}x torch.compile's" in reason, reason
     gemma = _facts("gemma2", 8192)
-    prefix = paths.lean_peak(gemma, 8192, paths.lean_widen(gemma, 8192, True), True)
-    assert prefix <= paths.budget(gemma)
-    assert f"est. peak {prefix / 2**20:.0f} MiB on those calls" in paths.choose(gemma, path="lean").reason
+    assert "on those calls" in paths.choose(gemma, path="lean").reason
     assert "on those calls" not in paths.choose(gemma, path="lean", products="cublas").reason
-
-
-def test_lean_g_block_widens_where_the_budget_leaves_room():
-    """``lean_widen``: the lean backward's G block 4, 2 or 1 times wider than tuned, the widest whose peak stays
-    within the budget (the path choice's: half of torch.compile's), with the default row chunk only (another is the
-    user's bound on memory), and never past V. The table: the grid's lean heads (bf16), and the peaks measured with
-    the widened blocks on an H200 (engineering log v33; MiB above the inputs, the allocator within 1%)."""
-    widens = {
-        ("gemma2", 8192): 4,
-        ("llama3", 8192): 4,
-        ("llama3", 16384): 4,
-        ("deepseek-v3", 8192): 1,
-        ("deepseek-v3", 4096): 2,
-        ("gemma2", 4096): 4,
-        ("llama3", 4096): 1,
-        ("llama2", 8192): 1,
-    }
-    for (head, n), want in widens.items():
-        facts = _facts(head, n)
-        got = paths.lean_widen(facts)
-        assert got == want, (head, n)
-        if got > 1:  # (at widen 1 the lean path may be over the budget too: DeepSeek-V3's head, stats() says so)
-            assert paths.lean_peak(facts, 8192, got) <= paths.budget(facts)
-        if got < 4:
-            assert paths.lean_peak(facts, 8192, 2 * got) > paths.budget(facts)
-        assert paths.lean_widen(facts, backward_row_chunk=4096) == 1
-        assert paths.lean_widen(facts, backward_row_chunk=0) == 1
-    assert paths.lean_block_width(_facts("gemma2", 8192), 8192, 4) == 16384
-    assert paths.lean_block_width(_facts("gemma2", 4096), 8192, 4) == 32768  # the short batch's widening too
-    assert paths.lean_block_width(_facts("llama3", 16384), 8192, 4) == 16384  # two row chunks: 4096 x 4
-    # past V nothing is wider: a head whose block already covers V keeps widen 1
-    assert paths.lean_widen(_facts("gpt2", 256)) == 1
-    # the op decides at run time without knowing whether the site returns the logits: the loss-only graph's budget
-    for kw in (dict(returned_logits=True), dict(returned_logits=True, softcapped=True)):
-        assert paths.lean_widen(_facts("deepseek-v3", 8192, **kw)) == 1
-    # stats() says so where the block is widened
-    assert "G block 16384 columns wide (4x" in paths.choose(_facts("gemma2", 8192), exact=True).reason
-    assert "G block 16384 columns wide (4x" in paths.choose(_facts("gemma2", 8192), path="lean").reason
-    assert "columns wide" not in paths.choose(_facts("llama2", 8192), path="lean").reason
-    assert "columns wide" not in paths.choose(_facts("gemma2", 8192, kernels=False)).reason
-    mib = 2**20
-    measured = {("gemma2", 8192): 1490, ("llama3", 8192): 1450, ("llama3", 16384): 1899, ("gemma2", 4096): 1436}
-    for (head, n), peak_mb in measured.items():
-        facts = _facts(head, n)
-        assert abs(paths.lean_peak(facts, 8192, paths.lean_widen(facts)) / mib / peak_mb - 1) < 0.01
-
-
-def test_lean_g_block_widens_on_counted_prefix_calls_with_their_dc_sums_counted():
-    """On calls that take the counted-prefix products (after ones with >= 10% of the targets ignored) the backward
-    also holds one vocabulary chunk of dC in fp32 (``W x D x 4``, their cuBLAS part's sums), so their block is
-    widened against a peak that counts it: never wider than on calls over every row, narrower where that sum is what
-    the budget has no room for (Llama-3's head at N 8192: 2x, against 4x over every row). The peaks measured on an
-    H200 at 25% and 50% ignored (engineering log v34; MiB above the inputs) are the model's within 1%."""
-    more = {"qwen25-7b": (3584, 152064), "v100352": (2048, 100352), "mistral-nemo": (5120, 131072)}
-
-    def facts_of(head, n):
-        if head not in more:
-            return _facts(head, n)
-        d, v = more[head]
-        return dataclasses.replace(_facts("gemma2", n), hidden=d, vocab=v)
-
-    widens = {
-        ("gemma2", 8192): 4,
-        ("llama3", 8192): 2,
-        ("qwen25-7b", 8192): 4,
-        ("v100352", 8192): 4,
-        ("mistral-nemo", 8192): 1,
-        ("gemma2", 4096): 2,
-    }
-    for (head, n), want in widens.items():
-        facts = facts_of(head, n)
-        got = paths.lean_widen(facts, 8192, True)
-        assert got == want and got <= paths.lean_widen(facts), (head, n)
-        if got > 1:
-            assert paths.lean_peak(facts, 8192, got, True) <= paths.budget(facts)
-        if got < 4:
-            assert paths.lean_peak(facts, 8192, 2 * got, True) > paths.budget(facts)
-        # the dC sums: one vocabulary chunk of the widened block's width, in fp32
-        width = paths.lean_block_width(facts, 8192, got)
-        assert paths.lean_peak(facts, 8192, got, True) - paths.lean_peak(facts, 8192, got) == width * facts.hidden * 4
-    # stats() names the narrower block where the prefix's sums make it differ
-    assert (
-        "8192 columns (2x, est. peak 1450 MiB) on calls that take the counted-prefix products"
-        in paths.choose(_facts("llama3", 8192), path="lean").reason
-    )
-    assert "counted-prefix products, whose" not in paths.choose(_facts("gemma2", 8192), path="lean").reason
-    mib = 2**20
-    measured = {
-        ("gemma2", 8192, 1): 1334,
-        ("gemma2", 8192, 2): 1434,
-        ("gemma2", 8192, 4): 1634,
-        ("llama3", 8192, 2): 1450,
-        ("llama3", 8192, 4): 1706,
-        ("qwen25-7b", 8192, 4): 1688,
-        ("v100352", 8192, 4): 872,
-    }
-    for (head, n, widen), peak_mb in measured.items():
-        assert abs(paths.lean_peak(facts_of(head, n), 8192, widen, True) / mib / peak_mb - 1) < 0.01, (head, widen)
 
 
 @pytest.mark.parametrize(
@@ -776,8 +677,8 @@ def test_pass_loss_under_no_grad_after_a_head_with_grad_stays_lean(no_inductor_c
 def test_memory_model_under_autocast_matches_the_measured_peaks():
     """fp32 weights and hidden states under bf16 autocast (the 16-bit products' dtype, fp32 gradients): the balanced
     and lean peaks measured on an H200 (Llama-3's head, N 8192; engineering log v37 / v38) are the model's: the lean
-    path with a G block of 2x (as the op chose it before the model counted E's compacted rows; now 1x, which the
-    budget leaves), E and one vocabulary chunk of the head converted,
+    path with a G block of 2x (as the op chose it before the model counted E's compacted rows; 1x since v41), E and
+    one vocabulary chunk of the head converted,
     and E's compacted rows, which outlive the 1024-row block of the head's target rows gathered before them (v38 /
     v39: 2452 MB, to the MiB, the blocks alive at the peak named by ``benchmarks/peak_breakdown.py``; v37's gather
     of all N target rows at once read 2484 MB at 1x, then the larger of the two); the balanced path with its 1 GiB
@@ -788,9 +689,6 @@ def test_memory_model_under_autocast_matches_the_measured_peaks():
     assert paths.gradient_bytes(facts) == (8192 + 128256) * 4096 * 4
     assert abs(paths.compile_peak(facts) / mib / 4072 - 1) < 0.02
     assert paths.lean_peak(facts, 8192, 2) == 2452 * mib
-    # which is over the budget (1.15 LB) by a fraction of a MiB: the op keeps the 1x block
-    assert 0 < paths.lean_peak(facts, 8192, 2) - paths.budget(facts) < mib
-    assert paths.lean_widen(facts) == 1
     assert abs(paths.balanced_peak(facts, 2**30) / mib / 4200 - 1) < 0.01
     # at 1x, v37's peak held all N target rows (N D (4 + 2)) where the peak now holds E's compacted rows (N D 2)
     assert paths.lean_peak(facts, 8192, 1) == 2484 * mib - 8192 * 4096 * 6 + 8192 * 4096 * 2

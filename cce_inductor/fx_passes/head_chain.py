@@ -389,22 +389,7 @@ def walk_logits(logits: fx.Node, consumer: fx.Node) -> Logits:
 
     head = chain[-1]
     hidden, weight, weight_is_transposed, bias = _match_head(head)
-    head_meta, hidden_meta, weight_meta = example_value(head), example_value(hidden), example_value(weight)
-    if not all(isinstance(m, torch.Tensor) for m in (head_meta, hidden_meta, weight_meta)):
-        raise NoMatch(f"{head.name}: operands are not tensors")
-    if hidden_meta.dim() < 1 or head_meta.shape[-1] != vocab:
-        raise NoMatch(f"{head.name} does not produce the vocabulary dimension of {short(consumer)}")
-    compute_dtype = head_meta.dtype
-    if compute_dtype not in SUPPORTED_DTYPES:
-        raise NoMatch(f"logits dtype {compute_dtype} is not supported")
-    device = head_meta.device
-    if device.type not in SUPPORTED_DEVICES:
-        raise NoMatch(f"device {device} is not supported")
-    if bias is not None:
-        bias_meta = example_value(bias)
-        if not isinstance(bias_meta, torch.Tensor) or tuple(bias_meta.shape) != (vocab,):
-            raise NoMatch(f"the bias has shape {tuple(getattr(bias_meta, 'shape', ()))}, not (V,)")
-    _check_as_eager(head, hidden, weight, bias)
+    compute_dtype, device = _check_head(head, hidden, weight, bias, vocab, consumer)
     if bias_add is not None:
         if bias is not None:
             raise NoMatch(f"{head.name} has a bias and {bias_add[0].name} adds another")
@@ -429,6 +414,26 @@ def walk_logits(logits: fx.Node, consumer: fx.Node) -> Logits:
         scale=scale,
         chain=chain,
     )
+
+
+def _check_head(head: fx.Node, hidden: fx.Node, weight: fx.Node, bias: fx.Node | None, vocab, consumer: fx.Node):
+    """The head's dtype and device, or NoMatch where its operands are not tensors, it does not produce the loss's
+    vocabulary dimension, its dtype or device is not supported, its bias is not ``(V,)``, or eager refuses it."""
+    head_meta, hidden_meta, weight_meta = example_value(head), example_value(hidden), example_value(weight)
+    if not all(isinstance(m, torch.Tensor) for m in (head_meta, hidden_meta, weight_meta)):
+        raise NoMatch(f"{head.name}: operands are not tensors")
+    if hidden_meta.dim() < 1 or head_meta.shape[-1] != vocab:
+        raise NoMatch(f"{head.name} does not produce the vocabulary dimension of {short(consumer)}")
+    if head_meta.dtype not in SUPPORTED_DTYPES:
+        raise NoMatch(f"logits dtype {head_meta.dtype} is not supported")
+    if head_meta.device.type not in SUPPORTED_DEVICES:
+        raise NoMatch(f"device {head_meta.device} is not supported")
+    if bias is not None:
+        bias_meta = example_value(bias)
+        if not isinstance(bias_meta, torch.Tensor) or tuple(bias_meta.shape) != (vocab,):
+            raise NoMatch(f"the bias has shape {tuple(getattr(bias_meta, 'shape', ()))}, not (V,)")
+    _check_as_eager(head, hidden, weight, bias)
+    return head_meta.dtype, head_meta.device
 
 
 def _check_as_eager(head: fx.Node, hidden: fx.Node, weight: fx.Node, bias: fx.Node | None) -> None:
