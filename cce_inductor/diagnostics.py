@@ -7,7 +7,8 @@ be seen to use them).
      'reasons': {'logits escape the compiled region (...); set CCE_INDUCTOR_DROP_LOGITS=1 ...': 1}, 'sites': [...],
      'executions': {'linear_cross_entropy': 0, 'vocab_parallel': 0},
      'backward_products': {'cublas': 0, 'row_skipping': 0, 'counted_prefix': 0},
-     'balanced_rows': {'every_row': 0, 'counted_prefix': 0, 'cannot_skip': 0}, 'summary': '...'}
+     'balanced_rows': {'every_row': 0, 'counted_prefix': 0, 'cannot_skip': 0, 'lean_after_oom': 0},
+     'summary': '...'}
 """
 
 from __future__ import annotations
@@ -50,8 +51,9 @@ _products = collections.Counter({"cublas": 0, "row_skipping": 0, "counted_prefix
 # The balanced path's row chunks per CUDA call (cce_inductor/_counted_share.py, balanced_prefix): cuBLAS over every
 # row as "auto" chose (or "cublas" asked), the counted prefix of the compacted rows with the row-skipping products
 # past it, or every row where the earlier calls' share would have skipped rows but the kernels cannot for these
-# operands (a bias gradient, autocast's conversion, fp32 gradients, rows the tensor-memory accelerator cannot read).
-_balanced_rows = collections.Counter({"every_row": 0, "counted_prefix": 0, "cannot_skip": 0})
+# operands (a bias gradient, autocast's conversion, fp32 gradients, rows the tensor-memory accelerator cannot read);
+# and the balanced calls that ran the lean path because the balanced path's buffers could not be allocated.
+_balanced_rows = collections.Counter({"every_row": 0, "counted_prefix": 0, "cannot_skip": 0, "lean_after_oom": 0})
 
 
 def count_balanced_rows(kind: str) -> None:
@@ -117,6 +119,7 @@ def stats(switch: tuple[str, str]) -> dict[str, Any]:
             sum(executions.values()),
             sum(site.path == "balanced" for site in sites),
             balanced_rows["cannot_skip"],
+            balanced_rows["lean_after_oom"],
         ),
     }
 
@@ -130,8 +133,14 @@ def _summary(
     executions: int,
     balanced: int,
     cannot_skip: int = 0,
+    lean_after_oom: int = 0,
 ) -> str:
     ran = f"the fused op ran {executions} times in this process"
+    if lean_after_oom:
+        ran += (
+            f" ({lean_after_oom} balanced calls ran the lean path: the balanced path's buffers could not be "
+            "allocated; stats()['balanced_rows']['lean_after_oom'])"
+        )
     if cannot_skip:
         ran += (
             f" ({cannot_skip} balanced calls multiplied ignored rows they could not skip: a bias gradient, autocast's "

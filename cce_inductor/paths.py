@@ -332,13 +332,12 @@ def balanced_plan(f: HeadFacts, scratch_mb: int = 0, plain_sum: bool | None = No
     sums = _plan(f, max(_largest_scratch_within(f, limit, False), floor), False)  # fp32 sums, or the pair
     if not sixteen or plain_sum is False:
         return sums
-    if plain_sum is None:
-        for chunks in range(1, most + 1):
-            plan = _plan(f, _scratch_of_chunks(f, chunks), True)
-            if plan.within_target and plan.scratch_bytes <= _MAX_SCRATCH_BYTES:
-                return plan
-        if sums.within_target:
-            return sums
+    for chunks in range(1, most + 1):
+        plan = _plan(f, _scratch_of_chunks(f, chunks), True)
+        if plan.within_target and plan.scratch_bytes <= _MAX_SCRATCH_BYTES:
+            return plan
+    if plain_sum is None and sums.within_target:
+        return sums
     plain = _plan(f, _scratch_of_chunks(f, most), True)
     base = gradient_bytes(f)
     if plain_sum is None and sums.peak - base < _PAIR_LEANER * (plain.peak - base):

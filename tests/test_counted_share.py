@@ -241,7 +241,8 @@ def test_dispatch_hands_the_balanced_kernels_the_counted_prefix(monkeypatch, ask
     assert got == {"prefix": prefix, "observes": asked == "auto"}
     stats = cce_inductor.stats()
     rows = stats["balanced_rows"]
-    assert rows == {kind: int(kind == counted) for kind in ("every_row", "counted_prefix", "cannot_skip")}, rows
+    kinds = ("every_row", "counted_prefix", "cannot_skip", "lean_after_oom")
+    assert rows == {kind: int(kind == counted) for kind in kinds}, rows
     assert ("could not skip" in stats["summary"]) == (counted == "cannot_skip")
 
 
@@ -371,6 +372,11 @@ def test_cuda_balanced_path_skips_rows_after_the_first_call():
         second = grads("auto")
     finally:
         torch.cuda.set_sync_debug_mode(0)
-    assert cce_inductor.stats()["balanced_rows"] == {"every_row": 1, "counted_prefix": 1, "cannot_skip": 0}
+    assert cce_inductor.stats()["balanced_rows"] == {
+        "every_row": 1,
+        "counted_prefix": 1,
+        "cannot_skip": 0,
+        "lean_after_oom": 0,
+    }
     for x, y in zip(second, every):
         assert float((x.float() - y.float()).norm() / y.float().norm()) < 5e-3

@@ -620,3 +620,72 @@ def test_compiled_backward_scales_the_balanced_gradients_in_place(weights, no_in
         assert f"empty_strided_cpu({shape}" not in backward, backward
     assert backward.count("# reuse") >= 2, backward
     assert e.grad.dtype == dtype and c.grad.dtype == dtype
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The balanced op falls back to the lean path where its buffers cannot be allocated (issue 64, item 3)
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _out_of_memory(*args, **kwargs):
+    raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (injected)")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("plain_sum", [False, True])
+def test_balanced_op_runs_the_lean_path_where_its_buffers_cannot_be_allocated(dtype, plain_sum, monkeypatch):
+    """Fault injection: the balanced path's launch raises ``torch.OutOfMemoryError``; the op computes the loss and
+    gradients on the lean path (one G block, no scratch of logits) in its own output layout (a 16-bit pair's remainder
+    0, none for a plain dC sum), equal to the balanced path's to rounding, and ``stats()`` counts the call."""
+    e, c, t, b = make_balanced_inputs(23, 40, 8, dtype, bias=True)
+
+    def run():
+        return ops.balanced_call(
+            e, c, t, b, softcap=3.0, options=CCEOptions().encode(), need_e=True, need_c=True, need_bias=True,
+            plain_sum=plain_sum,
+        )()  # fmt: skip
+
+    want = run()
+    cce_inductor.reset_stats()
+    monkeypatch.setattr(ops._dispatch, "loss_and_grads", _out_of_memory)
+    got = run()
+    assert cce_inductor.stats()["balanced_rows"]["lean_after_oom"] == 1
+    assert "1 balanced calls ran the lean path" in cce_inductor.stats()["summary"]
+    assert [x.shape for x in got] == [x.shape for x in want] and [x.dtype for x in got] == [x.dtype for x in want]
+    assert got[0].item() == pytest.approx(want[0].item(), rel=1e-6)
+    tol = 2.0**-7 if dtype == torch.bfloat16 else 1e-6
+    for mine, theirs in zip(got[1:4], want[1:4]):
+        assert rel_err(mine.float(), theirs.float()) <= tol
+    for lo in got[4:]:
+        assert not lo.any()
+
+
+def test_balanced_op_falls_back_through_the_pass_and_raises_other_errors(monkeypatch, no_inductor_caches):
+    """Compiled (the pass's balanced site): the fallback's loss and gradients are eager's; an error that is not an
+    allocation failure is raised as it is."""
+    torch.manual_seed(0)
+    hidden = torch.randn(4, 6, 16, requires_grad=True)
+    weight = torch.randn(50, 16, requires_grad=True)
+    labels = torch.randint(0, 50, (4, 6))
+
+    def loss_fn(h, w, y):
+        return F.cross_entropy(F.linear(h, w).float().view(-1, 50), y.view(-1))
+
+    want = loss_fn(hidden, weight, labels)
+    want_grads = torch.autograd.grad(want, [hidden, weight])
+    monkeypatch.setattr(ops._dispatch, "loss_and_grads", _out_of_memory)
+    cce_inductor.reset_stats()
+    compiled = torch.compile(loss_fn, backend=cce_inductor.make_backend(BALANCED))
+    loss = compiled(hidden, weight, labels)
+    assert cce_inductor.stats()["balanced_rows"]["lean_after_oom"] >= 1
+    torch.testing.assert_close(loss, want, rtol=1e-5, atol=1e-6)
+    for mine, theirs in zip(torch.autograd.grad(loss, [hidden, weight]), want_grads):
+        assert rel_err(mine, theirs) < 1e-5
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("an unrelated failure")
+
+    monkeypatch.setattr(ops._dispatch, "loss_and_grads", broken)
+    with pytest.raises(RuntimeError, match="an unrelated failure"):
+        ops.balanced_call(hidden.view(-1, 16), weight, labels.view(-1), options=CCEOptions().encode(), need_e=True,
+                          need_c=True, need_bias=False)()  # fmt: skip
