@@ -9,6 +9,7 @@ The machinery every pass shares, as Inductor keeps ``pattern_matcher.py`` apart 
 
 The matched forms, each module's docstring showing the graph it matches:
 
+* ``nll_loss.py``: ``nll_loss(log_softmax(logits))`` normalised into ``cross_entropy(logits)`` (run first);
 * ``linear_cross_entropy.py``: ``linear -> [softcap] -> cross_entropy`` on plain tensors -> the fused op;
 * ``tensor_parallel.py``: the same site on a vocabulary-sharded DTensor head -> the vocabulary-parallel loss;
 * ``entropy.py``: the entropy of the head's softmax (RL's entropy bonus), alone or with the token log-probs of the
@@ -26,6 +27,7 @@ from .. import diagnostics
 from ..options import CCEOptions
 from .entropy import rewrite_entropy
 from .linear_cross_entropy import rewrite_linear_cross_entropy
+from .nll_loss import normalize_nll_loss
 from .tensor_parallel import rewrite_tensor_parallel_sites
 from .token_log_probs import rewrite_token_log_probs
 
@@ -41,6 +43,7 @@ __all__ = [
 def rewrite_graph(graph: fx.Graph, options: CCEOptions) -> int:
     """Every rewrite of cce_inductor on ``graph`` (DTensor sites first); returns the number of sites rewritten."""
     graph_id = diagnostics.new_graph()
+    normalize_nll_loss(graph, graph_id)
     return (
         rewrite_tensor_parallel_sites(graph, options, graph_id)
         + rewrite_linear_cross_entropy(graph, options, graph_id)

@@ -44,6 +44,7 @@ from .spellings import (
     AUTOCAST_EXIT,
     DIV,
     DTYPE_METHODS,
+    EINSUM,
     FLATTEN,
     GETITEM,
     GRAD_MODE,
@@ -217,10 +218,38 @@ def _match_head(node: fx.Node) -> tuple[fx.Node, fx.Node, bool, fx.Node | None]:
         if not isinstance(bias, fx.Node):
             raise NoMatch(f"{node.name} has a non-tensor bias")
         return (call_arg(node, 1, "mat1"), *_weight_operand(node, call_arg(node, 2, "mat2")), bias)
-    raise NoMatch(
-        f"the input of cross_entropy comes from {short(node)}, "
-        "not from a linear layer in the same graph (a graph break between the head and the loss?)"
-    )
+    if matches(node, EINSUM):
+        return (*_einsum_operands(node), None)
+    if node.op == "placeholder":
+        raise NoMatch(
+            f"the input of cross_entropy comes from {short(node)}, not from a linear layer in the same graph "
+            "(a graph break between the head and the loss?)"
+        )
+    raise NoMatch(f"the input of cross_entropy comes from {short(node)}, which is not a linear layer")
+
+
+def _einsum_operands(node: fx.Node) -> tuple[fx.Node, fx.Node, bool]:
+    """(hidden, weight, weight_is_transposed) of ``einsum("...d,vd->...v", hidden, weight)``, or of ``"...d,dv->...v"``
+    (the weight held as (D, V)): one contracted letter, the last of the hidden states' and one of the weight's two,
+    the output the hidden states' other letters and then the weight's other. Else NoMatch, naming the equation."""
+    equation, *operands = node.args
+    if len(operands) == 1 and isinstance(operands[0], (list, tuple)):
+        operands = list(operands[0])
+    eq = equation.replace(" ", "") if isinstance(equation, str) else ""
+    lhs, _, out = eq.partition("->")
+    terms = lhs.split(",")
+    why = f"{short(node)}'s equation {equation!r} is not a linear head ('...d,vd->...v' or '...d,dv->...v')"
+    if len(operands) != 2 or len(terms) != 2 or not out or len(terms[1]) != 2 or not terms[0]:
+        raise NoMatch(why)
+    hidden_terms, weight_terms = terms
+    contracted, rows = hidden_terms[-1], hidden_terms[:-1]
+    letters = rows.replace("...", "")
+    if contracted not in weight_terms or weight_terms[0] == weight_terms[1]:
+        raise NoMatch(why)
+    vocab = weight_terms[1] if weight_terms[0] == contracted else weight_terms[0]
+    if out != rows + vocab or len(set(letters)) != len(letters) or {contracted, vocab} & set(letters):
+        raise NoMatch(why)
+    return operands[0], operands[1], weight_terms == contracted + vocab
 
 
 def _weight_operand(head: fx.Node, rhs: Any) -> tuple[fx.Node, bool]:

@@ -29,6 +29,7 @@ def methods(*names) -> set:
 CROSS_ENTROPY = functions(F.cross_entropy)
 LINEAR = functions(F.linear, torch._C._nn.linear)
 MATMUL = functions(operator.matmul, torch.matmul, torch.mm) | methods("matmul", "mm", "__matmul__")
+EINSUM = functions(torch.einsum, torch.functional.einsum)  # einsum("...d,vd->...v", hidden, weight): a head too
 ADDMM = functions(torch.addmm) | methods("addmm")  # addmm(bias, hidden, weight.t()): beta * bias + alpha * (h @ w)
 ADD = functions(operator.add, torch.add) | methods("add")
 # `x += b` is `operator.iadd(x, b)` (read through its result), `x.add_(b)` a method call (read through x): both return

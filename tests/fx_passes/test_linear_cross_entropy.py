@@ -19,6 +19,7 @@ import cce_inductor
 from cce_inductor.options import CCEOptions
 from tests.support.compare import inductor_caches_off
 from tests.support.graphs import PassCapture
+from tests.support.inputs import BALANCED
 from tests.support.patterns import B, D, PatternTestCase, T, V, rand_hidden, rand_labels, rand_weight
 
 
@@ -1068,25 +1069,25 @@ class TestRefusals(PatternTestCase):
     def test_non_tanh_softcap(self):
         weight = rand_weight(V, D)
         f = lambda h, y: F.cross_entropy(torch.sigmoid(F.linear(h, weight) / 3.0) * 3.0, y)  # noqa: E731
-        reason = self.assert_refused(f, rand_hidden(B * T, D), rand_labels(B * T), reason="not from a linear layer")
+        reason = self.assert_refused(f, rand_hidden(B * T, D), rand_labels(B * T), reason="which is not a linear layer")
         self.assertExpectedInline(
             reason,
-            """the input of cross_entropy comes from sigmoid (sigmoid), not from a linear layer in the same graph (a graph break between the head and the loss?)""",
+            """the input of cross_entropy comes from sigmoid (sigmoid), which is not a linear layer""",
         )
 
     def test_softcap_with_mismatched_constants(self):
         weight = rand_weight(V, D)
         f = lambda h, y: F.cross_entropy(torch.tanh(F.linear(h, weight) / 3.0) * 5.0, y)  # noqa: E731
-        self.assert_refused(f, rand_hidden(B * T, D), rand_labels(B * T), reason="not from a linear layer")
+        self.assert_refused(f, rand_hidden(B * T, D), rand_labels(B * T), reason="which is not a linear layer")
 
     def test_linear_output_is_not_the_cross_entropy_input(self):
         weight = rand_weight(V, D)
         offset = torch.randn(B * T, V)  # a tensor per row, not a bias (a (V,) one is: TestBiasAddedToTheProduct)
         f = lambda h, y: F.cross_entropy(F.linear(h, weight) + offset, y)  # noqa: E731
-        reason = self.assert_refused(f, rand_hidden(B * T, D), rand_labels(B * T), reason="not from a linear layer")
+        reason = self.assert_refused(f, rand_hidden(B * T, D), rand_labels(B * T), reason="which is not a linear layer")
         self.assertExpectedInline(
             reason,
-            """the input of cross_entropy comes from add (add), not from a linear layer in the same graph (a graph break between the head and the loss?)""",
+            """the input of cross_entropy comes from add (add), which is not a linear layer""",
         )
 
     def test_logits_are_a_graph_input(self):
@@ -1197,3 +1198,48 @@ class TestThroughInductor(PatternTestCase):
                         self.assertIsNone(got)
                     else:
                         torch.testing.assert_close(got, want)
+
+
+class TestEinsumHeads(PatternTestCase):
+    """``torch.einsum`` heads (``fx_passes/head_chain.py``, ``_einsum_operands``): the weight as (V, D) or (D, V),
+    batched hidden states, on the lean and the balanced path; an equation that is not a head is refused with a reason
+    that names it."""
+
+    def setUp(self):
+        super().setUp()
+        torch.manual_seed(0)
+
+    def test_einsum_head_is_the_fused_op(self):
+        weight = rand_weight(V, D)
+
+        def f(hidden, labels):
+            logits = torch.einsum("btd,vd->btv", hidden, weight)
+            return F.cross_entropy(logits.float().reshape(-1, V), labels.reshape(-1))
+
+        cap = self.run_pass(f, rand_hidden(B, T, D), rand_labels(B, T), params=[weight])
+        self.assertIn("torch.ops.cce_inductor.linear_cross_entropy.default", cap.after[0])
+        self.assertNotIn("einsum", cap.after[0])
+
+    def test_einsum_spellings_and_both_paths(self):
+        weight, weight_dv = rand_weight(V, D), rand_weight(D, V)
+
+        def vd(hidden, labels):
+            return F.cross_entropy(torch.einsum("nd,vd->nv", hidden, weight), labels)
+
+        def dv(hidden, labels):  # the weight held as (D, V), the ellipsis, spaces, the operands as a list
+            return F.cross_entropy(torch.einsum("... d, d v -> ... v", [hidden, weight_dv]), labels, reduction="sum")
+
+        for options in (None, BALANCED):
+            self.run_pass(vd, rand_hidden(B * T, D), rand_labels(B * T), params=[weight], options=options)
+            self.run_pass(dv, rand_hidden(B * T, D), rand_labels(B * T), params=[weight_dv], options=options)
+
+    def test_einsum_that_is_not_a_head_is_refused_by_name(self):
+        weight = torch.randn(V, D, 2, requires_grad=True)
+
+        def f(hidden, labels):  # a weight of three dimensions, one summed: not a linear head
+            return F.cross_entropy(torch.einsum("nd,vde->nv", hidden, weight), labels)
+
+        cce_inductor.reset_stats()
+        self.run_pass(f, rand_hidden(B * T, D), rand_labels(B * T), params=[weight], rewrites=0)
+        (site,) = cce_inductor.stats()["sites"]
+        self.assertIn("equation 'nd,vde->nv' is not a linear head", site["reason"])
