@@ -17,10 +17,11 @@ Interface used by the custom op and the vocabulary-parallel loss:
 * ``row_skipping_ok(e, c, exact) -> bool``: whether the row-skipping products can read these operands
 * ``loss_and_grads(e, c, targets, bias, *, softcap, ignore_index, reduction, label_smoothing=0.0, chunk_rows,
   compute_dtype=None, need_e=True, need_c=True, need_bias=True, check_range=False, counted_prefix_rows=None,
-  observe_counted=None) -> LossAndGrads(loss, grad_e, grad_c, grad_bias, grad_e_lo, grad_c_lo)``: the balanced
-  path (mean / sum losses whose head needs gradients): the gradients computed with the loss, ``chunk_rows`` rows at a
-  time through one scratch of logits (its rows padded to aligned leading dimensions), each in its input's dtype (a
-  16-bit one as the pair ``grad`` + ``grad_lo``, an fp32 one whole with ``grad_lo`` None; ``grad_bias`` fp32; None
+  observe_counted=None, plain_sum=False) -> LossAndGrads(loss, grad_e, grad_c, grad_bias, grad_e_lo, grad_c_lo)``:
+  the balanced path (mean / sum losses whose head needs gradients): the gradients computed with the loss,
+  ``chunk_rows`` rows at a time through one scratch of logits (its rows padded to aligned leading dimensions), each
+  in its input's dtype (a 16-bit one as the pair ``grad`` + ``grad_lo``, but with ``plain_sum`` a 16-bit dC summed
+  in its own dtype over at most two chunks, alone; an fp32 one whole with ``grad_lo`` None; ``grad_bias`` fp32; None
   where not asked for); ``compute_dtype``: the products' dtype where not the inputs' (autocast); ``check_range=True``:
   a device-side assert where a counted target lies outside ``[0, V)``, as eager's; ``counted_prefix_rows``: rows
   compacted, cuBLAS over that many, the row-skipping products past them (where

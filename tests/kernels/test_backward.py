@@ -426,7 +426,7 @@ def test_row_skipping_widen_and_block_width():
     assert widen(triton=True, hint=0.1, one=False, budget=2) == 2
     assert widen(triton=True, budget=1) == 1 and widen(triton=True) == 4  # no earlier call: the budget's
     assert widen() == 4 and widen(one=False) == 4 and widen(budget=2) == 2  # cuBLAS over every row: the budget's
-    assert widen(hint=0.3, budget=2) == 2  # the counted prefix too (its dC sums in the budget: paths.lean_widen)
+    assert widen(hint=0.3, budget=2) == 2  # the counted prefix too (a caller's widening)
     assert widen(split=True) == 1 and widen(split=True, hint=0.3) == 1  # exact mode's second block: narrow
 
 
