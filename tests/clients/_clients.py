@@ -86,10 +86,16 @@ def training_logs(history: list[dict]) -> list[dict]:
 
 
 def assert_same_logs(
-    got: list[dict], want: list[dict], *, rel: float, abs_: float = 1e-6, per_key: dict | None = None
+    got: list[dict],
+    want: list[dict],
+    *,
+    rel: float,
+    abs_: float = 1e-6,
+    per_key: dict | None = None,
+    abs_per_key: dict | None = None,
 ) -> None:
     """Every logged entry has the same keys and, per key, values within ``rel`` (``per_key[key]`` where given) /
-    ``abs_``."""
+    ``abs_`` (``abs_per_key[key]`` where given)."""
     assert len(got) == len(want), (got, want)
     for step, (g, w) in enumerate(zip(got, want)):
         assert g.keys() == w.keys(), (step, g, w)
@@ -98,6 +104,6 @@ def assert_same_logs(
             if isinstance(b, float) and not (math.isnan(a) and math.isnan(b)):
                 tolerance = (per_key or {}).get(key, rel)
                 message = f"entry {step}, {key}: {a} != {b}\n{got}\n{want}"
-                assert math.isclose(a, b, rel_tol=tolerance, abs_tol=abs_), message
+                assert math.isclose(a, b, rel_tol=tolerance, abs_tol=(abs_per_key or {}).get(key, abs_)), message
             else:
                 assert a == b, (step, key, a, b)

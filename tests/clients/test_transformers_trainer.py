@@ -137,7 +137,12 @@ def test_trainer_one_switch(tmp_path, precision, mode):
     assert with_cce["seen"] == {"lazy": 0, "plain": 1, "train_lazy": 4, "train_plain": 0}, with_cce["seen"]
     assert stock["seen"] == {"lazy": 0, "plain": 1, "train_lazy": 0, "train_plain": 4}, stock["seen"]
     rel = 1e-5 if precision == "fp32" else 1e-2
-    assert_same_logs(with_cce["logs"], stock["logs"], rel=rel)
+    # bf16: after the first update the two runs' weights differ within bf16's rounding (their losses by ~1e-4
+    # relative), so a token whose two largest logits are that close can change its argmax: a step's token accuracy,
+    # a count over its 36-44 counted tokens, is held to one token there (on 2026-12-01's CPU the third step read
+    # 19 / 36 against 18 / 36, with the code before this session's change too)
+    tokens = {"step_accuracy": 1.01 / 36} if precision == "bf16" else None
+    assert_same_logs(with_cce["logs"], stock["logs"], rel=rel, abs_per_key=tokens)
     for key in ("eval_accuracy", "step_accuracy"):
         values = [entry[key] for entry in stock["logs"] if key in entry]
         assert values and max(values) > 0, (key, stock["logs"])  # metrics that can differ
