@@ -448,9 +448,9 @@ def _balanced_choice(f: HeadFacts, plan: BalancedPlan, head: str) -> PathChoice:
         if plan.within_target
         else (
             " (over the memory target, speed first: more chunks would put dC's 16-bit sum past the error budget, and "
-            "its remainder alone is past the target)"
+            "the pair, with its V x D remainder, is past the target too)"
             if plan.plain_sum
-            else " (over the memory target)"
+            else " (over the memory target: the pair in chunks of at least 2048 rows)"
         )
     )
     return PathChoice(
