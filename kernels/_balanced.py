@@ -51,10 +51,11 @@ its fp32 sum (cuBLAS accumulates dC in it); a 16-bit one is a pair of 16-bit sum
 dE's rows split once their chunk is done, dC summed chunk by chunk in the pair product's epilogue), ~16 mantissa
 bits; or, with ``plain_sum``, a 16-bit dC is summed in its own dtype (cuBLAS's ``addmm`` adds each chunk's product
 to it in its epilogue, ``beta = 1``: one rounding a chunk, at most ``_planning.PLAIN_SUM_MAX_CHUNKS`` chunks, the
-error budget's bound; past a counted prefix the row-skipping product, which adds the skipped rows' poison too).  The op's backward scales them by the upstream gradient g, ``g * (hi + lo)`` rounded once, into ``hi``'s own
-buffer (a saved tensor that only the backward reads is a donated buffer to Inductor, which writes the result in
-place): the gradients carry no more rounding than torch.compile's, whatever g is, and the backward allocates no
-second copy of them.
+error budget's bound; past a counted prefix the row-skipping product, which adds the skipped rows' poison too).
+The op's backward scales them by the upstream gradient g, ``g * (hi + lo)`` rounded once, into ``hi``'s own buffer
+(a saved tensor that only the backward reads is a donated buffer to Inductor, which writes the result in place):
+the pairs carry no more rounding than torch.compile's, whatever g is, and the backward allocates no second copy of
+them.
 
 Ignored rows: cuBLAS's products are sized on the host, and the count of counted rows lives on the device.  Where an
 earlier call of the head counted a share of its rows (``counted_prefix_rows``, ``cce_inductor/_counted_share.py``),
