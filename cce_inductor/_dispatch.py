@@ -403,6 +403,35 @@ def loss_and_grads(
     return loss, grad_e, grad_c, grad_bias, grad_e_lo, grad_c_lo
 
 
+def lean_loss_and_grads(
+    e, c, targets, bias, *, softcap, ignore_index, reduction, label_smoothing, need_e, need_c, need_bias, compute_dtype,
+    options, plain_sum: bool,
+):  # fmt: skip
+    """:func:`loss_and_grads`' results computed by the lean path, forward then backward at upstream gradient 1 (its
+    memory: one G block, no scratch of logits), in the same layout: each gradient the lean path's, rounded once, and
+    a 16-bit pair's remainder 0 (none for a ``plain_sum`` dC). ``options``: a ``CCEOptions`` (the backward's)."""
+    e_cd, c_cd, bias_cd = in_compute_dtype(e, c, bias, compute_dtype)
+    check_target_range(e_cd, targets, c.shape[0], ignore_index)
+    lse, target_logit, logit_sum, _ = forward(
+        e_cd, c_cd, targets, bias_cd, softcap=softcap, ignore_index=ignore_index, logit_sum=label_smoothing != 0.0
+    )
+    e_cd = c_cd = bias_cd = None  # (the backward converts the head a vocabulary chunk at a time)
+    valid = targets != ignore_index
+    acc = _chunked.accumulation_dtype(compute_dtype or e.dtype)
+    row_loss = _loss.row_losses(lse, target_logit, logit_sum, valid, label_smoothing, c.shape[0], acc)
+    loss = _loss.reduce_rows(row_loss, valid, reduction)
+    grad_rows = _loss.grad_rows(torch.ones((), dtype=acc, device=e.device), valid, reduction, acc)
+    grad_e, grad_c, grad_bias = backward(
+        e, c, targets, bias, lse, grad_rows, softcap=softcap, ignore_index=ignore_index, options=options,
+        need_e=need_e, need_c=need_c, need_bias=need_bias, label_smoothing=label_smoothing,
+        compute_dtype=compute_dtype,
+    )  # fmt: skip
+    sixteen = (torch.bfloat16, torch.float16)
+    grad_e_lo = torch.zeros_like(grad_e) if grad_e is not None and e.dtype in sixteen else None
+    grad_c_lo = torch.zeros_like(grad_c) if grad_c is not None and c.dtype in sixteen and not plain_sum else None
+    return loss, grad_e, grad_c, grad_bias, grad_e_lo, grad_c_lo
+
+
 def _as_stored(grad: Tensor | None, dtype: torch.dtype, plain_sum: bool = False) -> tuple[Tensor | None, Tensor | None]:
     """A gradient summed in the accumulation dtype as the balanced op returns it in ``dtype``: as it is in fp32 /
     fp64 (rounded to fp32 from fp64 only where stored in fp32), a 16-bit pair ``(round(x), round(x - round(x)))``,

@@ -8,8 +8,8 @@ Lean backward (``kernels/_backward.py``): the (rows x vocabulary) plane is cut i
 and ``block_width`` columns, the vocabulary the outer loop. The block is ``block_cols`` columns wide; where all N
 rows are one row chunk shorter than ``block_rows``, as many times wider as keeps its bytes (fewer vocabulary steps,
 fewer launches); and up to ``max_widen`` times wider again where the row-skipping products would otherwise wait on
-the host (:func:`row_skipping_widen`), or where a caller asks (``block_widen``: measured 1-4% of the lean path's
-time where memory allows, engineering log v33; no caller asks since the default left the lean path, v41).
+the host (:func:`row_skipping_widen`), or where a caller asks (``block_widen``: a longer K for each product, at
+the cost of a wider G block).
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ VOCAB_ALIGN = 64
 # sum keeps a 16-bit remainder beside it (the pair, kernels/_pair_sums.py). The bound is the error budget: on flat
 # logits (a model at initialisation), where torch.compile's own dC error is the bf16 rounding of one product, each
 # further rounding of the running sum adds to it; at this many chunks the error stays within the budget's 1.35x
-# torch.compile's, at one more it does not (tests/kernels/test_balanced.py holds both; docs/engineering-log.md v41).
+# torch.compile's, at one more it does not (tests/kernels/test_balanced.py holds both).
 PLAIN_SUM_MAX_CHUNKS = 2
 
 # Rows whose target rows of C the lean backward gathers and converts at a time where C is stored wider than the

@@ -398,7 +398,9 @@ def linear_cross_entropy_with_grads_op(
             result = None  # (the traceback holds the failed call's buffers: the fallback runs after it is gone)
         if result is None:  # the lean path's memory where the balanced path's buffers could not be allocated
             diagnostics.count_balanced_rows("lean_after_oom")
-            result = _lean_loss_and_grads(e, c, targets, bias, options=decoded, plain_sum=plan.plain_sum, **common)
+            result = _dispatch.lean_loss_and_grads(
+                e, c, targets, bias, options=decoded, plain_sum=plan.plain_sum, **common
+            )
         loss, grad_e, grad_c, grad_bias, grad_e_lo, grad_c_lo = result
     acc = _chunked.accumulation_dtype(dtype)
 
@@ -413,34 +415,6 @@ def linear_cross_entropy_with_grads_op(
         out(need_e, grad_e_lo, e),
         out(need_c, grad_c_lo, c),
     )
-
-
-def _lean_loss_and_grads(
-    e, c, targets, bias, *, softcap, ignore_index, reduction, label_smoothing, need_e, need_c, need_bias, compute_dtype,
-    options: CCEOptions, plain_sum: bool,
-):  # fmt: skip
-    """The balanced op's results computed by the lean path, forward then backward at upstream gradient 1 (its memory:
-    one G block, no scratch of logits), in the balanced op's layout: each gradient the lean path's, rounded once, and
-    a 16-bit pair's remainder 0."""
-    e_cd, c_cd, bias_cd = _dispatch.in_compute_dtype(e, c, bias, compute_dtype)
-    _dispatch.check_target_range(e_cd, targets, c.shape[0], ignore_index)
-    lse, target_logit, logit_sum, _ = _dispatch.forward(
-        e_cd, c_cd, targets, bias_cd, softcap=softcap, ignore_index=ignore_index, logit_sum=label_smoothing != 0.0
-    )
-    e_cd = c_cd = bias_cd = None  # (the backward converts the head a vocabulary chunk at a time)
-    valid = targets != ignore_index
-    acc = _chunked.accumulation_dtype(compute_dtype or e.dtype)
-    row_loss = _loss.row_losses(lse, target_logit, logit_sum, valid, label_smoothing, c.shape[0], acc)
-    loss = _loss.reduce_rows(row_loss, valid, reduction)
-    grad_rows = _loss.grad_rows(torch.ones((), dtype=acc, device=e.device), valid, reduction, acc)
-    grad_e, grad_c, grad_bias = _dispatch.backward(
-        e, c, targets, bias, lse, grad_rows, softcap=softcap, ignore_index=ignore_index, options=options,
-        need_e=need_e, need_c=need_c, need_bias=need_bias, label_smoothing=label_smoothing,
-        compute_dtype=compute_dtype,
-    )  # fmt: skip
-    grad_e_lo = torch.zeros_like(grad_e) if _pair(grad_e is not None, e) else None
-    grad_c_lo = torch.zeros_like(grad_c) if _pair(grad_c is not None, c) and not plain_sum else None
-    return loss, grad_e, grad_c, grad_bias, grad_e_lo, grad_c_lo
 
 
 @linear_cross_entropy_with_grads_op.register_fake

@@ -385,15 +385,6 @@ def target_logits(e, c, targets, bias, *, softcap, ignore_index, out=None):
 _ROUND = {None: 0, torch.float32: 0, torch.float64: 0, torch.bfloat16: 1, torch.float16: 2}
 
 
-def _vocab_splits(row_blocks: int, vblocks: int, waves: int, device) -> tuple[int, int]:
-    """``(splits, vocabulary blocks per split)``: enough programs for ``waves`` of the device's multiprocessors,
-    each split a whole number of blocks, no split empty."""
-    want = max(1, waves * _launch.num_sms(device))
-    splits = max(1, min(vblocks, triton.cdiv(want, row_blocks)))
-    per_split = triton.cdiv(vblocks, splits)
-    return triton.cdiv(vblocks, per_split), per_split
-
-
 def forward(
     e,
     c,
@@ -415,9 +406,7 @@ def forward(
     if every_row:
         ignore_index = EVERY_ROW
     tune = _launch.tuning(_TUNING)
-    n, d = e.shape
-    v = c.shape[0]
-    device = e.device
+    (n, d), v, device = e.shape, c.shape[0], e.device
     lse = torch.empty((n,), dtype=torch.float32, device=device)
     target_logit = torch.empty((n,), dtype=torch.float32, device=device)
     row_sums = torch.empty((n,), dtype=torch.float32, device=device) if logit_sum else None
@@ -427,8 +416,7 @@ def forward(
     row_order, num_valid = _launch.compact_counted(targets != ignore_index)
     block_n, block_v, block_d = tune["block_n"], tune["block_v"], tune["block_d"]
     row_blocks = triton.cdiv(n, block_n)
-    splits, vblocks_per_split = _vocab_splits(row_blocks, triton.cdiv(v, block_v), tune["waves"], device)
-
+    splits, vblocks_per_split = _launch.vocab_splits(row_blocks, triton.cdiv(v, block_v), tune["waves"], device)
     argmax = argmax_out is not None
     part = torch.empty((2 + logit_sum + mean_logit + argmax, splits, n), dtype=torch.float32, device=device)
     part_logit_sum = part[2] if logit_sum else part[0]  # (unused without logit_sum)

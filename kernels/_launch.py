@@ -47,6 +47,15 @@ def _cuda_sms(index: int) -> int:
 _PIPELINE_SMEM_BYTES = 200 * 1024
 
 
+def vocab_splits(row_blocks: int, vblocks: int, waves: int, device) -> tuple[int, int]:
+    """``(splits, vocabulary blocks per split)``: enough programs for ``waves`` of the device's multiprocessors,
+    each split a whole number of blocks, no split empty."""
+    want = max(1, waves * num_sms(device))
+    splits = max(1, min(vblocks, -(-want // row_blocks)))
+    per_split = -(-vblocks // splits)
+    return -(-vblocks // per_split), per_split
+
+
 def fit_num_stages(num_stages: int, block_rows: int, block_cols: int, block_d: int, element_size: int) -> int:
     """``num_stages`` lowered until the operand buffers fit: a loop pipelined over ``num_stages`` keeps one pair
     of ``block_rows x block_d`` and ``block_cols x block_d`` tiles in shared memory per stage (fp32 128 x 256 x 64

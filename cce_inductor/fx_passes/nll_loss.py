@@ -23,7 +23,6 @@ from .. import diagnostics
 from . import spellings as sp
 
 NLL_LOSS = sp.functions(F.nll_loss)
-LOG_SOFTMAX = sp.functions(F.log_softmax, torch.log_softmax) | sp.methods("log_softmax")
 _NLL_SIGNATURE = inspect.signature(F.nll_loss)
 
 
@@ -40,7 +39,7 @@ def normalize_nll_loss(graph: fx.Graph, graph_id: int) -> int:
         bound = _NLL_SIGNATURE.bind(*nll.args, **nll.kwargs)
         kwargs = {k: v for k, v in bound.arguments.items() if k not in ("input", "target")}
         logits = sp.call_arg(log_probs, 0, "input")
-        dtype = _dtype_arg(log_probs)
+        dtype = sp.dtype_arg(log_probs)
         with graph.inserting_before(nll):
             if dtype is not None:  # log_softmax(x, dtype=d) is log_softmax(x.to(d))
                 logits = graph.call_method("to", (logits, dtype))
@@ -56,7 +55,7 @@ def normalize_nll_loss(graph: fx.Graph, graph_id: int) -> int:
 
 def _why_not(nll: fx.Node, log_probs) -> str | None:
     name = sp.short(nll)
-    if not sp.matches(log_probs, LOG_SOFTMAX):
+    if not sp.matches(log_probs, sp.LOG_SOFTMAX):
         return f"{name} does not read a log_softmax (what it reads is not a cross-entropy of logits)"
     others = [user.name for user in log_probs.users if user is not nll]
     if others:
@@ -70,10 +69,3 @@ def _why_not(nll: fx.Node, log_probs) -> str | None:
     if dim not in (-1, 1):
         return f"{log_probs.name} normalises over dimension {dim!r}, not the vocabulary"
     return None
-
-
-def _dtype_arg(log_softmax: fx.Node) -> torch.dtype | None:
-    """The ``dtype`` of ``log_softmax(x, dim, [_stacklevel], dtype)`` / ``x.log_softmax(dim, dtype)``, or None."""
-    if log_softmax.kwargs.get("dtype") is not None:
-        return log_softmax.kwargs["dtype"]
-    return next((a for a in log_softmax.args[2:] if isinstance(a, torch.dtype)), None)

@@ -48,6 +48,7 @@ GETITEM = functions(operator.getitem)
 TO_DTYPE = methods("to", "type")
 DTYPE_METHODS = {"float": torch.float32, "double": torch.float64, "half": torch.float16, "bfloat16": torch.bfloat16}
 TANH = functions(torch.tanh, F.tanh) | methods("tanh")
+LOG_SOFTMAX = functions(F.log_softmax, torch.log_softmax) | methods("log_softmax")
 LOGSUMEXP = functions(torch.logsumexp) | methods("logsumexp")
 MUL = functions(operator.mul, torch.mul) | methods("mul")
 DIV = functions(operator.truediv, torch.div, torch.true_divide) | methods("div", "true_divide")
@@ -88,6 +89,13 @@ def call_arg(node: fx.Node, index: int, name: str, default: Any = None) -> Any:
     if len(node.args) > index:
         return node.args[index]
     return node.kwargs.get(name, default)
+
+
+def dtype_arg(node: fx.Node) -> torch.dtype | None:
+    """The ``dtype`` of a (log_)softmax call, ``f(x, dim, [_stacklevel], dtype)`` / ``x.f(dim, dtype)``, or None."""
+    if node.kwargs.get("dtype") is not None:
+        return node.kwargs["dtype"]
+    return next((a for a in node.args[2:] if isinstance(a, torch.dtype)), None)
 
 
 def normalize_dim(dim: int, ndim: int) -> int:

@@ -39,14 +39,13 @@ from typing import Any
 
 import torch
 import torch.fx as fx
-import torch.nn.functional as F
 
 from .. import diagnostics, ops
 from ..options import CCEOptions
 from . import head_chain, sites
 from . import spellings as sp
 
-LOG_SOFTMAX = sp.functions(F.log_softmax, torch.log_softmax) | sp.methods("log_softmax")
+LOG_SOFTMAX = sp.LOG_SOFTMAX
 GATHER = sp.functions(torch.gather) | sp.methods("gather")
 SQUEEZE = sp.functions(torch.squeeze) | sp.methods("squeeze")
 UNSQUEEZE = sp.functions(torch.unsqueeze) | sp.methods("unsqueeze")
@@ -73,7 +72,7 @@ def gathered_log_probs(gather: fx.Node) -> tuple[fx.Node, fx.Node, fx.Node, fx.N
     ndim = logits_meta.dim()
     if ndim < 2 or not _last_dim(log_probs, 1, "dim", ndim) or not _last_dim(gather, 1, "dim", ndim):
         raise head_chain.NoMatch("log_softmax and gather are not both over the last (vocabulary) dimension")
-    if _has_dtype_arg(log_probs):
+    if sp.dtype_arg(log_probs) is not None:
         raise head_chain.NoMatch("log_softmax has a dtype argument")
     if gather.kwargs.get("sparse_grad", False) or (len(gather.args) > 3 and gather.args[3]):
         raise head_chain.NoMatch("gather with sparse_grad")
@@ -89,14 +88,10 @@ def gathered_log_probs(gather: fx.Node) -> tuple[fx.Node, fx.Node, fx.Node, fx.N
     return log_probs, logits, index, squeeze
 
 
-def _has_dtype_arg(node: fx.Node) -> bool:
-    return node.kwargs.get("dtype") is not None or any(isinstance(a, torch.dtype) for a in node.args[2:])
-
-
 def is_row_softmax(node: fx.Node) -> bool:
     """``node`` (a softmax or log_softmax call) is over the last dimension, with no dtype argument."""
     meta = sp.example_value(node)
-    return isinstance(meta, torch.Tensor) and _last_dim(node, 1, "dim", meta.dim()) and not _has_dtype_arg(node)
+    return isinstance(meta, torch.Tensor) and _last_dim(node, 1, "dim", meta.dim()) and sp.dtype_arg(node) is None
 
 
 def _match(gather: fx.Node) -> tuple[sites.Site, fx.Node]:
