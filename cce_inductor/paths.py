@@ -67,9 +67,6 @@ _MAX_SCRATCH_BYTES = 1 << 30
 # of torch.compile's; under autocast the inputs' converted copies plus this smaller share (overhead_target).
 _OVERHEAD_SHARE = 0.3
 _CONVERTED_OVERHEAD_SHARE = 0.15
-# Where neither sum of a 16-bit dC fits that target, the pair (its epilogue and more chunks cost time) is taken over
-# the plain sum over two chunks only where it holds less than this share of the plain sum's bytes above the gradients.
-_PAIR_LEANER = 0.6
 # Below this many rows a chunk loop is not worth it (and the scratch would be tiny): lean.
 _MIN_BALANCED_ROWS = 256
 # Below this many multiply-adds per logits product (N V D), a lean fwd + bwd on the kernels waits on the host's
@@ -314,8 +311,8 @@ def balanced_plan(f: HeadFacts, scratch_mb: int = 0, plain_sum: bool | None = No
     * a 16-bit dC summed in its own dtype over 1, else 2 chunks (``PLAIN_SUM_MAX_CHUNKS``: the error budget);
     * else as a 16-bit pair (exact at any number of chunks, for the pair product's epilogue), the largest scratch
       within the target, but chunks of at least ``_MIN_CHUNK_ROWS`` rows: each chunk reads and writes the pair;
-    * where neither fits, speed first: the plain sum over 2 chunks, or the pair where it holds less than
-      ``_PAIR_LEANER`` of the plain sum's bytes above the gradients; ``within_target`` False (stats() says so).
+    * where neither fits, speed first: the plain sum over 2 chunks (the pair's epilogue reads and writes ``V x D``
+      pairs every chunk, a cost that grows as the chunks shrink); ``within_target`` False (stats() says so).
 
     An fp32 dC (fp32 heads, autocast's fp32 weights) is its own fp32 sum at any number of chunks: the largest scratch
     within the target, chunks of at least ``_MIN_CHUNK_ROWS`` rows. ``scratch_mb`` (> 0) sets the scratch; a plain sum
@@ -338,11 +335,7 @@ def balanced_plan(f: HeadFacts, scratch_mb: int = 0, plain_sum: bool | None = No
             return plan
     if plain_sum is None and sums.within_target:
         return sums
-    plain = _plan(f, _scratch_of_chunks(f, most), True)
-    base = gradient_bytes(f)
-    if plain_sum is None and sums.peak - base < _PAIR_LEANER * (plain.peak - base):
-        return sums
-    return plain
+    return _plan(f, _scratch_of_chunks(f, most), True)
 
 
 def _mib(n: int) -> str:
