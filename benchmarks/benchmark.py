@@ -14,7 +14,7 @@ Methods (each timed as loss only = "fwd" and loss + gradients = "fwdbwd"):
     cce          cce_inductor.linear_cross_entropy with CCEOptions() (the defaults): the Triton forward; the backward
                  a Triton recompute of the softmax gradient G per (row chunk x vocabulary chunk) block + cuBLAS dE / dC
     cce_rowskip  CCEOptions(products="triton"): the dE / dC products in Triton, skipping the ignored rows
-    cce_exact    CCEOptions(exact=True): G carried into the products as bf16 hi + lo halves, dC summed in fp32
+    cce_exact    CCEOptions(exact=True): the lean path (G rounded once to bf16, dE and dC summed in fp32)
     cce_balanced CCEOptions(scratch_mb=1024) (cce_balanced512: 512): the balanced path where gradients are needed
                  (fwdbwd): per row chunk cuBLAS logits into the scratch, the softmax gradient in place, cuBLAS dE
                  and dC (summed in fp32 over chunks); the backward scales by the upstream gradient. fwd: the lean op
@@ -348,11 +348,9 @@ def kernels_backward(e, c, t, lse, grad_rows, options, **kwargs):
     plan = _planning.backward_plan(
         e.shape[0],
         c.shape[0],
-        e.dtype,
-        exact=options.exact,
         products=products,
         backward_row_chunk=options.backward_row_chunk,
-        row_skipping=K.row_skipping_ok(e, c, options.exact),
+        row_skipping=K.row_skipping_ok(e, c),
     )
     return K.backward(e, c, t, None, lse, grad_rows, softcap=None, ignore_index=IGNORE, **plan._asdict(), **kwargs)
 

@@ -207,7 +207,7 @@ def kernel_helpers(results, train_step, e, c, t, n, dev):
     lse = _forward.forward(ed, cd, t, None, softcap=None, ignore_index=-100)[0]
     grad_rows = torch.full((n,), 1.0 / n, device=dev)
 
-    plan = _planning.backward_plan(n, cd.shape[0], cd.dtype, exact=False, products="cublas", backward_row_chunk=8192)
+    plan = _planning.backward_plan(n, cd.shape[0], products="cublas", backward_row_chunk=8192)
 
     def lean_kernels():
         _forward.forward(ed, cd, t, None, softcap=None, ignore_index=-100)

@@ -35,7 +35,7 @@ _UNIT_STRIDES = {"stride_ed", "stride_cd"}
 _FLOAT_ARGS = {"softcap", "target_weight", "uniform"}
 _INT64_POINTERS = {"Targets", "RowOrder"}
 _INT32_POINTERS = {"NumValid", "NumCounted"}
-_BF16_POINTERS = {"E", "C", "Bias", "G", "GLo"}
+_BF16_POINTERS = {"E", "C", "Bias", "G"}
 
 
 def _signature(fn, constants: dict) -> tuple[dict, dict, dict]:
@@ -114,7 +114,6 @@ def main() -> None:
                 HAS_LSE_GRAD=False,
                 HAS_ENTROPY_GRAD=False,
                 COMPACT_G=False,
-                SPLIT_G=False,
                 EVEN_TILE=True,
                 GROUP_V=_backward._TUNING["gpu"]["recompute_group"] // _backward._TUNING["gpu"]["block_v"],
             ),

@@ -73,9 +73,7 @@ def main():
             lse, *_ = _forward.forward(e, c, t, None, softcap=None, ignore_index=-100)
             g = torch.full((128,), 1 / 128, device=dev)
             # 4096-wide blocks (no short-batch widening): V / 4096 vocabulary steps
-            plan = _planning.BackwardPlan(
-                row_chunk=128, block_width=4096, split_g=False, products="cublas", counted_hint=None
-            )
+            plan = _planning.BackwardPlan(row_chunk=128, block_width=4096, products="cublas", counted_hint=None)
             r[f"backward {v // 4096} chunks tma={tma}"] = host_us(
                 lambda: _backward.backward(
                     e,

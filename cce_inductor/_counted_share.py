@@ -141,7 +141,7 @@ def of_head(device: torch.device, vocab: int, hidden: int) -> CountedShare:
 
 def products(asked: str, seen: Seen | None, *, row_skipping_ok: bool) -> str:
     """``"cublas"``, ``"triton"`` or ``"counted_prefix"`` for one backward: ``asked`` (``CCEOptions.products``)
-    unless it is ``"auto"``; then, where the row-skipping kernels can run (``row_skipping_ok``: not exact mode, C
+    unless it is ``"auto"``; then, where the row-skipping kernels can run (``row_skipping_ok``: C and E rows
     readable by the tensor-memory accelerator), from what earlier calls counted (``seen``): the row-skipping
     products alone (``"triton"``) where their median share is at most ``ROW_SKIPPING_AT_MOST``, or at most
     ``MOVING_ROW_SKIPPING_AT_MOST`` while the share moves (median and low quantile more than ``STEADY_SPREAD``

@@ -234,9 +234,9 @@ def backward(
     compute_dtype: torch.dtype | None = None,
 ):
     """``(dE | None, dC | None, dbias | None)``, each in its input's dtype; ``grad_rows`` is 0 at ignored rows;
-    ``options`` a :class:`cce_inductor.CCEOptions` (``exact``, ``products``, ``backward_row_chunk``): the kernels'
-    plan is made from them here (:func:`cce_inductor._planning.backward_plan`); ``products="auto"`` is decided per
-    call, from the share of rows an earlier call of this head counted (:mod:`cce_inductor._counted_share`).
+    ``options`` a :class:`cce_inductor.CCEOptions` (``products``, ``backward_row_chunk``): the kernels' plan is made
+    from them here (:func:`cce_inductor._planning.backward_plan`); ``products="auto"`` is decided per call, from the
+    share of rows an earlier call of this head counted (:mod:`cce_inductor._counted_share`).
     ``compute_dtype``: the products' dtype where the inputs are stored in another (autocast): the kernels convert the
     head a vocabulary chunk at a time; the gradients keep the inputs' dtypes."""
     de_dtype, dc_dtype, db_dtype = e.dtype, c.dtype, None if bias is None else bias.dtype
@@ -250,7 +250,7 @@ def backward(
         share = _counted_share.of_head(e.device, c.shape[0], c.shape[1])
         # with a gradient for every row's lse / entropy every row counts: nothing to skip, nothing to learn
         every_row = grad_lse is not None or grad_entropy is not None
-        can_skip = kernels.row_skipping_ok(e, c, options.exact)  # (else even a forced "triton" runs cuBLAS)
+        can_skip = kernels.row_skipping_ok(e, c)  # (else even a forced "triton" runs cuBLAS)
         seen = share.seen()
         products = _counted_share.products(options.products, seen, row_skipping_ok=can_skip and not every_row)
         diagnostics.count_products(products if can_skip else "cublas")
@@ -262,8 +262,6 @@ def backward(
         plan = _planning.backward_plan(
             e.shape[0],
             c.shape[0],
-            e.dtype,
-            exact=options.exact,
             products=products,
             backward_row_chunk=options.backward_row_chunk,
             counted_hint=hint,

@@ -18,8 +18,6 @@ import math
 import os
 from typing import NamedTuple
 
-import torch
-
 # The lean backward's G block: "gpu" for CUDA devices, "interpret" for Triton's interpreter (the CPU tests; small
 # blocks keep them fast; block_rows 0: never widened for a short batch).
 LEAN_LAYOUT = {
@@ -68,17 +66,15 @@ def row_skipping_widen(counted_hint: float, max_widen: int = 4) -> int:
     return max(1, min(max_widen, math.ceil(0.5 / max(counted_hint, 1e-6))))
 
 
-def g_block_widen(
-    *, triton_products: bool, counted_hint: float | None, one_row_chunk: bool, split_g: bool, block_widen: int
-) -> int:
+def g_block_widen(*, triton_products: bool, counted_hint: float | None, one_row_chunk: bool, block_widen: int) -> int:
     """How many times wider than :func:`block_width`'s base a backward's G block is: the caller's ``block_widen``,
     and for the row-skipping products at least their :func:`row_skipping_widen`
     after an earlier call's ``counted_hint`` (one row chunk only: several keep the narrow block, or their dC sums
-    would grow); 1 in exact mode (its second block is not in the memory model)."""
+    would grow)."""
     if triton_products:
         skipping = row_skipping_widen(counted_hint) if counted_hint is not None and one_row_chunk else 1
         return max(skipping, block_widen)
-    return 1 if split_g else block_widen
+    return block_widen
 
 
 class BackwardPlan(NamedTuple):
@@ -86,7 +82,6 @@ class BackwardPlan(NamedTuple):
 
     row_chunk: int  # rows per G block (all rows: N)
     block_width: int  # columns per G block
-    split_g: bool  # exact mode on 16-bit operands: G and the remainder of its rounding, two products each
     products: str  # "cublas" (every row), "triton" (row-skipping kernels), "prefix" (cuBLAS over a counted prefix)
     counted_hint: float | None  # an earlier call's share of counted rows (sizes the prefix), or None
 
@@ -94,9 +89,7 @@ class BackwardPlan(NamedTuple):
 def backward_plan(
     rows: int,
     vocab: int,
-    dtype: torch.dtype,
     *,
-    exact: bool,
     products: str,
     backward_row_chunk: int,
     counted_hint: float | None = None,
@@ -110,8 +103,7 @@ def backward_plan(
     sizes the counted prefix, or (row-skipping products) widens a single row chunk's block. ``block_widen``: a
     wider block asked for (:func:`g_block_widen`)."""
     row_chunk = min(rows, backward_row_chunk or rows) if rows else 0
-    split_g = exact and dtype in (torch.bfloat16, torch.float16)  # fp32 inputs: G is fp32 already
-    if split_g or not row_skipping:
+    if not row_skipping:
         kind = "cublas"
     else:
         kind = {"counted_prefix": "prefix"}.get(products, products)
@@ -122,11 +114,10 @@ def backward_plan(
         triton_products=kind == "triton",
         counted_hint=hint,
         one_row_chunk=rows <= row_chunk,
-        split_g=split_g,
         block_widen=block_widen,
     )
     width = block_width(rows, row_chunk, vocab, widen, layout)
-    return BackwardPlan(row_chunk, width, split_g, kind, hint)
+    return BackwardPlan(row_chunk, width, kind, hint)
 
 
 def balanced_chunks(

@@ -50,9 +50,9 @@ class CCEOptions:
         and dtype that raises on any use (``DroppedLogits``): for code that must never compute them. Off by default
         (docs/design.md, "Dropping logits by default?"; docs/clients.md, "The one switch: lazy logits").
         Environment: ``CCE_INDUCTOR_DROP_LOGITS=1``.
-    exact: gradients at no more than torch.compile's error: the lean path (fp32 sums), whose CUDA backward carries
-        the softmax gradient into its products as two 16-bit halves (the rounding floor of the output dtype); with a
-        forced balanced path, dC summed as an exact pair. Environment: ``CCE_INDUCTOR_EXACT=1``.
+    exact: gradients at no more than torch.compile's error: the lean path (the softmax gradient rounded once to the
+        input dtype, the products summed in fp32, each gradient rounded once); with a forced balanced path, dC summed
+        as an exact pair. Environment: ``CCE_INDUCTOR_EXACT=1``.
     products: who computes the CUDA lean backward's dE / dC products, and the balanced path's logits, dE and dC
         products. ``"auto"`` (default) decides per call: where an earlier call of the same head had at least 10%
         of its targets ignored (prompt-masked SFT, padding), cuBLAS multiplies only as many rows as that call
@@ -60,8 +60,7 @@ class CCEOptions:
         them; else cuBLAS multiplies every row. Read without waiting on the device
         (``cce_inductor/_counted_share.py``), counted in ``stats()['backward_products']`` and
         ``stats()['balanced_rows']``. ``"cublas"``: every row, every call (bits that never depend on earlier
-        calls); ``"triton"``: the row-skipping Triton products always. Ignored with ``exact``. Environment:
-        ``CCE_INDUCTOR_PRODUCTS``.
+        calls); ``"triton"``: the row-skipping Triton products always. Environment: ``CCE_INDUCTOR_PRODUCTS``.
     backward_row_chunk: rows per block of the CUDA lean backward: bounds its gradient block (one 16-bit
         ``row_chunk x 4096`` block, wider for a short batch of the same bytes) whatever the batch; dE is summed in
         fp32 (``N x D x 4`` bytes) and, past one row chunk, each vocabulary chunk of dC too, so every gradient is

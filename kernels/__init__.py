@@ -8,13 +8,12 @@ Interface used by the custom op and the vocabulary-parallel loss:
   ``argmax_out``: an int64 ``(N,)`` tensor that receives each counted row's argmax over the logits rounded to
   ``argmax_round``)
 * ``backward(e, c, targets, bias, lse, grad_rows, *, softcap, ignore_index, need_e, need_c, need_bias, row_chunk,
-  block_width, split_g, products, counted_hint=None, label_smoothing=0.0, grad_lse=None, grad_entropy=None,
-  mean_logit=None, observe_counted=None, de_dtype=None, dc_dtype=None, compute_dtype=None) -> (dE | None, dC | None,
-  dbias | None)``: the plan's fields (``cce_inductor._planning.BackwardPlan``: ``row_chunk``, ``block_width``,
-  ``split_g``, ``products`` ``"cublas"`` / ``"triton"`` / ``"prefix"``, ``counted_hint``) are explicit arguments;
-  ``de_dtype`` / ``dc_dtype`` / ``compute_dtype``: the gradients' and the products' dtypes where not the operands'
-  (autocast)
-* ``row_skipping_ok(e, c, exact) -> bool``: whether the row-skipping products can read these operands
+  block_width, products, counted_hint=None, label_smoothing=0.0, grad_lse=None, grad_entropy=None, mean_logit=None,
+  observe_counted=None, de_dtype=None, dc_dtype=None, compute_dtype=None) -> (dE | None, dC | None, dbias | None)``:
+  the plan's fields (``cce_inductor._planning.BackwardPlan``: ``row_chunk``, ``block_width``, ``products``
+  ``"cublas"`` / ``"triton"`` / ``"prefix"``, ``counted_hint``) are explicit arguments; ``de_dtype`` / ``dc_dtype`` /
+  ``compute_dtype``: the gradients' and the products' dtypes where not the operands' (autocast)
+* ``row_skipping_ok(e, c) -> bool``: whether the row-skipping products can read these operands
 * ``loss_and_grads(e, c, targets, bias, *, softcap, ignore_index, reduction, label_smoothing=0.0, chunk_rows,
   compute_dtype=None, need_e=True, need_c=True, need_bias=True, check_range=False, counted_prefix_rows=None,
   observe_counted=None, plain_sum=False) -> LossAndGrads(loss, grad_e, grad_c, grad_bias, grad_e_lo, grad_c_lo)``:
@@ -37,8 +36,8 @@ Kernel files, each opening with its math, block layout and memory, and keeping i
 ``_forward`` (fused log-sum-exp / target logit, the argmax), ``_balanced`` (cuBLAS logits per row chunk, the softmax
 gradient in place, cuBLAS dE, dC summed chunk by chunk), ``_pair_sums`` (a 16-bit gradient summed over the balanced
 path's row chunks as a pair ``hi + lo``: the dC product with the pair in its epilogue), ``_backward`` (a Triton
-kernel recomputes each logit block into the softmax gradient; cuBLAS does dE and dC, or over the counted prefix only;
-exact mode), ``_row_chunks`` (the lean backward's host-side row chunks: compaction, the counted prefix's split, the
+kernel recomputes each logit block into the softmax gradient; cuBLAS does dE and dC, or over the counted prefix
+only), ``_row_chunks`` (the lean backward's host-side row chunks: compaction, the counted prefix's split, the
 target logits), ``_products`` (Triton dE / dC products that skip ignored rows), ``_targets`` (the count of counted
 rows and the range check, one launch), ``_tile`` (the logit tile and softmax gradient shared by the kernels),
 ``_launch`` (host-side helpers: device facts, tunings, row compaction, products into fp32 sums).

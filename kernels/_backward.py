@@ -50,11 +50,6 @@ nothing and stores G = 0 there (NaN where that row of E, or any of C / bias, is 
 log-softmax backward gives an ignored row whose log-sum-exp is NaN, through 0 * NaN). So ignored rows cost no
 recompute; the cuBLAS products, whose sizes the host must know, still run over every row.
 
-Exact mode (``split_g``, 16-bit inputs): the recompute also stores the remainder of G's rounding, G_lo = G -
-round(G), in a second block, and every product runs twice (G and G_lo, fp32 accumulation), so the products see
-~16 mantissa bits of G instead of 8; dC is summed in fp32 (one vocabulary chunk of it, or all of dC when several
-row chunks add to it) and rounded once.  Cost: twice the product time, one more G block.
-
 Counted prefix (``products="prefix"``, after a call of the head that ignored some of its targets): G is stored in
 compacted order (counted rows first); cuBLAS multiplies its first h rows, h the earlier call's counted share of the
 chunk's rows rounded up to whole row blocks, and the row-skipping products of ``_products`` the rest, sized on the
@@ -115,7 +110,6 @@ def _recompute_grad_kernel(
     NumCounted,
     RowPoison,
     G,
-    GLo,
     n_rows,
     stored_rows,
     width,
@@ -136,7 +130,6 @@ def _recompute_grad_kernel(
     HAS_ENTROPY_GRAD: tl.constexpr,
     COMPACT_G: tl.constexpr,
     TMA: tl.constexpr,
-    SPLIT_G: tl.constexpr,
     UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     EVEN_D: tl.constexpr,
@@ -149,8 +142,6 @@ def _recompute_grad_kernel(
     """``G[r, c]`` of one (row chunk, vocabulary chunk) block.  Every pointer but C / Bias starts at the chunk's
     first row; ``RowOrder`` lists the chunk's rows (local indices), counted rows first.  G's row of local row
     ``RowOrder[p]`` is p (``COMPACT_G``, for the ``_products`` kernels) or the row itself (for cuBLAS products).
-    ``SPLIT_G`` (exact mode): G holds the gradient rounded to the input dtype and ``GLo`` (same layout) the
-    rounding's remainder, so that G + GLo carries ~16 mantissa bits into the products.
 
     A persistent grid, one program per multiprocessor: the block's tiles, in column groups of ``GROUP_V`` vocabulary
     tiles with row blocks outer inside each (so that the programs at work at any moment share one group's part of C in
@@ -185,7 +176,6 @@ def _recompute_grad_kernel(
             RowOrder,
             RowPoison,
             G,
-            GLo,
             in_group // group_width,
             first_vblock + in_group % group_width,
             num_counted,
@@ -208,7 +198,6 @@ def _recompute_grad_kernel(
             HAS_ENTROPY_GRAD,
             COMPACT_G,
             TMA,
-            SPLIT_G,
             UPCAST,
             DOT_PRECISION,
             EVEN_D,
@@ -228,8 +217,6 @@ def _recompute_grad_kernel(
         poison = tl.load(RowPoison + rows, mask=in_chunk, other=0.0)
         skipped = (poison[:, None] + tl.zeros((BLOCK_N, BLOCK_V), tl.float32)).to(G.dtype.element_ty)
         tl.store(G + g_offs, skipped, mask=mask)
-        if SPLIT_G:
-            tl.store(GLo + g_offs, skipped, mask=mask)
 
 
 @triton.jit
@@ -271,7 +258,6 @@ def _grad_tile(
     RowOrder,
     RowPoison,
     G,
-    GLo,
     row_block,
     vocab_block,
     num_counted,
@@ -294,7 +280,6 @@ def _grad_tile(
     HAS_ENTROPY_GRAD: tl.constexpr,
     COMPACT_G: tl.constexpr,
     TMA: tl.constexpr,
-    SPLIT_G: tl.constexpr,
     UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     EVEN_D: tl.constexpr,
@@ -368,8 +353,6 @@ def _grad_tile(
         tl.store(G + g_offs, grad_hi)
     else:
         tl.store(G + g_offs, grad_hi, mask=mask)
-    if SPLIT_G:
-        tl.store(GLo + g_offs, (grad - grad_hi.to(tl.float32)).to(G.dtype.element_ty), mask=mask)
 
     # The target entries of this tile, overwritten with their one-hot term from the row's target logit (a per-row
     # vector: comparing every column with the target kept a tile-sized mask live and spilled registers).
@@ -390,15 +373,12 @@ def _grad_tile(
     at_target_hi = at_target.to(G.dtype.element_ty)
     tl.debug_barrier()  # the tile's stores above land first
     tl.store(G + g_rows + target, at_target_hi, mask=hit)
-    if SPLIT_G:
-        tl.store(GLo + g_rows + target, (at_target - at_target_hi.to(tl.float32)).to(G.dtype.element_ty), mask=hit)
 
 
-def row_skipping_ok(e: torch.Tensor, c: torch.Tensor, exact: bool) -> bool:
-    """Whether the row-skipping products (``products="triton"``) can run for these operands: not in 16-bit exact
-    mode (G in two halves), and C and E rows that the tensor-memory accelerator can read."""
-    split_g = exact and e.dtype in (torch.bfloat16, torch.float16)
-    return not split_g and _launch.tma_ok(c) and (e.shape[1] * e.element_size()) % 16 == 0
+def row_skipping_ok(e: torch.Tensor, c: torch.Tensor) -> bool:
+    """Whether the row-skipping products (``products="triton"``) can run for these operands: C and E rows that the
+    tensor-memory accelerator can read."""
+    return _launch.tma_ok(c) and (e.shape[1] * e.element_size()) % 16 == 0
 
 
 def backward(
@@ -416,7 +396,6 @@ def backward(
     need_bias,
     row_chunk,
     block_width,
-    split_g,
     products,
     counted_hint=None,
     label_smoothing=0.0,
@@ -435,16 +414,16 @@ def backward(
     with no one-hot term.
 
     The plan (``cce_inductor._planning.BackwardPlan``, every field explicit): G blocks of ``row_chunk`` rows x
-    ``block_width`` columns; ``split_g``: exact mode (16-bit operands: G and its rounding's remainder, two products
-    each); ``products``: ``"cublas"`` over every row, ``"triton"`` (the row-skipping products of ``_products``; their
-    operands must pass :func:`row_skipping_ok`), or ``"prefix"``: cuBLAS over the first :func:`counted_prefix` rows
-    of each compacted row chunk after an earlier call that counted ``counted_hint`` of its rows, the row-skipping
-    products past them (nothing there where this call counts no more rows than the hint).  ``observe_counted``:
-    called with the first row chunk's device-side count of counted rows and its rows.  ``de_dtype`` / ``dc_dtype``:
-    the gradients' dtypes where not the operands' (autocast's fp32 inputs: dE is its fp32 sums, dC written in fp32,
-    with no 16-bit rounding between).  ``compute_dtype``: C (and bias) are stored in another dtype than the products'
-    (autocast's fp32 head; ``e`` is already in ``compute_dtype``): each vocabulary chunk of C is converted as it is
-    reached, into one ``block_width x D`` buffer, so no converted copy of the whole head exists."""
+    ``block_width`` columns; ``products``: ``"cublas"`` over every row, ``"triton"`` (the row-skipping products of
+    ``_products``; their operands must pass :func:`row_skipping_ok`), or ``"prefix"``: cuBLAS over the first
+    :func:`counted_prefix` rows of each compacted row chunk after an earlier call that counted ``counted_hint`` of its
+    rows, the row-skipping products past them (nothing there where this call counts no more rows than the hint).
+    ``observe_counted``: called with the first row chunk's device-side count of counted rows and its rows.
+    ``de_dtype`` / ``dc_dtype``: the gradients' dtypes where not the operands' (autocast's fp32 inputs: dE is its fp32
+    sums, dC written in fp32, with no 16-bit rounding between).  ``compute_dtype``: C (and bias) are stored in another
+    dtype than the products' (autocast's fp32 head; ``e`` is already in ``compute_dtype``): each vocabulary chunk of C
+    is converted as it is reached, into one ``block_width x D`` buffer, so no converted copy of the whole head
+    exists."""
     n, d = e.shape
     v = c.shape[0]
     need_bias = need_bias and bias is not None
@@ -461,7 +440,7 @@ def backward(
     call = _LeanCall.of(
         e, c, targets, bias, lse, grad_rows, de_out, dc_out, dbias32, de_is_sums,
         softcap=softcap, ignore_index=ignore_index, row_chunk=row_chunk, block_width=block_width,
-        split_g=split_g, products=products, counted_hint=counted_hint, label_smoothing=label_smoothing,
+        products=products, counted_hint=counted_hint, label_smoothing=label_smoothing,
         grad_lse=grad_lse, grad_entropy=grad_entropy, mean_logit=mean_logit, compute_dtype=compute_dtype,
     )  # fmt: skip
     if observe_counted is not None:
@@ -479,7 +458,7 @@ class _LeanCall:
     @classmethod
     def of(
         cls, e, c, targets, bias, lse, grad_rows, de_out, dc_out, dbias32, de_is_sums, *, softcap, ignore_index,
-        row_chunk, block_width, split_g, products, counted_hint, label_smoothing, grad_lse, grad_entropy, mean_logit,
+        row_chunk, block_width, products, counted_hint, label_smoothing, grad_lse, grad_entropy, mean_logit,
         compute_dtype,
     ):  # fmt: skip
         self = cls()
@@ -506,10 +485,10 @@ class _LeanCall:
         g_row_pitch = -(-vocab_chunk * e.element_size() // 16) * 16 // e.element_size()
         g_buf = torch.empty(row_chunk * g_row_pitch, dtype=e.dtype, device=device)
         # dE in fp32 until every vocabulary chunk has added to it; dC of one vocabulary chunk in fp32 where several
-        # row chunks (or exact mode's two halves) add to it: each gradient is rounded once, whatever N
+        # row chunks add to it: each gradient is rounded once, whatever N
         de32 = (de_out if de_is_sums else torch.empty((n, d), dtype=torch.float32, device=device)) if need_e else None
         # (the counted-prefix products sum cuBLAS's part there too, and the tail writes dC from it)
-        dc_sums_fp32 = need_c and (split_g or n > row_chunk)
+        dc_sums_fp32 = need_c and n > row_chunk
         dc32 = (
             torch.empty((vocab_chunk, d), dtype=torch.float32, device=device)
             if dc_sums_fp32 or (need_c and prefix)
@@ -551,7 +530,7 @@ class _LeanCall:
         self._recompute_args(
             chunks, tails, lse, grad_rows, grad_lse, grad_entropy, mean_logit, targets, target_logit, bias,
             softcap=softcap, label_smoothing=label_smoothing, v=v, d=d, compact_g=compact_g, need_bias=need_bias,
-            use_tma=use_tma, split_g=split_g, dtype=e.dtype, tune=tune,
+            use_tma=use_tma, dtype=e.dtype, tune=tune,
         )  # fmt: skip
         self.e, self.c, self.bias, self.targets = e, c, bias, targets
         self.bias_or_lse = bias if bias is not None else lse
@@ -559,8 +538,7 @@ class _LeanCall:
         self.c_buf, self.convert_c, self.use_tma = c_buf, convert_c, use_tma
         self.block_n, self.block_v, self.block_d = block_n, block_v, block_d
         self.chunks, self.tails, self.prefix, self.triton_products = chunks, tails, prefix, triton_products
-        self.vocab_chunk, self.g_buf, self.g_row_pitch, self.split_g = vocab_chunk, g_buf, g_row_pitch, split_g
-        self.g_lo_buf = torch.empty_like(g_buf) if split_g else None
+        self.vocab_chunk, self.g_buf, self.g_row_pitch = vocab_chunk, g_buf, g_row_pitch
         self.de_out, self.dc_out, self.dbias32, self.de32, self.dc32 = de_out, dc_out, dbias32, de32, dc32
         self.de_is_sums, self.dc_sums_fp32, self.upcast = de_is_sums, dc_sums_fp32, upcast
         self.out_dtype = {"out_dtype": torch.float32} if fp32_out else {}  # fp32 results, 16-bit operands
@@ -569,7 +547,7 @@ class _LeanCall:
 
     def _recompute_args(
         self, chunks, tails, lse, grad_rows, grad_lse, grad_entropy, mean_logit, targets, target_logit, bias, *,
-        softcap, label_smoothing, v, d, compact_g, need_bias, use_tma, split_g, dtype, tune,
+        softcap, label_smoothing, v, d, compact_g, need_bias, use_tma, dtype, tune,
     ):  # fmt: skip
         """The recompute kernel's arguments that do not change from one vocabulary chunk to the next."""
         block_n, block_v, block_d = tune["block_n"], tune["block_v"], tune["block_d"]
@@ -602,7 +580,6 @@ class _LeanCall:
             HAS_ENTROPY_GRAD=grad_entropy is not None,
             COMPACT_G=compact_g,
             TMA=use_tma,
-            SPLIT_G=split_g,
             UPCAST=_launch.upcast_dots(dtype),
             DOT_PRECISION=_launch.dot_precision(dtype),
             EVEN_D=(d % block_d == 0),
@@ -650,11 +627,10 @@ class _LeanCall:
         for k, chunk in enumerate(self.chunks):
             rows = chunk.rows
             grad = _block(self.g_buf, rows, self.g_row_pitch)[:, :width]
-            grad_lo = _block(self.g_lo_buf, rows, self.g_row_pitch)[:, :width] if self.split_g else grad
             tiles = triton.cdiv(rows, self.block_n) * triton.cdiv(width, self.block_v)
             _recompute_grad_kernel[(min(tiles, self.programs),)](
                 chunk.e_op, c_op, chunk_bias, *chunk_args[k], chunk.row_order, chunk.num_counted, chunk.row_poison,
-                grad, grad_lo, rows, self.stored_rows[k], width, chunk_start, chunk_vocab, d,
+                grad, rows, self.stored_rows[k], width, chunk_start, chunk_vocab, d,
                 self.e.stride(0), self.e.stride(1), c_chunk.stride(0), c_chunk.stride(1), grad.stride(0),
                 *self.label_weights,
                 EVEN_TILE=(rows % self.block_n == 0 and width % self.block_v == 0),
@@ -662,15 +638,13 @@ class _LeanCall:
             )  # fmt: skip
             if self.dbias32 is not None:
                 self.dbias32[v0 : v0 + width] += grad.sum(dim=0, dtype=torch.float32)
-                if self.split_g:
-                    self.dbias32[v0 : v0 + width] += grad_lo.sum(dim=0, dtype=torch.float32)
-            self._products(k, chunk, grad, grad_lo, v0, width, c_chunk, c_chunk_mm, dc_sum)
+            self._products(k, chunk, grad, v0, width, c_chunk, c_chunk_mm, dc_sum)
         if self.dc_sums_fp32:
             self.dc_out[v0 : v0 + width] = dc_sum
 
-    def _products(self, k, chunk, grad, grad_lo, v0, width, c_chunk, c_chunk_mm, dc_sum) -> None:
+    def _products(self, k, chunk, grad, v0, width, c_chunk, c_chunk_mm, dc_sum) -> None:
         """dE and dC of one G block: the row-skipping Triton products, cuBLAS over the counted prefix and the Triton
-        products past it, or cuBLAS over every row (both halves of G in exact mode)."""
+        products past it, or cuBLAS over every row."""
         need_e, need_c = self.de32 is not None, self.dc_out is not None
         de_rows = self.de32[chunk.r0 : chunk.r0 + chunk.rows] if need_e else None
         if self.triton_products:
@@ -705,26 +679,22 @@ class _LeanCall:
         upcast, out_dtype = self.upcast, self.out_dtype
         grad_mm = grad.float() if upcast else grad
         e_rows_mm = chunk.e_rows.float() if upcast else chunk.e_rows
-        halves = (grad_mm, (grad_lo.float() if upcast else grad_lo)) if self.split_g else (grad_mm,)
-        for h, half in enumerate(halves):
-            if need_e:
-                _launch.product_into(de_rows, half, c_chunk_mm, accumulate=v0 > 0 or h > 0, vocab_dim="k", **out_dtype)
-            if need_c:
-                # 16-bit operands, fp32 sums (dc32) or a 16-bit dC written once; upcast operands (the CPU
-                # interpreter) give fp32, rounded by the copy below
-                fp32_sum = {} if upcast or dc_sum.dtype != torch.float32 else out_dtype
-                if upcast and dc_sum.dtype != torch.float32:
-                    dc_sum.copy_(half.T @ e_rows_mm)
-                else:
-                    _launch.product_into(
-                        dc_sum, half.T, e_rows_mm, accumulate=k > 0 or h > 0, vocab_dim="m", **fp32_sum
-                    )
+        if need_e:
+            _launch.product_into(de_rows, grad_mm, c_chunk_mm, accumulate=v0 > 0, vocab_dim="k", **out_dtype)
+        if need_c:
+            # 16-bit operands, fp32 sums (dc32) or a 16-bit dC written once; upcast operands (the CPU interpreter)
+            # give fp32, rounded by the copy below
+            fp32_sum = {} if upcast or dc_sum.dtype != torch.float32 else out_dtype
+            if upcast and dc_sum.dtype != torch.float32:
+                dc_sum.copy_(grad_mm.T @ e_rows_mm)
+            else:
+                _launch.product_into(dc_sum, grad_mm.T, e_rows_mm, accumulate=k > 0, vocab_dim="m", **fp32_sum)
 
     def finish(self):
         """``(dE, dC, dbias)``: dE put back in row order or rounded from its fp32 sums, dbias in the bias's dtype."""
         # the G block and the dC sums are free before dE is written (the uncompaction's temporary rows must not add to
         # their peak: cce_inductor.paths.lean_peak)
-        self.g_buf = self.g_lo_buf = self.dc32 = None
+        self.g_buf = self.dc32 = None
         de_out, de32 = self.de_out, self.de32
         if de_out is not None and self.prefix:
             for chunk in self.chunks:  # dE was summed in each chunk's compacted order

@@ -1,8 +1,8 @@
 """Tests of ``cce_inductor/_counted_share.py``: how the lean backward picks its products per call, from the share of
 rows an earlier call of the same head counted, read without waiting on the device.
 
-* the choice as a table (forced options pass through; no earlier count, exact mode / unaligned operands and
-  deterministic algorithms take cuBLAS; the threshold);
+* the choice as a table (forced options pass through; no earlier count, unaligned operands and deterministic
+  algorithms take cuBLAS; the threshold);
 * counts of CPU tensors are read at once, one record per head shape;
 * what the op hands the kernels (stubbed, on the CPU): the products, and the low quantile that sizes the counted
   prefix or widens the row-skipping products' blocks;
@@ -52,7 +52,7 @@ def _moving(share):
         ("auto", _moving(AT_MOST), True, "counted_prefix"),
         ("auto", _steady(AT_MOST + 0.01), True, "cublas"),
         ("auto", _steady(1.0), True, "cublas"),
-        ("auto", _steady(0.0), False, "cublas"),  # exact mode, or C / E rows the tensor-memory accelerator cannot read
+        ("auto", _steady(0.0), False, "cublas"),  # C / E rows the tensor-memory accelerator cannot read
     ],
 )
 def test_products_table(asked, seen, ok, chosen):
@@ -101,23 +101,25 @@ _fresh_vocab = itertools.count(7001)  # head shapes no other test uses
 
 
 @pytest.mark.parametrize(
-    "asked, shares, every_row, products, hint",
+    "asked, shares, every_row, products, hint, exact",
     [
-        ("auto", [0.5] * 8, False, "prefix", 0.5),  # the counted prefix: cuBLAS over the low quantile's rows
+        ("auto", [0.5] * 8, False, "prefix", 0.5, False),  # the counted prefix: cuBLAS over the low quantile's rows
         # a moving share: the row-skipping products, their blocks widened by the 20th percentile (the light calls)
-        ("auto", [0.5, 0.75, 0.25, 0.33, 0.42, 0.5, 0.58, 0.67], False, "triton", 0.33),
-        ("auto", [0.25] * 8, False, "triton", 0.25),
-        ("auto", [1.0] * 8, False, "cublas", None),  # every row counted: no prefix
-        ("triton", [0.25] * 8, False, "triton", None),  # forced: the narrow blocks, nothing sized by earlier calls
-        ("auto", [0.25] * 8, True, "cublas", None),  # a gradient for every row's lse: every row counts
+        ("auto", [0.5, 0.75, 0.25, 0.33, 0.42, 0.5, 0.58, 0.67], False, "triton", 0.33, False),
+        ("auto", [0.25] * 8, False, "triton", 0.25, False),
+        ("auto", [0.25] * 8, False, "triton", 0.25, True),  # exact mode (bf16): the same products
+        ("auto", [1.0] * 8, False, "cublas", None, False),  # every row counted: no prefix
+        ("triton", [0.25] * 8, False, "triton", None, False),  # forced: the narrow blocks, not sized by earlier calls
+        ("auto", [0.25] * 8, True, "cublas", None, False),  # a gradient for every row's lse: every row counts
     ],
 )
 def test_dispatch_passes_the_kernels_what_the_earlier_calls_counted(
-    monkeypatch, asked, shares, every_row, products, hint
+    monkeypatch, asked, shares, every_row, products, hint, exact
 ):
     """``_dispatch.backward`` with the kernels stubbed (CPU): the products it hands them, and the hint, the 20th
     percentile of the head's last shares, that sizes the counted prefix or widens the row-skipping products' G blocks
-    (``kernels/_backward.py``, ``row_skipping_widen``), and whether the call's own count is recorded."""
+    (``kernels/_backward.py``, ``row_skipping_widen``), and whether the call's own count is recorded.  Exact mode
+    (16-bit operands) runs the lean backward as the default does: the same products and blocks."""
     from types import SimpleNamespace
 
     from cce_inductor import _dispatch
@@ -132,10 +134,11 @@ def test_dispatch_passes_the_kernels_what_the_earlier_calls_counted(
         got.update(products=products, hint=counted_hint, observes=observe_counted is not None, block_width=block_width)
         return None, None, None
 
-    kernels = SimpleNamespace(row_skipping_ok=lambda e, c, exact: True, backward=backward)
+    kernels = SimpleNamespace(row_skipping_ok=lambda e, c: True, backward=backward)
     monkeypatch.setattr(_dispatch, "uses_kernels", lambda device, dtype: True)
     monkeypatch.setattr(_dispatch, "triton_kernels", lambda: kernels)
-    e, c, t = torch.zeros(4, 16), torch.zeros(vocab, 16), torch.zeros(4, dtype=torch.long)
+    dtype = torch.bfloat16 if exact else torch.float32
+    e, c, t = torch.zeros(4, 16, dtype=dtype), torch.zeros(vocab, 16, dtype=dtype), torch.zeros(4, dtype=torch.long)
     _dispatch.backward(
         e,
         c,
@@ -145,7 +148,7 @@ def test_dispatch_passes_the_kernels_what_the_earlier_calls_counted(
         torch.zeros(4),
         softcap=None,
         ignore_index=-100,
-        options=CCEOptions(products=asked),
+        options=CCEOptions(products=asked, exact=exact),
         need_e=True,
         need_c=True,
         need_bias=False,

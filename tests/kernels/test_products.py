@@ -1,7 +1,7 @@
 """Tests of the Triton gradient products (``kernels/_products.py``, the option ``products="triton"``): the Triton
 cases of the kernels' case table (``tests/support/kernels.py``) meet the same fp64 checks as with the cuBLAS products
-and really run them; where C cannot be read through a tensor-memory descriptor, and in exact mode with 16-bit
-inputs, the backward falls back to the cuBLAS products.
+and really run them; where C cannot be read through a tensor-memory descriptor the backward falls back to the cuBLAS
+products.
 """
 
 import pytest
@@ -39,8 +39,7 @@ def test_triton_products_match_fp64_reference(case, device, monkeypatch):
 @pytest.mark.parametrize("device", DEVICES)
 def test_triton_products_fall_back_to_cublas(device, monkeypatch):
     """A C whose rows are not 16-byte aligned (D = 12 in bf16: 24-byte rows) cannot be read through a
-    descriptor: the backward takes the cuBLAS products instead, with the same result.  Exact mode with 16-bit
-    inputs always takes them (its G comes in two halves)."""
+    descriptor: the backward takes the cuBLAS products instead, with the same result."""
     device_ok(device)
 
     def refuse(*args, **kwargs):
@@ -48,4 +47,3 @@ def test_triton_products_fall_back_to_cublas(device, monkeypatch):
 
     monkeypatch.setattr(_products, "grad_products", refuse)
     check_case(Case(torch.bfloat16, 30, 70, 12, None, True, 0.3, "default"), device, products="triton")
-    check_case(Case(torch.bfloat16, 30, 70, 16, 15.0, True, 0.3, "exact"), device, products="triton")
