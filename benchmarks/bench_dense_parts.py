@@ -4,7 +4,7 @@
     python benchmarks/bench_dense_parts.py --shapes gemma2 --counted 1.0,0.5 --prod "128,128,64,8,4;128,256,64,8,3"
 
 Per shape, for one block of ``--rows`` rows x ``--width`` vocabulary entries (default: the backward's own,
-``cce_inductor._planning.LEAN_LAYOUT["gpu"]["block_cols"]``): the cuBLAS products of the default backward
+``cce_inductor._layout.LEAN_LAYOUT["gpu"]["block_cols"]``): the cuBLAS products of the default backward
 (``addmm`` into fp32 dE rows, ``mm`` for a dC chunk; ``CCEOptions(products="cublas")``) and the Triton products of
 ``kernels/_products.py`` (``products="triton"``: descriptor-fed, dC over E in compacted order, ignored rows
 skipped) under each ``--prod`` tile config (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages; written into
@@ -20,8 +20,7 @@ import argparse
 import torch
 import triton
 
-from cce_inductor import _planning
-from cce_inductor.kernels import _launch, _products
+from cce_inductor.kernels import _launch, _layout, _products
 
 SHAPES = {"gemma2": (2304, 256000), "llama3": (4096, 128256), "qwen25": (3584, 152064), "phi35": (3072, 32064)}
 PROD_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages")
@@ -35,7 +34,7 @@ def main():
     ap.add_argument("--counted", default="1.0,0.5", help="fractions of counted (not ignored) rows")
     ap.add_argument("--prod", default="128,128,64,8,4", help='";"-separated BLOCK_M,BLOCK_N,BLOCK_K,warps,stages')
     args = ap.parse_args()
-    width = args.width or _planning.LEAN_LAYOUT["gpu"]["block_cols"]
+    width = args.width or _layout.LEAN_LAYOUT["gpu"]["block_cols"]
     rows = args.rows
     table = []
     for shape in args.shapes.split(","):

@@ -52,7 +52,7 @@ forward ms, backward ms (given that forward), the backward's peak memory, gradie
 "k=v,k=v" with
     exact=0|1, products=cublas|triton, backward_row_chunk=N     CCEOptions fields (over --config's)
     fwd.KEY=N, bwd.KEY=N, prod.KEY=N, lean.KEY=N                _TUNING overrides of kernels/_forward.py,
-        _backward.py, _products.py (lean: cce_inductor._planning.LEAN_LAYOUT), e.g. fwd.block_v=128,
+        _backward.py, _products.py (lean: cce_inductor._layout.LEAN_LAYOUT), e.g. fwd.block_v=128,
         lean.block_cols=4096, prod.BLOCK_K=32: the entry in
         use ("gpu"; "interpret" under TRITON_INTERPRET=1) is replaced for that config and restored after
     need_e=0|1, need_c=0|1, fwd_only=0|1                        sweep only: what the backward computes
@@ -108,8 +108,8 @@ CCE_METHODS = {  # name: CCEOptions fields over the base options (--config)
 # backward formula included): what a user of the product runs
 PASS_METHODS = {"pass_cce": {}, "pass_balanced": {"scratch_mb": 1024}}
 METHODS = ("matmul", "eager", "compile", *CCE_METHODS, *PASS_METHODS)
-# prefix: cce_inductor.kernels module (its _TUNING), or "lean": the lean G block's layout (cce_inductor._planning)
-TUNING_FILES = {"fwd": "_forward", "bwd": "_backward", "prod": "_products", "lean": "_planning"}
+# prefix: cce_inductor.kernels module (its _TUNING), or "lean": the lean G block's layout (kernels/_layout.py)
+TUNING_FILES = {"fwd": "_forward", "bwd": "_backward", "prod": "_products", "lean": "_layout"}
 SWEEP_KNOBS = ("need_e", "need_c", "fwd_only")
 REAL_DEFAULTS = dict(real_seconds=90.0, real_vocab=65536, real_dim=2048)
 
@@ -312,17 +312,17 @@ def parse_config(text):
 
 
 class _LayoutTable:
-    """``cce_inductor._planning.LEAN_LAYOUT`` seen as a kernel file's ``_TUNING`` (the same override mechanism)."""
+    """``kernels/_layout.py``'s ``LEAN_LAYOUT`` seen as a kernel file's ``_TUNING`` (the same override mechanism)."""
 
     def __init__(self):
-        from cce_inductor import _planning
+        from cce_inductor.kernels import _layout
 
-        self._TUNING = _planning.LEAN_LAYOUT
-        self.__name__ = _planning.__name__
+        self._TUNING = _layout.LEAN_LAYOUT
+        self.__name__ = _layout.__name__
 
 
 def _tuning_entry(prefix):
-    if TUNING_FILES[prefix] == "_planning":
+    if TUNING_FILES[prefix] == "_layout":
         module = _LayoutTable()
     else:
         module = importlib.import_module(f"cce_inductor.kernels.{TUNING_FILES[prefix]}")

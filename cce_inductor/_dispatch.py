@@ -12,9 +12,6 @@ from __future__ import annotations
 
 import functools
 import importlib
-import importlib.util
-import pathlib
-import sys
 import warnings
 
 import torch
@@ -31,47 +28,19 @@ _kernels_error: str | None = None
 
 @functools.cache
 def triton_kernels():
-    """``cce_inductor.kernels``, or None where Triton (or the module) is unavailable (``_kernels_error`` says why).
-
-    The kernels live in the repository's top-level ``kernels/`` folder, which an install maps to
-    ``cce_inductor.kernels`` (``pyproject.toml``'s package-dir). A source checkout put on ``sys.path`` without an
-    install has no such mapping: there the folder beside the package is loaded under that name, so such a setup runs
-    the kernels rather than, silently, the chunked path (much slower on a real model's step: docs/design.md)."""
+    """``cce_inductor.kernels`` with its kernels loaded, or None where Triton is unavailable (``_kernels_error`` says
+    why). The package's own constants (``kernels/_layout.py``) import without Triton; the kernels themselves load
+    here, on first use. The folder is ``cce_inductor.kernels`` through the install's package-dir mapping
+    (``pyproject.toml``; in a checkout, ``pip install --no-deps -e .``)."""
     global _kernels_error
-    name = f"{__package__}.kernels"
     try:  # imports triton, optional on CPU-only installs
-        try:
-            kernels = importlib.import_module(name)
-        except ModuleNotFoundError as exc:
-            kernels = _checkout_kernels(name) if exc.name == name else None
-            if kernels is None:
-                raise
-    except ImportError as exc:  # (the checkout's own load may fail too: Triton missing)
+        kernels = importlib.import_module(f"{__package__}.kernels")
+        _ = kernels.loss_and_grads  # loads the kernel modules, and Triton with them
+    except ImportError as exc:
         _kernels_error = f"{type(exc).__name__}: {exc}"
         return None
     _kernels_error = ""
     return kernels
-
-
-def _checkout_kernels(name: str):
-    """The ``kernels/`` folder beside this package in a source checkout, imported as ``name``
-    (``cce_inductor.kernels``); None where there is none. An ImportError of its own (Triton missing) propagates."""
-    folder = pathlib.Path(__file__).resolve().parent.parent / "kernels"
-    # only our own checkout's folder: in site-packages a top-level `kernels` is an unrelated distribution
-    if not ((folder.parent / "pyproject.toml").is_file() and (folder / "_balanced.py").is_file()):
-        return None
-    spec = importlib.util.spec_from_file_location(
-        name, folder / "__init__.py", submodule_search_locations=[str(folder)]
-    )
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    try:
-        spec.loader.exec_module(module)
-    except BaseException:
-        del sys.modules[name]
-        raise
-    sys.modules[__package__].kernels = module
-    return module
 
 
 def _misses_kernels(device: torch.device, dtype: torch.dtype) -> bool:

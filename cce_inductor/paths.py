@@ -38,7 +38,7 @@ matmuls, as torch.compile) wherever it computes the loss on the kernels, sized b
 memory target ``LB + 0.3 x torch.compile's overhead`` (its estimated peak less LB; under autocast the converted
 inputs plus 0.15 x it): a 16-bit dC summed in its own dtype over one or two row chunks (each further rounding of
 the running sum adds to torch.compile's one; on flat logits two stay within 1.35x its dC error, three do not:
-``_planning.PLAIN_SUM_MAX_CHUNKS``), else as a pair with the scratch the target leaves, else, speed first, the plain
+``_layout.PLAIN_SUM_MAX_CHUNKS``), else as a pair with the scratch the target leaves, else, speed first, the plain
 sum over two chunks above the target (``stats()`` says so). The lean path (four matmuls, fp32 sums: below
 torch.compile's error) takes the forms only it computes, ``exact=True``, the chunked PyTorch path and tiny batches.
 On a 16-bit head whose V is not a multiple of 8, where Inductor pads the products, torch.compile holds 4 bytes a
@@ -52,12 +52,12 @@ import dataclasses
 import functools
 from typing import Literal
 
-from . import _planning
+from .kernels import _layout
 
 Path = Literal["lean", "balanced"]
 
 # The lean backward's G block as the kernels lay it out on a GPU (the memory model is about GPUs).
-_LEAN_LAYOUT = _planning.LEAN_LAYOUT["gpu"]
+_LEAN_LAYOUT = _layout.LEAN_LAYOUT["gpu"]
 # The balanced path's scratch: at least this many rows per chunk where dC's sums (an fp32 gradient, a 16-bit pair)
 # are read and written by every chunk's product (smaller chunks make those products memory bound), at most this many
 # bytes (a scratch past it buys little time and would raise a whole step's peak).
@@ -176,9 +176,9 @@ def gradient_bytes(f: HeadFacts) -> int:
 
 
 def lean_block_width(f: HeadFacts, backward_row_chunk: int = 8192, widen: int = 1) -> int:
-    """The lean backward's G block columns on a GPU (:func:`cce_inductor._planning.block_width`, the launches' own
+    """The lean backward's G block columns on a GPU (:func:`cce_inductor._layout.block_width`, the launches' own
     rule): 4096, wider where N < 8192 is one row chunk (the same bytes), times ``widen``, at most V."""
-    return _planning.block_width(f.rows, backward_row_chunk, f.vocab, widen, _LEAN_LAYOUT)
+    return _layout.block_width(f.rows, backward_row_chunk, f.vocab, widen, _LEAN_LAYOUT)
 
 
 def lean_peak(f: HeadFacts, backward_row_chunk: int = 8192, widen: int = 1, counted_prefix: bool = False) -> int:
@@ -201,7 +201,7 @@ def lean_peak(f: HeadFacts, backward_row_chunk: int = 8192, widen: int = 1, coun
     e_converted = compacted = f.rows * f.hidden * b if f.e_bytes != b else 0
     wider_c = f.c_bytes != b
     c_chunk = width * f.hidden * b if wider_c else 0
-    target_rows = min(f.rows, _planning.TARGET_ROW_BLOCK) * f.hidden * (f.c_bytes + b) if wider_c else 0
+    target_rows = min(f.rows, _layout.TARGET_ROW_BLOCK) * f.hidden * (f.c_bytes + b) if wider_c else 0
     backward = (
         gradient_bytes(f) + rows * width * b + de_sums + dc_sums + e_converted + c_chunk + max(compacted, target_rows)
     )
@@ -240,7 +240,7 @@ def scratch_row_pitch(vocab: int) -> int:
     """Elements per scratch row, as the balanced kernels lay it out (``kernels/_balanced.py``, ``ROW_ALIGN``): V
     rounded up to a multiple of 64, so that the products over the scratch see aligned leading dimensions whatever V
     is (cuBLAS is several times slower on a 16-bit matrix whose rows are not a multiple of 8 elements)."""
-    return -(-vocab // _planning.VOCAB_ALIGN) * _planning.VOCAB_ALIGN
+    return -(-vocab // _layout.VOCAB_ALIGN) * _layout.VOCAB_ALIGN
 
 
 def chunk_rows(scratch_bytes: int, vocab: int, element_size: int, rows: int) -> int:
@@ -263,7 +263,7 @@ def chunk_rows(scratch_bytes: int, vocab: int, element_size: int, rows: int) -> 
 class BalancedPlan:
     """How the balanced path runs a head: its scratch, the rows per chunk that scratch gives, and how a 16-bit dC is
     summed over the chunks: ``plain_sum`` in its own dtype (one rounding a chunk, no remainder bytes, at most
-    ``_planning.PLAIN_SUM_MAX_CHUNKS`` chunks), else as a 16-bit pair (a remainder of ``V x D`` 16-bit elements,
+    ``_layout.PLAIN_SUM_MAX_CHUNKS`` chunks), else as a 16-bit pair (a remainder of ``V x D`` 16-bit elements,
     exact at any number of chunks). An fp32 dC is its own sum either way."""
 
     scratch_bytes: int
@@ -317,7 +317,7 @@ def balanced_plan(f: HeadFacts, scratch_mb: int = 0, plain_sum: bool | None = No
     An fp32 dC (fp32 heads, autocast's fp32 weights) is its own fp32 sum at any number of chunks: the largest scratch
     within the target, chunks of at least ``_MIN_CHUNK_ROWS`` rows. ``scratch_mb`` (> 0) sets the scratch; a plain sum
     then still takes at most 2 chunks."""
-    most = _planning.PLAIN_SUM_MAX_CHUNKS
+    most = _layout.PLAIN_SUM_MAX_CHUNKS
     sixteen = f.c_bytes == 2
     if scratch_mb:
         scratch = scratch_mb * 2**20
@@ -428,7 +428,7 @@ def _balanced_choice(f: HeadFacts, plan: BalancedPlan, head: str) -> PathChoice:
         sums = "the gradients summed in fp32"
     elif plan.plain_sum:
         sums = (
-            f"dC summed in its own 16-bit dtype, one rounding a chunk (at most {_planning.PLAIN_SUM_MAX_CHUNKS} "
+            f"dC summed in its own 16-bit dtype, one rounding a chunk (at most {_layout.PLAIN_SUM_MAX_CHUNKS} "
             "chunks: within 1.35x torch.compile's dC error)"
         )
     else:

@@ -10,7 +10,7 @@ Interface used by the custom op and the vocabulary-parallel loss:
 * ``backward(e, c, targets, bias, lse, grad_rows, *, softcap, ignore_index, need_e, need_c, need_bias, row_chunk,
   block_width, products, counted_hint=None, label_smoothing=0.0, grad_lse=None, grad_entropy=None, mean_logit=None,
   observe_counted=None, de_dtype=None, dc_dtype=None, compute_dtype=None) -> (dE | None, dC | None, dbias | None)``:
-  the plan's fields (``cce_inductor._planning.BackwardPlan``: ``row_chunk``, ``block_width``, ``products``
+  the plan's fields (the caller's plan: ``row_chunk``, ``block_width``, ``products``
   ``"cublas"`` / ``"triton"`` / ``"prefix"``, ``counted_hint``) are explicit arguments; ``de_dtype`` / ``dc_dtype`` /
   ``compute_dtype``: the gradients' and the products' dtypes where not the operands' (autocast)
 * ``row_skipping_ok(e, c) -> bool``: whether the row-skipping products can read these operands
@@ -44,20 +44,32 @@ rows and the range check, one launch), ``_tile`` (the logit tile and softmax gra
 No host synchronisation: ignored rows are compacted on the device and the kernels read the count.
 """
 
-from ._backward import backward, row_skipping_ok
-from ._balanced import LossAndGrads, loss_and_grads
-from ._balanced import row_skipping_ok as balanced_row_skipping_ok
-from ._forward import forward
-from ._launch import INTERPRET
-from ._targets import count_targets
+import importlib
 
-__all__ = [
-    "forward",
-    "backward",
-    "row_skipping_ok",
-    "loss_and_grads",
-    "balanced_row_skipping_ok",
-    "LossAndGrads",
-    "count_targets",
-    "INTERPRET",
-]
+# name -> (module, attribute): loaded on first use, so that ``_layout`` (the constants the package's memory model
+# reads) imports without Triton; the first kernel asked for imports Triton (an ImportError where it is missing)
+_EXPORTS = {
+    "forward": ("._forward", "forward"),
+    "backward": ("._backward", "backward"),
+    "row_skipping_ok": ("._backward", "row_skipping_ok"),
+    "loss_and_grads": ("._balanced", "loss_and_grads"),
+    "balanced_row_skipping_ok": ("._balanced", "row_skipping_ok"),
+    "LossAndGrads": ("._balanced", "LossAndGrads"),
+    "count_targets": ("._targets", "count_targets"),
+    "INTERPRET": ("._launch", "INTERPRET"),
+}
+
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    module, attribute = _EXPORTS[name]
+    value = getattr(importlib.import_module(module, __name__), attribute)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted({*globals(), *_EXPORTS})

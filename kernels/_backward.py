@@ -18,9 +18,8 @@ g_n = grad_rows[n] (0 at ignored rows), s = the softcap's chain factor:
 
 Chunking / layout
 -----------------
-The (rows x vocabulary) plane is cut into ``row_chunk x block_width`` blocks (the caller's plan:
-``cce_inductor._planning.BackwardPlan``); the vocabulary is the outer loop, so that each gradient is rounded to the
-output dtype once, whatever N:
+The (rows x vocabulary) plane is cut into ``row_chunk x block_width`` blocks (the caller's plan, explicit
+arguments); the vocabulary is the outer loop, so that each gradient is rounded to the output dtype once, whatever N:
 
     dE32 = fp32 (N, D);  compact each row chunk R on the device once: its counted rows first, their number in
     device memory
@@ -85,7 +84,7 @@ from ._row_chunks import _block, _PrefixTail, _RowChunk, _target_logits, _uncomp
 from ._tile import logit_tile, softmax_grad
 
 # Hopper; the interpreter's tiny blocks keep the CPU tests fast.  The G block's width is the caller's
-# (``block_width``: ``cce_inductor._planning``).  recompute_group: columns of the recompute's tile groups (each
+# (``block_width``: ``_layout.block_width``).  recompute_group: columns of the recompute's tile groups (each
 # group's tiles taken row block by row block), so that a G block wider than it keeps C's part in L2 as a
 # 4096-column block does.
 _TUNING = {
@@ -413,7 +412,7 @@ def backward(
     ``mean_logit``) is given; a target outside ``[0, V)`` (a vocabulary shard's code for "another shard's") counts,
     with no one-hot term.
 
-    The plan (``cce_inductor._planning.BackwardPlan``, every field explicit): G blocks of ``row_chunk`` rows x
+    The plan (the caller's, every field explicit): G blocks of ``row_chunk`` rows x
     ``block_width`` columns; ``products``: ``"cublas"`` over every row, ``"triton"`` (the row-skipping products of
     ``_products``; their operands must pass :func:`row_skipping_ok`), or ``"prefix"``: cuBLAS over the first
     :func:`counted_prefix` rows of each compacted row chunk after an earlier call that counted ``counted_hint`` of its

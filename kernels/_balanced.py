@@ -50,7 +50,7 @@ Each gradient leaves in its input's dtype, rounded once: an fp32 gradient (fp32 
 its fp32 sum (cuBLAS accumulates dC in it); a 16-bit one is a pair of 16-bit sums ``hi + lo`` (``_pair_sums``:
 dE's rows split once their chunk is done, dC summed chunk by chunk in the pair product's epilogue), ~16 mantissa
 bits; or, with ``plain_sum``, a 16-bit dC is summed in its own dtype (cuBLAS's ``addmm`` adds each chunk's product
-to it in its epilogue, ``beta = 1``: one rounding a chunk, at most ``_planning.PLAIN_SUM_MAX_CHUNKS`` chunks, the
+to it in its epilogue, ``beta = 1``: one rounding a chunk, at most ``_layout.PLAIN_SUM_MAX_CHUNKS`` chunks, the
 error budget's bound; past a counted prefix the row-skipping product, which adds the skipped rows' poison too).
 The op's backward scales them by the upstream gradient g, ``g * (hi + lo)`` rounded once, into ``hi``'s own buffer
 (a saved tensor that only the backward reads is a donated buffer to Inductor, which writes the result in place):
@@ -100,9 +100,7 @@ import torch
 import triton
 import triton.language as tl
 
-from cce_inductor import _planning  # (absolute: this folder may also be imported as a top-level `kernels`)
-
-from . import _launch, _pair_sums, _products, _targets
+from . import _launch, _layout, _pair_sums, _products, _targets
 from ._tile import round_bf16_rne, softmax_grad, tanh
 
 # One program streams one row in BLOCK_V columns; 16-byte vector loads of bf16 need BLOCK_V / (32 * num_warps) >= 8.
@@ -273,7 +271,7 @@ class LossAndGrads(NamedTuple):
 
 # Scratch rows are padded to a multiple of this many elements (module docstring; ``cce_inductor.paths`` sizes the
 # scratch with the same padding).
-ROW_ALIGN = _planning.VOCAB_ALIGN
+ROW_ALIGN = _layout.VOCAB_ALIGN
 # Columns of dC (rows of the product) per step of the pair sums' fallback (operands the tensor-memory accelerator
 # cannot read): an fp32 slab of this many rows x D at a time.
 _FALLBACK_SLAB = 4096
@@ -354,7 +352,7 @@ def loss_and_grads(
     docstring); None: cuBLAS over every row.  ``observe_counted``: called with the device-side count of counted rows
     and the rows (``cce_inductor/_counted_share.py``).  ``plain_sum``: a 16-bit dC is summed in its own dtype, one
     rounding a chunk, over at most ``PLAIN_SUM_MAX_CHUNKS`` chunks (``chunk_rows >= N / 2``; with a counted prefix
-    the chunks are laid out so, ``_planning.balanced_chunks``), and returned without a remainder (``grad_c_lo``
+    the chunks are laid out so, ``_layout.balanced_chunks``), and returned without a remainder (``grad_c_lo``
     None); else as the pair (module docstring)."""
     if reduction not in ("mean", "sum"):
         raise ValueError(f"the balanced path computes reductions 'mean' and 'sum', got {reduction!r}")
@@ -485,7 +483,7 @@ def _chunks(
     ops = _operands(e, c, bias, dtype)
     # eager's NaN pattern of ignored rows, computed once for every chunk (the row kernel adds the two)
     e_poison, c_poison = _launch.nonfinite_rows(ops.e), _launch.weight_poison(ops.c, ops.bias)
-    prefix, layout = _planning.balanced_chunks(n, rows_per_chunk, counted_prefix_rows, plain_sum)
+    prefix, layout = _layout.balanced_chunks(n, rows_per_chunk, counted_prefix_rows, plain_sum)
     compacted = None
     if counted_prefix_rows is not None:
         compacted = _Compacted.of(targets, ignore_index, e_poison, c_poison, prefix, n, rows_per_chunk)

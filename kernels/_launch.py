@@ -21,7 +21,7 @@ import os
 import torch
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from cce_inductor import _planning  # (absolute: this folder may also be imported as a top-level `kernels`)
+from . import _layout
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -99,7 +99,7 @@ def fp32_out_mm_available(device: torch.device) -> bool:
 # cuBLAS runs a 16-bit product several times slower when one of its dimensions is not a multiple of 8 elements,
 # whatever the leading dimensions: products over a vocabulary dimension are split at a multiple of VOCAB_ALIGN (the
 # aligned part at full speed, the tail as a second, small product).
-VOCAB_ALIGN = _planning.VOCAB_ALIGN
+VOCAB_ALIGN = _layout.VOCAB_ALIGN
 
 
 def product_into(

@@ -24,9 +24,7 @@ from typing import NamedTuple
 
 import torch
 
-from cce_inductor import _planning  # (absolute: this folder may also be imported as a top-level `kernels`)
-
-from . import _forward, _launch, _products
+from . import _forward, _launch, _layout, _products
 
 
 def counted_prefix(counted_hint: float, rows: int, block: int = 128) -> int:
@@ -125,14 +123,14 @@ class _PrefixTail(NamedTuple):
 def _target_logits(e, c, targets, bias, softcap, compute_dtype):
     """Every row's target logit, fp32 (0 where the target is outside ``[0, V)``); with ``compute_dtype`` (C and bias
     stored wider than the products' dtype) from the targets' rows of C, gathered and converted
-    ``_planning.TARGET_ROW_BLOCK`` rows at a time: not all of C, nor all N of its target rows at once."""
+    ``_layout.TARGET_ROW_BLOCK`` rows at a time: not all of C, nor all N of its target rows at once."""
     if compute_dtype is None:
         return _forward.target_logits(e, c, targets, bias, softcap=softcap, ignore_index=_forward.EVERY_ROW)
     v, n = c.shape[0], targets.shape[0]
     inside = (targets >= 0) & (targets < v)
     ids = torch.where(inside, targets, 0)
     out = torch.empty((n,), dtype=torch.float32, device=e.device)
-    step = _planning.TARGET_ROW_BLOCK
+    step = _layout.TARGET_ROW_BLOCK
     own = torch.arange(min(n, step), device=targets.device)
     for r0 in range(0, n, step):
         block = ids[r0 : r0 + step]

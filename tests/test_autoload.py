@@ -3,7 +3,7 @@ torch``): on for 1 / true / yes / on (any case), off for 0 / false /
 no / off / unset, and never silent otherwise: a value that is neither, a bad ``CCE_INDUCTOR_*`` option or a broken
 install warns once at ``import torch`` and makes every ``torch.compile`` raise the reason, which ``stats()`` gives
 too. Also the ways the flag is applied when torch does not apply it: ``import cce_inductor`` before ``import torch``,
-and a clone on ``PYTHONPATH`` (no entry points: ``backend="cce"`` and the flag work from ``import cce_inductor``).
+and a package whose entry points are missing (``backend="cce"`` and the flag work from ``import cce_inductor``).
 
 Subprocess tests (``slow``) run a fresh interpreter per case; the in-process ones put the refusing pass in the hook.
 """
@@ -23,7 +23,7 @@ from tests.support.processes import last_json, run_python, subprocess_env
 
 REPO = Path(__file__).resolve().parents[1]
 
-# A clone on PYTHONPATH has no installed metadata: no entry point of ours exists for torch or Dynamo to load.
+# Our entry points hidden: none exists for torch or Dynamo to load (an install without its metadata).
 _HIDE_OUR_ENTRY_POINTS = """
 import importlib.metadata as metadata
 _entry_points = metadata.entry_points

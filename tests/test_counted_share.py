@@ -19,6 +19,7 @@ import torch
 
 import cce_inductor
 from cce_inductor import CCEOptions, _counted_share, _planning, paths
+from cce_inductor.kernels import _layout
 from tests.support.inputs import make_kernel_inputs
 
 AT_MOST = _counted_share.COUNTED_PREFIX_AT_MOST
@@ -159,7 +160,7 @@ def test_dispatch_passes_the_kernels_what_the_earlier_calls_counted(
     assert got["observes"] == (asked == "auto" and not every_row)
     # the narrow block (the interpreter's layout: no short-batch widening); the row-skipping products after an
     # earlier call widen by their own ceil(0.5 / hint)
-    base = _planning.lean_layout()["block_cols"]
+    base = _layout.lean_layout()["block_cols"]
     widen = _planning.row_skipping_widen(hint) if products == "triton" and hint is not None else 1
     assert got["block_width"] == min(vocab, base * widen)
 

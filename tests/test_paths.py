@@ -20,7 +20,8 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import cce_inductor
-from cce_inductor import CCEOptions, _planning, paths
+from cce_inductor import CCEOptions, paths
+from cce_inductor.kernels import _layout
 from tests.support.compare import rel_l2
 from tests.support.inputs import BALANCED, IGNORE, make_balanced_inputs
 
@@ -139,7 +140,7 @@ def test_default_plan_table(head, n, dtype):
     target = paths.gradient_bytes(facts) + paths.overhead_target(facts)
     assert (plan.peak <= target) == within
     if plan.plain_sum:
-        assert plan.chunks <= _planning.PLAIN_SUM_MAX_CHUNKS
+        assert plan.chunks <= _layout.PLAIN_SUM_MAX_CHUNKS
     else:  # dC's sums are read and written by every chunk: at least 2048 rows (or all), at most 1 GiB
         assert plan.chunk_rows >= min(n, 2048) and plan.scratch_bytes <= 2**30
     choice = paths.choose(facts)
@@ -154,7 +155,7 @@ def test_plan_is_the_cheapest_that_fits_then_speed_first():
     """Why each plan: a plain sum within the target over fewer chunks is never passed over; where the plain sum is
     over the target and the pair within it, the pair; where both are over, the plain sum over two chunks (speed
     first: the pair's epilogue costs time every chunk)."""
-    most = _planning.PLAIN_SUM_MAX_CHUNKS
+    most = _layout.PLAIN_SUM_MAX_CHUNKS
     for key in PLANS:
         head, n, dtype = key
         if dtype != "bf16":
@@ -180,7 +181,7 @@ def test_a_plain_sum_never_takes_more_chunks_than_the_error_budget(head, n, scra
     for asked in (None, True):
         plan = paths.balanced_plan(facts, scratch_mb, plain_sum=asked)
         if plan.plain_sum:
-            assert plan.chunks <= _planning.PLAIN_SUM_MAX_CHUNKS, (asked, plan)
+            assert plan.chunks <= _layout.PLAIN_SUM_MAX_CHUNKS, (asked, plan)
         assert plan.plain_sum or asked is None
     assert not paths.balanced_plan(facts, scratch_mb, plain_sum=False).plain_sum
 
@@ -195,18 +196,18 @@ def test_balanced_chunks_with_ignored_rows(rows, share):
     asked = round(share * rows)
     for plain in (False, True):
         chunk = -(-rows // 2) if plain else max(1, rows // 5)
-        prefix, layout = _planning.balanced_chunks(rows, chunk, asked, plain)
+        prefix, layout = _layout.balanced_chunks(rows, chunk, asked, plain)
         assert [r0 for r0, _ in layout] == sorted(r0 for r0, _ in layout) and layout[0][0] == 0
         assert sum(n for _, n in layout) == rows and all(0 < n <= chunk for _, n in layout)
         assert all(r0 + n == nxt for (r0, n), (nxt, _) in zip(layout, layout[1:]))
         if plain:
-            assert len(layout) <= _planning.PLAIN_SUM_MAX_CHUNKS
+            assert len(layout) <= _layout.PLAIN_SUM_MAX_CHUNKS
             assert rows - chunk <= prefix <= chunk or prefix == rows
         else:
             assert prefix == asked and any(r0 == prefix for r0, _ in layout) == (prefix < rows)
-    assert _planning.balanced_chunks(10, 5, None, True) == (10, [(0, 5), (5, 5)])
+    assert _layout.balanced_chunks(10, 5, None, True) == (10, [(0, 5), (5, 5)])
     with pytest.raises(ValueError, match="at most"):
-        _planning.balanced_chunks(10, 3, None, True)
+        _layout.balanced_chunks(10, 3, None, True)
 
 
 @pytest.mark.parametrize("head, n", [("v65535", 8192), ("gpt2-medium", 4096), ("gpt2", 4096)])

@@ -13,7 +13,7 @@ import torch
 
 import cce_inductor.kernels as K
 from cce_inductor import CCEOptions, _planning, paths
-from cce_inductor.kernels import _backward
+from cce_inductor.kernels import _backward, _layout
 from tests.support.inputs import IGNORE, make_kernel_inputs
 from tests.support.kernels import (
     DEVICES,
@@ -136,7 +136,7 @@ def test_short_row_chunks_get_wider_vocabulary_blocks(device, monkeypatch):
     device_ok(device)
 
     def width(block_cols, block_rows, rows, row_chunk, vocab):
-        return _planning.block_width(rows, row_chunk, vocab, layout=dict(block_cols=block_cols, block_rows=block_rows))
+        return _layout.block_width(rows, row_chunk, vocab, layout=dict(block_cols=block_cols, block_rows=block_rows))
 
     assert width(48, 0, 10, 10, 1000) == 48
     assert width(48, 64, 20, 20, 1000) == 144  # 64 // 20 = 3 blocks' width
@@ -289,7 +289,7 @@ def test_products_read_only_the_g_positions_stored(device, need_bias, monkeypatc
     monkeypatch.setitem(LEAN_LAYOUT, "block_rows", 0)
     n, v, d = (300, 2600, 64) if TUNING_KEY == "gpu" else (90, 170, 24)
     e, c, targets, b = make_kernel_inputs(n, v, d, torch.float32, device, bias=True, seed=3)
-    assert _planning.block_width(n, n, v, widen=4) < v  # 4x: two chunks or more
+    assert _layout.block_width(n, n, v, widen=4) < v  # 4x: two chunks or more
     targets[5 : n - 10] = IGNORE  # 15 counted rows: one row block counted, the others ignored only
     g = mean_grad_rows(targets)
     bias = b if need_bias else None
@@ -336,7 +336,7 @@ def test_products_read_only_the_g_positions_stored(device, need_bias, monkeypatc
 @pytest.mark.parametrize("device", DEVICES)
 def test_target_logits_of_a_wider_head_in_row_blocks(device, monkeypatch):
     """Under autocast (an fp32 head, bf16 products) the target logits come from the targets' rows of C gathered and
-    converted a row block at a time (``_planning.TARGET_ROW_BLOCK``, here 7 rows): equal to converting the whole head
+    converted a row block at a time (``_layout.TARGET_ROW_BLOCK``, here 7 rows): equal to converting the whole head
     first, targets outside ``[0, V)`` (a vocabulary shard's) and the last short block included."""
     device_ok(device)
     from cce_inductor.kernels import _forward, _row_chunks
@@ -347,7 +347,7 @@ def test_target_logits_of_a_wider_head_in_row_blocks(device, monkeypatch):
     bias = torch.randn(50, generator=gen).to(device)
     targets = torch.randint(0, 50, (30,), generator=gen).to(device)
     targets[[2, 9]] = torch.tensor([-1, 50], device=device)  # another shard's targets: logit 0
-    monkeypatch.setattr(_planning, "TARGET_ROW_BLOCK", 7)
+    monkeypatch.setattr(_layout, "TARGET_ROW_BLOCK", 7)
     got = _row_chunks._target_logits(e, c, targets, bias, 5.0, torch.bfloat16)
     whole = _forward.target_logits(
         e, c.bfloat16(), targets.clamp(0, 49), bias, softcap=5.0, ignore_index=_forward.EVERY_ROW
@@ -397,10 +397,10 @@ def test_row_skipping_widen_and_block_width():
     several."""
     hints = (1.0, 0.5, 0.4, 1 / 3, 0.25, 0.17, 0.125, 0.1, 0.0)
     assert [_planning.row_skipping_widen(h) for h in hints] == [1, 1, 2, 2, 2, 3, 4, 4, 4]
-    gpu = _planning.LEAN_LAYOUT["gpu"]
+    gpu = _layout.LEAN_LAYOUT["gpu"]
 
     def width(rows, row_chunk, vocab, widen=1):
-        return _planning.block_width(rows, row_chunk, vocab, widen, gpu)
+        return _layout.block_width(rows, row_chunk, vocab, widen, gpu)
 
     assert width(8192, 8192, 256000, 2) == 8192
     assert width(4096, 8192, 256000, 2) == 16384  # a short batch's widening too
@@ -425,7 +425,7 @@ def test_memory_model_block_width_is_the_plans():
     """``paths.lean_block_width`` (the memory model) is the width the op's plan hands the kernels on a GPU
     (``_planning.backward_plan``, cuBLAS products over every row): the two agree on every batch size, row chunk,
     vocabulary and widening the model covers."""
-    gpu = _planning.LEAN_LAYOUT["gpu"]
+    gpu = _layout.LEAN_LAYOUT["gpu"]
     for rows in (1, 300, 2048, 4096, 8191, 8192, 8193, 16384, 40000):
         for row_chunk in (8192, 1024, 0):
             for vocab in (5000, 32000, 50257, 256000):

@@ -14,8 +14,8 @@ import torch.nn.functional as F
 
 import cce_inductor
 import cce_inductor.kernels as K
-from cce_inductor import CCEOptions, _planning
-from cce_inductor.kernels import _pair_sums, _products
+from cce_inductor import CCEOptions
+from cce_inductor.kernels import _layout, _pair_sums, _products
 from tests.support.compare import rel_l2
 from tests.support.inputs import BALANCED, IGNORE, make_balanced_inputs
 from tests.support.kernels import DEVICES, HAS_CUDA, device_ok
@@ -297,7 +297,7 @@ def test_row_skipping_matches_fp64_and_every_row(
     )
     got = K.loss_and_grads(e, c, t, None, counted_prefix_rows=prefix, need_bias=False, **kw)
     every = K.loss_and_grads(e, c, t, None, need_bias=False, **kw)
-    moved, layout = _planning.balanced_chunks(n, rows, prefix, plain_sum)
+    moved, layout = _layout.balanced_chunks(n, rows, prefix, plain_sum)
     assert len(launched) == sum(r0 >= moved for r0, _ in layout)  # one launch per chunk past the prefix
     assert (got.grad_c_lo is None) == plain_sum
     if ignored == 1.0:
@@ -429,7 +429,7 @@ def test_plain_sum_within_the_error_budget_and_no_further():
     _, want = reference(e, c, t, None)
     _, eager = reference(e, c, t, None, dtype=torch.bfloat16, logits_dtype=torch.bfloat16)
     compile_dc = rel_l2(eager[1], want[1])
-    most = _planning.PLAIN_SUM_MAX_CHUNKS
+    most = _layout.PLAIN_SUM_MAX_CHUNKS
     for chunks in range(1, most + 1):
         assert rel_l2(_plain_sum_model(e, c, t, chunks), want[1]) <= 1.35 * compile_dc, chunks
     assert rel_l2(_plain_sum_model(e, c, t, most + 1), want[1]) > 1.35 * compile_dc
@@ -447,7 +447,7 @@ def test_plain_sum_with_spread_logits_is_near_torch_compiles():
     t[wrong] = torch.randint(0, v, (int(wrong.sum()),), generator=gen)
     _, want = reference(e, c, t, None)
     _, eager = reference(e, c, t, None, dtype=torch.bfloat16, logits_dtype=torch.bfloat16)
-    got = _plain_sum_model(e, c, t, _planning.PLAIN_SUM_MAX_CHUNKS)
+    got = _plain_sum_model(e, c, t, _layout.PLAIN_SUM_MAX_CHUNKS)
     assert rel_l2(got, want[1]) <= 1.05 * rel_l2(eager[1], want[1])
 
 
@@ -466,7 +466,7 @@ def test_plain_sum_kernels_compute_the_model(device):
     device_ok(device)
     n, d, v = (64, 32, 512) if device == "cpu" else (8192, 768, 50257)
     e, c, t = (x.to(device) for x in _flat_head(n, d, v))
-    most = _planning.PLAIN_SUM_MAX_CHUNKS
+    most = _layout.PLAIN_SUM_MAX_CHUNKS
     kw = dict(softcap=None, ignore_index=IGNORE, reduction="mean", plain_sum=True, need_bias=False)
     for chunks in range(1, most + 1):
         got = K.loss_and_grads(e, c, t, None, chunk_rows=-(-n // chunks), **kw)

@@ -23,6 +23,7 @@ import torch
 
 import cce_inductor.kernels as K
 from cce_inductor import CCEOptions, _planning
+from cce_inductor.kernels import _layout
 
 from .compare import rel_l2
 from .inputs import IGNORE, make_kernel_inputs
@@ -38,7 +39,7 @@ OPTION_SETS = {
     "triton": CCEOptions(products="triton"),
 }
 TUNING_KEY = "interpret" if K.INTERPRET else "gpu"  # the block sizes the kernels use here
-LEAN_LAYOUT = _planning.LEAN_LAYOUT[TUNING_KEY]  # the lean G block's layout here (tests monkeypatch its entries)
+LEAN_LAYOUT = _layout.LEAN_LAYOUT[TUNING_KEY]  # the lean G block's layout here (tests monkeypatch its entries)
 
 requires_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
 
