@@ -85,8 +85,8 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import _common as C  # noqa: E402  (benchmarks/_common.py: the fp32 reference gradients)
-import real_text  # noqa: E402  (benchmarks/real_text.py: the `real` regime's head, the softmax statistics)
+import _common as C
+import real_text
 
 SHAPES = {  # name: (D, V)
     "gemma2": (2304, 256000),

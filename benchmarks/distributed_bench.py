@@ -40,15 +40,15 @@ import os
 os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
 os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
 
-import argparse  # noqa: E402
-import datetime  # noqa: E402
-import gc  # noqa: E402
-import json  # noqa: E402
-import math  # noqa: E402
-import statistics  # noqa: E402
-import sys  # noqa: E402
-import time  # noqa: E402
-import traceback  # noqa: E402
+import argparse
+import datetime
+import gc
+import json
+import math
+import statistics
+import sys
+import time
+import traceback
 
 _T0 = time.monotonic()
 
@@ -786,7 +786,7 @@ def main():
         if ctx.rank == 0 and args.out:
             print(f"results: {os.path.abspath(args.out)}", flush=True)
         dist.barrier()
-    except Exception:  # noqa: BLE001 - outside any variant: print, still tear down
+    except Exception:
         ctx.log(f"FAILED outside the variants:\n{traceback.format_exc()}", all_ranks=True)
         ctx.save()
         print_table(ctx)

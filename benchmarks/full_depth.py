@@ -78,7 +78,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import _common as C  # noqa: E402
+import _common as C
 
 # The published configs (config.json of each model on the Hugging Face Hub; transformers' config classes).
 MODELS = {

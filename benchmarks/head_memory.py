@@ -36,8 +36,8 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import _common as C  # noqa: E402
-import full_depth as FD  # noqa: E402
+import _common as C
+import full_depth as FD
 
 
 def peak_blocks(trace, min_bytes):

@@ -21,10 +21,10 @@ import torch
 import triton
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import _common as C  # noqa: E402
-import vocab_grid as G  # noqa: E402
+import _common as C
+import vocab_grid as G
 
-from cce_inductor.kernels import _pair_sums  # noqa: E402
+from cce_inductor.kernels import _pair_sums
 
 PAIR_CONFIGS = {  # name: _pair_sums._TUNING["gpu"] entries over the default's
     "pair (default: 128x256, 3 stages)": {},

@@ -33,7 +33,7 @@ from collections import OrderedDict
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
+import matplotlib.pyplot as plt
 
 # benchmark.py's method names; the others are plotted under their own name
 LABELS = {

@@ -95,7 +95,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import _common as C  # noqa: E402
+import _common as C
 
 HEADS = {  # name: (D, V)
     "gpt2": (768, 50257),

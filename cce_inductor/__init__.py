@@ -7,16 +7,16 @@
 * :func:`stats` -- which loss sites were rewritten and why the others were not.
 """
 
-from . import _compat  # noqa: E402
-from ._dropped_logits import DroppedLogits  # noqa: E402  (registers torch.ops.cce_inductor.dropped_logits)
-from ._lazy_logits import LazyLogits  # noqa: E402  (registers torch.ops.cce_inductor.lazy_logits)
-from ._version import __version__  # noqa: E402
-from .backend import backend, make_backend  # noqa: E402
-from .backend import register_name as _register_name  # noqa: E402
-from .diagnostics import reset_stats  # noqa: E402
-from .graph_pass import CCEGraphPass, disable, enable, is_enabled, stats  # noqa: E402
-from .ops import linear_cross_entropy  # noqa: E402  (registers torch.ops.cce_inductor.*)
-from .options import CCEOptions  # noqa: E402
+from . import _compat
+from ._dropped_logits import DroppedLogits
+from ._lazy_logits import LazyLogits
+from ._version import __version__
+from .backend import backend, make_backend
+from .backend import register_name as _register_name
+from .diagnostics import reset_stats
+from .graph_pass import CCEGraphPass, disable, enable, is_enabled, stats
+from .ops import linear_cross_entropy
+from .options import CCEOptions
 
 _compat.install()
 _register_name()

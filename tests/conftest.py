@@ -11,11 +11,11 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import pytest  # noqa: E402
-import torch._inductor.config as inductor_config  # noqa: E402
+import pytest
+import torch._inductor.config as inductor_config
 
-import cce_inductor  # noqa: E402
-from tests.support.compare import inductor_caches_off  # noqa: E402
+import cce_inductor
+from tests.support.compare import inductor_caches_off
 
 
 @pytest.fixture(autouse=True)

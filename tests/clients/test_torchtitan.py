@@ -18,14 +18,14 @@ import torch
 
 pytest.importorskip("torchtitan", reason="torchtitan is not installed (pip install -e '.[clients]')")
 
-from torchtitan.components.loss import ChunkedLossWrapper, CrossEntropyLoss  # noqa: E402
-from torchtitan.models.common.attention import ScaledDotProductAttention  # noqa: E402
-from torchtitan.models.llama3 import model_registry  # noqa: E402
-from torchtitan.trainer import Trainer  # noqa: E402
+from torchtitan.components.loss import ChunkedLossWrapper, CrossEntropyLoss
+from torchtitan.models.common.attention import ScaledDotProductAttention
+from torchtitan.models.llama3 import model_registry
+from torchtitan.trainer import Trainer
 
-import cce_inductor  # noqa: E402
-from cce_inductor.integrations.torchtitan import CCELoss  # noqa: E402
-from tests.support.compare import rel_l2  # noqa: E402
+import cce_inductor
+from cce_inductor.integrations.torchtitan import CCELoss
+from tests.support.compare import rel_l2
 
 
 def _model(tied: bool):

@@ -24,7 +24,7 @@ import pytest
 pytest.importorskip("transformers", reason="transformers is not installed (pip install -e '.[clients]')")
 pytest.importorskip("accelerate", reason="accelerate is not installed (pip install -e '.[clients]')")
 
-from tests.clients._clients import assert_same_logs  # noqa: E402
+from tests.clients._clients import assert_same_logs
 
 ROOT = Path(__file__).resolve().parents[2]  # the repository: the script imports tests.clients._clients
 
