@@ -12,7 +12,8 @@ random data):
 
 for torch.compile, the pass with each path forced (balanced in one chunk: a 4 GiB scratch), the default, the op
 called eagerly (``cce_inductor.linear_cross_entropy``), and the kernels' launch helpers called directly
-(``kernels._balanced.loss_and_grads``; ``kernels._forward.forward`` + ``kernels._backward.backward``). Then the
+(``kernels._balanced_launch.loss_and_grads``; ``kernels._forward.forward`` +
+``kernels._backward_launch.backward``). Then the
 lean and the default compiled steps cut into segments by timestamps taken where the op enters and leaves
 ``_dispatch`` (median us): the layers around the kernels' launch helpers (Dynamo, AOTAutograd, the custom op, the
 op's own checks and row losses) against the helpers themselves. ``--trace DIR`` also writes torch.profiler traces
@@ -43,7 +44,7 @@ import _common as C  # noqa: E402  (benchmarks/ on the path first)
 
 import cce_inductor  # noqa: E402
 from cce_inductor import CCEOptions, _dispatch, _planning  # noqa: E402
-from cce_inductor.kernels import _backward, _balanced, _forward  # noqa: E402
+from cce_inductor.kernels import _backward_launch, _balanced_launch, _forward  # noqa: E402
 
 
 def host_and_wall(step, device="cuda"):
@@ -199,7 +200,7 @@ def kernel_helpers(results, train_step, e, c, t, n, dev):
         )
     ed, cd = e.detach(), c.detach()
     results["kernels directly, balanced"] = host_and_wall(
-        lambda: _balanced.loss_and_grads(
+        lambda: _balanced_launch.loss_and_grads(
             ed, cd, t, None, softcap=None, ignore_index=-100, reduction="mean", chunk_rows=n
         ),
         dev,
@@ -211,7 +212,7 @@ def kernel_helpers(results, train_step, e, c, t, n, dev):
 
     def lean_kernels():
         _forward.forward(ed, cd, t, None, softcap=None, ignore_index=-100)
-        _backward.backward(
+        _backward_launch.backward(
             ed,
             cd,
             t,

@@ -26,7 +26,7 @@ sys.path[:0] = [HERE, os.path.dirname(HERE)]
 import _common as C  # noqa: E402  (benchmarks/ on the path first)
 
 from cce_inductor import _planning  # noqa: E402
-from cce_inductor.kernels import _backward, _forward, _launch  # noqa: E402
+from cce_inductor.kernels import _backward, _backward_launch, _forward, _launch  # noqa: E402
 
 
 def host_us(fn, reps=300):
@@ -75,7 +75,7 @@ def main():
             # 4096-wide blocks (no short-batch widening): V / 4096 vocabulary steps
             plan = _planning.BackwardPlan(row_chunk=128, block_width=4096, products="cublas", counted_hint=None)
             r[f"backward {v // 4096} chunks tma={tma}"] = host_us(
-                lambda: _backward.backward(
+                lambda: _backward_launch.backward(
                     e,
                     c,
                     t,

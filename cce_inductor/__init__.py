@@ -14,8 +14,8 @@ from ._version import __version__
 from .backend import backend, make_backend
 from .backend import register_name as _register_name
 from .diagnostics import reset_stats
+from .functional import linear_cross_entropy
 from .graph_pass import CCEGraphPass, disable, enable, is_enabled, stats
-from .ops import linear_cross_entropy
 from .options import CCEOptions
 
 _compat.install()

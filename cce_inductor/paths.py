@@ -3,12 +3,12 @@ when the site is compiled (or, for a direct call, when it runs).
 
 The two paths (``docs/design.md``; kernels in ``kernels/``):
 
-* **lean** (``ops.linear_cross_entropy``): the forward keeps one log-sum-exp per row; the backward recomputes the
+* **lean** (``ops.linear_cross_entropy_op``): the forward keeps one log-sum-exp per row; the backward recomputes the
   logits block by block. Four matmuls of ``N x V x D``; memory above the gradients: one G block and dE's fp32 sums.
-* **balanced** (``ops.linear_cross_entropy_with_grads``): the gradients are computed with the loss, row chunk by row
-  chunk, through a scratch of logits, and the backward only scales them, in place. Three matmuls, as torch.compile
-  does; memory: the scratch and the gradients, a 16-bit dE beside the 16-bit remainder of its sum, a 16-bit dC
-  summed in its own dtype over at most two chunks (one rounding a chunk: the error budget) or beside its remainder.
+* **balanced** (``balanced_op``): the gradients are computed with the loss, row chunk by row chunk, through a
+  scratch of logits, and the backward only scales them, in place. Three matmuls, as torch.compile does; memory: the
+  scratch and the gradients, a 16-bit dE beside the 16-bit remainder of its sum, a 16-bit dC summed in its own dtype
+  over at most two chunks (one rounding a chunk: the error budget) or beside its remainder.
 
 The memory model, bytes above the inputs, gradients included (``b`` the products' element size; the gradients in
 their inputs' dtypes, ``LB`` their bytes; under autocast ``X`` the inputs' copies in the products' dtype, held for
@@ -33,17 +33,10 @@ one call; ``benchmarks/`` compares it with measured peaks, ``tests/test_paths.py
                    + N D 2 + 4 R D             rounded up to 64)  a 16-bit dE: its remainder, one chunk's fp32 rows
                    + P D 2                     a 16-bit dC summed as a pair (not as a plain 16-bit sum)
 
-The default (``path="auto"``) is speed first with an explicit error budget (issue 62): the balanced path (three
-matmuls, as torch.compile) wherever it computes the loss on the kernels, sized by :func:`balanced_plan` against the
-memory target ``LB + 0.3 x torch.compile's overhead`` (its estimated peak less LB; under autocast the converted
-inputs plus 0.15 x it): a 16-bit dC summed in its own dtype over one or two row chunks (each further rounding of
-the running sum adds to torch.compile's one; on flat logits two stay within 1.35x its dC error, three do not:
-``_layout.PLAIN_SUM_MAX_CHUNKS``), else as a pair with the scratch the target leaves, else, speed first, the plain
-sum over two chunks above the target (``stats()`` says so). The lean path (four matmuls, fp32 sums: below
-torch.compile's error) takes the forms only it computes, ``exact=True``, the chunked PyTorch path and tiny batches.
-On a 16-bit head whose V is not a multiple of 8, where Inductor pads the products, torch.compile holds 4 bytes a
-logit (``_PADDED_LOGIT_BYTES``); where the graph also returns the logits (Hugging Face models), more: both raise the
-target. ``path="lean"`` / ``"balanced"`` force a path; a forced balanced path fatter than torch.compile says so.
+The default (``path="auto"``, :func:`choose`) is speed first with an explicit error budget: the balanced path
+wherever it computes the loss on the kernels, planned by :func:`balanced_plan` against the memory target
+(:func:`overhead_target`); the lean path for the forms only it computes, ``exact=True``, the chunked PyTorch path and
+tiny batches (docs/design.md, "How the default picks a path"). ``path="lean"`` / ``"balanced"`` force a path.
 """
 
 from __future__ import annotations
@@ -237,7 +230,7 @@ def overhead_target(f: HeadFacts) -> int:
 
 
 def scratch_row_pitch(vocab: int) -> int:
-    """Elements per scratch row, as the balanced kernels lay it out (``kernels/_balanced.py``, ``ROW_ALIGN``): V
+    """Elements per scratch row, as the balanced kernels lay it out (``kernels/_balanced_launch.py``, ``ROW_ALIGN``): V
     rounded up to a multiple of 64, so that the products over the scratch see aligned leading dimensions whatever V
     is (cuBLAS is several times slower on a 16-bit matrix whose rows are not a multiple of 8 elements)."""
     return -(-vocab // _layout.VOCAB_ALIGN) * _layout.VOCAB_ALIGN

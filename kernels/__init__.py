@@ -32,16 +32,17 @@ with ``logits[n, v] = softcap * tanh((e[n] . c[v] + bias[v]) / softcap)`` (no ta
 ``forward`` / ``backward`` rows whose target is ``ignore_index`` cost nothing; a target outside ``[0, V)`` counts with
 no one-hot term.
 
-Kernel files, each opening with its math, block layout and memory, and keeping its own block sizes:
-``_forward`` (fused log-sum-exp / target logit, the argmax), ``_balanced`` (cuBLAS logits per row chunk, the softmax
-gradient in place, cuBLAS dE, dC summed chunk by chunk), ``_pair_sums`` (a 16-bit gradient summed over the balanced
-path's row chunks as a pair ``hi + lo``: the dC product with the pair in its epilogue), ``_backward`` (a Triton
-kernel recomputes each logit block into the softmax gradient; cuBLAS does dE and dC, or over the counted prefix
-only), ``_row_chunks`` (the lean backward's host-side row chunks: compaction, the counted prefix's split, the
-target logits), ``_products`` (Triton dE / dC products that skip ignored rows), ``_targets`` (the count of counted
-rows and the range check, one launch), ``_tile`` (the logit tile and softmax gradient shared by the kernels),
-``_launch`` (host-side helpers: device facts, tunings, row compaction, products into fp32 sums).
-No host synchronisation: ignored rows are compacted on the device and the kernels read the count.
+Kernel files, each opening with its math, block layout and memory, and keeping its own block sizes: ``_forward``
+(fused log-sum-exp / target logit, the argmax), ``_balanced`` (cuBLAS logits per row chunk, the softmax gradient in
+place, cuBLAS dE, dC summed chunk by chunk; its launches: ``_balanced_launch``), ``_pair_sums`` (a 16-bit gradient
+summed over the balanced path's row chunks as a pair ``hi + lo``: the dC product with the pair in its epilogue),
+``_backward`` (a Triton kernel recomputes each logit block into the softmax gradient; cuBLAS does dE and dC, or over
+the counted prefix only; its launches: ``_backward_launch``), ``_row_chunks`` (the lean backward's host-side row
+chunks: compaction, the counted prefix's split, the target logits), ``_products`` (Triton dE / dC products that skip
+ignored rows), ``_targets`` (the count of counted rows and the range check, one launch), ``_tile`` (the logit tile
+and softmax gradient shared by the kernels), ``_launch`` (host-side helpers: device facts, tunings, row compaction,
+products into fp32 sums), ``_layout`` (the layout constants the package's memory model reads too; no Triton). No
+host synchronisation: ignored rows are compacted on the device and the kernels read the count.
 """
 
 import importlib
@@ -50,11 +51,11 @@ import importlib
 # reads) imports without Triton; the first kernel asked for imports Triton (an ImportError where it is missing)
 _EXPORTS = {
     "forward": ("._forward", "forward"),
-    "backward": ("._backward", "backward"),
-    "row_skipping_ok": ("._backward", "row_skipping_ok"),
-    "loss_and_grads": ("._balanced", "loss_and_grads"),
-    "balanced_row_skipping_ok": ("._balanced", "row_skipping_ok"),
-    "LossAndGrads": ("._balanced", "LossAndGrads"),
+    "backward": ("._backward_launch", "backward"),
+    "row_skipping_ok": ("._backward_launch", "row_skipping_ok"),
+    "loss_and_grads": ("._balanced_launch", "loss_and_grads"),
+    "balanced_row_skipping_ok": ("._balanced_launch", "row_skipping_ok"),
+    "LossAndGrads": ("._balanced_launch", "LossAndGrads"),
     "count_targets": ("._targets", "count_targets"),
     "INTERPRET": ("._launch", "INTERPRET"),
 }

@@ -1,4 +1,4 @@
-"""The lean backward's row chunks, on the host: what ``_backward.backward`` prepares around its kernels.
+"""The lean backward's row chunks, on the host: what ``_backward_launch.backward`` prepares around its kernels.
 
 Per row chunk of the (rows x vocabulary) plane (``_backward``'s module docstring):
 

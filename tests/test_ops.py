@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 import cce_inductor
-from cce_inductor import CCEOptions, ops
+from cce_inductor import CCEOptions, balanced_op, ops
 from tests.support.compare import rel_l2 as rel_err
 from tests.support.inputs import BALANCED, IGNORE, make_balanced_inputs, make_op_inputs
 from tests.support.reference import (
@@ -640,7 +640,7 @@ def test_balanced_op_runs_the_lean_path_where_its_buffers_cannot_be_allocated(dt
     e, c, t, b = make_balanced_inputs(23, 40, 8, dtype, bias=True)
 
     def run():
-        return ops.balanced_call(
+        return balanced_op.balanced_call(
             e, c, t, b, softcap=3.0, options=CCEOptions().encode(), need_e=True, need_c=True, need_bias=True,
             plain_sum=plain_sum,
         )()  # fmt: skip
@@ -687,5 +687,5 @@ def test_balanced_op_falls_back_through_the_pass_and_raises_other_errors(monkeyp
 
     monkeypatch.setattr(ops._dispatch, "loss_and_grads", broken)
     with pytest.raises(RuntimeError, match="an unrelated failure"):
-        ops.balanced_call(hidden.view(-1, 16), weight, labels.view(-1), options=CCEOptions().encode(), need_e=True,
-                          need_c=True, need_bias=False)()  # fmt: skip
+        balanced_op.balanced_call(hidden.view(-1, 16), weight, labels.view(-1), options=CCEOptions().encode(),
+                                  need_e=True, need_c=True, need_bias=False)()  # fmt: skip

@@ -38,6 +38,7 @@ import torch.fx as fx
 
 from .._checks import SUPPORTED_DTYPES, head_dtype_error
 from .added_bias import added_bias_error, match_bias_add, through_inplace_add
+from .graph_facts import mutated_tensor, storage_roots, transposed_source
 from .spellings import (
     ADDMM,
     AUTOCAST_ENTER,
@@ -49,17 +50,12 @@ from .spellings import (
     GETITEM,
     GRAD_MODE,
     IDENTITY_VIEW,
-    INPLACE_FUNCTIONS,
     LINEAR,
     MATMUL,
     MUL,
     RESHAPE,
     TANH,
     TO_DTYPE,
-    TRANSPOSE_2D,
-    TRANSPOSE_ATTR_OPS,
-    TRANSPOSE_ATTRS,
-    VIEW_LIKE,
     call_arg,
     const_float,
     example_value,
@@ -281,58 +277,6 @@ def _autocast_at(node: fx.Node, device_type: str) -> torch.dtype | None:
         elif matches(current, AUTOCAST_EXIT) and len(states) > 1:
             states.pop()
     return states[-1]
-
-
-def transposed_source(node: fx.Node) -> fx.Node | None:
-    """``w`` if ``node`` is ``w.T`` / ``w.t()`` / ``w.transpose(0, 1)`` / ``w.permute(1, 0)`` of a 2-D ``w``."""
-    if not isinstance(node, fx.Node):
-        return None
-    if node.op == "call_function" and node.target is getattr and node.args[1] in TRANSPOSE_ATTRS:
-        return node.args[0]
-    if matches(node, TRANSPOSE_ATTR_OPS):
-        return node.args[0]
-    if matches(node, TRANSPOSE_2D):
-        src, dims = node.args[0], node.args[1:]
-        if len(dims) == 1 and isinstance(dims[0], (tuple, list)):
-            dims = tuple(dims[0])
-        dims = tuple(normalize_dim(d, 2) for d in dims if isinstance(d, int))
-        kind = spelling(node)[1]
-        if kind in ("t", torch.t):
-            return src
-        if kind in ("transpose", torch.transpose) and sorted(dims) == [0, 1]:
-            return src
-        if kind in ("permute", torch.permute) and dims == (1, 0):  # permute(0, 1) is the identity
-            return src
-    return None
-
-
-def mutated_tensor(node: fx.Node) -> fx.Node | None:
-    """The tensor an in-place node writes to, or None if the node does not mutate."""
-    if node.op == "call_method" and node.target.endswith("_") and not node.target.startswith("_"):
-        return node.args[0] if node.args else None
-    if node.op == "call_function":
-        if spelling(node) in INPLACE_FUNCTIONS:
-            return node.args[0]
-        name = getattr(node.target, "__name__", "")
-        if name.endswith("_") and not name.startswith("_") and node.args:
-            return node.args[0]
-        schema = getattr(node.target, "_schema", None)
-        if schema is not None and any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments):
-            return node.args[0] if node.args else None
-    return None
-
-
-def storage_roots(node: Any) -> set:
-    """``node`` and everything it may be a view of."""
-    roots, stack = set(), [node]
-    while stack:
-        current = stack.pop()
-        if not isinstance(current, fx.Node) or current in roots:
-            continue
-        roots.add(current)
-        if matches(current, VIEW_LIKE) or (current.op == "call_function" and current.target is getattr):
-            stack.append(current.args[0])
-    return roots
 
 
 def _check_nothing_in_between(head: fx.Node, loss: fx.Node, protected: list) -> None:

@@ -55,9 +55,10 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from .. import _checks, diagnostics, ops
+from .. import _checks, balanced_op, diagnostics, ops
 from ..options import CCEOptions
-from .head_chain import NoMatch, mutated_tensor, private_chain, storage_roots, upcast_target, walk_logits
+from .chunked_heads import chunk_groups, replace_chunks
+from .head_chain import NoMatch, private_chain, upcast_target, walk_logits
 from .sites import (
     EmitLoss,
     Site,
@@ -65,19 +66,16 @@ from .sites import (
     choose_path,
     decide,
     describe_site,
-    head_operands,
     lazy_recipe,
     op_compute_dtype,
     path_decision,
     replace_site,
-    retire,
     rows_of,
 )
 from .spellings import (
     CROSS_ENTROPY,
     FLATTEN,
     GETITEM,
-    GRAD_MODE,
     IDENTITY_VIEW,
     RESHAPE,
     call_arg,
@@ -285,7 +283,7 @@ def _fused_loss(options: CCEOptions) -> EmitLoss:
             )
         choice = choose_path(site, options)
         if choice.path == "balanced":
-            fused = ops.balanced_call(
+            fused = balanced_op.balanced_call(
                 rows,
                 weight,
                 targets,
@@ -372,7 +370,7 @@ def rewrite_linear_cross_entropy(graph: fx.Graph, options: CCEOptions, graph_id:
         site = decide(graph_id, ce, lambda ce=ce: _checked(match_site(ce), options))
         if site is not None:
             matched.append(site)
-    for group in _chunk_groups(matched):
+    for group in chunk_groups(matched):
         merged = f"; one call with {len(group) - 1} other chunk(s) of this head" if len(group) > 1 else ""
         # chunks of one head are fused with reduction="none": per-row outputs, the lean path
         # class weights / the argmax: the op with them has the lean path only (per-row outputs)
@@ -386,7 +384,7 @@ def rewrite_linear_cross_entropy(graph: fx.Graph, options: CCEOptions, graph_id:
             for site in group
         ]
         if len(group) > 1:
-            _replace_chunks(graph, group, options)
+            replace_chunks(graph, group, options)
         else:
             replace_site(graph, group[0], emit)
         for decision in decisions:
@@ -397,113 +395,3 @@ def rewrite_linear_cross_entropy(graph: fx.Graph, options: CCEOptions, graph_id:
     if rewritten:
         graph.lint()
     return rewritten
-
-
-# --------------------------------------------------------------------------------------------------------------
-# Chunked heads: one call for the sites that share a head
-# --------------------------------------------------------------------------------------------------------------
-#
-# torchtune-style code applies the head to chunks of the hidden states and takes a cross-entropy per chunk:
-#
-#     chunk_k = hidden.chunk(n, dim=1)[k];  loss_k = cross_entropy(linear(chunk_k, W).reshape(-1, V), labels_k)
-#
-# One fused call per chunk would pay the per-call costs n times (a full V x D dC per chunk, summed by autograd, and
-# underfilled grids). Sites with the same head (weight, bias, scale, softcap) and loss settings become one call over
-# the concatenated rows with reduction "none"; each chunk's loss is then its own slice of the per-row losses,
-# reduced as its cross_entropy asked, so every use of every chunk's loss sees eager's value.
-
-
-def _chunk_key(site: Site) -> tuple | None:
-    if site.escaping or site.lse_users or site.argmax_users or site.class_weight is not None:
-        return None
-    return (
-        site.weight,
-        site.weight_is_transposed,
-        site.bias,
-        site.scale,
-        site.softcap,
-        site.ignore_index,
-        site.label_smoothing,
-        site.compute_dtype,
-    )
-
-
-def _chunk_groups(sites: list[Site]) -> list[list[Site]]:
-    """Sites grouped for one call each: same head and settings, and every operand computed before the first loss
-    of the group (the call goes there)."""
-    groups: dict = {}
-    singles = []
-    for site in sites:
-        key = _chunk_key(site)
-        if key is None:
-            singles.append([site])
-        else:
-            groups.setdefault(key, []).append(site)
-    result = singles
-    for group in groups.values():
-        if len(group) == 1:
-            result.append(group)
-            continue
-        position = {node: i for i, node in enumerate(group[0].cross_entropy.graph.nodes)}
-        group.sort(key=lambda site: position[site.cross_entropy])
-        operands = [
-            n for site in group for n in (site.hidden, site.targets, site.weight, site.bias) if isinstance(n, fx.Node)
-        ]
-        first = group[0].cross_entropy
-        if all(position[n] < position[first] for n in operands) and not _changed_between(group[0], group[-1], operands):
-            result.append(group)
-        else:
-            result.extend([site] for site in group)
-    return result
-
-
-def _changed_between(first: Site, last: Site, operands: list[fx.Node]) -> bool:
-    """Whether, between the group's first and last loss, an operand is updated in place or grad mode switches: the
-    one call runs at the first loss, so every loss must read what it would have read there."""
-    roots = set().union(*(storage_roots(n) for n in operands))
-    node = first.cross_entropy.next
-    while node is not last.cross_entropy:
-        mutated = mutated_tensor(node)
-        if matches(node, GRAD_MODE) or (mutated is not None and storage_roots(mutated) & roots):
-            return True
-        node = node.next
-    return False
-
-
-def _row_count(graph: fx.Graph, targets: fx.Node) -> int | fx.Node:
-    size = example_value(targets).shape[0]
-    return size if isinstance(size, int) else graph.call_method("size", (targets, 0))
-
-
-def _replace_chunks(graph: fx.Graph, group: list[Site], options: CCEOptions) -> None:
-    head = group[0]
-    with graph.inserting_before(head.cross_entropy):
-        rows = graph.call_function(torch.cat, ([rows_of(graph, site) for site in group], 0))
-        weight, bias = head_operands(graph, head)  # the same for every site of the group
-        targets = graph.call_function(torch.cat, ([site.targets for site in group], 0))
-        fused = ops.lean_call(
-            rows,
-            weight,
-            targets,
-            bias,
-            softcap=head.softcap,
-            ignore_index=head.ignore_index,
-            reduction="none",
-            label_smoothing=head.label_smoothing,
-            options=options.encode(),
-        ).emit(graph)
-        row_loss = graph.call_function(operator.getitem, (fused, 0))
-        pieces = graph.call_function(torch.split, (row_loss, [_row_count(graph, site.targets) for site in group]))
-        losses = []
-        for k, site in enumerate(group):
-            piece = graph.call_function(operator.getitem, (pieces, k))
-            if site.reduction == "sum":
-                piece = graph.call_method("sum", (piece,))
-            elif site.reduction == "mean":  # over the chunk's counted rows: 0/0 = NaN when all are ignored, as eager
-                counted = graph.call_function(operator.ne, (site.targets, site.ignore_index))
-                piece = graph.call_function(
-                    operator.truediv, (graph.call_method("sum", (piece,)), graph.call_method("sum", (counted,)))
-                )
-            losses.append(piece)
-    for site, loss in zip(group, losses):
-        retire(graph, site, loss)

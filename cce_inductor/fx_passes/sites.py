@@ -26,7 +26,8 @@ import torch.fx as fx
 
 from .. import _dispatch, _dropped_logits, _lazy_logits, diagnostics, paths
 from ..options import CCEOptions
-from .head_chain import NoMatch, RowStep, _row_step, branch_path, transposed_source, upcast_target
+from .graph_facts import transposed_source
+from .head_chain import NoMatch, RowStep, _row_step, branch_path, upcast_target
 from .spellings import (
     DIV,
     FLATTEN,

@@ -34,7 +34,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from ..ops import linear_cross_entropy
+from ..functional import linear_cross_entropy
 
 try:
     from torchtitan.components.loss import IGNORE_INDEX, ChunkedLossWrapper

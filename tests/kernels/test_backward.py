@@ -13,7 +13,7 @@ import torch
 
 import cce_inductor.kernels as K
 from cce_inductor import CCEOptions, _planning, paths
-from cce_inductor.kernels import _backward, _layout
+from cce_inductor.kernels import _backward, _backward_launch, _layout
 from tests.support.inputs import IGNORE, make_kernel_inputs
 from tests.support.kernels import (
     DEVICES,
@@ -193,8 +193,8 @@ def test_recompute_tile_groups_cover_every_tile(device, monkeypatch):
     targets[n // 2 :] = IGNORE  # whole ignored row blocks past the counted ones
     g = mean_grad_rows(targets)
     lse, *_ = K.forward(e, c, targets, b, softcap=20.0, ignore_index=IGNORE)
-    block = _backward._block
-    monkeypatch.setattr(_backward, "_block", lambda buf, rows, cols: block(buf.fill_(float("nan")), rows, cols))
+    block = _backward_launch._block
+    monkeypatch.setattr(_backward_launch, "_block", lambda buf, rows, cols: block(buf.fill_(float("nan")), rows, cols))
 
     def grads(group_tiles):
         monkeypatch.setitem(tuning, "recompute_group", group_tiles * block_v)
@@ -295,8 +295,8 @@ def test_products_read_only_the_g_positions_stored(device, need_bias, monkeypatc
     bias = b if need_bias else None
     lse, *_ = K.forward(e, c, targets, bias, softcap=None, ignore_index=IGNORE)
     _, _, *ref = reference(e, c, targets, bias, g, None)
-    block = _backward._block
-    monkeypatch.setattr(_backward, "_block", lambda buf, rows, cols: block(buf.fill_(float("nan")), rows, cols))
+    block = _backward_launch._block
+    monkeypatch.setattr(_backward_launch, "_block", lambda buf, rows, cols: block(buf.fill_(float("nan")), rows, cols))
     several = n // 3 + 1  # a row chunk that cuts the rows in three (dC summed in fp32 over them)
     for products, hint, widen, row_chunk in (
         ("cublas", None, 1, 0),
@@ -581,8 +581,8 @@ def test_counted_prefix_products_match_for_any_hint(device, monkeypatch):
     fp64 reference's to fp32 rounding (fp32 inputs) and within the default tolerance in bf16; a repeated call is
     bitwise equal."""
     device_ok(device)
-    assert _backward.counted_prefix(0.5, 100, 16) == 64 and _backward.counted_prefix(0.0, 100, 16) == 0
-    assert _backward.counted_prefix(1.0, 100, 16) == 100 and _backward.counted_prefix(0.31, 100, 16) == 32
+    assert _backward_launch.counted_prefix(0.5, 100, 16) == 64 and _backward_launch.counted_prefix(0.0, 100, 16) == 0
+    assert _backward_launch.counted_prefix(1.0, 100, 16) == 100 and _backward_launch.counted_prefix(0.31, 100, 16) == 32
     e, c, targets, b = make_kernel_inputs(70, 170, 24, torch.float32, device, ignore_frac=0.5, bias=True, seed=5)
     g = mean_grad_rows(targets)
     lse, *_ = K.forward(e, c, targets, b, softcap=20.0, ignore_index=IGNORE)

@@ -1,11 +1,11 @@
 """Tests of the 16-bit pair sums (``kernels/_pair_sums.py``): the balanced path's dC summed over many row chunks as
 ``hi + lo`` against an fp64 reference; the fallback for
-operands the tensor-memory accelerator cannot read (``_balanced._pair_sums_into``); bf16 and fp16."""
+operands the tensor-memory accelerator cannot read (``_balanced_launch._pair_sums_into``); bf16 and fp16."""
 
 import pytest
 import torch
 
-from cce_inductor.kernels import _balanced, _pair_sums
+from cce_inductor.kernels import _balanced_launch, _pair_sums
 from tests.support.compare import rel_l2
 from tests.support.kernels import DEVICES, device_ok
 
@@ -63,8 +63,8 @@ def test_fallback_holds_the_same_bound(device):
         lo = torch.empty_like(hi)
         for i, (a, b) in enumerate(chunks):
             b = operand(b)
-            assert (name == "kernel") == _balanced._launch.tma_ok(a, b)
-            _balanced._pair_sums_into(hi, lo, a, b, accumulate=i > 0, upcast=device == "cpu")
+            assert (name == "kernel") == _balanced_launch._launch.tma_ok(a, b)
+            _balanced_launch._pair_sums_into(hi, lo, a, b, accumulate=i > 0, upcast=device == "cpu")
         assert rel_l2(hi.double().cpu() + lo.double().cpu(), exact) < PAIR_TOL, name
 
 

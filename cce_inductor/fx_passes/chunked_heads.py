@@ -1,0 +1,126 @@
+"""Chunked heads: the ``cross_entropy`` sites that share a head become one ``cce_inductor::linear_cross_entropy`` call.
+
+torchtune-style code applies the head to chunks of the hidden states and takes a cross-entropy per chunk::
+
+    chunk_k = hidden.chunk(n, dim=1)[k]
+    loss_k = cross_entropy(linear(chunk_k, W).reshape(-1, V), labels_k)          for k = 0 .. n-1
+
+each site matched by ``linear_cross_entropy.match_site``. One fused call per chunk would pay the per-call costs n
+times (a full V x D dC per chunk, summed by autograd, and underfilled grids). Sites with the same head (weight, bias,
+scale, softcap) and loss settings, every operand computed before the first loss and none changed in place between
+the losses, are replaced by::
+
+    fused = cce_inductor::linear_cross_entropy(cat([rows_0, .., rows_n-1]), W, cat([labels_0, ..]), ..., "none", ...)
+    loss_k = split(fused[0], [M_0, .., M_n-1])[k]  reduced as cross_entropy k asked (sum; mean over its counted rows)
+
+so every use of every chunk's loss sees eager's value (reduction "none": per-row outputs, the lean path).
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx as fx
+
+from .. import ops
+from ..options import CCEOptions
+from .graph_facts import mutated_tensor, storage_roots
+from .sites import Site, head_operands, retire, rows_of
+from .spellings import GRAD_MODE, example_value, matches
+
+
+def _chunk_key(site: Site) -> tuple | None:
+    if site.escaping or site.lse_users or site.argmax_users or site.class_weight is not None:
+        return None
+    return (
+        site.weight,
+        site.weight_is_transposed,
+        site.bias,
+        site.scale,
+        site.softcap,
+        site.ignore_index,
+        site.label_smoothing,
+        site.compute_dtype,
+    )
+
+
+def chunk_groups(sites: list[Site]) -> list[list[Site]]:
+    """Sites grouped for one call each: same head and settings, and every operand computed before the first loss
+    of the group (the call goes there)."""
+    groups: dict = {}
+    singles = []
+    for site in sites:
+        key = _chunk_key(site)
+        if key is None:
+            singles.append([site])
+        else:
+            groups.setdefault(key, []).append(site)
+    result = singles
+    for group in groups.values():
+        if len(group) == 1:
+            result.append(group)
+            continue
+        position = {node: i for i, node in enumerate(group[0].cross_entropy.graph.nodes)}
+        group.sort(key=lambda site: position[site.cross_entropy])
+        operands = [
+            n for site in group for n in (site.hidden, site.targets, site.weight, site.bias) if isinstance(n, fx.Node)
+        ]
+        first = group[0].cross_entropy
+        if all(position[n] < position[first] for n in operands) and not _changed_between(group[0], group[-1], operands):
+            result.append(group)
+        else:
+            result.extend([site] for site in group)
+    return result
+
+
+def _changed_between(first: Site, last: Site, operands: list[fx.Node]) -> bool:
+    """Whether, between the group's first and last loss, an operand is updated in place or grad mode switches: the
+    one call runs at the first loss, so every loss must read what it would have read there."""
+    roots = set().union(*(storage_roots(n) for n in operands))
+    node = first.cross_entropy.next
+    while node is not last.cross_entropy:
+        mutated = mutated_tensor(node)
+        if matches(node, GRAD_MODE) or (mutated is not None and storage_roots(mutated) & roots):
+            return True
+        node = node.next
+    return False
+
+
+def _row_count(graph: fx.Graph, targets: fx.Node) -> int | fx.Node:
+    size = example_value(targets).shape[0]
+    return size if isinstance(size, int) else graph.call_method("size", (targets, 0))
+
+
+def replace_chunks(graph: fx.Graph, group: list[Site], options: CCEOptions) -> None:
+    head = group[0]
+    with graph.inserting_before(head.cross_entropy):
+        rows = graph.call_function(torch.cat, ([rows_of(graph, site) for site in group], 0))
+        weight, bias = head_operands(graph, head)  # the same for every site of the group
+        targets = graph.call_function(torch.cat, ([site.targets for site in group], 0))
+        fused = ops.lean_call(
+            rows,
+            weight,
+            targets,
+            bias,
+            softcap=head.softcap,
+            ignore_index=head.ignore_index,
+            reduction="none",
+            label_smoothing=head.label_smoothing,
+            options=options.encode(),
+        ).emit(graph)
+        row_loss = graph.call_function(operator.getitem, (fused, 0))
+        pieces = graph.call_function(torch.split, (row_loss, [_row_count(graph, site.targets) for site in group]))
+        losses = []
+        for k, site in enumerate(group):
+            piece = graph.call_function(operator.getitem, (pieces, k))
+            if site.reduction == "sum":
+                piece = graph.call_method("sum", (piece,))
+            elif site.reduction == "mean":  # over the chunk's counted rows: 0/0 = NaN when all are ignored, as eager
+                counted = graph.call_function(operator.ne, (site.targets, site.ignore_index))
+                piece = graph.call_function(
+                    operator.truediv, (graph.call_method("sum", (piece,)), graph.call_method("sum", (counted,)))
+                )
+            losses.append(piece)
+    for site, loss in zip(group, losses):
+        retire(graph, site, loss)
