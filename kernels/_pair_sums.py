@@ -35,7 +35,7 @@ from ._products import _grouped_tile
 from ._tile import dot, round_bf16_rne
 
 # Hopper; the interpreter's tiny blocks keep the CPU tests fast.  The GPU entry is the fastest of
-# benchmarks/pair_sums_ab.py's configurations (measured; the figures are in docs/).
+# configurations measured by an A/B probe (the figures are in docs/performance.md).
 _TUNING = {
     "gpu": dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3),
     "interpret": dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, GROUP_M=2, num_warps=4, num_stages=1),

@@ -45,7 +45,7 @@ back to cuBLAS products for a C that is not aligned.  Ec is a compacted copy of 
 ``rows x D`` buffer): gathering through row_order inside the K loop instead is slower (no TMA gather on
 Hopper).
 
-Cost (``benchmarks/bench_dense_parts.py``; the figures are in docs/): per row, these products are
+Cost (measured per block by an A/B probe; the figures are in docs/): per row, these products are
 slower than cuBLAS's, so over every row they lose; with ignored rows they skip work cuBLAS cannot, and past a
 break-even share of ignored rows they win.  Hence, by default, cuBLAS over the counted prefix and these products
 only past it (or alone where most rows are ignored).
