@@ -286,3 +286,11 @@ def lazy_logits_op(rows: Tensor, weight: Tensor, bias: Tensor | None, steps: str
 def _(rows, weight, bias, steps, requires_grad):
     shape = [*rows.shape[:-1], weight.shape[0]]
     return rows.new_empty_strided(shape, [0] * len(shape), dtype=output_dtype(rows.dtype, decode_steps(steps)))
+
+
+def emit(graph: torch.fx.Graph, rows, weight, bias, *, steps: list, requires_grad: bool) -> torch.fx.Node:
+    """A ``lazy_logits`` node (at the graph's insertion point) of ``steps`` (decoded, :func:`encode_steps`' input)
+    over ``linear(rows, weight, bias)``: the one place its arguments are put in schema order."""
+    return graph.call_function(
+        torch.ops.cce_inductor.lazy_logits.default, (rows, weight, bias, encode_steps(steps), requires_grad)
+    )

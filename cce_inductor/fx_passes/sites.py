@@ -385,6 +385,4 @@ def _emit_lazy(graph: fx.Graph, site: Site, node: fx.Node) -> fx.Node:
     operands = [graph.call_method("detach", (x,)) if x is not None else None for x in (rows, weight, site.bias)]
     meta = example_value(node)
     wants_grad = isinstance(meta, torch.Tensor) and meta.requires_grad
-    return graph.call_function(
-        torch.ops.cce_inductor.lazy_logits.default, (*operands, _lazy_logits.encode_steps(steps), wants_grad)
-    )
+    return _lazy_logits.emit(graph, *operands, steps=steps, requires_grad=wants_grad)
