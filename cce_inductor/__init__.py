@@ -7,6 +7,13 @@
 * :func:`stats` -- which loss sites were rewritten and why the others were not.
 """
 
+try:  # the kernels folder is ``cce_inductor.kernels`` through the install's package-dir mapping alone
+    from . import kernels  # noqa: F401 (imports without Triton; the kernels load on first use)
+except ModuleNotFoundError as exc:
+    raise ImportError(
+        "cce_inductor.kernels is not importable: install the package (in a checkout: pip install --no-deps -e .)"
+    ) from exc
+
 from . import _compat
 from ._dropped_logits import DroppedLogits
 from ._lazy_logits import LazyLogits

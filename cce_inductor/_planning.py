@@ -12,12 +12,7 @@ from __future__ import annotations
 import math
 from typing import NamedTuple
 
-try:
-    from .kernels import _layout
-except ModuleNotFoundError as exc:  # (a checkout on sys.path: the install's package-dir mapping is what finds it)
-    raise ImportError(
-        "cce_inductor.kernels is not importable: install the package (in a checkout: pip install --no-deps -e .)"
-    ) from exc
+from .kernels import _layout
 
 
 def row_skipping_widen(counted_hint: float, max_widen: int = 4) -> int:

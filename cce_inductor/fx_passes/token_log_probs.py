@@ -45,7 +45,6 @@ from ..options import CCEOptions
 from . import head_chain, sites
 from . import spellings as sp
 
-LOG_SOFTMAX = sp.LOG_SOFTMAX
 GATHER = sp.functions(torch.gather) | sp.methods("gather")
 SQUEEZE = sp.functions(torch.squeeze) | sp.methods("squeeze")
 UNSQUEEZE = sp.functions(torch.unsqueeze) | sp.methods("unsqueeze")
@@ -63,7 +62,7 @@ def gathered_log_probs(gather: fx.Node) -> tuple[fx.Node, fx.Node, fx.Node, fx.N
     """``(log_softmax node, logits, ids, squeeze | None)`` of ``gather(log_softmax(logits, -1), -1, ids)``
     [``.squeeze(-1)``], or NoMatch. Shared with ``entropy.py`` (log-probs and entropy of the same logits)."""
     log_probs, index = sp.call_arg(gather, 0, "input"), sp.call_arg(gather, 2, "index")
-    if not sp.matches(log_probs, LOG_SOFTMAX):
+    if not sp.matches(log_probs, sp.LOG_SOFTMAX):
         raise head_chain.NoMatch("the gathered tensor is not a log_softmax")
     logits = sp.call_arg(log_probs, 0, "input")
     logits_meta, index_meta = sp.example_value(logits), sp.example_value(index)
@@ -212,7 +211,7 @@ def _row_log_prob(item: fx.Node) -> tuple[fx.Node, tuple] | None:
     if not _is_last_dim_gather(gather):
         return None
     log_probs, index = sp.call_arg(gather, 0, "input"), sp.call_arg(gather, 2, "index")
-    if not sp.matches(log_probs, LOG_SOFTMAX) or not sp.matches(index, UNSQUEEZE) or not is_row_softmax(log_probs):
+    if not sp.matches(log_probs, sp.LOG_SOFTMAX) or not sp.matches(index, UNSQUEEZE) or not is_row_softmax(log_probs):
         return None
     row = sp.call_arg(log_probs, 0, "input")
     return row, (index.args[0], [row, log_probs, index, gather, item])
@@ -330,7 +329,7 @@ def rewrite_token_log_probs(graph: fx.Graph, options: CCEOptions, graph_id: int 
     gathers = [
         n
         for n in graph.nodes
-        if n not in members and sp.matches(n, GATHER) and sp.matches(sp.call_arg(n, 0, "input"), LOG_SOFTMAX)
+        if n not in members and sp.matches(n, GATHER) and sp.matches(sp.call_arg(n, 0, "input"), sp.LOG_SOFTMAX)
     ]
     if not gathers and not spellings:
         return 0
