@@ -7,8 +7,10 @@
 * :func:`stats` -- which loss sites were rewritten and why the others were not.
 """
 
+import importlib as _importlib
+
 try:  # the kernels folder is ``cce_inductor.kernels`` through the install's package-dir mapping alone
-    from . import kernels  # noqa: F401 (imports without Triton; the kernels load on first use)
+    _importlib.import_module(".kernels", __name__)  # (without Triton: the kernels load on first use)
 except ModuleNotFoundError as exc:
     raise ImportError(
         "cce_inductor.kernels is not importable: install the package (in a checkout: pip install --no-deps -e .)"
