@@ -75,11 +75,11 @@ def _factor(node) -> tuple[str, fx.Node | None, list[fx.Node]]:
     ``("logp", logits, nodes)`` for log_softmax(logits), ``("z", node, [])`` for anything else."""
     if sp.matches(node, SOFTMAX) and tlp.is_row_softmax(node):
         return "p", sp.call_arg(node, 0, "input"), [node]
-    if sp.matches(node, tlp.LOG_SOFTMAX) and tlp.is_row_softmax(node):
+    if sp.matches(node, sp.LOG_SOFTMAX) and tlp.is_row_softmax(node):
         return "logp", sp.call_arg(node, 0, "input"), [node]
     if sp.matches(node, EXP) and len(node.args) == 1 and not node.kwargs:
         inner = node.args[0]
-        if sp.matches(inner, tlp.LOG_SOFTMAX) and tlp.is_row_softmax(inner):
+        if sp.matches(inner, sp.LOG_SOFTMAX) and tlp.is_row_softmax(inner):
             return "p", sp.call_arg(inner, 0, "input"), [node, inner]
     return "z", node, []
 
@@ -163,7 +163,7 @@ def _token_gathers(chain: list[fx.Node]) -> list[fx.Node]:
         gathers += [
             gather
             for log_probs in chain[i].users
-            if sp.matches(log_probs, tlp.LOG_SOFTMAX)
+            if sp.matches(log_probs, sp.LOG_SOFTMAX)
             for gather in log_probs.users
             if sp.matches(gather, tlp.GATHER)
         ]
