@@ -2,7 +2,8 @@
 
     python benchmarks/plot.py ratios benchmarks/results/2026-11-24_h100_heads_v12.json --out /tmp/plots
     python benchmarks/plot.py ratios benchmarks/results/2026-11-24_h*_heads_v12.json --mode fwd
-    python benchmarks/plot.py curves benchmarks/results/2026-11-24_h200_e2e-gemma2_v12.json --out /tmp/plots
+    python benchmarks/plot.py curves benchmarks/results/2026-12-02_h200_train-e2e-realtext-qwen25-0.5b_v43.json \
+        --out docs
     python benchmarks/plot.py grid benchmarks/results/2026-11-25_h100_vocab-grid.jsonl \
         benchmarks/results/2026-11-25_h100_vocab-grid-*_v14.jsonl --n 8192 --out /tmp/plots
 
@@ -17,8 +18,9 @@ multiple of torch.compile's in the same process (the same file's torch.compile r
 one N / ignored share / shapes; the default's pick
 under its bar. One PNG for all the files (named after the first), and the plotted numbers as a markdown table.
 
-``curves``: a JSON written by ``benchmarks/train_e2e.py``: the training loss of every mode (torch.compile,
-the lean and the balanced path) per step, with its running mean over ``--window`` steps.
+``curves``: ``benchmarks/train_e2e.py``'s runs (its results folder, or the combined JSON of one): per weights and
+ignored share, every run's training loss as a running mean over ``--window`` steps with its held-out losses, and
+beside it each run relative to torch.compile's.
 
 The title of each plot names the device, torch and Triton versions the file records.
 """
@@ -28,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 from collections import OrderedDict
 
 import matplotlib
@@ -42,8 +45,6 @@ LABELS = {
     "cce_balanced": "linear_cross_entropy, balanced",
     "pass_balanced": "torch.compile + the pass, balanced",
 }
-# train_e2e.py's modes
-CURVE_LABELS = {"compile": "torch.compile", "cce": "cce_inductor", "cce_balanced": "cce_inductor, balanced"}
 
 
 def _target(path: str, out: str, suffix: str) -> str:
@@ -174,31 +175,47 @@ def _running_mean(values, window):
 
 
 def curves(path: str, window: int, out: str) -> str:
-    """Loss curves of a ``train_e2e.py`` JSON; returns the PNG's path."""
-    with open(path) as handle:
-        run = json.load(handle)
-    figure, axis = plt.subplots(figsize=(7, 4))
-    for result in run["results"]:
-        label = CURVE_LABELS.get(result["mode"], result["mode"])
-        axis.plot(result["losses"], alpha=0.25, linewidth=0.8)
-        axis.plot(
-            range(window - 1, len(result["losses"])),
-            _running_mean(result["losses"], window),
-            label=f"{label} ({window}-step mean)",
-            color=axis.lines[-1].get_color(),
-        )
-    first = run["results"][0]
-    axis.set_title(
-        f"{first['model']}: batch {first['batch']} x {first['seq']} tokens, {first['layers']} layers, bf16, "
-        f"{_title(run)}",
-        fontsize=9,
+    """Loss curves of ``train_e2e.py`` runs (a results folder or the combined JSON of one): per (weights, ignored
+    share) a panel of the training loss's running means over ``window`` steps with the held-out losses as points,
+    and under it each run's running mean relative to stock torch.compile's, with the issue's 1 % band; returns the
+    PNG's path."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import train_e2e
+
+    runs = train_e2e.load_runs(path)
+    groups = sorted({(r["weights"], r["prompt_mask"]) for r in runs}, key=lambda g: (g[1], g[0] != "bf16"))
+    figure, axes = plt.subplots(2, len(groups), figsize=(5 * len(groups), 7), squeeze=False, sharex=True)
+    for column, (weights, mask) in enumerate(groups):
+        members = [r for r in runs if (r["weights"], r["prompt_mask"]) == (weights, mask)]
+        base = next(r for r in members if r["method"] == "compile" and not r.get("repeat"))
+        base_mean = _running_mean(base["losses"], window)
+        top, bottom = axes[0][column], axes[1][column]
+        for run in members:
+            label = run["method"] + (f" (again, {run['repeat']})" if run.get("repeat") else "")
+            stock = run["method"] in ("compile", "eager")
+            style = dict(linewidth=0.9, linestyle="--" if stock else "-", alpha=0.8)
+            mean = _running_mean(run["losses"], window)
+            steps = range(window, len(run["losses"]) + 1)
+            line = top.plot(steps, mean, label=label, **style)[0]
+            top.plot(*zip(*run["held_out"]), "o", color=line.get_color(), markersize=3)
+            bottom.plot(steps, [100 * (m / b - 1) for m, b in zip(mean, base_mean)], color=line.get_color(), **style)
+        top.set_ylim(min(base_mean) * 0.97, base_mean[min(len(base_mean) - 1, 100)] * 1.05)
+        top.set_title(f"{weights} weights, {100 * mask:.0f}% of targets ignored", fontsize=9)
+        top.legend(fontsize=7)
+        bottom.axhspan(-1, 1, color="gray", alpha=0.15)
+        bottom.set_ylim(-3, 3)
+        bottom.set_xlabel("step")
+    axes[0][0].set_ylabel(f"training loss, {window}-step mean (points: held-out)")
+    axes[1][0].set_ylabel("vs torch.compile's, %")
+    first = runs[0]
+    figure.suptitle(
+        f"{first['model']} ({first['parameters'] / 1e6:.0f}M), batch {first['batch']} x {first['seq']} tokens of "
+        f"real text, {first['device']}, torch {first['torch']}",
+        fontsize=10,
     )
-    axis.set_xlabel("step")
-    axis.set_ylabel("training loss")
-    axis.legend()
     figure.tight_layout()
-    target = _target(path, out, "")
-    figure.savefig(target, dpi=120)
+    target = _target(path.rstrip("/"), out, "_curves")
+    figure.savefig(target, dpi=110)
     plt.close(figure)
     return target
 
@@ -217,9 +234,9 @@ def main() -> None:
     p_grid.add_argument("--ignore", type=int, default=0)
     p_grid.add_argument("--shapes", default="static", choices=("static", "dynamic"))
     p_grid.add_argument("--out", default=".")
-    p_curves = sub.add_parser("curves", help="loss curves, from a train_e2e.py JSON")
+    p_curves = sub.add_parser("curves", help="loss curves, from train_e2e.py's runs")
     p_curves.add_argument("files", nargs="+")
-    p_curves.add_argument("--window", type=int, default=20)
+    p_curves.add_argument("--window", type=int, default=50)
     p_curves.add_argument("--out", default=".")
     args = parser.parse_args()
     if args.kind == "grid":
