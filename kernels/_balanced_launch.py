@@ -222,16 +222,26 @@ def _operands(e, c, bias, dtype) -> _Operands:
     return _Operands(e_cd, c_cd, bias_cd, e_mm, c_mm, upcast, out_dtype)
 
 
-def _plain_sum_into(out, a, b, *, accumulate: bool, upcast: bool) -> None:
-    """``out (+)= a @ b`` in ``out``'s 16-bit dtype, one rounding: cuBLAS's epilogue adds ``out`` to the fp32
-    product before it rounds (``beta = 1``); the interpreter's CPU path does the same in fp32."""
-    if not upcast:
-        _launch.product_into(out, a, b, accumulate=accumulate)
+def _plain_sum_into(out, grad, e_rows, *, accumulate: bool, upcast: bool) -> None:
+    """``out (+)= grad^T @ e_rows`` in ``out``'s 16-bit dtype, the fp32 product and ``out`` added before one rounding
+    (the error budget's model).  The first chunk is cuBLAS's ``mm``; later ones the pair product without its ``lo``
+    (``_pair_sums``), since cuBLAS's 16-bit ``addmm`` (``beta = 1``) may round the product before it adds; operands
+    the tensor-memory accelerator cannot read (and the interpreter's upcast path), in fp32 slabs."""
+    if not accumulate and not upcast:
+        _launch.product_into(out, grad.T, e_rows, accumulate=False)
         return
-    acc = a.float() @ b.float()
-    if accumulate:
-        acc += out.float()
-    out.copy_(acc)
+    if not upcast and _launch.tma_ok(out, grad, e_rows):
+        _pair_sums.pair_product(out, None, grad, e_rows, accumulate=True)
+        return
+    a = grad.float() if upcast else grad
+    b = e_rows.float() if upcast else e_rows
+    out_dtype = {} if upcast or a.dtype == torch.float32 else {"out_dtype": torch.float32}
+    for s0 in range(0, out.shape[0], _FALLBACK_SLAB):
+        s1 = min(s0 + _FALLBACK_SLAB, out.shape[0])
+        slab = torch.mm(a[:, s0:s1].T, b, **out_dtype)
+        if accumulate:
+            slab += out[s0:s1].float()
+        out[s0:s1].copy_(slab)
 
 
 def _chunks(
@@ -354,7 +364,7 @@ def _dc_chunk(grad_c, grad_c_lo, padded, e_rows, ops: _Operands, v, *, first: bo
         rows = e_rows.float() if ops.upcast else e_rows
         _launch.product_into(grad_c, grad.T, rows, accumulate=not first, **ops.out_dtype)
     else:
-        _plain_sum_into(grad_c, padded.T, e_rows, accumulate=not first, upcast=ops.upcast)
+        _plain_sum_into(grad_c, padded, e_rows, accumulate=not first, upcast=ops.upcast)
 
 
 def _de_chunk(grad_e, grad_e_lo, de_rows32, padded, ops: _Operands, tail, v, split, r0, rows, count, compacted):

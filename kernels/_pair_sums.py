@@ -12,7 +12,9 @@ Math (one output tile; ``acc`` the chunk's product in fp32)
     hi = round(t),  lo = round(t - hi)           (round: to nearest even, to the pair's 16-bit dtype)
 
 so after any number of chunks ``hi + lo`` is the fp32 sum of the chunk products to within the pair's remainder
-rounding (|t - hi - lo| <= 2^-8 ulp(hi) for bf16), and ``hi`` alone is the sum rounded once.
+rounding (|t - hi - lo| <= 2^-8 ulp(hi) for bf16), and ``hi`` alone is the sum rounded once.  Without ``lo`` the
+same kernel is the plain 16-bit sum, ``hi = round(hi + acc)``: one rounding a chunk, which cuBLAS's 16-bit
+``addmm`` (``beta = 1``) does not promise (at some shapes it rounds the product before adding).
 
 Block / grid layout
 -------------------
@@ -63,6 +65,7 @@ def _pair_product_kernel(
     N,
     K,
     ACCUMULATE: tl.constexpr,
+    HAS_LO: tl.constexpr,
     ROW_BOUND: tl.constexpr,
     HAS_POISON: tl.constexpr,
     ROUND_RNE: tl.constexpr,
@@ -75,8 +78,9 @@ def _pair_product_kernel(
 ):
     """``(hi, lo) (+)= A^T @ B (+ poison)`` for tile ``program_id(0)``: A is ``K x M`` (G of one row chunk), B
     ``K x N``; the pair's tiles through the tensor-memory accelerator too (reads past an edge give 0, stores past it
-    are dropped).  ``ROW_BOUND``: only A's and B's first ``NumCounted`` rows (a device-side count, rounded up to
-    ``BLOCK_K``) are read; an accumulating tile with none leaves the pair as it is."""
+    are dropped).  Without ``HAS_LO``, ``hi (+)= A^T @ B`` rounded once (the plain 16-bit sum).  ``ROW_BOUND``: only
+    A's and B's first ``NumCounted`` rows (a device-side count, rounded up to ``BLOCK_K``) are read; an accumulating
+    tile with none leaves the pair as it is."""
     pid_m, pid_n = _grouped_tile(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
     m0, n0 = pid_m * BLOCK_M, pid_n * BLOCK_N
     k_end = K
@@ -93,16 +97,18 @@ def _pair_product_kernel(
         acc += tl.load(Poison)
     if ACCUMULATE:
         acc += hi_desc.load([m0, n0]).to(tl.float32)
-        acc += lo_desc.load([m0, n0]).to(tl.float32)
+        if HAS_LO:
+            acc += lo_desc.load([m0, n0]).to(tl.float32)
     hi = _round_rne(acc, hi_desc.dtype, ROUND_RNE)
-    lo = _round_rne(acc - hi.to(tl.float32), hi_desc.dtype, ROUND_RNE)
     hi_desc.store([m0, n0], hi)
-    lo_desc.store([m0, n0], lo)
+    if HAS_LO:
+        lo = _round_rne(acc - hi.to(tl.float32), hi_desc.dtype, ROUND_RNE)
+        lo_desc.store([m0, n0], lo)
 
 
 def pair_product(
     hi: torch.Tensor,
-    lo: torch.Tensor,
+    lo: torch.Tensor | None,
     a: torch.Tensor,
     b: torch.Tensor,
     *,
@@ -115,7 +121,8 @@ def pair_product(
     tensor-memory accelerator (:func:`_launch.tma_ok`).  ``num_counted`` (a 1-element int32 device tensor): only the
     first that many rows of ``a`` and ``b`` (rounded up to the K step) are summed, and tiles with none are not touched
     (compacted rows, ignored ones last).  ``poison``: a 0-dim fp32 device tensor added to every element (0, or NaN
-    where eager's gradient is NaN)."""
+    where eager's gradient is NaN).  ``lo`` None: ``hi (+)= a^T @ b`` in hi's dtype, the fp32 product and hi added
+    before the one rounding (the plain sum; cuBLAS's 16-bit ``addmm`` may round the product first)."""
     k, m = a.shape
     n = b.shape[1]
     tune = dict(_launch.tuning(_TUNING))
@@ -126,13 +133,14 @@ def pair_product(
         _launch.descriptor(a, [bk, bm]),
         _launch.descriptor(b, [bk, bn]),
         _launch.descriptor(hi, [bm, bn]),
-        _launch.descriptor(lo, [bm, bn]),
+        _launch.descriptor(hi if lo is None else lo, [bm, bn]),
         num_counted if num_counted is not None else hi,
         poison if poison is not None else hi,
         m,
         n,
         k,
         ACCUMULATE=accumulate,
+        HAS_LO=lo is not None,
         ROW_BOUND=num_counted is not None,
         HAS_POISON=poison is not None,
         ROUND_RNE=_launch.INTERPRET and hi.dtype == torch.bfloat16,

@@ -68,6 +68,26 @@ def test_fallback_holds_the_same_bound(device):
         assert rel_l2(hi.double().cpu() + lo.double().cpu(), exact) < PAIR_TOL, name
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_without_lo_the_sum_rounds_once_a_chunk(device):
+    """``lo`` None: the plain 16-bit sum, ``hi = round(hi + product)`` with the fp32 product and hi added before the
+    one rounding (the balanced path's plain sum over its later chunks); a sum that rounds the product first (as
+    cuBLAS's 16-bit ``addmm`` was seen to) is further off than the bound."""
+    device_ok(device)
+    k, m, n = (40, 48, 24) if device == "cpu" else (1100, 4160, 256)
+    chunks = list(_chunks(k, m, n, torch.bfloat16, device, seed=5))[:4]
+    hi = torch.empty(m, n, dtype=torch.bfloat16, device=device)
+    once = twice = None
+    for i, (a, b) in enumerate(chunks):
+        _pair_sums.pair_product(hi, None, a, b, accumulate=i > 0)
+        product = a.double().cpu().T @ b.double().cpu()
+        once = product.bfloat16() if once is None else (once.double() + product).bfloat16()
+        twice = product.bfloat16() if twice is None else (twice.double() + product.bfloat16().double()).bfloat16()
+    bound = 2.0**-12  # fp32 accumulation in another order may move a tie's last bit
+    assert rel_l2(hi.double().cpu(), once.double()) <= bound
+    assert rel_l2(twice.double(), once.double()) > 4 * bound  # what the bound rules out
+
+
 def test_split_pair_is_exact_for_a_complete_sum():
     x = torch.randn(100, 30, dtype=torch.float32)
     hi, lo = torch.empty(100, 30, dtype=torch.bfloat16), torch.empty(100, 30, dtype=torch.bfloat16)
