@@ -43,7 +43,8 @@ __all__ = [
 def rewrite_graph(graph: fx.Graph, options: CCEOptions) -> int:
     """Every rewrite of cce_inductor on ``graph`` (DTensor sites first); returns the number of sites rewritten."""
     graph_id = diagnostics.new_graph()
-    normalize_nll_loss(graph, graph_id)
+    for node, why in normalize_nll_loss(graph):
+        diagnostics.record(diagnostics.SiteDecision(graph_id, node, False, why))
     return (
         rewrite_tensor_parallel_sites(graph, options, graph_id)
         + rewrite_linear_cross_entropy(graph, options, graph_id)
