@@ -14,6 +14,7 @@ the losses, are replaced by::
     loss_k = split(fused[0], [M_0, .., M_n-1])[k]  reduced as cross_entropy k asked (sum; mean over its counted rows)
 
 so every use of every chunk's loss sees eager's value (reduction "none": per-row outputs, the lean path).
+``pipeline.decide`` groups the sites (:func:`chunk_groups`); :func:`emit_one_call` emits the call.
 """
 
 from __future__ import annotations
@@ -24,10 +25,11 @@ import torch
 import torch.fx as fx
 
 from .. import ops
-from ..options import CCEOptions
 from .graph_facts import mutated_tensor, storage_roots
-from .sites import Site, head_operands, retire, rows_of
+from .sites import Decision, Record, Site
 from .spellings import GRAD_MODE, example_value, matches
+
+FORM = "chunked_heads"
 
 
 def _chunk_key(site: Site) -> tuple | None:
@@ -92,35 +94,33 @@ def _row_count(graph: fx.Graph, targets: fx.Node) -> int | fx.Node:
     return size if isinstance(size, int) else graph.call_method("size", (targets, 0))
 
 
-def replace_chunks(graph: fx.Graph, group: list[Site], options: CCEOptions) -> None:
+def emit_one_call(graph: fx.Graph, _record: Record, decision: Decision, rows, weight, bias) -> list[fx.Node]:
+    """The one call of a chunked head (``decision.sites``; ``rows``: theirs, concatenated) and each chunk's loss."""
+    group = decision.sites
     head = group[0]
-    with graph.inserting_before(head.cross_entropy):
-        rows = graph.call_function(torch.cat, ([rows_of(graph, site) for site in group], 0))
-        weight, bias = head_operands(graph, head)  # the same for every site of the group
-        targets = graph.call_function(torch.cat, ([site.targets for site in group], 0))
-        fused = ops.lean_call(
-            rows,
-            weight,
-            targets,
-            bias,
-            softcap=head.softcap,
-            ignore_index=head.ignore_index,
-            reduction="none",
-            label_smoothing=head.label_smoothing,
-            options=options.encode(),
-        ).emit(graph)
-        row_loss = graph.call_function(operator.getitem, (fused, 0))
-        pieces = graph.call_function(torch.split, (row_loss, [_row_count(graph, site.targets) for site in group]))
-        losses = []
-        for k, site in enumerate(group):
-            piece = graph.call_function(operator.getitem, (pieces, k))
-            if site.reduction == "sum":
-                piece = graph.call_method("sum", (piece,))
-            elif site.reduction == "mean":  # over the chunk's counted rows: 0/0 = NaN when all are ignored, as eager
-                counted = graph.call_function(operator.ne, (site.targets, site.ignore_index))
-                piece = graph.call_function(
-                    operator.truediv, (graph.call_method("sum", (piece,)), graph.call_method("sum", (counted,)))
-                )
-            losses.append(piece)
-    for site, loss in zip(group, losses):
-        retire(graph, site, loss)
+    targets = graph.call_function(torch.cat, ([site.targets for site in group], 0))
+    fused = ops.lean_call(
+        rows,
+        weight,
+        targets,
+        bias,
+        softcap=head.softcap,
+        ignore_index=head.ignore_index,
+        reduction="none",
+        label_smoothing=head.label_smoothing,
+        options=decision.options,
+    ).emit(graph)
+    row_loss = graph.call_function(operator.getitem, (fused, 0))
+    pieces = graph.call_function(torch.split, (row_loss, [_row_count(graph, site.targets) for site in group]))
+    losses = []
+    for k, site in enumerate(group):
+        piece = graph.call_function(operator.getitem, (pieces, k))
+        if site.reduction == "sum":
+            piece = graph.call_method("sum", (piece,))
+        elif site.reduction == "mean":  # over the chunk's counted rows: 0/0 = NaN when all are ignored, as eager
+            counted = graph.call_function(operator.ne, (site.targets, site.ignore_index))
+            piece = graph.call_function(
+                operator.truediv, (graph.call_method("sum", (piece,)), graph.call_method("sum", (counted,)))
+            )
+        losses.append(piece)
+    return losses

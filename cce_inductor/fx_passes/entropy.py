@@ -41,8 +41,6 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from .. import diagnostics
-from ..options import CCEOptions
 from . import head_chain, sites
 from . import spellings as sp
 from . import token_log_probs as tlp
@@ -53,6 +51,7 @@ NEG = sp.functions(operator.neg, torch.neg) | sp.methods("neg")
 SUM = sp.functions(torch.sum) | sp.methods("sum")
 SPLIT_ROWS = sp.functions(torch.split, torch.chunk) | sp.methods("split", "chunk")
 CAT = sp.functions(torch.cat, torch.concat, torch.concatenate)
+FORM = "entropy"
 
 
 @dataclasses.dataclass
@@ -172,15 +171,7 @@ def _token_gathers(chain: list[fx.Node]) -> list[fx.Node]:
     return gathers
 
 
-@dataclasses.dataclass
-class EntropySite:
-    site: sites.Site  # ``cross_entropy``: the first of the replaced nodes; ``targets``: the gather's ids or None
-    entropy: fx.Node
-    log_probs: fx.Node | None  # the token log-probs node replaced too (the gather or its squeeze)
-    squeezed_ids: bool
-
-
-def _match(term: EntropyTerm, terms_on_logits: int) -> EntropySite:
+def _match(term: EntropyTerm, terms_on_logits: int) -> sites.Record:
     if terms_on_logits > 1:
         raise head_chain.NoMatch("two entropies of the same logits")
     gathers = _token_gathers(head_chain.walk_logits(term.logits, term.root).chain)
@@ -194,12 +185,11 @@ def _match(term: EntropyTerm, terms_on_logits: int) -> EntropySite:
         inner += [node for node in (log_softmax, gathers[0], squeeze) if node is not None and node not in inner]
     replaced = [term.root] + ([log_probs_node] if log_probs_node is not None else [])
     site = tlp.scored_rows_site(term.logits, inner, replaced, index)
-    return EntropySite(site, term.root, log_probs_node, squeezed)
-
-
-def _checked(matched: EntropySite, options: CCEOptions) -> EntropySite:
-    tlp.check_rl_site(matched.site, options, "entropy")
-    return matched
+    label = f"entropy and token log-probs of {index.name}" if index is not None else "entropy"
+    dtensor = tlp.dtensor_refusal(site, "entropy")
+    return sites.Record(
+        FORM, term.root, site, dtensor=dtensor, label=label, log_probs=log_probs_node, squeezed=squeezed
+    )
 
 
 def _cast(graph: fx.Graph, value: fx.Node, like: fx.Node) -> fx.Node:
@@ -207,60 +197,39 @@ def _cast(graph: fx.Graph, value: fx.Node, like: fx.Node) -> fx.Node:
     return value if dtype == torch.float32 else graph.call_method("to", (value, dtype))
 
 
-def _emit(matched: EntropySite, options: CCEOptions):
-    def emit(graph: fx.Graph, site: sites.Site, rows, weight, targets, bias) -> fx.Node:
-        leading = graph.call_function(operator.getitem, (graph.call_method("size", (rows,)), slice(None, -1)))
-        if targets is None:  # entropy alone: no token is scored (row 0's loss is computed and unused)
-            ids = graph.call_method("new_zeros", (rows, leading), {"dtype": torch.int64})
-        else:
-            ids = graph.call_method("squeeze", (targets, -1)) if matched.squeezed_ids else targets
-        fused = tlp.fused_token_call(graph, site, rows, weight, ids, bias, options, entropy=True)
-        values = {
-            matched.entropy: graph.call_method("view", (graph.call_function(operator.getitem, (fused, 2)), leading))
-        }
-        if matched.log_probs is not None:
-            values[matched.log_probs] = tlp.log_probs_of(graph, fused, ids)
-        for node, value in values.items():
-            if node is not site.cross_entropy:
-                node.replace_all_uses_with(_cast(graph, value, node))
-        return values[site.cross_entropy]
-
-    return emit
+def emit_entropy(graph: fx.Graph, record: sites.Record, decision: sites.Decision, rows, weight, bias) -> list[fx.Node]:
+    """The entropy, and the token log-probs with it, from one call of the op (module docstring)."""
+    site = record.site
+    leading = graph.call_function(operator.getitem, (graph.call_method("size", (rows,)), slice(None, -1)))
+    if site.targets is None:  # entropy alone: no token is scored (row 0's loss is computed and unused)
+        ids = graph.call_method("new_zeros", (rows, leading), {"dtype": torch.int64})
+    else:
+        ids = graph.call_method("squeeze", (site.targets, -1)) if record.squeezed else site.targets
+    fused = tlp.fused_token_call(graph, site, decision, rows, weight, ids, bias, entropy=True)
+    values = {record.node: graph.call_method("view", (graph.call_function(operator.getitem, (fused, 2)), leading))}
+    if record.log_probs is not None:
+        values[record.log_probs] = tlp.log_probs_of(graph, fused, ids)
+    for node, value in values.items():
+        if node is not site.cross_entropy:
+            node.replace_all_uses_with(_cast(graph, value, node))
+    return [values[site.cross_entropy]]
 
 
-def rewrite_entropy(graph: fx.Graph, options: CCEOptions, graph_id: int | None = None) -> int:
-    """Rewrite every entropy of head logits in ``graph`` (with the token log-probs of the same logits); returns the
-    number of entropies rewritten."""
+def find_entropy(graph: fx.Graph) -> list[sites.Record]:
+    """Stage 1 (``pipeline``): a record of every entropy of head logits in ``graph`` (with the token log-probs of the
+    same logits), matched or refused."""
     singles = {term.root: term for node in graph.nodes if (term := entropy_term(node)) is not None}
-    if not singles:
-        return 0
     split_terms = [term for node in graph.nodes if (term := split_entropy_term(node, singles)) is not None]
     members = {node for term in split_terms for node in term.nodes}
     terms = split_terms + [term for root, term in singles.items() if root not in members]
-    if graph_id is None:
-        graph_id = diagnostics.new_graph()
     per_logits: dict[fx.Node, int] = {}
     for term in terms:
         per_logits[term.logits] = per_logits.get(term.logits, 0) + 1
-    rewritten = 0
-    for term in terms:
-        matched = sites.decide(
-            graph_id,
-            term.root,
-            lambda term=term: _checked(_match(term, per_logits[term.logits]), options),
-            prefix="entropy: ",
-        )
-        if matched is None:
-            continue
-        loss_settings = ("reduction=", "ignore_index=")  # fixed here: "none", and no id ignored
-        parts = [part for part in sites.describe_site(matched.site).split(", ") if not part.startswith(loss_settings)]
-        scored = f" and token log-probs of {matched.site.targets.name}" if matched.log_probs is not None else ""
-        description = f"entropy{scored}: {', '.join(parts)}"
-        sites.replace_site(graph, matched.site, _emit(matched, options))
-        rewritten += 1
-        diagnostics.record(
-            diagnostics.SiteDecision(graph_id, term.root.name, True, description + sites.lean_only(options), "lean")
-        )
-    if rewritten:
-        graph.lint()
-    return rewritten
+    return [_record(term, per_logits[term.logits]) for term in terms]
+
+
+def _record(term: EntropyTerm, terms_on_logits: int) -> sites.Record:
+    try:
+        return _match(term, terms_on_logits)
+    except Exception as exc:  # noqa: BLE001
+        return sites.Record(FORM, term.root, refused=sites.why_not(exc))

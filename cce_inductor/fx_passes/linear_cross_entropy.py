@@ -39,9 +39,9 @@ head, 16-bit logits) the operands go to the op as stored, with ``compute_dtype``
 
 Every ``cross_entropy`` that is not rewritten gets a reason in :func:`cce_inductor.stats` and the
 ``cce_inductor`` log. The tables below are the whole vocabulary of the matcher. Sites on DTensors belong to
-``tensor_parallel.py``, which reuses :func:`match_site` and ``sites.replace_site`` with its own loss call. The walk
-from the loss back to the head is ``head_chain.py``'s, the replacement ``sites.py``'s; this module is the
-``cross_entropy`` pattern itself.
+``tensor_parallel.py``, which reuses :func:`match_site` with its own loss call. The walk from the loss back to the
+head is ``head_chain.py``'s, the decision and the operands ``pipeline.py``'s; this module is the ``cross_entropy``
+pattern itself (:func:`find_cross_entropy`) and its call (:func:`emit_fused_loss`).
 """
 
 from __future__ import annotations
@@ -55,23 +55,9 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from .. import _checks, balanced_op, diagnostics, ops
-from ..options import CCEOptions
-from .chunked_heads import chunk_groups, replace_chunks
+from .. import _checks, balanced_op, ops
 from .head_chain import NoMatch, private_chain, upcast_target, walk_logits
-from .sites import (
-    EmitLoss,
-    Site,
-    check_escaping,
-    choose_path,
-    decide,
-    describe_site,
-    lazy_recipe,
-    op_compute_dtype,
-    path_decision,
-    replace_site,
-    rows_of,
-)
+from .sites import Decision, Record, Site, lazy_recipe, rows_of, why_not
 from .spellings import (
     CROSS_ENTROPY,
     FLATTEN,
@@ -90,6 +76,7 @@ from .spellings import (
     short,
 )
 
+FORM = "linear_cross_entropy"
 _CE_SIGNATURE = inspect.signature(F.cross_entropy)
 
 
@@ -252,55 +239,46 @@ def _argmax_users(chain: list[fx.Node]) -> tuple[list[fx.Node], str]:
     return users, rounding
 
 
-def _extended(site: Site) -> bool:
-    return site.class_weight is not None or bool(site.argmax_users)
-
-
-def _fused_loss(options: CCEOptions) -> EmitLoss:
-    def emit(graph: fx.Graph, site: Site, rows, weight, targets, bias) -> fx.Node:
-        common = dict(
-            softcap=site.softcap,
-            ignore_index=site.ignore_index,
-            reduction=site.reduction,
-            label_smoothing=site.label_smoothing,
-            options=options.encode(),
-            compute_dtype=op_compute_dtype(site),
+def emit_fused_loss(graph: fx.Graph, record: Record, decision: Decision, rows, weight, bias) -> list[fx.Node]:
+    """The fused call of one site (module docstring), on the path ``decision`` took; the loss in its place."""
+    site = record.site
+    common = dict(
+        softcap=site.softcap,
+        ignore_index=site.ignore_index,
+        reduction=site.reduction,
+        label_smoothing=site.label_smoothing,
+        options=decision.options,
+        compute_dtype=decision.compute_dtype,
+    )
+    if site.class_weight is not None or site.argmax_users:
+        call = ops.lean_call(
+            rows,
+            weight,
+            site.targets,
+            bias,
+            full_lse=bool(site.lse_users),
+            class_weights=site.class_weight,
+            argmax=site.argmax_round,
+            **common,
         )
-        if _extended(site):
-            return _emit_ext(
-                graph,
-                site,
-                ops.lean_call(
-                    rows,
-                    weight,
-                    targets,
-                    bias,
-                    full_lse=bool(site.lse_users),
-                    class_weights=site.class_weight,
-                    argmax=site.argmax_round,
-                    **common,
-                ),
-            )
-        choice = choose_path(site, options)
-        if choice.path == "balanced":
-            fused = balanced_op.balanced_call(
-                rows,
-                weight,
-                targets,
-                bias,
-                need_e=requires_grad(site.hidden),
-                need_c=requires_grad(site.weight),
-                need_bias=site.bias is not None and requires_grad(site.bias),
-                returned_logits=bool(site.escaping),
-                plain_sum=choice.plain_sum,
-                **common,
-            ).emit(graph)
-            return graph.call_function(operator.getitem, (fused, 0))
-        fused = ops.lean_call(rows, weight, targets, bias, full_lse=bool(site.lse_users), **common).emit(graph)
-        _feed_lse_users(graph, site, fused)
-        return graph.call_function(operator.getitem, (fused, 0))
-
-    return emit
+        return [_emit_ext(graph, site, call)]
+    if decision.path == "balanced":
+        fused = balanced_op.balanced_call(
+            rows,
+            weight,
+            site.targets,
+            bias,
+            need_e=requires_grad(site.hidden),
+            need_c=requires_grad(site.weight),
+            need_bias=site.bias is not None and requires_grad(site.bias),
+            returned_logits=bool(site.escaping),
+            plain_sum=decision.plain_sum,
+            **common,
+        ).emit(graph)
+        return [graph.call_function(operator.getitem, (fused, 0))]
+    fused = ops.lean_call(rows, weight, site.targets, bias, full_lse=bool(site.lse_users), **common).emit(graph)
+    _feed_lse_users(graph, site, fused)
+    return [graph.call_function(operator.getitem, (fused, 0))]
 
 
 def _feed_lse_users(graph: fx.Graph, site: Site, fused: fx.Node) -> None:
@@ -345,53 +323,21 @@ def cross_entropy_input(ce: fx.Node) -> Any:
     return call_arg(ce, 0, "input")
 
 
-def _checked(site: Site, options: CCEOptions) -> Site:
-    check_escaping(site, options)
-    dtensor_operand = next(
-        (n.name for n in (site.hidden, site.weight, site.bias, site.targets) if is_dtensor(example_value(n))), None
-    )
-    if dtensor_operand is not None:
-        raise NoMatch(f"{dtensor_operand} is a DTensor but the logits are not: an unsupported parallel layout")
-    return site
-
-
-def rewrite_linear_cross_entropy(graph: fx.Graph, options: CCEOptions, graph_id: int | None = None) -> int:
-    """Rewrite every matching site on plain tensors in ``graph``; returns how many were rewritten. Sites whose
-    logits are DTensors are ``tensor_parallel.py``'s (run first by ``fx_passes.rewrite_graph``)."""
-    sites = [
+def find_cross_entropy(graph: fx.Graph) -> list[Record]:
+    """Stage 1 (``pipeline``): a record of every ``cross_entropy`` on plain tensors in ``graph``, matched or refused.
+    Sites whose logits are DTensors are ``tensor_parallel.py``'s."""
+    losses = [
         n for n in graph.nodes if matches(n, CROSS_ENTROPY) and not is_dtensor(example_value(cross_entropy_input(n)))
     ]
-    if graph_id is None:
-        graph_id = diagnostics.new_graph()
-    emit = _fused_loss(options)
-    rewritten = 0
-    matched: list[Site] = []
-    for ce in sites:
-        site = decide(graph_id, ce, lambda ce=ce: _checked(match_site(ce), options))
-        if site is not None:
-            matched.append(site)
-    for group in chunk_groups(matched):
-        merged = f"; one call with {len(group) - 1} other chunk(s) of this head" if len(group) > 1 else ""
-        # chunks of one head are fused with reduction="none": per-row outputs, the lean path
-        # class weights / the argmax: the op with them has the lean path only (per-row outputs)
-        decisions = [
-            path_decision(
-                graph_id,
-                site,
-                describe_site(site) + merged,
-                choose_path(site, options, per_row_outputs=len(group) > 1 or _extended(site)),
-            )
-            for site in group
-        ]
-        if len(group) > 1:
-            replace_chunks(graph, group, options)
-        else:
-            replace_site(graph, group[0], emit)
-        for decision in decisions:
-            diagnostics.record(decision)
-        rewritten += len(group)
-    if not sites:
-        diagnostics.log.debug("cce_inductor: graph %d has no cross_entropy call on plain tensors", graph_id)
-    if rewritten:
-        graph.lint()
-    return rewritten
+    return [_record(ce) for ce in losses]
+
+
+def _record(ce: fx.Node) -> Record:
+    try:
+        site = match_site(ce)
+    except Exception as exc:  # noqa: BLE001
+        return Record(FORM, ce, refused=why_not(exc))
+    operands = (site.hidden, site.weight, site.bias, site.targets)
+    name = next((n.name for n in operands if is_dtensor(example_value(n))), None)
+    why = "" if name is None else f"{name} is a DTensor but the logits are not: an unsupported parallel layout"
+    return Record(FORM, ce, site, dtensor=why)

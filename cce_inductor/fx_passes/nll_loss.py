@@ -19,22 +19,21 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from .. import diagnostics
 from . import spellings as sp
 
 NLL_LOSS = sp.functions(F.nll_loss)
 _NLL_SIGNATURE = inspect.signature(F.nll_loss)
 
 
-def normalize_nll_loss(graph: fx.Graph, graph_id: int) -> int:
+def normalize_nll_loss(graph: fx.Graph) -> list[tuple[str, str]]:
     """Rewrite every ``nll_loss(log_softmax(...))`` of ``graph`` that computes a cross-entropy into
-    ``cross_entropy``; returns how many. One that cannot be gets a record in ``stats()``."""
-    done = 0
+    ``cross_entropy``; returns ``(node name, why)`` of each one that cannot be, for ``stats()``."""
+    refused = []
     for nll in [n for n in graph.nodes if sp.matches(n, NLL_LOSS)]:
         log_probs = sp.call_arg(nll, 0, "input")
         why = _why_not(nll, log_probs)
         if why is not None:
-            diagnostics.record(diagnostics.SiteDecision(graph_id, nll.name, False, why))
+            refused.append((nll.name, why))
             continue
         bound = _NLL_SIGNATURE.bind(*nll.args, **nll.kwargs)
         kwargs = {k: v for k, v in bound.arguments.items() if k not in ("input", "target")}
@@ -49,8 +48,7 @@ def normalize_nll_loss(graph: fx.Graph, graph_id: int) -> int:
         nll.replace_all_uses_with(ce)
         graph.erase_node(nll)
         graph.erase_node(log_probs)
-        done += 1
-    return done
+    return refused
 
 
 def _why_not(nll: fx.Node, log_probs) -> str | None:

@@ -18,22 +18,20 @@ is replaced by::
     loss = dtensor_linear_cross_entropy(rows, weight, targets, bias=..., softcap=..., ignore_index=..., reduction=...,
                                         options=options.encode())
 
-The site is matched by ``linear_cross_entropy.match_site`` and replaced by ``linear_cross_entropy.replace_site``;
-only the checks of the parallel layout and the loss call are this module's. Sites on plain tensors are left to
-``linear_cross_entropy.py``.
+The site is matched by ``linear_cross_entropy.match_site`` and replaced by ``pipeline.replace``; only the checks of
+the parallel layout (:func:`find_dtensor_sites`) and the loss call (:func:`emit_vocab_parallel_loss`) are this
+module's. Sites on plain tensors are left to ``linear_cross_entropy.py``.
 """
 
 from __future__ import annotations
 
-import functools
-
 import torch.fx as fx
 
-from .. import diagnostics
-from ..options import CCEOptions
-from . import head_chain, sites
 from . import linear_cross_entropy as lce
+from . import sites
 from . import spellings as sp
+
+FORM = "tensor_parallel"
 
 
 def _is_redistribute(node: fx.Node) -> bool:
@@ -91,63 +89,41 @@ def _tensor_parallel_reason(site: sites.Site) -> str | None:
     return None
 
 
-def _checked(site: sites.Site) -> sites.Site:
-    reason = _tensor_parallel_reason(site)
-    if reason is not None:
-        raise head_chain.NoMatch(f"tensor parallel: {reason}")
-    return site
-
-
-def _dtensor_loss(graph: fx.Graph, site: sites.Site, rows, weight, targets, bias, *, options: CCEOptions) -> fx.Node:
-    from ..distributed import dtensor_linear_cross_entropy  # imports torch.distributed
-
-    return graph.call_function(
-        dtensor_linear_cross_entropy,
-        (rows, weight, targets),
-        dict(
-            bias=bias,
-            softcap=site.softcap,
-            ignore_index=site.ignore_index,
-            reduction=site.reduction,
-            options=options.encode(),
-        ),
-    )
-
-
-def rewrite_tensor_parallel_sites(graph: fx.Graph, options: CCEOptions, graph_id: int | None = None) -> int:
-    """Rewrite every DTensor site ``linear(h, W: Shard(0)) -> [no-op redistribute] -> views -> [softcap] ->
-    cross_entropy`` in ``graph``; returns the count. Every DTensor site gets a decision in ``stats()``."""
+def find_dtensor_sites(graph: fx.Graph) -> list[sites.Record]:
+    """Stage 1 (``pipeline``): a record of every DTensor site ``linear(h, W: Shard(0)) -> [no-op redistribute] ->
+    views -> [softcap] -> cross_entropy`` in ``graph``, matched or refused. Where there is one, the no-op
+    redistributes go first (they change no value, and the walk to the head does not pass them)."""
     losses = [
         node
         for node in graph.nodes
         if sp.matches(node, sp.CROSS_ENTROPY) and sp.is_dtensor(sp.example_value(lce.cross_entropy_input(node)))
     ]
-    if not losses:
-        return 0
-    if graph_id is None:
-        graph_id = diagnostics.new_graph()
-    for node in list(graph.nodes):
-        if _is_noop_redistribute(node):
-            node.replace_all_uses_with(node.args[0])
-            graph.erase_node(node)
-    emit = functools.partial(_dtensor_loss, options=options)
-    rewritten = 0
-    for ce in losses:
-        site = sites.decide(graph_id, ce, lambda ce=ce: _checked(lce.match_site(ce)))
-        if site is None:
-            continue
-        sites.replace_site(graph, site, emit, stored_operands=False)
-        rewritten += 1
-        diagnostics.record(
-            diagnostics.SiteDecision(
-                graph_id,
-                ce.name,
-                True,
-                f"tensor parallel (vocabulary-sharded head): {sites.describe_site(site)}"
-                + sites.lean_only(options, "the vocabulary-parallel loss has no balanced form"),
-                "lean",
-            )
-        )
-    if rewritten:
-        graph.lint()
-    return rewritten
+    if losses:
+        for node in list(graph.nodes):
+            if _is_noop_redistribute(node):
+                node.replace_all_uses_with(node.args[0])
+                graph.erase_node(node)
+    return [_record(ce) for ce in losses]
+
+
+def _record(ce: fx.Node) -> sites.Record:
+    try:
+        site = lce.match_site(ce)
+        reason = _tensor_parallel_reason(site)
+    except Exception as exc:  # noqa: BLE001
+        return sites.Record(FORM, ce, refused=sites.why_not(exc))
+    if reason is not None:
+        return sites.Record(FORM, ce, refused=f"tensor parallel: {reason}")
+    return sites.Record(FORM, ce, site, label="tensor parallel (vocabulary-sharded head)")
+
+
+def emit_vocab_parallel_loss(
+    graph: fx.Graph, record: sites.Record, decision: sites.Decision, rows, weight, bias
+) -> list[fx.Node]:
+    """The vocabulary-parallel loss in place of the site's (module docstring)."""
+    from ..distributed import dtensor_linear_cross_entropy  # imports torch.distributed
+
+    site = record.site
+    kwargs = dict(bias=bias, softcap=site.softcap, ignore_index=site.ignore_index, reduction=site.reduction)
+    kwargs["options"] = decision.options
+    return [graph.call_function(dtensor_linear_cross_entropy, (rows, weight, site.targets), kwargs)]

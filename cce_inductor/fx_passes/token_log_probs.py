@@ -40,8 +40,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from .. import diagnostics, ops
-from ..options import CCEOptions
+from .. import ops
 from . import head_chain, sites
 from . import spellings as sp
 
@@ -51,6 +50,7 @@ UNSQUEEZE = sp.functions(torch.unsqueeze) | sp.methods("unsqueeze")
 STACK = sp.functions(torch.stack)
 
 NO_TARGET = -(2**63)
+FORM = "token_log_probs"
 
 
 def _last_dim(node: fx.Node, index: int, name: str, ndim: int) -> bool:
@@ -93,8 +93,8 @@ def is_row_softmax(node: fx.Node) -> bool:
     return isinstance(meta, torch.Tensor) and _last_dim(node, 1, "dim", meta.dim()) and sp.dtype_arg(node) is None
 
 
-def _match(gather: fx.Node) -> tuple[sites.Site, fx.Node]:
-    """The site of one ``gather(log_softmax(logits), -1, ids)``, and the node its value replaces."""
+def _match(gather: fx.Node) -> sites.Site:
+    """The site of one ``gather(log_softmax(logits), -1, ids)``: its value replaces the gather's squeeze, if any."""
     log_probs, logits, index, squeeze = gathered_log_probs(gather)
     last = squeeze if squeeze is not None else gather
 
@@ -105,7 +105,7 @@ def _match(gather: fx.Node) -> tuple[sites.Site, fx.Node]:
         raise head_chain.NoMatch("the log-softmax is returned from the graph")
     fields = walked.fields()
     fields["chain"] = chain[:-1]
-    site = sites.Site(
+    return sites.Site(
         cross_entropy=last,
         targets=index,
         ignore_index=NO_TARGET,
@@ -115,7 +115,6 @@ def _match(gather: fx.Node) -> tuple[sites.Site, fx.Node]:
         lse_users=[],
         **fields,
     )
-    return site, index
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -233,7 +232,7 @@ def stacked_row_log_probs(stack: fx.Node) -> Spelling | None:
     return Spelling(stack, logits, ids, False, ids_rows + [n for _, nodes in parts for n in nodes] + [stack])
 
 
-def _match_spelling(spelling: Spelling) -> tuple[sites.Site, fx.Node]:
+def _match_spelling(spelling: Spelling) -> sites.Site:
     index_meta = sp.example_value(spelling.index)
     if not isinstance(index_meta, torch.Tensor) or index_meta.dtype != torch.int64:
         raise head_chain.NoMatch(f"the token ids {spelling.index.name} are not int64")
@@ -241,7 +240,7 @@ def _match_spelling(spelling: Spelling) -> tuple[sites.Site, fx.Node]:
     rows_shape = tuple(index_meta.shape[:-1]) if spelling.squeezed else tuple(index_meta.shape)
     if spelling.squeezed and index_meta.shape[-1] != 1 or rows_shape != tuple(logits_meta.shape[:-1]):
         raise head_chain.NoMatch(f"the ids {spelling.index.name} are not one per row of the logits")
-    return scored_rows_site(spelling.logits, spelling.nodes, [spelling.root], spelling.index), spelling.index
+    return scored_rows_site(spelling.logits, spelling.nodes, [spelling.root], spelling.index)
 
 
 def scored_rows_site(logits: fx.Node, inner: list[fx.Node], replaced: list[fx.Node], ids: fx.Node | None) -> sites.Site:
@@ -273,21 +272,14 @@ def scored_rows_site(logits: fx.Node, inner: list[fx.Node], replaced: list[fx.No
     )
 
 
-def check_rl_site(site: sites.Site, options: CCEOptions, what: str = "token log-probs") -> None:
-    """What every RL-form site must also pass: returned logits only with ``drop_logits``, no DTensor operands."""
-    sites.check_escaping(site, options)
+def dtensor_refusal(site: sites.Site, what: str) -> str:
+    """Why an RL-form site is left alone for its operands (``what`` on DTensors is not rewritten), or ""."""
     operands = [site.hidden, site.weight] + ([site.targets] if site.targets is not None else [])
-    if any(sp.is_dtensor(sp.example_value(n)) for n in operands):
-        raise head_chain.NoMatch(f"{what} on DTensors is not rewritten")
-
-
-def _checked(site: sites.Site, index: fx.Node, options: CCEOptions) -> tuple[sites.Site, fx.Node]:
-    check_rl_site(site, options)
-    return site, index
+    return f"{what} on DTensors is not rewritten" if any(sp.is_dtensor(sp.example_value(n)) for n in operands) else ""
 
 
 def fused_token_call(
-    graph: fx.Graph, site: sites.Site, rows, weight, ids, bias, options: CCEOptions, entropy: bool
+    graph: fx.Graph, site: sites.Site, decision: sites.Decision, rows, weight, ids, bias, entropy: bool
 ) -> fx.Node:
     """The op over every row of ``rows`` (..., D) with ``ids`` (one per row, none ignored): outputs
     ``(-log-prob of each id, lse, entropy | empty, argmax | empty)``, flat."""
@@ -299,9 +291,9 @@ def fused_token_call(
         softcap=site.softcap,
         ignore_index=NO_TARGET,
         reduction="none",
-        options=options.encode(),
+        options=decision.options,
         entropy=entropy,
-        compute_dtype=sites.op_compute_dtype(site),
+        compute_dtype=decision.compute_dtype,
     ).emit(graph)
 
 
@@ -310,16 +302,18 @@ def log_probs_of(graph: fx.Graph, fused: fx.Node, ids: fx.Node) -> fx.Node:
     return graph.call_method("view_as", (log_prob, ids))
 
 
-def _token_log_probs(options: CCEOptions, index: fx.Node, squeezed: bool):
-    def emit(graph: fx.Graph, site: sites.Site, rows, weight, targets, bias) -> fx.Node:
-        ids = graph.call_method("squeeze", (index, -1)) if squeezed else index
-        return log_probs_of(graph, fused_token_call(graph, site, rows, weight, ids, bias, options, False), ids)
+def emit_token_log_probs(
+    graph: fx.Graph, record: sites.Record, decision: sites.Decision, rows, weight, bias
+) -> list[fx.Node]:
+    """The token log-probs from one call of the op (module docstring)."""
+    site = record.site
+    ids = graph.call_method("squeeze", (site.targets, -1)) if record.squeezed else site.targets
+    return [log_probs_of(graph, fused_token_call(graph, site, decision, rows, weight, ids, bias, False), ids)]
 
-    return emit
 
-
-def rewrite_token_log_probs(graph: fx.Graph, options: CCEOptions, graph_id: int | None = None) -> int:
-    """Rewrite every per-token log-probs spelling over head logits in ``graph``; returns the count."""
+def find_token_log_probs(graph: fx.Graph) -> list[sites.Record]:
+    """Stage 1 (``pipeline``): a record of every per-token log-probs spelling over head logits in ``graph``, matched or
+    refused."""
     spellings = [
         found
         for node in graph.nodes
@@ -331,30 +325,17 @@ def rewrite_token_log_probs(graph: fx.Graph, options: CCEOptions, graph_id: int 
         for n in graph.nodes
         if n not in members and sp.matches(n, GATHER) and sp.matches(sp.call_arg(n, 0, "input"), sp.LOG_SOFTMAX)
     ]
-    if not gathers and not spellings:
-        return 0
-    if graph_id is None:
-        graph_id = diagnostics.new_graph()
-    candidates = [(s.root, lambda s=s: _match_spelling(s), s.squeezed) for s in spellings]
-    candidates += [(g, lambda g=g: _match(g), None) for g in gathers]
-    rewritten = 0
-    for node, match, squeezed in candidates:
-        matched = sites.decide(
-            graph_id, node, lambda match=match: _checked(*match(), options), prefix="token log-probs: "
-        )
-        if matched is None:
-            continue
-        site, index = matched
-        loss_settings = ("reduction=", "ignore_index=")  # fixed here: "none", and no id ignored
-        parts = [part for part in sites.describe_site(site).split(", ") if not part.startswith(loss_settings)]
-        description = f"token log-probs of {index.name}: {', '.join(parts)}"
-        if squeezed is None:  # the log_softmax-gather spelling: squeezed where a squeeze follows
-            squeezed = site.cross_entropy is not node
-        sites.replace_site(graph, site, _token_log_probs(options, index, squeezed=squeezed))
-        rewritten += 1
-        diagnostics.record(
-            diagnostics.SiteDecision(graph_id, node.name, True, description + sites.lean_only(options), "lean")
-        )
-    if rewritten:
-        graph.lint()
-    return rewritten
+    return [_record(s.root, s) for s in spellings] + [_record(g, None) for g in gathers]
+
+
+def _record(node: fx.Node, spelling: Spelling | None) -> sites.Record:
+    try:
+        site = _match_spelling(spelling) if spelling is not None else _match(node)
+    except Exception as exc:  # noqa: BLE001
+        return sites.Record(FORM, node, refused=sites.why_not(exc))
+    # the log_softmax-gather spelling: squeezed where a squeeze follows the gather (and its value replaces that)
+    squeezed = spelling.squeezed if spelling is not None else site.cross_entropy is not node
+    label = f"token log-probs of {site.targets.name}"
+    return sites.Record(
+        FORM, node, site, dtensor=dtensor_refusal(site, "token log-probs"), label=label, squeezed=squeezed
+    )
