@@ -21,7 +21,7 @@ started that would end past it); re-run the SAME command with --resume until its
     python benchmarks/full_depth.py --tiny                    # CPU run of the harness (~15-20 min on 2 busy cores;
                                                               # --tiny --models gemma2-2b --ckpt off: ~2 min)
 
-Defaults: --methods compile,default (also lean, balanced, balanced_mb<k>: METHODS of _common.py, each with
+Defaults: --methods compile,default (also lean, balanced, balanced_mb<k>: METHODS of _harness.py, each with
 drop_logits=True) --ckpt off,on --max-batch 256 --steps 5 --min-timed-s 2 --seq 2048 --batch-shapes dynamic
 --rounds 1; --out $OUT/full_depth.jsonl ($OUT unset: ./full_depth.jsonl); --budget-s 500 (no worker, and no
 batch, is started that would end past it).
