@@ -240,11 +240,12 @@ class Peak:
     """The CUDA allocator's peak over a ``with`` block (or from start() to stop()), the device synchronised at both
     ends: ``mb`` / ``gb`` the peak as allocated (parameters, optimizer state, activations: everything), ``above_mb``
     its rise above what was allocated at start() (a call's own memory: inputs excluded), ``start_gb`` what was
-    allocated at start(). None on the CPU."""
+    allocated at start(), ``reserved_gb`` the most the allocator held from the device (its cache included). None on
+    the CPU."""
 
     def __init__(self, device):
         self.cuda = device == "cuda"
-        self.base = self.peak = None
+        self.base = self.peak = self.reserved = None
 
     def start(self):
         if self.cuda:
@@ -257,6 +258,7 @@ class Peak:
         if self.cuda:
             torch.cuda.synchronize()
             self.peak = torch.cuda.max_memory_allocated()
+            self.reserved = torch.cuda.max_memory_reserved()
         return self
 
     def __enter__(self):
@@ -276,6 +278,10 @@ class Peak:
     @property
     def above_mb(self):
         return None if self.peak is None else (self.peak - self.base) / 2**20
+
+    @property
+    def reserved_gb(self):
+        return None if self.reserved is None else self.reserved / 2**30
 
     @property
     def start_gb(self):

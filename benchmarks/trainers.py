@@ -62,7 +62,7 @@ Columns (JSON lines, one per client x model x method x batch, each with device, 
     every step;  graphs  the graphs Dynamo compiled (more than the first step's: a recompile in a later step)
     peak_gb  the allocator's peak over the timed steps (_harness.Peak);  warmup_peak_gb  over the warm-up steps (under
     --compile-mode reduce-overhead the CUDA graphs are recorded there and replays allocate nothing: the step's peak
-    is warmup_peak_gb);  reserved_gb  torch.cuda.max_memory_reserved at the end (the allocator keeps what it
+    is warmup_peak_gb);  reserved_gb  the most the allocator reserved over the timed steps (it keeps what it
     reserved, so the warm-up's too);
     start_gb  allocated before the batch's model was built (what an earlier batch left: should be ~0)
     losses, grad_norms  each step's logged values;  rewritten, skipped, reasons, pick, pick_reason, executions,
@@ -275,7 +275,7 @@ def train_once(args, batch, outdir, peak):
         times_ms=[round(t * 1e3, 2) for t in times],
         graphs=torch._dynamo.utils.counters["stats"]["unique_graphs"],
         peak_gb=peak.stop().gb,
-        reserved_gb=torch.cuda.max_memory_reserved() / 2**30 if args.device == "cuda" else None,
+        reserved_gb=peak.reserved_gb,
         warmup_peak_gb=timer.warmup_peak,
         losses=[e["loss"] for e in logs],
         grad_norms=[e.get("grad_norm") for e in logs],
