@@ -4,8 +4,7 @@
     python benchmarks/plot.py ratios benchmarks/results/2026-11-24_h*_heads_v12.json --mode fwd
     python benchmarks/plot.py curves benchmarks/results/2026-12-02_h200_train-e2e-realtext-qwen25-0.5b_v43.json \
         --out docs
-    python benchmarks/plot.py grid benchmarks/results/2026-11-25_h100_vocab-grid.jsonl \
-        benchmarks/results/2026-11-25_h100_vocab-grid-*_v14.jsonl --n 8192 --out /tmp/plots
+    python benchmarks/plot.py grid benchmarks/results/2026-11-25_h100_vocab-grid.jsonl --n 8192 --out /tmp/plots
 
 ``ratios``: a JSON written by ``benchmarks/benchmark.py --json``: per head (shape, data regime and loss form) one bar
 per method, its time as a multiple of torch.compile's in the same process (the rows' ``vs_compile``), for one mode
