@@ -1,15 +1,18 @@
-"""Benchmark of the CCE kernels against eager PyTorch and torch.compile (one process; CUDA, or CPU with --tiny).
+"""The fused op against eager PyTorch and torch.compile on single heads (one process; CUDA, or CPU with --tiny), and
+the loss forms the pass rewrites beyond the plain cross-entropy.
 
     python benchmarks/benchmark.py --shapes gemma2 --regimes flat,lm,mixed,lm_ign50
-    python benchmarks/benchmark.py --shapes gemma2,llama3,qwen25,phi35 --regimes flat,lm,mixed,lm_ign50,real \
-        --methods matmul,eager,compile,cce,cce_rowskip,cce_exact --check --real-cache /tmp/realtext_head.pt
+    python benchmarks/benchmark.py --shapes gemma2,llama3,qwen25,phi35 --regimes lm,lm_ign50 \
+        --methods matmul,eager,compile,cce,cce_rowskip,cce_exact --check
     python benchmarks/benchmark.py --sweep "products=cublas;products=triton;exact=1;lean.block_cols=4096" \
         --shapes gemma2 --regimes lm,lm_ign50 --check
-    python benchmarks/benchmark.py --tiny --methods eager,cce,cce_exact --regimes lm,real --check --real-seconds 5
+    python benchmarks/benchmark.py --forms label_smoothing,z_loss,chunked,grpo,grpo_entropy --shapes gemma2,llama3 \
+        --regimes lm,lm_ign50 --methods eager,compile,pass_cce --check
+    python benchmarks/benchmark.py --tiny --methods eager,compile,cce,pass_cce --regimes lm,lm_ign50 --check
 
 Methods (each timed as loss only = "fwd" and loss + gradients = "fwdbwd"):
     matmul       one bf16 N x D @ D x V product (the floor; fwd only, once per shape)
-    eager        F.cross_entropy(F.linear(e, c).float(), t)
+    eager        F.cross_entropy(F.linear(e, c).float(), t) (or the --forms loss as written)
     compile      torch.compile(dynamic=False) of the same function
     cce          cce_inductor.linear_cross_entropy with CCEOptions() (the defaults): the Triton forward; the backward
                  a Triton recompute of the softmax gradient G per (row chunk x vocabulary chunk) block + cuBLAS dE / dC
@@ -18,34 +21,42 @@ Methods (each timed as loss only = "fwd" and loss + gradients = "fwdbwd"):
     cce_balanced CCEOptions(scratch_mb=1024) (cce_balanced512: 512): the balanced path where gradients are needed
                  (fwdbwd): per row chunk cuBLAS logits into the scratch, the softmax gradient in place, cuBLAS dE
                  and dC (summed in fp32 over chunks); the backward scales by the upstream gradient. fwd: the lean op
-    pass_cce     torch.compile(torch_loss, backend=cce_inductor.make_backend(base options)): the pass rewrites the
-                 loss into the op, Inductor compiles the rest (what a user of the product runs)
+    pass_cce     torch.compile(loss, backend=cce_inductor.make_backend(base options)): the pass rewrites the loss
+                 into the op, Inductor compiles the rest (what a user of the product runs); every site the pass saw
+                 must be rewritten and the op run once per call, or the row is an error ("NOT REWRITTEN")
     pass_balanced  the same with scratch_mb=1024 (the balanced op; its backward's scaling fused by Inductor)
+eager and compile must leave the pass out (an error where it rewrote anything).
 --direct calls cce_inductor.kernels.forward / .backward through a small autograd.Function instead of the custom op.
 --profile: after each method's fwdbwd timing, one more forward + backward under torch.profiler, printed as GPU time per
 kernel name (the largest ten, the rest as "other"; also in the JSON rows as "kernels"): the per-kernel breakdown.
 --config "k=v,..." (syntax as one sweep config, below) sets CCEOptions fields under every cce method (the
 method's own field wins) and _TUNING overrides for the whole run.
-Time: median of CUDA-event timings after warm-up (triton.testing.do_bench).  Memory: peak allocated above what
-was allocated before the call (inputs excluded; gradients included for fwdbwd).  --check: relative Frobenius
-errors of dE and dC against fp32-logit gradients (true fp32 matmuls), for every method with gradients, eager and
-compile included (their errors are the bar the CCE methods are held to).
+Time (_harness.py): queued_ms, the median of calls queued back to back (triton.testing.do_bench: --warmup / --rep ms,
+CUDA events, gradients set to None between calls); with --synced also synced_ms, each call on its own (synchronised
+before, waited for after: what a training step's loss sees). Memory: peak_above_mb, the allocator's peak above what
+was allocated before one call (inputs excluded; gradients included for fwdbwd). --check: relative Frobenius errors of
+dE and dC against fp32-logit gradients (true fp32 matmuls), for every method with gradients, eager and compile
+included (their errors are the bar the cce methods are held to).
 
-Data regimes (synthetic ones: c Gaussian with unit-norm rows, e built from chosen token vectors):
+Data regimes (c Gaussian with unit-norm rows, e built from chosen token vectors):
     flat      e Gaussian, logits ~ N(0, 1), uniform targets
     lm        48 plausible tokens per row with logits 14 - log(rank) (p ~ 1/rank), drawn from a Zipf
               popularity over a randomly permuted vocabulary; target sampled from them
     mixed     85% confident rows (4 plausible tokens, top p ~0.9), 15% broad rows (128 plausible tokens)
-    real      the output head of a small language model trained on real text (benchmarks/real_text.py: byte-level
-              BPE on this Python installation's sources and docs, a decoder trained for --real-seconds): e (the
-              states entering the head on held-out text), c (the head weight), the next tokens as targets.
-              Ignores --shapes: its shape is the trained head's, named "realtext (D, V)"; trained once per
-              process, and with --real-cache PATH saved there / loaded from there when the settings match.
     *_ign50   the same with 50% of the targets set to ignore_index
-Each case first prints its softmax statistics: real_text.softmax_stats over the counted rows (up to --stats-rows):
-loss, entries with p >= 2^-12 per row, the share of 128 x 128 tiles holding such an entry, the probability mass
-below it, and what a tile-skipping gradient filter would cost in dE error (no method here filters: the
-statistics say how peaked each regime's softmax is), plus valid_frac; for `real` also the training metadata.
+
+Loss forms (--forms; default ce, the plain cross-entropy), each written as trainers write it, on the case's e, c, t:
+    label_smoothing  F.cross_entropy(..., label_smoothing=0.1)
+    z_loss           the cross-entropy + 1e-4 * logsumexp(logits)^2 (OLMo's z-loss)
+    chunked          torchtune's chunked head: F.linear per 8 chunks of each 2048-row sequence, a summed
+                     cross-entropy per chunk, over the counted targets (CEWithChunkedOutputLoss); the pass gathers
+                     the chunks into one call
+    grpo             TRL's GRPO policy loss: logits / 0.7, token log-probs by gather(log_softmax), the ratio against
+                     old log-probs (this policy's own plus noise: ratios near 1), clipped at 0.2, per-row advantages,
+                     the mean over the counted rows (ignored targets masked)
+    grpo_entropy     the same with TRL's entropy_from_logits (128-row chunks) as a -0.01 bonus per token
+A form other than ce runs eager, compile and the pass_* methods (the cce_* methods call the plain op) and checks its
+gradients against the same loss in fp32 (_harness.fp32_grads).
 
 Sweep (--sweep "config;config;..."): times kernels.forward and kernels.backward directly, per case and config:
 forward ms, backward ms (given that forward), the backward's peak memory, gradient errors with --check.  A config is
@@ -56,16 +67,13 @@ forward ms, backward ms (given that forward), the backward's peak memory, gradie
         lean.block_cols=4096, prod.BLOCK_K=32: the entry in
         use ("gpu"; "interpret" under TRITON_INTERPRET=1) is replaced for that config and restored after
     need_e=0|1, need_c=0|1, fwd_only=0|1                        sweep only: what the backward computes
-Output: a "# device ..." header; per case a "## shape N= D= V= regime=" line with the statistics (and for `real` a
-"## realtext trained ..." line); per method and mode "ms, MB [err_dE err_dC]"; last a markdown table of every row
-(x compile, x matmul, MB over the N*D + V*D lower bound).  --json PATH writes the rows, the cases (statistics,
-real-text metadata) and the settings.
+Output: a "# device ..." header; per case a "## shape N= D= V= regime=" line; per form, method and mode "ms, MB
+[err_dE err_dC]"; last a markdown table of every row (x compile, x matmul, MB over the N*D + V*D lower bound).
+--json PATH writes the header (device, versions, options, tuning, settings), the cases and the rows.
 
---tiny: a CPU smoke run (< 1 minute): shape "tiny" (D 64, V 2048), N 256, method cce unless --methods says
-otherwise, perf_counter timings (median, --rep ms per measurement), no memory figures; the `real` head from
-real_text.TINY (20 steps, also bounded by --real-seconds).  On CPU every cce method is the op's chunked PyTorch
-path (its options change nothing there); with --direct or --sweep the Triton kernels run in the interpreter
-(the script sets TRITON_INTERPRET=1).
+--tiny: a CPU smoke run (< 2 minutes): shape "tiny" (D 64, V 2048), N 256, perf_counter timings (median of three
+calls), no memory figures. On CPU every cce method is the op's chunked PyTorch path (its options change nothing
+there); with --direct or --sweep the Triton kernels run in the interpreter (the script sets TRITON_INTERPRET=1).
 """
 
 from __future__ import annotations
@@ -74,10 +82,8 @@ import argparse
 import contextlib
 import dataclasses
 import importlib
-import json
 import math
 import os
-import statistics
 import sys
 import time
 
@@ -85,8 +91,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import _common as C
-import real_text
+import _harness as H
 
 SHAPES = {  # name: (D, V)
     "gemma2": (2304, 256000),
@@ -95,7 +100,7 @@ SHAPES = {  # name: (D, V)
     "phi35": (3072, 32064),
 }
 TINY_SHAPES = {"tiny": (64, 2048)}
-REGIMES = ("flat", "lm", "mixed", "real")  # each also with the suffix "_ign50"
+REGIMES = ("flat", "lm", "mixed")  # each also with the suffix "_ign50"
 IGNORE = -100
 CCE_METHODS = {  # name: CCEOptions fields over the base options (--config)
     "cce": {},
@@ -104,14 +109,14 @@ CCE_METHODS = {  # name: CCEOptions fields over the base options (--config)
     "cce_balanced": {"scratch_mb": 1024},
     "cce_balanced512": {"scratch_mb": 512},
 }
-# torch.compile(torch_loss) with our backend: the pass rewrites the loss, Inductor compiles the rest (the op's
-# backward formula included): what a user of the product runs
+# torch.compile(loss) with our backend: the pass rewrites the loss, Inductor compiles the rest (the op's backward
+# formula included): what a user of the product runs
 PASS_METHODS = {"pass_cce": {}, "pass_balanced": {"scratch_mb": 1024}}
 METHODS = ("matmul", "eager", "compile", *CCE_METHODS, *PASS_METHODS)
 # prefix: cce_inductor.kernels module (its _TUNING), or "lean": the lean G block's layout (kernels/_layout.py)
 TUNING_FILES = {"fwd": "_forward", "bwd": "_backward", "prod": "_products", "lean": "_layout"}
 SWEEP_KNOBS = ("need_e", "need_c", "fwd_only")
-REAL_DEFAULTS = dict(real_seconds=90.0, real_vocab=65536, real_dim=2048)
+CPU_REPS = 3  # timed calls per CPU measurement (after one warm-up call)
 
 
 def _kernels():
@@ -176,108 +181,27 @@ def ignore_half(targets, seed=0):
     return torch.where(drop, torch.full_like(targets, IGNORE), targets)
 
 
-_REAL_HEADS = {}  # settings -> (e, c, targets on the CPU, metadata): one training per process
-
-
-def real_settings(args):
-    """real_text_head keywords (--tiny: real_text.TINY, with --real-* flags given explicitly on top)."""
-    kw = dict(getattr(real_text, "TINY", {})) if args.tiny else {}
-    for flag, key in (("real_seconds", "train_seconds"), ("real_vocab", "vocab_size"), ("real_dim", "d_model")):
-        value = getattr(args, flag)
-        if value is not None:
-            kw[key] = value
-        elif not args.tiny:
-            kw[key] = REAL_DEFAULTS[flag]
-    kw.update(n_tokens=args.n, seed=args.seed, dtype=torch.bfloat16)
-    return kw
-
-
-def real_head(args):
-    """``(e, c, targets, metadata)`` of the trained head on ``args.device``: from this process's memo, from
-    --real-cache when it holds the same settings, else trained (and saved to --real-cache)."""
-    kw = real_settings(args)
-    key = json.dumps({k: (str(v) if isinstance(v, torch.dtype) else v) for k, v in sorted(kw.items())})
-    source = "memo"
-    if key not in _REAL_HEADS:
-        cached = None
-        if args.real_cache and os.path.exists(args.real_cache):
-            cached = torch.load(args.real_cache, map_location="cpu")
-            if cached.get("key") != key:
-                print(
-                    f"# --real-cache {args.real_cache} holds other settings ({cached.get('key')}); retraining",
-                    flush=True,
-                )
-                cached = None
-        if cached is not None:
-            source = f"cache {args.real_cache}"
-        else:
-            source = "trained"
-            head = real_text.real_text_head(args.device, **kw)
-            meta = {k: v for k, v in head.items() if not isinstance(v, torch.Tensor)}
-            cached = dict(key=key, e=head["e"].cpu(), c=head["c"].cpu(), targets=head["targets"].cpu(), meta=meta)
-            del head
-            if args.device == "cuda":
-                torch.cuda.empty_cache()
-            if args.real_cache:
-                torch.save(cached, args.real_cache)
-                source = f"trained, saved to {args.real_cache}"
-        _REAL_HEADS[key] = cached
-    h = _REAL_HEADS[key]
-    meta = dict(h["meta"], source=source, settings=json.loads(key))
-    return h["e"].to(args.device), h["c"].to(args.device), h["targets"].to(args.device), meta
-
-
-def regime_stats(e, c, t, rows):
-    """real_text.softmax_stats over the counted rows (the first ``rows`` of them; 0: all), plus valid_frac."""
-    valid = t != IGNORE
-    idx = valid.nonzero()[:, 0]
-    if rows:
-        idx = idx[:rows]
-    stats = real_text.softmax_stats(e[idx], c, t[idx]) if len(idx) else {}
-    stats["valid_frac"] = valid.float().mean().item()
-    return stats
-
-
-def _fmt_stats(stats):
-    def num(x):
-        return f"{x:.4g}" if isinstance(x, float) else str(x)
-
-    return " ".join(f"{k}={num(v)}" for k, v in stats.items())
-
-
 def build_cases(args):
-    """[(shape name, D, V, regime)]: every shape x synthetic regime, then the `real` regimes once."""
+    """[(shape name, D, V, regime)]: every shape x regime."""
     shapes = {**SHAPES, **TINY_SHAPES}
-    cases, real = [], []
     for regime in args.regimes.split(","):
         if regime.removesuffix("_ign50") not in REGIMES:
             raise SystemExit(f"unknown regime {regime!r}; regimes: {', '.join(REGIMES)} (each also with _ign50)")
+    cases = []
     for shape in args.shapes.split(","):
         if shape not in shapes:
             raise SystemExit(f"unknown shape {shape!r}; shapes: {', '.join(shapes)}")
-        for regime in args.regimes.split(","):
-            if regime.removesuffix("_ign50") == "real":
-                continue
-            cases.append((shape, *shapes[shape], regime))
-    for regime in args.regimes.split(","):
-        if regime.removesuffix("_ign50") == "real":
-            real.append((None, None, None, regime))
-    return cases + real
+        cases += [(shape, *shapes[shape], regime) for regime in args.regimes.split(",")]
+    return cases
 
 
 def case_data(args, case):
-    """``(shape label, e, c, targets, real-text metadata or None)`` on ``args.device``."""
-    shape, d, v, regime = case
-    base = regime.removesuffix("_ign50")
-    meta = None
-    if base == "real":
-        e, c, t, meta = real_head(args)
-        shape = f"realtext ({e.shape[1]}, {c.shape[0]})"
-    else:
-        e, c, t = make_data(args.n, d, v, base, args.device, seed=args.seed)
+    """``(e, c, targets)`` of a case on ``args.device``."""
+    _, d, v, regime = case
+    e, c, t = make_data(args.n, d, v, regime.removesuffix("_ign50"), args.device, seed=args.seed)
     if regime.endswith("_ign50"):
         t = ignore_half(t, args.seed)
-    return shape, e, c, t, meta
+    return e, c, t
 
 
 # --------------------------------------------------------------------------------------------------
@@ -374,10 +298,96 @@ def tuning_overrides(tuning):
 
 
 # --------------------------------------------------------------------------------------------------
-# methods
+# loss forms and methods
 # --------------------------------------------------------------------------------------------------
-def torch_loss(e, c, t):
+TEMPERATURE = 0.7
+CLIP_EPS = 0.2
+CHUNKS, CHUNKED_SEQ = 8, 2048  # torchtune's output chunks per sequence; the sequence length the rows are cut into
+
+
+def ce_loss(e, c, t):
     return F.cross_entropy(F.linear(e, c).float(), t, ignore_index=IGNORE)
+
+
+def label_smoothing_loss(e, c, t):
+    return F.cross_entropy(F.linear(e, c).float(), t, ignore_index=IGNORE, label_smoothing=0.1)
+
+
+def z_loss(e, c, t):
+    logits = F.linear(e, c).float()
+    return F.cross_entropy(logits, t, ignore_index=IGNORE) + 1e-4 * torch.logsumexp(logits, dim=-1).pow(2).mean()
+
+
+def chunked_loss(e, c, t):
+    """torchtune's TransformerDecoder with num_output_chunks (the projection per chunk of each sequence), then its
+    CEWithChunkedOutputLoss (a summed cross-entropy per chunk, over the counted targets), as torchtune writes them."""
+    seq = min(CHUNKED_SEQ, e.shape[0])
+    logits = [F.linear(chunk, c) for chunk in e.view(-1, seq, e.shape[1]).chunk(CHUNKS, dim=1)]
+    labels = [y.reshape(-1) for y in t.view(-1, seq).chunk(len(logits), dim=1)]
+    total = 0.0
+    for chunk, y in zip(logits, labels):
+        total += F.cross_entropy(chunk.reshape(-1, chunk.shape[-1]).float(), y, ignore_index=IGNORE, reduction="sum")
+    return total / (t != IGNORE).sum()
+
+
+def _token_logps(logits, ids):
+    return torch.gather(logits.log_softmax(-1), dim=-1, index=ids.unsqueeze(-1)).squeeze(-1)
+
+
+def _clipped_surrogate(logps, old_logps, advantages):
+    ratio = torch.exp(logps - old_logps)
+    clipped = torch.clamp(ratio, 1 - CLIP_EPS, 1 + CLIP_EPS)
+    return -torch.min(ratio * advantages, clipped * advantages)
+
+
+def grpo_loss(e, c, ids, old_logps, advantages, mask):
+    """TRL's GRPO: temperature-scaled logits, selective log-softmax, clipped surrogate, masked mean."""
+    logits = (e @ c.T) / TEMPERATURE
+    per_token = _clipped_surrogate(_token_logps(logits, ids), old_logps, advantages)
+    return (per_token * mask).sum() / mask.sum()
+
+
+def entropy_from_logits(logits, chunk_size=128):
+    """TRL's entropy_from_logits: the entropy over row chunks of the logits."""
+    entropies = []
+    for chunk in logits.split(chunk_size, dim=0):
+        logps = F.log_softmax(chunk, dim=-1)
+        entropies.append(-(torch.exp(logps) * logps).sum(-1))
+    return torch.cat(entropies)
+
+
+def grpo_entropy_loss(e, c, ids, old_logps, advantages, mask):
+    """GRPO as above with TRL's entropy of the same logits as a bonus."""
+    logits = (e @ c.T) / TEMPERATURE
+    per_token = _clipped_surrogate(_token_logps(logits, ids), old_logps, advantages)
+    per_token = per_token - 0.01 * entropy_from_logits(logits)
+    return (per_token * mask).sum() / mask.sum()
+
+
+def grpo_inputs(e, c, t, seed):
+    """The GRPO losses' arguments after e and c: the targets as token ids (ignored ones at 0, masked out), the
+    old policy's log-probs (this one's, fp32, by row blocks, plus noise: ratios near 1), per-row advantages, the
+    mask of counted rows."""
+    g = torch.Generator(device=e.device).manual_seed(seed + 2)
+    ids = t.clamp(min=0)
+    with torch.no_grad():
+        c32 = c.float()
+        logps = torch.cat(
+            [_token_logps(h.float() @ c32.T / TEMPERATURE, i) for h, i in zip(e.split(1024), ids.split(1024))]
+        )
+    old_logps = logps + 0.05 * torch.randn(logps.shape, device=e.device, generator=g)
+    advantages = torch.randn(logps.shape, device=e.device, generator=g)
+    return ids, old_logps, advantages, (t != IGNORE).float()
+
+
+FORMS = {  # name: (loss(e, c, ...), its arguments after e and c from the case's (e, c, t, seed); None: t alone)
+    "ce": (ce_loss, None),
+    "label_smoothing": (label_smoothing_loss, None),
+    "z_loss": (z_loss, None),
+    "chunked": (chunked_loss, None),
+    "grpo": (grpo_loss, grpo_inputs),
+    "grpo_entropy": (grpo_entropy_loss, grpo_inputs),
+}
 
 
 class _DirectCCE(torch.autograd.Function):
@@ -418,43 +428,43 @@ def cce_fn(options, direct):
     return lambda e, c, t: linear_cross_entropy(e, c, t, ignore_index=IGNORE, options=options)
 
 
+def build_methods(args, base_options):
+    """{form: {method: (callable, kind)}}, kind "plain" (the pass must stay out), "pass" (it must rewrite every
+    site) or "op" (the op called directly); each form's functions compiled once, reused for every case."""
+    import cce_inductor
+
+    out = {}
+    for form in args.forms.split(","):
+        loss = FORMS[form][0]
+        methods = {"eager": (loss, "plain"), "compile": (torch.compile(loss, dynamic=False), "plain")}
+        if form == "ce":
+            for name, fields in CCE_METHODS.items():
+                methods[name] = (cce_fn(dataclasses.replace(base_options, **fields), args.direct), "op")
+        for name, fields in PASS_METHODS.items():
+            backend = cce_inductor.make_backend(dataclasses.replace(base_options, **fields))
+            methods[name] = (torch.compile(loss, backend=backend, dynamic=False), "pass")
+        out[form] = methods
+    return out
+
+
 # --------------------------------------------------------------------------------------------------
 # measurement
 # --------------------------------------------------------------------------------------------------
-def sync(device):
-    if device == "cuda":
-        torch.cuda.synchronize()
+def queued(fn, args, grad_to_none=None):
+    return H.queued_ms(fn, args.device, CPU_REPS, grad_to_none=grad_to_none, warmup_ms=args.warmup, rep_ms=args.rep)
 
 
-def bench(fn, args, grad_to_none=None):
-    """Median ms: triton.testing.do_bench on CUDA; on the CPU perf_counter over one warm-up call and then calls
-    for --rep ms (3 to 50)."""
-    if args.device == "cuda":
-        import triton
+def measure(fn, kind, e, c, rest, mode, args, picks):
+    """One method on one case and mode: ms (queued; sync_ms with --synced), peak MB above the inputs, the gradients
+    (fwdbwd), the pass's pick and its op calls per call (kind "pass"). ``picks``: {(fn, mode): pick} of the graphs
+    compiled so far; a case that reuses one (same shapes: no compile, no site in stats()) is judged by its compile."""
+    import cce_inductor
 
-        return triton.testing.do_bench(
-            fn, warmup=args.warmup, rep=args.rep, grad_to_none=grad_to_none, return_mode="median"
-        )
-    times, start = [], time.perf_counter()
-    for i in range(51):
-        for x in grad_to_none or ():
-            x.grad = None
-        t0 = time.perf_counter()
-        fn()
-        if i:
-            times.append((time.perf_counter() - t0) * 1e3)
-        if i >= 3 and (time.perf_counter() - start) * 1e3 > args.rep:
-            break
-    return statistics.median(times)
-
-
-def measure(fn, e, c, t, mode, args):
-    cuda = args.device == "cuda"
     if mode == "fwd":
 
         def run():
             with torch.no_grad():
-                return fn(e, c, t)
+                return fn(e, c, *rest)
 
         grads = None
     else:
@@ -462,45 +472,156 @@ def measure(fn, e, c, t, mode, args):
         c.requires_grad_(True)
 
         def run():
-            loss = fn(e, c, t)
+            loss = fn(e, c, *rest)
             loss.backward()
             return loss
 
         grads = [e, c]
+    result = {}
     try:
-        out = run()  # compile / warm up
-        sync(args.device)
+        cce_inductor.reset_stats()
+        run()  # compile / warm up
+        H.sync(args.device)
+        stats = cce_inductor.stats()
+        if kind != "op" and (stats["graphs"] or (fn, mode) not in picks):
+            picks[fn, mode] = H.checked_pick(stats, kind == "pass")
+        pick = picks.get((fn, mode))
+        if pick:
+            result["pick"], result["pick_reason"] = pick
         e.grad = c.grad = None
-        if cuda:
-            torch.cuda.empty_cache()
-            torch.cuda.reset_peak_memory_stats()
-            base = torch.cuda.memory_allocated()
-        out = run()
-        sync(args.device)
-        peak_mb = (torch.cuda.max_memory_allocated() - base) / 2**20 if cuda else float("nan")
-        result = dict(loss=float(out.detach().float()))
+        H.free(args.device)
+        cce_inductor.reset_stats()
+        result["mb"] = H.peak_above_mb(run, args.device)
+        if kind == "pass":
+            calls = sum(cce_inductor.stats()["executions"].values())
+            if calls != 1:
+                raise RuntimeError(f"NOT REWRITTEN as one call: the op ran {calls} times in one call of the loss")
         if mode == "fwdbwd":
             result["grads"] = (e.grad.detach().clone(), c.grad.detach().clone())
         e.grad = c.grad = None
-        del out
-        ms = bench(run, args, grad_to_none=grads)
+        result["ms"] = queued(run, args, grad_to_none=grads)
+        if args.synced:
+            result["sync_ms"] = H.synced_ms(run, args.device, grad_to_none=grads)
     finally:
         e.grad = c.grad = None
         e.requires_grad_(False)
         c.requires_grad_(False)
-    result.update(ms=ms, mb=peak_mb)
     return result
 
 
-def rel(a, b):
-    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+def profile_fwdbwd(fn, e, c, rest, device):
+    """Device time per kernel over one forward + backward (after the timed runs: compiled, warm)."""
+    e.requires_grad_(True)
+    c.requires_grad_(True)
+    try:
+        return H.kernel_breakdown(lambda: fn(e, c, *rest).backward(), device)
+    finally:
+        e.grad = c.grad = None
+        e.requires_grad_(False)
+        c.requires_grad_(False)
 
 
-def _print_case(shape, n, d, v, regime, stats, meta, tag="##"):
-    print(f"{tag} {shape} N={n} D={d} V={v} regime={regime} stats: {_fmt_stats(stats)}", flush=True)
-    if meta is not None:
-        keep = {k: val for k, val in meta.items() if k != "settings"}
-        print(f"{tag} realtext trained: {_fmt_stats(keep)} settings={meta['settings']}", flush=True)
+def run_methods(args, base_options):
+    methods = build_methods(args, base_options)
+    picks = {}  # (compiled fn, mode) -> the pass's pick at its compile
+    matmul_ms = {}  # (N, D, V) -> ms
+    rows, cases = [], []
+    for case in build_cases(args):
+        H.free(args.device)
+        shape, regime = case[0], case[3]
+        e, c, t = case_data(args, case)
+        n, d, v = e.shape[0], e.shape[1], c.shape[0]
+        lower_bound_mb = (n * d + v * d) * e.element_size() / 2**20
+        counted = (t != IGNORE).float().mean().item()
+        print(f"## {shape} N={n} D={d} V={v} regime={regime} counted={counted:.3f}", flush=True)
+        cases.append(dict(shape=shape, n=n, d=d, v=v, regime=regime, counted=counted))
+        for form, by_name in methods.items():
+            loss, inputs = FORMS[form]
+            rest = (t,) if inputs is None else inputs(e, c, t, args.seed)
+            ref = None
+            if args.check:
+                ref = H.fp32_reference_grads(e, c, t, IGNORE) if form == "ce" else H.fp32_grads(loss, (e, c), *rest)
+            results = {}
+            for mode in args.modes.split(","):
+                for m in args.methods.split(","):
+                    if m == "matmul":
+                        if mode != "fwd" or (n, d, v) in matmul_ms:
+                            continue
+                        matmul_ms[(n, d, v)] = ms = queued(lambda: e @ c.T, args)
+                        r = dict(ms=ms, mb=n * v * e.element_size() / 2**20)
+                    elif m not in by_name:  # a cce_* method: the plain op, not this form
+                        continue
+                    else:
+                        fn, kind = by_name[m]
+                        began = time.time()
+                        try:
+                            r = measure(fn, kind, e, c, rest, mode, args, picks)
+                        except Exception as exc:  # noqa: BLE001 - recorded; the next method goes on
+                            r = dict(error=H.err_text(exc))
+                            H.free(args.device)
+                        r["wall_s"] = time.time() - began
+                    results[(m, mode)] = r
+                    grads = r.pop("grads", None)
+                    extra = ""
+                    if ref is not None and grads is not None:
+                        r["err_de"], r["err_dc"] = H.rel_err(grads[0], ref[0]), H.rel_err(grads[1], ref[1])
+                        extra = f" err_dE={r['err_de']:.2e} err_dC={r['err_dc']:.2e}"
+                    if "sync_ms" in r:
+                        extra += f" synced {r['sync_ms']:.2f} ms"
+                    if "error" in r:
+                        extra += f" FAILED {r['error']}"
+                    print(
+                        f"  {form:15s} {m:15s} {mode:7s} {H.fmt(r.get('ms')):>9s} ms "
+                        f"{H.fmt(r.get('mb'), '.1f'):>10s} MB {r.get('pick') or ''}{extra}",
+                        flush=True,
+                    )
+                    if args.profile and mode == "fwdbwd" and m != "matmul" and "error" not in r:
+                        try:
+                            r["kernels"] = profile_fwdbwd(by_name[m][0], e, c, rest, args.device)
+                        except Exception as exc:  # noqa: BLE001 - a profiler problem must not lose the timings
+                            print(f"      (no kernel breakdown: {H.err_text(exc)})")
+                        for name, calls, ms in r.get("kernels") or []:
+                            print(f"      {ms:8.2f} ms {calls:5d}x  {name}")
+            for (m, mode), r in results.items():
+                comp = results.get(("compile", mode), {})
+                mm = matmul_ms.get((n, d, v))
+                ratio = r.get("ms") and comp.get("ms") and r["ms"] / comp["ms"]
+                rows.append(
+                    dict(
+                        r,
+                        shape=shape,
+                        regime=regime,
+                        form=form,
+                        n=n,
+                        d=d,
+                        v=v,
+                        method=m,
+                        mode=mode,
+                        vs_compile=ratio or None,
+                        vs_matmul=r["ms"] / mm if mm and r.get("ms") else None,
+                        mb_vs_lower_bound=r["mb"] / lower_bound_mb if mode == "fwdbwd" and r.get("mb") else None,
+                    )
+                )
+            rest = ref = None
+        e = c = t = None  # free the case before the next one
+    return rows, cases
+
+
+def print_table(rows):
+    print()
+    print(
+        "| shape | regime | form | method | mode | ms | synced ms | MB | x compile | x matmul | MB / lower bound "
+        "| err dE | err dC |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    f = H.fmt
+    for r in rows:
+        print(
+            f"| {r['shape']} | {r['regime']} | {r['form']} | {r['method']} | {r['mode']} | {f(r.get('ms'))} | "
+            f"{f(r.get('sync_ms'))} | {f(r.get('mb'), '.0f')} | {f(r['vs_compile'])} | {f(r['vs_matmul'])} | "
+            f"{f(r['mb_vs_lower_bound'], '.3f')} | {f(r.get('err_de'), '.1e')} | {f(r.get('err_dc'), '.1e')} |"
+            + (f" FAILED {r['error']}" if r.get("error") else "")
+        )
 
 
 # --------------------------------------------------------------------------------------------------
@@ -511,13 +632,11 @@ def sweep(args, base_options):
     configs = [(text, *parse_config(text)) for text in args.sweep.split(";")]  # bad keys stop the run here
     out_rows = []
     for case in build_cases(args):
-        shape, e, c, t, meta = case_data(args, case)
-        regime = case[3]
-        n, d, v = e.shape[0], e.shape[1], c.shape[0]
-        stats = regime_stats(e, c, t, args.stats_rows)
-        _print_case(shape, n, d, v, regime, stats, meta, tag="## sweep")
-        ref = C.fp32_reference_grads(e, c, t, IGNORE) if args.check else None
-        mm = bench(lambda: e @ c.T, args)
+        shape, regime = case[0], case[3]
+        e, c, t = case_data(args, case)
+        print(f"## sweep {shape} N={e.shape[0]} D={e.shape[1]} V={c.shape[0]} regime={regime}", flush=True)
+        ref = H.fp32_reference_grads(e, c, t, IGNORE) if args.check else None
+        mm = queued(lambda: e @ c.T, args)
         print(f"  matmul {mm:.2f} ms", flush=True)
         valid = t != IGNORE
         grad_rows = valid.float() / valid.sum().clamp(min=1).float()
@@ -532,7 +651,7 @@ def sweep(args, base_options):
                         return K.forward(e, c, t, None, softcap=None, ignore_index=IGNORE)
 
                     lse = fwd().lse
-                    row["fwd_ms"] = f_ms = bench(fwd, args)
+                    row["fwd_ms"] = f_ms = queued(fwd, args)
                     line = f"  {text:60s} fwd {f_ms:7.2f} ms ({f_ms / mm:.2f}x mm)"
                     if not knobs.get("fwd_only", False):
 
@@ -541,31 +660,24 @@ def sweep(args, base_options):
                                 e, c, t, lse, grad_rows, options, need_e=need_e, need_c=need_c, need_bias=False
                             )
 
-                        sync(args.device)
-                        if args.device == "cuda":
-                            torch.cuda.reset_peak_memory_stats()
-                            base = torch.cuda.memory_allocated()
-                        de, dc, _ = bwd()
-                        sync(args.device)
-                        b_mb = (
-                            (torch.cuda.max_memory_allocated() - base) / 2**20
-                            if args.device == "cuda"
-                            else float("nan")
+                        with H.Peak(args.device) as peak:
+                            de, dc, _ = bwd()
+                        row["bwd_ms"] = b_ms = queued(bwd, args)
+                        row["bwd_mb"] = peak.above_mb
+                        line += (
+                            f" bwd {b_ms:7.2f} ms total {f_ms + b_ms:7.2f} bwd peak {H.fmt(peak.above_mb, '.0f')} MB"
                         )
-                        row["bwd_ms"] = b_ms = bench(bwd, args)
-                        row["bwd_mb"] = b_mb
-                        line += f" bwd {b_ms:7.2f} ms total {f_ms + b_ms:7.2f} bwd peak {b_mb:7.0f} MB"
                         if ref is not None:
                             if need_e:
-                                row["err_de"] = rel(de, ref[0])
+                                row["err_de"] = H.rel_err(de, ref[0])
                                 line += f" err_dE={row['err_de']:.2e}"
                             if need_c:
-                                row["err_dc"] = rel(dc, ref[1])
+                                row["err_dc"] = H.rel_err(dc, ref[1])
                                 line += f" err_dC={row['err_dc']:.2e}"
-                        del de, dc
+                        de = dc = None
                     print(line, flush=True)
             except Exception as exc:  # noqa: BLE001
-                row["error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+                row["error"] = H.err_text(exc)
                 print(f"  {text:60s} FAILED {row['error']}", flush=True)
             out_rows.append(row)
         e = c = t = ref = None  # free the case before the next one
@@ -581,18 +693,20 @@ def parse_args(argv=None):
     ap.add_argument(
         "--regimes",
         default=None,
-        help="comma-separated of flat, lm, mixed, real, each also *_ign50 (default flat,lm,mixed,lm_ign50)",
+        help="comma-separated of flat, lm, mixed, each also *_ign50 (default flat,lm,mixed,lm_ign50)",
     )
     ap.add_argument(
         "--methods",
         default=None,
         help=f"comma-separated of {', '.join(METHODS)} (default matmul,eager,compile,cce,cce_exact)",
     )
+    ap.add_argument("--forms", default="ce", help=f"comma-separated of {', '.join(FORMS)} (default ce)")
     ap.add_argument("--modes", default="fwd,fwdbwd")
     ap.add_argument("--n", type=int, default=None, help="rows (tokens) per case (default 8192)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--direct", action="store_true", help="call cce_inductor.kernels directly, not the custom op")
     ap.add_argument("--check", action="store_true", help="gradient errors against an fp32 reference")
+    ap.add_argument("--synced", action="store_true", help="also time each call on its own (sync_ms)")
     ap.add_argument(
         "--config",
         default="",
@@ -600,31 +714,22 @@ def parse_args(argv=None):
         "backward_row_chunk=4096,lean.block_cols=4096,fwd.block_v=128",
     )
     ap.add_argument("--sweep", default="", help='";"-separated configs: time the kernels directly under each')
-    ap.add_argument("--stats-rows", type=int, default=0, help="counted rows for the softmax statistics (0: all)")
     ap.add_argument("--warmup", type=int, default=25, help="do_bench warm-up (ms)")
-    ap.add_argument("--rep", type=int, default=None, help="do_bench repetitions (ms; default 100, --tiny 50)")
+    ap.add_argument("--rep", type=int, default=100, help="do_bench repetitions (ms)")
     ap.add_argument(
         "--profile",
         action="store_true",
         help="per method with gradients: one fwd+bwd under torch.profiler, the per-kernel time breakdown",
     )
-    ap.add_argument("--json", default="", help="write the rows, cases and settings here")
-    ap.add_argument("--tiny", action="store_true", help="CPU smoke run: tiny shapes, chunked path (< 1 minute)")
-    real = ap.add_argument_group("real text", "the `real` regime's head (benchmarks/real_text.py)")
-    real.add_argument("--real-seconds", type=float, default=None, help="training budget in seconds (default 90)")
-    real.add_argument("--real-vocab", type=int, default=None, help="BPE vocabulary size V (default 65536)")
-    real.add_argument("--real-dim", type=int, default=None, help="model width D (default 2048)")
-    real.add_argument(
-        "--real-cache", default="", help="torch.save the trained head here; a later run with the same settings loads it"
-    )
+    ap.add_argument("--json", default="", help="write the header, cases and rows here")
+    ap.add_argument("--tiny", action="store_true", help="CPU smoke run: tiny shapes, chunked path")
     args = ap.parse_args(argv)
     tiny = args.tiny
     defaults = dict(
         shapes="tiny" if tiny else "gemma2",
         regimes="lm,lm_ign50" if tiny else "flat,lm,mixed,lm_ign50",
-        methods="cce" if tiny else "matmul,eager,compile,cce,cce_exact",
+        methods="eager,compile,cce,pass_cce" if tiny else "matmul,eager,compile,cce,cce_exact",
         n=256 if tiny else 8192,
-        rep=50 if tiny else 100,
     )
     for key, value in defaults.items():
         if getattr(args, key) is None:
@@ -633,6 +738,9 @@ def parse_args(argv=None):
     for m in args.methods.split(","):
         if m not in METHODS:
             ap.error(f"unknown method {m!r}; methods: {', '.join(METHODS)}")
+    for form in args.forms.split(","):
+        if form not in FORMS:
+            ap.error(f"unknown form {form!r}; forms: {', '.join(FORMS)}")
     for mode in args.modes.split(","):
         if mode not in ("fwd", "fwdbwd"):
             ap.error(f"unknown mode {mode!r}; modes: fwd, fwdbwd")
@@ -652,6 +760,7 @@ def main(argv=None):
         raise SystemExit("no CUDA device: use --tiny for a CPU smoke run")
     from cce_inductor import CCEOptions
 
+    H.setup_compile()
     fields, tuning, knobs = parse_config(args.config)
     if knobs:
         raise SystemExit(f"{list(knobs)} are sweep-only keys")
@@ -659,158 +768,27 @@ def main(argv=None):
     with contextlib.ExitStack() as stack:
         if tuning:
             stack.enter_context(tuning_overrides(tuning))
-        header = dict(
-            device=torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
-            torch=torch.__version__,
+        extra = dict(
+            script="benchmark",
             path="direct kernels" if args.direct or args.sweep else "cce_inductor.linear_cross_entropy",
             base_options=dataclasses.asdict(base_options),
+            settings=vars(args),
         )
         if uses_kernels:
-            import triton
-
-            header.update(triton=triton.__version__, tuning=tuning_in_use(), interpret=_kernels().INTERPRET)
+            extra.update(tuning=tuning_in_use(), interpret=_kernels().INTERPRET)
         else:
-            header.update(path="cce_inductor.linear_cross_entropy (chunked PyTorch on the CPU)")
-        print("# " + ", ".join(f"{k} {v}" for k, v in header.items()), flush=True)
-        settings = {k: v for k, v in vars(args).items()}
+            extra.update(path="cce_inductor.linear_cross_entropy (chunked PyTorch on the CPU)")
+        header = H.header(args.device, extra)
+        print("# " + ", ".join(f"{k} {v}" for k, v in header.items() if k not in ("settings", "env")), flush=True)
         if args.sweep:
             rows = sweep(args, base_options)
             if args.json:
-                with open(args.json, "w") as fh:
-                    json.dump(dict(header, settings=settings, sweep=rows), fh, indent=1)
+                H.write_json(args.json, dict(header, sweep=rows))
             return
         rows, cases = run_methods(args, base_options)
     if args.json:
-        with open(args.json, "w") as fh:
-            json.dump(dict(header, settings=settings, cases=cases, rows=rows), fh, indent=1)
+        H.write_json(args.json, dict(header, cases=cases, rows=rows))
     print_table(rows)
-
-
-def run_methods(args, base_options):
-    dyn = torch._dynamo.config  # every shape x grad mode is one more compiled graph of torch_loss
-    if hasattr(dyn, "recompile_limit"):
-        dyn.recompile_limit = max(dyn.recompile_limit, 64)
-    else:
-        dyn.cache_size_limit = max(dyn.cache_size_limit, 64)
-    methods = {"eager": torch_loss, "compile": torch.compile(torch_loss, dynamic=False)}
-    for name, fields in CCE_METHODS.items():
-        methods[name] = cce_fn(dataclasses.replace(base_options, **fields), args.direct)
-    import cce_inductor
-
-    for name, fields in PASS_METHODS.items():
-        backend = cce_inductor.make_backend(dataclasses.replace(base_options, **fields))
-        methods[name] = torch.compile(torch_loss, backend=backend, dynamic=False)
-    matmul_ms = {}  # (N, D, V) -> ms
-    rows, cases = [], []
-    for case in build_cases(args):
-        if args.device == "cuda":
-            torch.cuda.empty_cache()
-        shape, e, c, t, meta = case_data(args, case)
-        regime = case[3]
-        n, d, v = e.shape[0], e.shape[1], c.shape[0]
-        lower_bound_mb = (n * d + v * d) * e.element_size() / 2**20
-        stats = regime_stats(e, c, t, args.stats_rows)
-        _print_case(shape, n, d, v, regime, stats, meta)
-        cases.append(dict(shape=shape, n=n, d=d, v=v, regime=regime, stats=stats, real_text=meta))
-        ref = C.fp32_reference_grads(e, c, t, IGNORE) if args.check else None
-        results = {}
-        for mode in args.modes.split(","):
-            for m in args.methods.split(","):
-                if m == "matmul":
-                    if mode != "fwd" or (n, d, v) in matmul_ms:
-                        continue
-                    matmul_ms[(n, d, v)] = ms = bench(lambda: e @ c.T, args)
-                    r = results[(m, mode)] = dict(ms=ms, mb=n * v * e.element_size() / 2**20)
-                else:
-                    t0 = time.time()
-                    try:
-                        r = measure(methods[m], e, c, t, mode, args)
-                    except torch.OutOfMemoryError:
-                        r = dict(ms=float("nan"), mb=float("nan"), error="OutOfMemoryError")
-                        if args.device == "cuda":
-                            torch.cuda.empty_cache()
-                    except Exception as exc:  # noqa: BLE001
-                        r = dict(ms=float("nan"), mb=float("nan"), error=f"{type(exc).__name__}: {str(exc)[:200]}")
-                    r["wall_s"] = time.time() - t0
-                    results[(m, mode)] = r
-                extra = ""
-                if ref is not None and "grads" in r:
-                    r["err_de"], r["err_dc"] = rel(r["grads"][0], ref[0]), rel(r["grads"][1], ref[1])
-                    extra = f" err_dE={r['err_de']:.2e} err_dC={r['err_dc']:.2e}"
-                r.pop("grads", None)
-                if "error" in r:
-                    extra += f" FAILED {r['error']}"
-                print(f"  {m:12s} {mode:7s} {r['ms']:9.2f} ms {r['mb']:10.1f} MB{extra}", flush=True)
-                if args.profile and mode == "fwdbwd" and m != "matmul" and "error" not in r:
-                    try:
-                        r["kernels"] = kernel_breakdown(methods[m], e, c, t)
-                    except Exception as exc:  # noqa: BLE001 - a profiler problem must not lose the timings
-                        print(f"      (no kernel breakdown: {type(exc).__name__}: {exc})")
-                    for name, calls, ms in r.get("kernels") or []:
-                        print(f"      {ms:8.2f} ms {calls:5d}x  {name}")
-        for (m, mode), r in results.items():
-            comp = results.get(("compile", mode))
-            mm = matmul_ms.get((n, d, v))
-            rows.append(
-                dict(
-                    shape=shape,
-                    regime=regime,
-                    n=n,
-                    d=d,
-                    v=v,
-                    method=m,
-                    mode=mode,
-                    ms=r["ms"],
-                    mb=r["mb"],
-                    vs_compile=r["ms"] / comp["ms"] if comp else None,
-                    vs_matmul=r["ms"] / mm if mm else None,
-                    mb_vs_lower_bound=(r["mb"] / lower_bound_mb) if mode == "fwdbwd" else None,
-                    err_de=r.get("err_de"),
-                    err_dc=r.get("err_dc"),
-                    error=r.get("error"),
-                    stats=stats,
-                    kernels=r.get("kernels"),
-                )
-            )
-        e = c = t = ref = None  # free the case before the next one
-    return rows, cases
-
-
-def kernel_breakdown(fn, e, c, t, top=10):
-    """GPU time per kernel name over one forward + backward (after the timed runs: compiled, warm):
-    ``[(name, calls, ms)]``, the largest first, the rest summed as "other"."""
-    e.requires_grad_(True)
-    c.requires_grad_(True)
-    try:
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-            fn(e, c, t).backward()
-            torch.cuda.synchronize()
-    finally:
-        e.grad = c.grad = None
-        e.requires_grad_(False)
-        c.requires_grad_(False)
-    per_kernel = {}
-    for event in prof.events():
-        if event.device_type == torch.autograd.DeviceType.CUDA:
-            calls, us = per_kernel.get(event.name, (0, 0.0))
-            per_kernel[event.name] = (calls + 1, us + event.time_range.elapsed_us())
-    ranked = sorted(((name[:90], calls, us / 1e3) for name, (calls, us) in per_kernel.items()), key=lambda x: -x[2])
-    rest = ranked[top:]
-    return ranked[:top] + ([("other", sum(r[1] for r in rest), sum(r[2] for r in rest))] if rest else [])
-
-
-def print_table(rows):
-    print()
-    print("| shape | regime | method | mode | ms | MB | x compile | x matmul | MB / lower bound | err dE | err dC |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
-    f = lambda x, p=2: "" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.{p}f}"  # noqa: E731
-    g = lambda x: "" if x is None else f"{x:.1e}"  # noqa: E731
-    for r in rows:
-        print(
-            f"| {r['shape']} | {r['regime']} | {r['method']} | {r['mode']} | {f(r['ms'])} | {f(r['mb'], 0)} | "
-            f"{f(r['vs_compile'])} | {f(r['vs_matmul'])} | {f(r['mb_vs_lower_bound'], 3)} | {g(r['err_de'])} | "
-            f"{g(r['err_dc'])} |"
-        )
 
 
 if __name__ == "__main__":

@@ -42,7 +42,6 @@ os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
 
 import argparse
 import datetime
-import gc
 import json
 import math
 import statistics
@@ -62,6 +61,9 @@ from cce_inductor.distributed import (  # noqa: E402
     vocab_parallel_linear_cross_entropy,
     vocab_shard_range,
 )
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _harness as H  # noqa: E402
 
 # ----------------------------------------------------------------------------------------------------------------
 # A Llama-3-like decoder
@@ -195,13 +197,8 @@ class Ctx:
             print(f"[{stamp} +{time.monotonic() - _T0:6.1f}s r{self.rank}] {msg}", flush=True)
 
     def save(self):
-        if self.rank != 0 or not self.args.out:
-            return
-        path = self.args.out
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        with open(path + ".tmp", "w") as f:
-            json.dump(self.results, f, indent=1, default=str)
-        os.replace(path + ".tmp", path)
+        if self.rank == 0 and self.args.out:
+            H.write_json(self.args.out, self.results)
 
     # -- collectives (on the communication device: CUDA for NCCL, CPU for gloo)
     def gather(self, values) -> list[list[float]]:
@@ -224,25 +221,11 @@ class Ctx:
 
     # -- device
     def sync(self):
-        if self.device.type == "cuda":
-            torch.cuda.synchronize()
-
-    def reset_peak(self):
-        self.sync()
-        if self.device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats()
-
-    def mem_mib(self):
-        return torch.cuda.memory_allocated() / 2**20 if self.device.type == "cuda" else None
-
-    def peak_mib(self):
-        return torch.cuda.max_memory_allocated() / 2**20 if self.device.type == "cuda" else None
+        H.sync(self.device.type)
 
     def free(self):
-        gc.collect()
-        if self.device.type == "cuda":
-            torch.cuda.synchronize()
-            torch.cuda.empty_cache()
+        self.sync()
+        H.free(self.device.type)
 
 
 def run_variant(ctx: Ctx, part: str, name: str, fn) -> None:
@@ -278,9 +261,9 @@ def run_variant(ctx: Ctx, part: str, name: str, fn) -> None:
 
 
 def time_steps(ctx: Ctx, fn, warmup: int, steps: int, on_step=None) -> tuple[list[float], int]:
-    """``warmup`` untimed calls, then up to ``steps`` timed ones (synchronize + perf_counter around each call).
-    Past the budget all ranks stop together, after at least 1 warm-up and 2 timed calls. Returns the per-step
-    milliseconds and the number of warm-up calls run."""
+    """``warmup`` untimed calls, then up to ``steps`` timed ones, each on its own (H.SyncedTimer). Past the budget
+    all ranks stop together, after at least 1 warm-up and 2 timed calls. Returns the per-step milliseconds and the
+    number of warm-up calls run."""
     done_warmup = 0
     for i in range(warmup):
         if i > 0 and ctx.out_of_time():  # at least one warm-up step
@@ -289,39 +272,26 @@ def time_steps(ctx: Ctx, fn, warmup: int, steps: int, on_step=None) -> tuple[lis
         done_warmup += 1
         if on_step is not None:
             on_step(f"warm-up {i + 1}/{warmup}", out, None)
-    times = []
+    timer = H.SyncedTimer(ctx.device.type)
     for i in range(steps):
         if i > 1 and ctx.out_of_time():  # at least two timed steps
             ctx.log(f"budget reached: {i} of {steps} timed steps")
             break
-        ctx.sync()
-        t0 = time.perf_counter()
+        timer.start()
         out = fn()
-        ctx.sync()
-        times.append((time.perf_counter() - t0) * 1e3)
+        ms = timer.stop()
         if on_step is not None:
-            on_step(f"step {i + 1}/{steps}", out, times[-1])
-    return times, done_warmup
+            on_step(f"step {i + 1}/{steps}", out, ms)
+    return timer.wall_ms, done_warmup
+
+
+def _mib(nbytes):
+    return None if nbytes is None else nbytes / 2**20
 
 
 def _max(values):
     values = [v for v in values if v is not None]
     return max(values) if values else None
-
-
-def _rel(a, b) -> float:
-    a, b = a.detach().float(), b.detach().float()
-    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
-
-
-def _stats_summary(stats):
-    return dict(
-        graphs=stats["graphs"],
-        rewritten=stats["rewritten"],
-        skipped=stats["skipped"],
-        reasons=stats["reasons"],
-        summary=stats.get("summary"),
-    )
 
 
 def _no_graph_caches():
@@ -348,8 +318,8 @@ def fsdp_variant(ctx: Ctx, variant: str, entry: dict) -> None:
     torch._dynamo.reset()
     cce_inductor.reset_stats()
     ctx.free()
-    ctx.reset_peak()
-    entry["mem_before_model_mib"] = _max(r[0] for r in ctx.gather([ctx.mem_mib()]))
+    before = H.Peak(device.type).start()
+    entry["mem_before_model_mib"] = _max(r[0] for r in ctx.gather([_mib(before.base)]))
 
     gen = torch.Generator(device=device).manual_seed(1234 + ctx.rank)  # each rank its own data shard
     tokens = torch.randint(0, args.vocab, (args.batch, args.seq), device=device, generator=gen)
@@ -386,16 +356,13 @@ def fsdp_variant(ctx: Ctx, variant: str, entry: dict) -> None:
     entry["first_step_s"] = round(time.monotonic() - t0, 1)
     ctx.log(f"fsdp/{variant}: first step (compile) {entry['first_step_s']} s, loss {losses[0]:.5f}")
     stats = cce_inductor.stats()
-    entry.update(_stats_summary(stats))
-    ctx.log(f"fsdp/{variant}: cce_inductor.stats(): {stats.get('summary')}")
+    entry.update(H.stats_fields(stats))
+    ctx.log(f"fsdp/{variant}: cce_inductor.stats(): {stats['summary']}")
 
-    ctx.reset_peak()
-    static = ctx.mem_mib()  # sharded params + grads-to-be-freed + AdamW states
-    times, done_warmup = time_steps(ctx, step, args.warmup, args.steps, on_step)
-    ctx.sync()
-    peak = ctx.peak_mib()
+    with H.Peak(device.type) as peak:  # its base: sharded params + grads-to-be-freed + AdamW states
+        times, done_warmup = time_steps(ctx, step, args.warmup, args.steps, on_step)
 
-    per_rank = ctx.gather([statistics.median(times), peak, static])
+    per_rank = ctx.gather([statistics.median(times), peak.mb, _mib(peak.base)])
     all_losses = ctx.gather(losses)  # [rank][step]; the same count on every rank
     entry.update(
         tokens_per_rank=args.batch * args.seq,
@@ -520,7 +487,7 @@ class TPBench:
         got = fn()  # compiles the compiled variants
         ctx.sync()
         entry["first_call_s"] = round(time.monotonic() - t0, 1)
-        rel = ctx.gather([_rel(a, b) for a, b in zip(got, self.ref)])
+        rel = ctx.gather([H.rel_err(a, b) for a, b in zip(got, self.ref)])
         stats = cce_inductor.stats()
         entry.update(
             loss=got[0].item(),
@@ -530,7 +497,7 @@ class TPBench:
             dC_shard_rel_diff=_max(r[2] for r in rel),
         )
         if stats["graphs"]:
-            entry.update(_stats_summary(stats))
+            entry.update(H.stats_fields(stats))
         ctx.log(
             f"tp/{name}: first call {entry['first_call_s']} s; vs eager loss_parallel: "
             f"loss {entry['loss_rel_diff']:.2e}"
@@ -539,14 +506,10 @@ class TPBench:
         del got
         self.clear()
         ctx.free()
-        ctx.reset_peak()
-        base = ctx.mem_mib()
-        times, done_warmup = time_steps(ctx, fn, args.warmup, args.steps)
-        ctx.sync()
-        peak = ctx.peak_mib()
-        above = None if peak is None else peak - base
+        with H.Peak(ctx.device.type) as peak:
+            times, done_warmup = time_steps(ctx, fn, args.warmup, args.steps)
         self.clear()
-        per_rank = ctx.gather([statistics.median(times), above])
+        per_rank = ctx.gather([statistics.median(times), peak.above_mb])
         entry.update(
             tokens=args.tokens,
             vocab=args.vocab,

@@ -21,7 +21,7 @@ started that would end past it); re-run the SAME command with --resume until its
     python benchmarks/full_depth.py --tiny                    # CPU run of the harness (~15-20 min on 2 busy cores;
                                                               # --tiny --models gemma2-2b --ckpt off: ~2 min)
 
-Defaults: --methods compile,default (also lean, balanced, balanced_mb<k>: METHODS of _common.py, each with
+Defaults: --methods compile,default (also lean, balanced, balanced_mb<k>: METHODS of _harness.py, each with
 drop_logits=True) --ckpt off,on --max-batch 256 --steps 5 --min-timed-s 2 --seq 2048 --batch-shapes dynamic
 --rounds 1; --out $OUT/full_depth.jsonl ($OUT unset: ./full_depth.jsonl); --budget-s 500 (no worker, and no
 batch, is started that would end past it).
@@ -78,7 +78,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import _common as C
+import _harness as H
 
 # The published configs (config.json of each model on the Hugging Face Hub; transformers' config classes).
 MODELS = {
@@ -277,12 +277,12 @@ def pool_rounds(rows):
 def worker(args):
     import cce_inductor
 
-    C.setup_compile()
-    backends = C.resolve_methods(args.methods, quiet=True)
+    H.setup_compile()
+    backends = H.resolve_methods(args.methods, quiet=True)
     dev, cuda, is_cce = args.device, args.device == "cuda", args.method in backends
     done = {}
     if args.resume:
-        for r in C.read_rows(args.out):
+        for r in H.read_rows(args.out):
             if (
                 r.get("kind") == "row"
                 and r.get("model") == args.model
@@ -309,11 +309,11 @@ def worker(args):
                 batch=args.batches[0],
                 seq=args.seq,
                 round=args.round,
-                error=f"building the model: {C.err_text(exc)}",
+                error=f"building the model: {H.err_text(exc)}",
             )
-            C.append_row(args.out, row)
+            H.append_row(args.out, row)
             print_row(row)
-            C.free(dev)
+            H.free(dev)
             continue
         if ckpt == "on":
             enable_checkpointing(model)
@@ -324,7 +324,7 @@ def worker(args):
         compiled = None if args.static else compile_model(model, args.method, backends, False)
         pick = None
         for b in todo:
-            if C.past_deadline(args.deadline, 1.5 * slowest):
+            if H.past_deadline(args.deadline, 1.5 * slowest):
                 print(f"# {args.model} {args.method}: deadline: stopping before ckpt={ckpt} batch={b}", flush=True)
                 return 0
             row = dict(
@@ -349,48 +349,40 @@ def worker(args):
             failed, fatal = False, False
             try:
                 cce_inductor.reset_stats()
-                t0 = time.perf_counter()
+                first = H.SyncedTimer(dev)
+                first.start()
                 step()
-                C.sync(dev)
-                row["first_step_s"] = time.perf_counter() - t0
+                row["first_step_s"] = first.stop() / 1e3
                 st = cce_inductor.stats()
-                if is_cce and (st["sites"] or pick is None):
-                    pick = C.site_pick(st)  # a (re)compile happened: its site must be rewritten
-                elif not is_cce and st["rewritten"]:
-                    raise RuntimeError(f"the pass rewrote plain compile's loss: {st['summary']}")
+                if st["sites"] or pick is None:  # a (re)compile happened: its site must be as the method says
+                    pick = H.checked_pick(st, is_cce)
                 if pick:
                     row["pick"], row["pick_reason"] = pick
-                if cuda:
-                    torch.cuda.reset_peak_memory_stats()
-                times, host = [], []  # at least --steps steps and --min-timed-s seconds of them: a small model's
-                # step is host-bound and its host stalls for 2x now and then (v25), which the median of 4 does not
-                # outvote
-                while len(times) < args.steps or (sum(times) < 1e3 * args.min_timed_s and len(times) < 100):
-                    t0 = time.perf_counter()
-                    loss = step()
-                    host.append((time.perf_counter() - t0) * 1e3)  # nothing in the step waits for the GPU
-                    C.sync(dev)
-                    times.append((time.perf_counter() - t0) * 1e3)
-                row["step_ms"] = statistics.median(times)
-                row["step_ms_all"] = [round(t, 2) for t in times]
-                row["host_ms"] = statistics.median(host)
-                row["host_ms_all"] = [round(t, 2) for t in host]
+                losses = []
+                with H.Peak(dev) as peak:
+                    timer = H.synced_calls(
+                        lambda: losses.append(step()), dev, args.steps, warmup=0, min_s=args.min_timed_s
+                    )
+                row["step_ms"] = timer.median_ms()
+                row["step_ms_all"] = [round(t, 2) for t in timer.wall_ms]
+                row["host_ms"] = statistics.median(timer.host_ms)  # nothing in the step waits for the device
+                row["host_ms_all"] = [round(t, 2) for t in timer.host_ms]
                 row["tokens_s"] = b * args.seq / (row["step_ms"] / 1e3)
-                row["peak_gb"] = torch.cuda.max_memory_allocated() / 2**30 if cuda else None
-                row["loss"] = float(loss)
+                row["peak_gb"] = peak.gb
+                row["loss"] = float(losses[-1])
                 if args.kernels:  # after the peak is read: the profiler's buffers are not the step's memory
-                    row["kernels"] = C.kernel_breakdown(step, dev, top=args.kernels)
+                    row["kernels"] = H.kernel_breakdown(step, dev, top=args.kernels)
                     row["kernel_ms"] = sum(k[2] for k in row["kernels"])
             except Exception as exc:  # noqa: BLE001 - recorded; OOM ends this setting's growth
-                failed, fatal = True, C.fatal_cuda(exc)  # not the exception: its frames hold the batch's tensors
-                row["oom" if C.is_oom(exc) else "error"] = C.err_text(exc)
+                failed, fatal = True, H.fatal_cuda(exc)  # not the exception: its frames hold the batch's tensors
+                row["oom" if H.is_oom(exc) else "error"] = H.err_text(exc)
                 bad += "NOT REWRITTEN" in str(exc)
-            loss = tokens = None
+            losses = tokens = None
             opt.zero_grad(set_to_none=True)
-            C.free(dev)
+            H.free(dev)
             row["wall_s"] = round(time.time() - began, 1)
             slowest = max(slowest, time.time() - began)
-            C.append_row(args.out, row)
+            H.append_row(args.out, row)
             print_row(row)
             if failed:
                 if fatal:
@@ -399,12 +391,12 @@ def worker(args):
                 break
         model = opt = compiled = None
         torch._dynamo.reset()
-        C.free(dev)
+        H.free(dev)
     return 1 if bad else 0
 
 
 def print_row(r):
-    f = C.fmt
+    f = H.fmt
     line = (
         f"  {r['model']} {r['method']:8s} ckpt={r['ckpt']:3s} batch={r['batch']:<4d} first step "
         f"{f(r.get('first_step_s'), '.1f'):>6s} s  step {f(r.get('step_ms'), '.1f'):>8s} ms "
@@ -421,7 +413,7 @@ def print_row(r):
 # ------------------------------------------------------------------------------------------------------------
 def summary(rows, args):
     """The final table: one row per model and method."""
-    f = C.fmt
+    f = H.fmt
     fits = {unit_key(r)[:4]: r for r in pool_rounds([r for r in rows if r.get("step_ms")])}
     ended = {
         (r["model"], r["method"], r["ckpt"]): "OOM" if r.get("oom") else "error"
@@ -473,7 +465,7 @@ def summary(rows, args):
             cells.append(cell)
             cells.append(next((r["pick"] for r in mine if r.get("pick")), ""))
             body.append(cells)
-    return C.md_table(
+    return H.md_table(
         [
             "model",
             "method",
@@ -506,12 +498,12 @@ def time_split(rows):
                 r["batch"],
                 f"{r['step_ms']:.1f}",
                 f"{r['host_ms']:.1f}",
-                C.fmt(r.get("kernel_ms"), ".1f"),
+                H.fmt(r.get("kernel_ms"), ".1f"),
                 top,
             ]
         )
     return (
-        C.md_table(
+        H.md_table(
             [
                 "model",
                 "method",
@@ -532,11 +524,11 @@ def time_split(rows):
 def driver(args, argv):
     import cce_inductor  # noqa: F401 (fails early when the package is missing)
 
-    backends = C.resolve_methods(args.methods)
+    backends = H.resolve_methods(args.methods)
     if not args.report:
-        C.append_row(
+        H.append_row(
             args.out,
-            C.header(
+            H.header(
                 args.device,
                 dict(
                     script="full_depth",
@@ -557,7 +549,7 @@ def driver(args, argv):
             ),
         )
     print(f"# results: {args.out}", flush=True)
-    child_argv = C.strip_flags(argv, {"--models", "--methods", "--out", "--budget-s", "--rounds"}) + [
+    child_argv = H.strip_flags(argv, {"--models", "--methods", "--out", "--budget-s", "--rounds"}) + [
         "--out",
         args.out,
         "--methods",
@@ -585,11 +577,11 @@ def driver(args, argv):
     left = (
         []
         if args.report
-        else C.run_workers(units, child_argv, os.path.abspath(__file__), args.budget_s, args.out, crash_row)
+        else H.run_workers(units, child_argv, os.path.abspath(__file__), args.budget_s, args.out, crash_row)
     )
     rows = [
         r
-        for r in C.latest(C.read_rows(args.out), unit_key)
+        for r in H.latest(H.read_rows(args.out), unit_key)
         if r.get("model") in args.models
         and r.get("method") in args.methods
         and r.get("seq") in (args.seq, None)
@@ -672,8 +664,8 @@ def parse_args(argv):
         if m not in MODELS:
             ap.error(f"unknown model {m!r}; models: {', '.join(MODELS)}")
     for m in args.methods:
-        if m != "compile" and not C.is_method(m):
-            ap.error(f"unknown method {m!r}; methods: compile, {C.METHOD_NAMES}")
+        if m != "compile" and not H.is_method(m):
+            ap.error(f"unknown method {m!r}; methods: compile, {H.METHOD_NAMES}")
     if not set(args.ckpt) <= {"off", "on"}:
         ap.error("--ckpt: off, on")
     if args.rounds < 1:
@@ -690,8 +682,8 @@ def parse_args(argv):
     args.static = args.batch_shapes == "static"
     if args.budget_s is None:
         args.budget_s = 0 if args.tiny else 500
-    return C.finish_args(ap, args, "full_depth")
+    return H.finish_args(ap, args, "full_depth")
 
 
 if __name__ == "__main__":
-    sys.exit(C.main(None, parse_args, worker, driver))
+    sys.exit(H.main(None, parse_args, worker, driver))

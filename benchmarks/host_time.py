@@ -31,7 +31,6 @@ called directly 2.89 / 2.90; balanced in one chunk 2.08 / 2.16. benchmarks/resul
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -40,7 +39,7 @@ import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [HERE, os.path.dirname(HERE)]
-import _common as C  # noqa: E402  (benchmarks/ on the path first)
+import _harness as H  # noqa: E402  (benchmarks/ on the path first)
 
 import cce_inductor  # noqa: E402
 from cce_inductor import CCEOptions, _dispatch, _planning  # noqa: E402
@@ -48,7 +47,7 @@ from cce_inductor.kernels import _backward_launch, _balanced_launch, _forward  #
 
 
 def host_and_wall(step, device="cuda"):
-    host_ms, wall_ms = C.host_and_wall_ms(step, device=device)
+    host_ms, wall_ms = H.host_and_wall_ms(step, device=device)
     return {"host_ms": host_ms, "wall_ms": wall_ms}
 
 
@@ -74,11 +73,11 @@ def timeline(step, reps=20, device="cuda"):
         stamp("kernels fwd+grads", saved[2]),
     )
     try:
-        C.sync(device)
+        H.sync(device)
         for _ in range(reps):
             marks.append(("step", time.perf_counter()))
             step(marks)
-        C.sync(device)
+        H.sync(device)
     finally:
         _dispatch.forward, _dispatch.backward, _dispatch.loss_and_grads = saved
     segments = {}
@@ -141,7 +140,7 @@ def main():
     steps = {}
     for i, (name, kw) in enumerate(methods.items()):
         torch._dynamo.reset()
-        fn = C.fresh_loss(i)
+        fn = H.fresh_loss(i)
         compiled = torch.compile(fn) if kw is None else torch.compile(fn, backend=cce_inductor.make_backend(**kw))
         if args.shapes == "dynamic":  # compiled for N - 64 rows first: the call at N recompiles with a dynamic N
             rows = max(n - 64, 1)
@@ -161,24 +160,12 @@ def main():
             with profile(activities=activities) as prof:
                 for _ in range(4):
                     steps[name]()
-                C.sync(dev)
+                H.sync(dev)
             prof.export_chrome_trace(os.path.join(args.trace, f"{name}_steps.json"))
     device = f"{torch.cuda.get_device_name() if dev == 'cuda' else 'CPU'}, torch {torch.__version__}"
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump(
-                {
-                    "device": device,
-                    "n": n,
-                    "d": d,
-                    "v": v,
-                    "dtype": args.dtype,
-                    "shapes": args.shapes,
-                    "results": results,
-                },
-                f,
-                indent=1,
-            )
+        settings = dict(script="host_time", n=n, d=d, v=v, dtype=args.dtype, shapes=args.shapes, ignore=args.ignore)
+        H.write_json(args.out, dict(H.header(dev, settings), results=results))
     print(f"# {device}; N {n}, D {d}, V {v}, {args.dtype}, {args.shapes} shapes")
     print(f"{'way of calling':28s} {'host ms':>8s} {'wall ms':>8s}")
     for name, r in results.items():

@@ -4,11 +4,10 @@
     python benchmarks/plot.py ratios benchmarks/results/2026-11-24_h*_heads_v12.json --mode fwd
     python benchmarks/plot.py curves benchmarks/results/2026-12-02_h200_train-e2e-realtext-qwen25-0.5b_v43.json \
         --out docs
-    python benchmarks/plot.py grid benchmarks/results/2026-11-25_h100_vocab-grid.jsonl \
-        benchmarks/results/2026-11-25_h100_vocab-grid-*_v14.jsonl --n 8192 --out /tmp/plots
+    python benchmarks/plot.py grid benchmarks/results/2026-11-25_h100_vocab-grid.jsonl --n 8192 --out /tmp/plots
 
-``ratios``: a JSON written by ``benchmarks/benchmark.py --json``: per head (shape and data regime) one bar per
-method, its time as a multiple of torch.compile's in the same process (the rows' ``vs_compile``), for one mode
+``ratios``: a JSON written by ``benchmarks/benchmark.py --json``: per head (shape, data regime and loss form) one bar
+per method, its time as a multiple of torch.compile's in the same process (the rows' ``vs_compile``), for one mode
 (``fwdbwd`` by default). The methods ``compile`` (1.0 by definition) and ``matmul`` (forward only) are left out
 unless named in ``--methods``. Also prints the plotted numbers as a markdown table.
 
@@ -37,6 +36,9 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _harness as H
 
 # benchmark.py's method names; the others are plotted under their own name
 LABELS = {
@@ -71,6 +73,8 @@ def ratios(path: str, mode: str, methods: list[str] | None, out: str) -> str:
         )
     skip = {"compile", "matmul"}
     keep = [m for m in OrderedDict.fromkeys(r["method"] for r in rows) if (m in methods if methods else m not in skip)]
+    for r in rows:  # a loss form other than the plain cross-entropy names itself beside the regime
+        r["regime"] += "" if r.get("form", "ce") == "ce" else f", {r['form']}"
     heads = list(OrderedDict.fromkeys((r["shape"], r["regime"]) for r in rows))
     value = {(r["shape"], r["regime"], r["method"]): r["vs_compile"] for r in rows}
 
@@ -108,8 +112,7 @@ def grid(paths: list[str], n: int, ignore: int, shapes: str, out: str) -> str:
     """Time and peak / torch.compile's per head and method of ``vocab_grid.py`` rows; returns the PNG's path."""
     latest, header = OrderedDict(), {}  # (head, method) -> (row, torch.compile's row of the same file)
     for path in paths:
-        with open(path) as handle:
-            rows = [json.loads(line) for line in handle if line.strip()]
+        rows = H.read_rows(path)
         header = header or next((r for r in rows if r.get("kind") == "header"), {})
         case = [
             r
@@ -179,7 +182,6 @@ def curves(path: str, window: int, out: str) -> str:
     share) a panel of the training loss's running means over ``window`` steps with the held-out losses as points,
     and under it each run's running mean relative to stock torch.compile's, with the issue's 1 % band; returns the
     PNG's path."""
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import train_e2e
 
     runs = train_e2e.load_runs(path)

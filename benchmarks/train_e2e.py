@@ -18,12 +18,13 @@ clipping at 1.0. Every run of one command sees the same windows of ``--seq`` tok
     python benchmarks/train_e2e.py tiny                             # CPU smoke test of train + compare (~2 min)
 
 Methods: ``compile`` = torch.compile(model); ``default`` / ``exact`` / ``lean`` = torch.compile(model,
-backend=cce_inductor.make_backend(drop_logits=True, **METHODS[method])) (``_common.METHODS``). ``--weights bf16``:
+backend=cce_inductor.make_backend(drop_logits=True, **METHODS[method])) (``_harness.METHODS``). ``--weights bf16``:
 bf16 parameters and AdamW state; ``autocast``: fp32 parameters, the forward under bf16 autocast.
 
 Each run writes ``<weights>_mask<p>_<method>.json``: the loss of every step, the held-out loss (the mean over
 ``--eval-windows`` held-out windows, every target counted, under no_grad) every ``--eval-every`` steps and at the
-end, the path stats() reports for the loss site, the step times (ms, synchronised; inflated when runs share a GPU).
+end, the path stats() reports for the loss site, the step times (ms, each step on its own: _harness.SyncedTimer;
+inflated when runs share a GPU).
 ``compare`` reads them all: per (weights, mask), every method against ``compile``'s run with the issue's targets:
 the mean loss of the last 100 steps within 0.5 %, the largest gap between 50-step running means within 1 %, the
 final held-out loss within 0.5 %.
@@ -42,11 +43,11 @@ import statistics
 import subprocess
 import sys
 import sysconfig
-import time
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _harness as H
 
 EOT = 50256  # <|endoftext|>: GPT-2's one special token, after the 50256 byte-pair ranks
 GPT2_SPLIT = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
@@ -143,9 +144,7 @@ def _learning_rate(step: int, steps: int, peak: float, warmup: int) -> float:
 
 
 def train(args, save) -> dict:
-    import _common
-
-    _common.setup_compile()
+    H.setup_compile()
     device = args.device
     model = build_model(args.model, args.weights, device, args.tiny)
     if args.method == "eager":
@@ -155,7 +154,7 @@ def train(args, save) -> dict:
     else:
         import cce_inductor
 
-        keywords = _common.method_keywords(args.method)
+        keywords = H.method_keywords(args.method)
         compiled = torch.compile(model, backend=cce_inductor.make_backend(drop_logits=True, **keywords))
     fused = device == "cuda"
     optimizer = torch.optim.AdamW(
@@ -180,7 +179,7 @@ def train(args, save) -> dict:
             ]
         return torch.stack(losses).mean().item()
 
-    losses, step_ms, evals = [], [], []
+    losses, evals, timer = [], [], H.SyncedTimer(device)
     result = dict(
         model=args.model,
         method=args.method,
@@ -204,19 +203,17 @@ def train(args, save) -> dict:
         labels[:, :masked] = -100
         for group in optimizer.param_groups:
             group["lr"] = _learning_rate(step, args.steps, args.lr, args.warmup)
-        _common.sync(device)
-        began = time.perf_counter()
+        timer.start()
         loss = loss_of(tokens, labels)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        _common.sync(device)
-        step_ms.append(1e3 * (time.perf_counter() - began))
+        timer.stop()
         losses.append(loss.item())
         if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
             evals.append([step + 1, held_out_loss()])
-            result["step_ms_median"] = statistics.median(step_ms[5:] or step_ms)
+            result["step_ms_median"] = statistics.median(timer.wall_ms[5:] or timer.wall_ms)
             if args.method not in ("compile", "eager"):
                 result.update(_pass_record())
             save(result)  # a run cut short by the device's time limit keeps its curve so far
@@ -228,8 +225,7 @@ def _pass_record() -> dict:
     import cce_inductor
 
     stats = cce_inductor.stats()
-    if not stats["sites"] or not all(s["rewritten"] for s in stats["sites"]):
-        raise RuntimeError(f"NOT REWRITTEN: {stats['summary']}")
+    H.checked_pick(stats, cce=True)
     return dict(
         sites=[{k: s.get(k) for k in ("node", "rewritten", "path", "reason")} for s in stats["sites"]],
         counters={k: stats[k] for k in ("executions", "backward_products", "balanced_rows")},

@@ -25,8 +25,8 @@ torch._dynamo.reset() before each method of each case):
     compile   torch.compile(loss), Inductor's default backend: the bar
     auto_chunker  the same with torch._inductor.config.auto_chunker.enable (Inductor's own large-logit rewrite)
     default / lean / balanced   torch.compile(loss, backend=cce_inductor.make_backend(**METHODS[name])) with
-              METHODS = {"default": {}, "lean": {"path": "lean"}, "balanced": {"path": "balanced"}}; without a
-              CCEOptions.path field, lean / balanced are {"scratch_mb": 0} / {"scratch_mb": 1024} (printed at start)
+              METHODS = {"default": {}, "lean": {"path": "lean"}, "balanced": {"path": "balanced"}} (_harness.py;
+              printed at start)
     balanced_mb<k>  make_backend(path="balanced", scratch_mb=k): the balanced path at a scratch of k MiB (as many row
               chunks as it needs; e.g. balanced_mb197 runs GPT-2 medium's 4096 rows in two chunks)
     exact     make_backend(exact=True): the lean path, gradients at no more than torch.compile's error
@@ -61,7 +61,7 @@ command line, the methods' keywords, the peers found):
     fwdbwd_ms     loss + loss.backward() (grads of e and c), calls queued back to back: median of CUDA-event
                   timings after warm-up (triton.testing.do_bench, return_mode="median", grads set to None between reps)
     sync_ms       the same, each call on its own: synchronised before, CUDA events around it (what a training
-                  step's loss sees, host launch work included; C.synced_ms, median of >= 10 calls)
+                  step's loss sees, host launch work included; _harness.synced_ms, median of >= 10 calls)
     peak_mb       torch.cuda.max_memory_allocated() during one fwd+bwd above what was allocated before it
                   (inputs excluded, gradients included)
     x_compile_ms, x_compile_sync, x_compile_mb   fwdbwd_ms, sync_ms and peak_mb over compile's, same process,
@@ -86,7 +86,6 @@ kernel (top 10 + other).
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import sys
 import time
@@ -95,7 +94,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import _common as C
+import _harness as H
 
 HEADS = {  # name: (D, V)
     "gpt2": (768, 50257),
@@ -182,16 +181,6 @@ def make_data(n, d, v, ignore_pct, device, seed, dtype=torch.bfloat16, spread=0,
     return e32.to(dtype).contiguous(), c32.to(dtype).contiguous(), (ts if spread else ts[0])
 
 
-def rel(a, ref, chunk=4096):
-    """||a - ref|| / ||ref|| (ref on the CPU), a block of rows at a time."""
-    num = den = 0.0
-    for s in range(0, a.shape[0], chunk):
-        b = ref[s : s + chunk].to(a.device).double()
-        num += (a[s : s + chunk].double() - b).pow(2).sum().item()
-        den += b.pow(2).sum().item()
-    return math.sqrt(num / den) if den else float("nan")
-
-
 # ------------------------------------------------------------------------------------------------------------
 # methods
 # ------------------------------------------------------------------------------------------------------------
@@ -215,7 +204,7 @@ def find_peers(device):
             sys.modules["trl.trainer.utils"] = stub
             chunk = 32768  # trl/trainer/utils.py's _CHUNKED_LOGPROB_CHUNK_SIZE in TRL 1.16.0
             notes.append(
-                f"trl: trl.trainer not importable ({C.err_text(exc)}); maybe_gather_lm_head_ctx stubbed "
+                f"trl: trl.trainer not importable ({H.err_text(exc)}); maybe_gather_lm_head_ctx stubbed "
                 "as the null context TRL uses outside ZeRO-3"
             )
 
@@ -228,13 +217,13 @@ def find_peers(device):
 
         peers["trl"] = trl_loss
     except Exception as exc:  # noqa: BLE001
-        notes.append(f"trl: {C.err_text(exc)}")
+        notes.append(f"trl: {H.err_text(exc)}")
     if hasattr(F, "linear_cross_entropy"):  # PyTorch's own chunked loss, where this torch has it
         try:
             options = getattr(torch.nn, "LinearCrossEntropyOptions", None) or F.LinearCrossEntropyOptions
             peers["torch_lce"] = lambda e, c, t: F.linear_cross_entropy(e, c, t, ignore_index=IGNORE, options=options())
         except Exception as exc:  # noqa: BLE001
-            notes.append(f"torch_lce: {C.err_text(exc)}")
+            notes.append(f"torch_lce: {H.err_text(exc)}")
     else:
         notes.append("torch_lce: this torch has no F.linear_cross_entropy")
     try:
@@ -244,7 +233,7 @@ def find_peers(device):
             raise ImportError("needs CUDA")
         peers["liger"] = lambda e, c, t: liger(e, c, t, ignore_index=IGNORE)
     except Exception as exc:  # noqa: BLE001
-        notes.append(f"liger: {C.err_text(exc)}")
+        notes.append(f"liger: {H.err_text(exc)}")
     try:
         from cut_cross_entropy import linear_cross_entropy as apple
 
@@ -252,14 +241,14 @@ def find_peers(device):
             raise ImportError("needs CUDA")
         peers["apple_cce"] = lambda e, c, t: apple(e, c, t, ignore_index=IGNORE)
     except Exception as exc:  # noqa: BLE001
-        notes.append(f"apple_cce: {C.err_text(exc)}")
+        notes.append(f"apple_cce: {H.err_text(exc)}")
     return peers, notes
 
 
 def build(name, backends, peers, dynamic, tag):
     if name in peers:
         return peers[name]
-    fn = C.fresh_loss(tag, IGNORE)
+    fn = H.fresh_loss(tag, IGNORE)
     if name == "compile":
         return torch.compile(fn, dynamic=dynamic)
     if name == "auto_chunker":  # Inductor's own rewrite of large-logit losses, where this torch has it
@@ -309,31 +298,23 @@ def measure(fn, e, c, t, args, dynamic, ref, is_cce, fwd, profile):
             m = e.shape[0] - 64
             step(e[:m].detach().requires_grad_(True), c.detach().requires_grad_(True), t[:m])
         step()
-        C.sync(dev)
-        st = cce_inductor.stats()
-        if is_cce:
-            r["pick"], r["pick_reason"] = C.site_pick(st)
-        elif st["rewritten"]:
-            raise RuntimeError(f"the pass rewrote a plain method's loss: {st['summary']}")
+        H.sync(dev)
+        pick = H.checked_pick(cce_inductor.stats(), is_cce)
+        if pick:
+            r["pick"], r["pick_reason"] = pick
         e.grad = c.grad = None
-        C.free(dev)
-        if dev == "cuda":
-            torch.cuda.reset_peak_memory_stats()
-            base = torch.cuda.memory_allocated()
-        step()
-        C.sync(dev)
-        if dev == "cuda":
-            r["peak_mb"] = (torch.cuda.max_memory_allocated() - base) / 2**20
-        r["err_de"], r["err_dc"] = rel(e.grad, ref[0]), rel(c.grad, ref[1])
+        H.free(dev)
+        r["peak_mb"] = H.peak_above_mb(step, dev)
+        r["err_de"], r["err_dc"] = H.rel_err(e.grad, ref[0]), H.rel_err(c.grad, ref[1])
         e.grad = c.grad = None
-        r["fwdbwd_ms"] = C.bench(timed_step, dev, args.reps, grad_to_none=[e, c]) / len(variants)
-        r["sync_ms"] = C.synced_ms(timed_step, dev, max(args.reps, 10), grad_to_none=[e, c]) / len(variants)
+        r["fwdbwd_ms"] = H.queued_ms(timed_step, dev, args.reps, grad_to_none=[e, c]) / len(variants)
+        r["sync_ms"] = H.synced_ms(timed_step, dev, max(args.reps, 10), grad_to_none=[e, c]) / len(variants)
         if is_cce:  # the lean backward's products per call, every call so far (cce_inductor/_counted_share.py)
             r["backward_products"] = cce_inductor.stats()["backward_products"]
             r["balanced_rows"] = cce_inductor.stats()["balanced_rows"]
         if profile:
             e.grad = c.grad = None
-            r["kernels"] = C.kernel_breakdown(timed_step, dev)  # (--ignore-spread: over all the target sets)
+            r["kernels"] = H.kernel_breakdown(timed_step, dev)  # (--ignore-spread: over all the target sets)
     finally:
         e.grad = c.grad = None
         e.requires_grad_(False)
@@ -345,7 +326,7 @@ def measure(fn, e, c, t, args, dynamic, ref, is_cce, fwd, profile):
                 return fn(e, c, t)
 
         fwd_only()
-        r["fwd_ms"] = C.bench(fwd_only, dev, args.reps)
+        r["fwd_ms"] = H.queued_ms(fwd_only, dev, args.reps)
     return r
 
 
@@ -384,35 +365,35 @@ def case_of(args, head, n, ign, shapes):
 
 
 def worker(args):
-    C.setup_compile()
+    H.setup_compile()
     torch.set_float32_matmul_precision(args.matmul_precision)
     d, v = {**HEADS, **TINY_HEADS}[args.head]
-    backends = C.resolve_methods(args.methods, quiet=True)
+    backends = H.resolve_methods(args.methods, quiet=True)
     peers, notes = find_peers(args.device)
     if "peers" in args.methods_raw:
         print(
             f"# peers: {', '.join(peers) or 'none'}" + (f" (skipped: {'; '.join(notes)})" if notes else ""), flush=True
         )
     names = method_names(args, backends, peers)
-    done = finished(C.read_rows(args.out), names, peers) if args.resume else set()
+    done = finished(H.read_rows(args.out), names, peers) if args.resume else set()
     slowest, bad = 0.0, 0
     for n in args.n:
         for ign in args.ignore:
             cases = [s for s in args.shapes if case_of(args, args.head, n, ign, s) not in done]
             if not cases:
                 continue
-            if C.past_deadline(args.deadline, 1.2 * slowest):
+            if H.past_deadline(args.deadline, 1.2 * slowest):
                 print(f"# {args.head}: deadline: stopping before N={n} ignore={ign}%", flush=True)
                 return 0
             began = time.time()
             try:
                 e, c, t = make_data(n, d, v, ign, args.device, args.seed, DTYPES[args.dtype], args.ignore_spread)
-                ref = [x.cpu() for x in C.fp32_reference_grads(e, c, t[0] if args.ignore_spread else t, IGNORE)]
-                mm_ms = C.bench(lambda: e @ c.T, args.device, args.reps)
+                ref = [x.cpu() for x in H.fp32_reference_grads(e, c, t[0] if args.ignore_spread else t, IGNORE)]
+                mm_ms = H.queued_ms(lambda: e @ c.T, args.device, args.reps)
             except Exception as exc:  # noqa: BLE001 - every method of these cases gets the error; next N goes on
                 for shapes in cases:
                     for name in names:
-                        C.append_row(
+                        H.append_row(
                             args.out,
                             dict(
                                 dict.fromkeys(COLUMNS),
@@ -426,13 +407,13 @@ def worker(args):
                                 method=name,
                                 dtype=args.dtype,
                                 matmul_precision=args.matmul_precision,
-                                error=f"data: {C.err_text(exc)}",
+                                error=f"data: {H.err_text(exc)}",
                             ),
                         )
-                print(f"# {args.head} N={n} ignore={ign}%: data / reference FAILED: {C.err_text(exc)}", flush=True)
+                print(f"# {args.head} N={n} ignore={ign}%: data / reference FAILED: {H.err_text(exc)}", flush=True)
                 e = c = t = ref = None
-                C.free(args.device)
-                if C.fatal_cuda(exc):
+                H.free(args.device)
+                if H.fatal_cuda(exc):
                     return 3
                 continue
             for shapes in cases:
@@ -441,7 +422,7 @@ def worker(args):
                 for name in names:
                     if name in peers and shapes != "static":
                         continue
-                    if C.past_deadline(args.deadline):  # an unfinished case is redone whole by --resume
+                    if H.past_deadline(args.deadline):  # an unfinished case is redone whole by --resume
                         print(f"# {args.head}: deadline: stopping in N={n} ignore={ign}% {shapes}", flush=True)
                         return 0
                     row = dict(
@@ -464,7 +445,7 @@ def worker(args):
                         row["fwd_ms"] = mm_ms
                     else:
                         torch._dynamo.reset()
-                        C.free(args.device)
+                        H.free(args.device)
                         try:
                             fn = build(name, backends, peers, dynamic, f"{name}_{n}_{ign}_{shapes}")
                             row.update(
@@ -482,13 +463,13 @@ def worker(args):
                                 )
                             )
                         except Exception as exc:  # noqa: BLE001 - recorded; the next method goes on
-                            row["error"] = C.err_text(exc)
+                            row["error"] = H.err_text(exc)
                             bad += "NOT REWRITTEN" in row["error"]
-                            fatal = C.fatal_cuda(exc)
+                            fatal = H.fatal_cuda(exc)
                         else:
                             fatal = False
                         fn = None
-                        C.free(args.device)
+                        H.free(args.device)
                     row["wall_s"] = round(time.time() - t0, 1)
                     base = results.get("compile", {})
                     for key, col in (
@@ -499,21 +480,21 @@ def worker(args):
                         if row.get(key) and base.get(key):
                             row[col] = row[key] / base[key]
                     results[name] = row
-                    C.append_row(args.out, row)
+                    H.append_row(args.out, row)
                     print_row(row)
                     if row.get("kernels"):
-                        C.print_breakdown(f"{args.head} N={n} {shapes} {name} fwd+bwd", row["kernels"])
+                        H.print_breakdown(f"{args.head} N={n} {shapes} {name} fwd+bwd", row["kernels"])
                     if name != "matmul" and fatal:
                         print("# the CUDA context is broken: this worker stops", flush=True)
                         return 3
             e = c = t = ref = None
-            C.free(args.device)
+            H.free(args.device)
             slowest = max(slowest, time.time() - began)
     return 1 if bad else 0
 
 
 def print_row(r):
-    f = C.fmt
+    f = H.fmt
 
     def x(ratio):
         return f"({ratio:.2f}x)" if ratio else "       "
@@ -535,7 +516,7 @@ def print_row(r):
 # driver
 # ------------------------------------------------------------------------------------------------------------
 def table(rows):
-    f = C.fmt
+    f = H.fmt
     body = [
         (
             r["head"],
@@ -555,7 +536,7 @@ def table(rows):
         )
         for r in rows
     ]
-    return C.md_table(
+    return H.md_table(
         [
             "head",
             "N",
@@ -579,12 +560,12 @@ def table(rows):
 def driver(args, argv):
     import cce_inductor  # noqa: F401 (fails early, before any worker, when the package is missing)
 
-    backends = C.resolve_methods(args.methods)
+    backends = H.resolve_methods(args.methods)
     peers, notes = find_peers(args.device)
     if not args.report:
-        C.append_row(
+        H.append_row(
             args.out,
-            C.header(
+            H.header(
                 args.device,
                 dict(
                     script="vocab_grid",
@@ -600,7 +581,7 @@ def driver(args, argv):
             ),
         )
     print(f"# results: {args.out}", flush=True)
-    child_argv = C.strip_flags(argv, {"--heads", "--out", "--budget-s"}) + ["--out", args.out]
+    child_argv = H.strip_flags(argv, {"--heads", "--out", "--budget-s"}) + ["--out", args.out]
     units = [["--head", h] for h in args.heads]
 
     def crash_row(unit, rc):
@@ -609,7 +590,7 @@ def driver(args, argv):
     left = (
         []
         if args.report
-        else C.run_workers(units, child_argv, os.path.abspath(__file__), args.budget_s, args.out, crash_row)
+        else H.run_workers(units, child_argv, os.path.abspath(__file__), args.budget_s, args.out, crash_row)
     )
     names = method_names(args, backends, peers)
 
@@ -628,7 +609,7 @@ def driver(args, argv):
             )
         )
 
-    rows = [r for r in C.latest(C.read_rows(args.out), lambda r: (*case_key(r), r["method"])) if wanted(r)]
+    rows = [r for r in H.latest(H.read_rows(args.out), lambda r: (*case_key(r), r["method"])) if wanted(r)]
     done = finished(rows, names, peers)
     todo = [
         case_of(args, h, n, i, s)
@@ -703,13 +684,13 @@ def parse_args(argv):
     args.methods_raw = args.methods.split(",")
     args.methods = [m for m in args.methods_raw if m != "peers"]
     args.profile = [m for m in args.profile.split(",") if m]
-    unknown = {m for m in args.methods if not C.is_method(m)} - set(BASE) - {"trl", "liger", "apple_cce"}
+    unknown = {m for m in args.methods if not H.is_method(m)} - set(BASE) - {"trl", "liger", "apple_cce"}
     if unknown:
         ap.error(f"unknown methods {sorted(unknown)}")
     if args.budget_s is None:
         args.budget_s = 0 if args.tiny else 500
-    return C.finish_args(ap, args, "vocab_grid")
+    return H.finish_args(ap, args, "vocab_grid")
 
 
 if __name__ == "__main__":
-    sys.exit(C.main(None, parse_args, worker, driver))
+    sys.exit(H.main(None, parse_args, worker, driver))
