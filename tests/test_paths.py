@@ -313,7 +313,7 @@ def test_lean_only_facts(facts_kw, reason):
 def test_softcapped_returned_logits_count_one_more_block():
     """Where the returned logits are softcapped, torch.compile's step peak holds four logits-sized blocks of the
     input's width, not three (Gemma-2-2B: 8.0 bytes per bf16 logit against GPT-2 medium's and Llama-3.2-1B's 6.0;
-    H200, benchmarks/head_memory.py, engineering log v26): the estimate counts the fourth and stats() says 8 bytes.
+    H200, engineering log v26): the estimate counts the fourth and stats() says 8 bytes.
     Without returned logits the softcap changes nothing."""
     base = dict(rows=4096, hidden=2304, vocab=256000, element_size=2, kernels=True, reduction="mean", needs_grad=True)
     capped = paths.HeadFacts(**base, returned_logits=True, softcapped=True)
@@ -675,7 +675,7 @@ def test_memory_model_under_autocast_matches_the_measured_peaks():
     path with a G block of 2x (as the op chose it before the model counted E's compacted rows; 1x since v41), E and
     one vocabulary chunk of the head converted,
     and E's compacted rows, which outlive the 1024-row block of the head's target rows gathered before them (v38 /
-    v39: 2452 MB, to the MiB, the blocks alive at the peak named by ``benchmarks/peak_breakdown.py``; v37's gather
+    v39: 2452 MB, to the MiB, the blocks alive at the peak named by a probe, in the engineering log; v37's gather
     of all N target rows at once read 2484 MB at 1x, then the larger of the two); the balanced path with its 1 GiB
     scratch and the operands converted for the call. torch.compile's peak holds no copies of the inputs (its bf16
     logits and the fp32 gradients)."""
