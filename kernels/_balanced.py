@@ -49,9 +49,11 @@ own, or autocast's (``compute_dtype``; fp32 inputs are converted once per call, 
 Each gradient leaves in its input's dtype, rounded once: an fp32 gradient (fp32 inputs, autocast's fp32 weights) is
 its fp32 sum (cuBLAS accumulates dC in it); a 16-bit one is a pair of 16-bit sums ``hi + lo`` (``_pair_sums``:
 dE's rows split once their chunk is done, dC summed chunk by chunk in the pair product's epilogue), ~16 mantissa
-bits; or, with ``plain_sum``, a 16-bit dC is summed in its own dtype (cuBLAS's ``addmm`` adds each chunk's product
-to it in its epilogue, ``beta = 1``: one rounding a chunk, at most ``_layout.PLAIN_SUM_MAX_CHUNKS`` chunks, the
-error budget's bound; past a counted prefix the row-skipping product, which adds the skipped rows' poison too).
+bits; or, with ``plain_sum``, a 16-bit dC is summed in its own dtype, one rounding a chunk (the first chunk cuBLAS's
+``mm``; later ones the pair product without its ``lo``, which adds the chunk's fp32 product to the sum before it
+rounds, where cuBLAS's 16-bit ``addmm`` may round the product first), at most ``_layout.PLAIN_SUM_MAX_CHUNKS``
+chunks, the error budget's bound; past a counted prefix the row-skipping product, which adds the skipped rows'
+poison too).
 The op's backward scales them by the upstream gradient g, ``g * (hi + lo)`` rounded once, into ``hi``'s own buffer
 (a saved tensor that only the backward reads is a donated buffer to Inductor, which writes the result in place):
 the pairs carry no more rounding than torch.compile's, whatever g is, and the backward allocates no second copy of

@@ -52,10 +52,11 @@ def _gradient(shape, dtype, device, pair: bool):
 
 
 def _pair_sums_into(hi, lo, grad, e_rows, *, accumulate: bool, upcast: bool, num_counted=None, poison=None) -> None:
-    """``(hi, lo) (+)= grad^T @ e_rows (+ poison)`` (``_pair_sums``): the Triton product where the tensor-memory
-    accelerator reads the operands, else in fp32 slabs of ``_FALLBACK_SLAB`` rows of the result.  ``num_counted`` /
-    ``poison`` (rows compacted, which :func:`row_skipping_ok` allows only for operands the accelerator reads): the
-    Triton product's device-side bound on the rows summed, and the poison it adds."""
+    """``(hi, lo) (+)= grad^T @ e_rows (+ poison)`` (``_pair_sums``), or with ``lo`` None the plain 16-bit sum, ``hi
+    (+)= grad^T @ e_rows`` rounded once: the Triton product where the tensor-memory accelerator reads the operands,
+    else in fp32 slabs of ``_FALLBACK_SLAB`` rows of the result.  ``num_counted`` / ``poison`` (rows compacted, which
+    :func:`row_skipping_ok` allows only for operands the accelerator reads): the Triton product's device-side bound on
+    the rows summed, and the poison it adds."""
     if _launch.tma_ok(grad, e_rows):
         _pair_sums.pair_product(hi, lo, grad, e_rows, accumulate=accumulate, num_counted=num_counted, poison=poison)
         return
@@ -69,8 +70,12 @@ def _pair_sums_into(hi, lo, grad, e_rows, *, accumulate: bool, upcast: bool, num
         slab = torch.mm(a[:, s0:s1].T, b, **out_dtype)
         if accumulate:
             slab += hi[s0:s1].float()
-            slab += lo[s0:s1].float()
-        _pair_sums.split_pair(slab, hi[s0:s1], lo[s0:s1])
+            if lo is not None:
+                slab += lo[s0:s1].float()
+        if lo is None:
+            hi[s0:s1].copy_(slab)
+        else:
+            _pair_sums.split_pair(slab, hi[s0:s1], lo[s0:s1])
 
 
 def row_skipping_ok(e, c, *, compute_dtype, need_bias: bool) -> bool:
@@ -222,28 +227,6 @@ def _operands(e, c, bias, dtype) -> _Operands:
     return _Operands(e_cd, c_cd, bias_cd, e_mm, c_mm, upcast, out_dtype)
 
 
-def _plain_sum_into(out, grad, e_rows, *, accumulate: bool, upcast: bool) -> None:
-    """``out (+)= grad^T @ e_rows`` in ``out``'s 16-bit dtype, the fp32 product and ``out`` added before one rounding
-    (the error budget's model).  The first chunk is cuBLAS's ``mm``; later ones the pair product without its ``lo``
-    (``_pair_sums``), since cuBLAS's 16-bit ``addmm`` (``beta = 1``) may round the product before it adds; operands
-    the tensor-memory accelerator cannot read (and the interpreter's upcast path), in fp32 slabs."""
-    if not accumulate and not upcast:
-        _launch.product_into(out, grad.T, e_rows, accumulate=False)
-        return
-    if not upcast and _launch.tma_ok(out, grad, e_rows):
-        _pair_sums.pair_product(out, None, grad, e_rows, accumulate=True)
-        return
-    a = grad.float() if upcast else grad
-    b = e_rows.float() if upcast else e_rows
-    out_dtype = {} if upcast or a.dtype == torch.float32 else {"out_dtype": torch.float32}
-    for s0 in range(0, out.shape[0], _FALLBACK_SLAB):
-        s1 = min(s0 + _FALLBACK_SLAB, out.shape[0])
-        slab = torch.mm(a[:, s0:s1].T, b, **out_dtype)
-        if accumulate:
-            slab += out[s0:s1].float()
-        out[s0:s1].copy_(slab)
-
-
 def _chunks(
     e, c, targets, bias, grad_e, grad_e_lo, grad_c, grad_c_lo, grad_bias, row_loss, row_scale, *,
     softcap, ignore_index, label_smoothing, dtype, rows_per_chunk, pitch, split, tune, counted_prefix_rows,
@@ -332,8 +315,8 @@ def _chunks(
         )
         # the scratch now holds G, 0 past V.  dC before dE: dE's product overwrites the gathered rows of E
         if grad_c is not None:
-            # compacted: every row's poison enters dC once, with the first chunk whose product can add it (the pair
-            # product's; a plain sum's cuBLAS products cannot: its first chunk past the prefix)
+            # compacted: every row's poison enters dC once, with the first chunk whose product adds it (a pair's
+            # first chunk; a plain sum's first chunk past the prefix, the row-skipping product's)
             adds_poison = compacted is not None and (past_prefix == 1 and count is not None if plain_sum else i == 0)
             poison = compacted.dc_poison if adds_poison else None
             _dc_chunk(grad_c, grad_c_lo, padded, e_rows, ops, v, first=i == 0, count=count, poison=poison)
@@ -363,8 +346,12 @@ def _dc_chunk(grad_c, grad_c_lo, padded, e_rows, ops: _Operands, v, *, first: bo
         grad = padded.float() if ops.upcast else padded
         rows = e_rows.float() if ops.upcast else e_rows
         _launch.product_into(grad_c, grad.T, rows, accumulate=not first, **ops.out_dtype)
+    elif first and not ops.upcast:  # the plain sum's first chunk: cuBLAS's mm rounds its product once
+        _launch.product_into(grad_c, padded.T, e_rows, accumulate=False)
     else:
-        _plain_sum_into(grad_c, padded, e_rows, accumulate=not first, upcast=ops.upcast)
+        # its later chunks add before their one rounding (the error budget's model), which cuBLAS's 16-bit addmm
+        # (beta = 1) does not promise: at some shapes it rounds the product first
+        _pair_sums_into(grad_c, None, padded, e_rows, accumulate=not first, upcast=ops.upcast)
 
 
 def _de_chunk(grad_e, grad_e_lo, de_rows32, padded, ops: _Operands, tail, v, split, r0, rows, count, compacted):
