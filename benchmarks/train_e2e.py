@@ -17,17 +17,20 @@ clipping at 1.0. Every run of one command sees the same windows of ``--seq`` tok
     python benchmarks/train_e2e.py compare RESULTS_DIR
     python benchmarks/train_e2e.py tiny                             # CPU smoke test of train + compare (~2 min)
 
-Methods: ``compile`` = torch.compile(model); ``default`` / ``exact`` / ``lean`` = torch.compile(model,
-backend=cce_inductor.make_backend(drop_logits=True, **METHODS[method])) (``_harness.METHODS``). ``--weights bf16``:
-bf16 parameters and AdamW state; ``autocast``: fp32 parameters, the forward under bf16 autocast.
+Methods: ``eager`` = the model as it is; ``compile`` = torch.compile(model); ``default`` / ``exact`` / ``lean`` =
+torch.compile(model, backend=cce_inductor.make_backend(drop_logits=True, **METHODS[method]))
+(``_harness.METHODS``). ``--weights bf16``: bf16 parameters and AdamW state; ``autocast``: fp32 parameters, the
+forward under bf16 autocast.
 
 Each run writes ``<weights>_mask<p>_<method>.json``: the loss of every step, the held-out loss (the mean over
 ``--eval-windows`` held-out windows, every target counted, under no_grad) every ``--eval-every`` steps and at the
 end, the path stats() reports for the loss site, the step times (ms, each step on its own: _harness.SyncedTimer;
 inflated when runs share a GPU).
-``compare`` reads them all: per (weights, mask), every method against ``compile``'s run with the issue's targets:
-the mean loss of the last 100 steps within 0.5 %, the largest gap between 50-step running means within 1 %, the
-final held-out loss within 0.5 %.
+``--repeat K`` runs the same again under another name (``..._repeatK``): stock's runs again and eager PyTorch are
+the noise floor. ``compare`` reads them all: per (weights, mask), every run against ``compile``'s first run with the
+issue's targets (the mean loss of the last 100 steps within 0.5 %, the largest gap between 50-step running means
+within 1 %, the final held-out loss within 0.5 %), then each method's runs as a family against stock's (torch.compile
+and eager): the families' means and stock's own spread.
 """
 
 from __future__ import annotations
