@@ -58,6 +58,9 @@ Columns (JSON lines; the first line of each run is a header: device, versions, d
                   gradients, optimizer state, activations: everything), after reset_peak_memory_stats()
     pick, pick_reason  the path stats() reports for the loss site (cce methods);  loss  the last step's loss
     oom / error   the batch did not fit (the growth stops there) / what else failed
+    compile_mode  --compile-mode ("reduce-overhead": CUDA graphs, each step marked as a new replay);
+    memory_fraction  --memory-fraction (the allocator's cap, a smaller GPU);  lean_after_oom  (cce methods) the
+                  op's calls whose balanced buffers did not fit and that ran the lean path (stats()'s count)
 Final table, per model and method: the largest batch (of the powers of two tried) that fit without / with
 checkpointing ("≥B (cap)": --max-batch fit; "≥B (not done)": not grown to OOM yet; "OOM" / "error": not even the
 first); step ms at each batch that both this method and compile fit (same checkpointing), with its ratio to
@@ -185,6 +188,9 @@ COLUMNS = (
     "loss",
     "oom",
     "error",
+    "compile_mode",
+    "memory_fraction",
+    "lean_after_oom",
 )
 
 
@@ -209,14 +215,14 @@ def build_model(name, args):
     return model.train()
 
 
-def compile_model(model, method, backends, static):
+def compile_model(model, method, backends, static, mode=None):
     dynamic = False if static else None
     if method == "compile":
-        return torch.compile(model, dynamic=dynamic)
+        return torch.compile(model, dynamic=dynamic, mode=mode)
     import cce_inductor
 
     return torch.compile(
-        model, dynamic=dynamic, backend=cce_inductor.make_backend(drop_logits=True, **backends[method])
+        model, dynamic=dynamic, mode=mode, backend=cce_inductor.make_backend(drop_logits=True, **backends[method])
     )
 
 
@@ -229,11 +235,14 @@ def enable_checkpointing(model):
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
 
-def training_step(compiled, opt, tokens, device, autocast=True):
+def training_step(compiled, opt, tokens, device, autocast=True, cuda_graphs=False):
     """One whole step as a trainer runs it: the forward (under bf16 autocast for fp32 parameters), backward, AdamW,
-    zero_grad; returns the loss (detached)."""
+    zero_grad; returns the loss (detached).  ``cuda_graphs`` (``mode="reduce-overhead"``): each step begins a new
+    replay of the recorded graphs, as a training loop tells Inductor's CUDA graph trees."""
 
     def step():
+        if cuda_graphs:
+            torch.compiler.cudagraph_mark_step_begin()
         with torch.autocast(device, dtype=torch.bfloat16, enabled=autocast):
             loss = compiled(input_ids=tokens, labels=tokens).loss
         loss.backward()
@@ -280,6 +289,8 @@ def worker(args):
     H.setup_compile()
     backends = H.resolve_methods(args.methods, quiet=True)
     dev, cuda, is_cce = args.device, args.device == "cuda", args.method in backends
+    if cuda and args.memory_fraction:
+        torch.cuda.set_per_process_memory_fraction(args.memory_fraction)
     done = {}
     if args.resume:
         for r in H.read_rows(args.out):
@@ -321,7 +332,7 @@ def worker(args):
         vocab = model.config.vocab_size
         gen = torch.Generator(device=dev).manual_seed(args.seed)
         torch._dynamo.reset()
-        compiled = None if args.static else compile_model(model, args.method, backends, False)
+        compiled = None if args.static else compile_model(model, args.method, backends, False, args.compile_mode)
         pick = None
         for b in todo:
             if H.past_deadline(args.deadline, 1.5 * slowest):
@@ -338,14 +349,23 @@ def worker(args):
                 tokens=b * args.seq,
                 round=args.round,
                 weights=args.weights,
+                compile_mode=args.compile_mode,
+                memory_fraction=args.memory_fraction,
             )
             began = time.time()
             if args.static:
                 torch._dynamo.reset()
-                compiled = compile_model(model, args.method, backends, True)
+                compiled = compile_model(model, args.method, backends, True, args.compile_mode)
             tokens = torch.randint(0, vocab, (b, args.seq), device=dev, generator=gen)
 
-            step = training_step(compiled, opt, tokens, dev, autocast=args.weights == "fp32-autocast")
+            step = training_step(
+                compiled,
+                opt,
+                tokens,
+                dev,
+                autocast=args.weights == "fp32-autocast",
+                cuda_graphs=args.compile_mode == "reduce-overhead" and cuda,
+            )
             failed, fatal = False, False
             try:
                 cce_inductor.reset_stats()
@@ -370,6 +390,8 @@ def worker(args):
                 row["tokens_s"] = b * args.seq / (row["step_ms"] / 1e3)
                 row["peak_gb"] = peak.gb
                 row["loss"] = float(losses[-1])
+                if is_cce:  # the calls whose balanced buffers did not fit and that ran the lean path instead
+                    row["lean_after_oom"] = cce_inductor.stats()["balanced_rows"]["lean_after_oom"]
                 if args.kernels:  # after the peak is read: the profiler's buffers are not the step's memory
                     row["kernels"] = H.kernel_breakdown(step, dev, top=args.kernels)
                     row["kernel_ms"] = sum(k[2] for k in row["kernels"])
@@ -644,6 +666,15 @@ def parse_args(argv):
         help="one more step under torch.profiler: its K costliest kernels and their sum in the row",
     )
     ap.add_argument("--attn", default=None, help="attn_implementation for every model (default: per model)")
+    ap.add_argument(
+        "--compile-mode", default=None, help='torch.compile(mode=...) for every method; "reduce-overhead": CUDA graphs'
+    )
+    ap.add_argument(
+        "--memory-fraction",
+        type=float,
+        default=None,
+        help="torch.cuda.set_per_process_memory_fraction in each worker: a smaller GPU (the OOM fallback's test)",
+    )
     ap.add_argument("--out", default=None, help="JSON lines, appended (default $OUT/full_depth.jsonl)")
     ap.add_argument("--resume", action="store_true", help="skip the batches --out already holds")
     ap.add_argument("--report", action="store_true", help="print the table of --out's rows; run nothing")

@@ -28,22 +28,30 @@ def make_backend(
     """A Dynamo backend compiling with Inductor and the pass. Options: ``options``, else the ``CCE_INDUCTOR_*``
     environment; keyword ``overrides`` (the fields of :class:`CCEOptions`, e.g. ``drop_logits=True``) win."""
     _compat.install()
-    options = resolve(options, overrides)
+    resolved = resolve(options, overrides)
 
-    def cce_backend(gm: torch.fx.GraphModule, example_inputs, **kwargs):
+    def cce_backend(gm: torch.fx.GraphModule, example_inputs, *, mode=None, options=None, **kwargs):
         from torch._inductor.compile_fx import compile_fx
 
         _compat.install()
         current = inductor_config.pre_grad_custom_pass
         ours = _find_ours(current)
         chained = ours.chained if ours is not None else current
-        patches = dict(inductor_options or {})
-        patches["pre_grad_custom_pass"] = CCEGraphPass(options, chained=chained)
+        patches = {**mode_patches(mode, options), **(inductor_options or {})}
+        patches["pre_grad_custom_pass"] = CCEGraphPass(resolved, chained=chained)
         with inductor_config.patch(patches):
             return compile_fx(gm, example_inputs, **kwargs)
 
-    cce_backend.options = options  # type: ignore[attr-defined]
+    cce_backend.options = resolved  # type: ignore[attr-defined]
     return cce_backend
+
+
+def mode_patches(mode: str | None, options: dict[str, Any] | None) -> dict[str, Any]:
+    """Inductor's config for ``torch.compile(..., mode=, options=)``: Dynamo hands a backend other than Inductor
+    both as keywords, which Inductor's own wrapper turns into config (``mode="reduce-overhead"``: CUDA graphs)."""
+    from torch._inductor import list_mode_options
+
+    return {**(list_mode_options(mode) if mode else {}), **(options or {})}
 
 
 def backend(gm: torch.fx.GraphModule, example_inputs, **kwargs):

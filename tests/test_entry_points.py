@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
 import cce_inductor
+from cce_inductor.backend import mode_patches
 from cce_inductor.graph_pass import CCEGraphPass
 from cce_inductor.options import CCEOptions
 from tests.support.head import inputs, make_fn
@@ -74,6 +75,40 @@ def test_backend_rewrites_tiny_gpt(no_inductor_caches, clean_env):
     assert_grads_close(grads, ref_grads)
     # the compiled code really calls the fused op (forward and backward)
     assert op_was_called(lambda: compiled(idx, targets).backward())
+
+
+def test_backend_takes_torch_compiles_mode_and_options(no_inductor_caches, clean_env, monkeypatch):
+    """``torch.compile(..., backend=cce_inductor.backend, mode=...)``: Dynamo hands a backend other than Inductor the
+    mode (and ``options``) as keywords; they reach Inductor as its own wrapper applies them (``reduce-overhead``: CUDA
+    graphs), and the loss is rewritten as without them (before, compile_fx refused the keyword)."""
+    import torch._inductor.compile_fx as compile_fx_module
+
+    seen = []
+    real = compile_fx_module.compile_fx
+
+    def recording(*args, **kwargs):
+        seen.append((inductor_config.triton.cudagraphs, inductor_config.max_autotune))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(compile_fx_module, "compile_fx", recording)
+    fn = make_fn()
+    hidden, weight, labels = inputs()
+    want = fn(hidden, weight, labels)
+    want_grads = torch.autograd.grad(want, (hidden, weight))
+    cases = (("reduce-overhead", None, (True, False)), (None, {"max_autotune": True}, (False, True)))
+    for mode, options, flags in cases:
+        torch._dynamo.reset()
+        cce_inductor.reset_stats()
+        compiled = torch.compile(make_fn(), backend=cce_inductor.backend, mode=mode, options=options)
+        got = compiled(hidden, weight, labels)
+        grads = torch.autograd.grad(got, (hidden, weight))
+        assert seen[-1] == flags, mode
+        assert cce_inductor.stats()["rewritten"] == 1
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+        for g, w in zip(grads, want_grads):
+            torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
+    assert mode_patches("max-autotune", {"max_autotune": False})["max_autotune"] is False
+    assert mode_patches(None, None) == {}
 
 
 # ----------------------------------------------------------------------------------------------------------------
