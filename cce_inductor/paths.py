@@ -18,7 +18,7 @@ one call; ``benchmarks/`` compares it with measured peaks, ``tests/test_paths.py
                    + N V 4 where the logits are also graph outputs (Hugging Face models return them; the rewrite
                    returns them lazily or drops them), + N V b more where they are softcapped too: at the peak of
                    such graphs the allocator holds three 16-bit logits-sized blocks, four with a softcap
-                   (measured, engineering log v26); for fp32 inputs b + 4 = 8 stays under three blocks' 12, so the
+                   (docs/design.md's memory model); for fp32 inputs b + 4 = 8 stays under three blocks' 12, so the
                    budget errs lean
     lean           LB + R W b + N D 4 (dE's fp32 sums; where dE is fp32 it is its own sums, but on counted-prefix
                    calls) (+ N D b + W D b + max(N D b, T D (4 + b)) under autocast: E and one vocabulary chunk of C
@@ -141,8 +141,8 @@ def compile_peak(f: HeadFacts, padded: bool = False) -> int:
     where the graph returns the logits (``f.returned_logits``; :func:`compile_bytes_per_logit`); ``padded``: at 4
     bytes a logit, as it held them where it padded an unaligned vocabulary's products (:func:`pads_product`). Under
     autocast (inputs stored wider than the products' dtype) the same: the logits at the products' width and the
-    gradients at the inputs' (its copies of the inputs are not counted: they did not add to its peak where
-    measured, engineering log v26)."""
+    gradients at the inputs' (its copies of the inputs are not counted: they do not add to its peak, as
+    docs/design.md's memory model says)."""
     per_logit = _PADDED_LOGIT_BYTES if padded else compile_bytes_per_logit(f)
     return f.rows * f.vocab * per_logit + gradient_bytes(f)
 
