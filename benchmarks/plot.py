@@ -173,10 +173,6 @@ def grid(paths: list[str], n: int, ignore: int, shapes: str, out: str) -> str:
     return target
 
 
-def _running_mean(values, window):
-    return [sum(values[i : i + window]) / window for i in range(len(values) - window + 1)]
-
-
 def curves(path: str, window: int, out: str) -> str:
     """Loss curves of ``train_e2e.py`` runs (a results folder or the combined JSON of one): per (weights, ignored
     share) a panel of the training loss's running means over ``window`` steps with the held-out losses as points,
@@ -190,13 +186,13 @@ def curves(path: str, window: int, out: str) -> str:
     for column, (weights, mask) in enumerate(groups):
         members = [r for r in runs if (r["weights"], r["prompt_mask"]) == (weights, mask)]
         base = next(r for r in members if r["method"] == "compile" and not r.get("repeat"))
-        base_mean = _running_mean(base["losses"], window)
+        base_mean = train_e2e.running_means(base["losses"], window)
         top, bottom = axes[0][column], axes[1][column]
         for run in members:
             label = run["method"] + (f" (again, {run['repeat']})" if run.get("repeat") else "")
             stock = run["method"] in ("compile", "eager")
             style = dict(linewidth=0.9, linestyle="--" if stock else "-", alpha=0.8)
-            mean = _running_mean(run["losses"], window)
+            mean = train_e2e.running_means(run["losses"], window)
             steps = range(window, len(run["losses"]) + 1)
             line = top.plot(steps, mean, label=label, **style)[0]
             top.plot(*zip(*run["held_out"]), "o", color=line.get_color(), markersize=3)

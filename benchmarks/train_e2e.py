@@ -259,7 +259,7 @@ def train_command(args) -> None:
 # ------------------------------------------------------------------------------------------------------------
 # compare
 # ------------------------------------------------------------------------------------------------------------
-def _running_means(values, window):
+def running_means(values, window):
     sums = [0.0]
     for value in values:
         sums.append(sums[-1] + value)
@@ -272,7 +272,7 @@ def gaps(base: dict, run: dict) -> dict:
     steps = min(len(base["losses"]), len(run["losses"]))
     base_losses, run_losses = base["losses"][:steps], run["losses"][:steps]
     last, window = min(100, steps), min(50, steps)
-    running = zip(_running_means(base_losses, window), _running_means(run_losses, window))
+    running = zip(running_means(base_losses, window), running_means(run_losses, window))
     evaluated = min(len(base["held_out"]), len(run["held_out"]))
     return dict(
         steps=steps,
