@@ -2,7 +2,7 @@
 
     python benchmarks/plot.py ratios benchmarks/results/2026-11-24_h100_heads_v12.json --out /tmp/plots
     python benchmarks/plot.py ratios benchmarks/results/2026-11-24_h*_heads_v12.json --mode fwd
-    python benchmarks/plot.py curves benchmarks/results/2026-12-02_h200_train-e2e-realtext-qwen25-0.5b_v43.json \
+    python benchmarks/plot.py curves benchmarks/results/2026-12-02_h200_train-e2e-realtext-qwen25-0.5b_v44.json \
         --out docs
     python benchmarks/plot.py grid benchmarks/results/2026-11-25_h100_vocab-grid.jsonl --n 8192 --out /tmp/plots
 
