@@ -26,9 +26,11 @@ drop_logits=True) --ckpt off,on --max-batch 256 --steps 5 --min-timed-s 2 --seq 
 --rounds 1; --out $OUT/full_depth.jsonl ($OUT unset: ./full_depth.jsonl); --budget-s 500 (no worker, and no
 batch, is started that would end past it).
 
-Methods: compile = torch.compile(model); default = torch.compile(model, backend=cce_inductor.make_backend(
-drop_logits=True)) (HF models return their logits: the pass needs that opt-in); lean / balanced add METHODS'
-keywords. A cce method whose loss site stats() does not report rewritten is an error ("NOT REWRITTEN").
+Methods: compile = torch.compile(model); liger = the same over the model with Liger-Kernel's fused linear
+cross-entropy alone (``apply_liger_kernel_to_<family>``, every other kernel off; CUDA; no GPT-2 patch);
+default = torch.compile(model, backend=cce_inductor.make_backend(drop_logits=True)) (HF models return their
+logits: the pass needs that opt-in); lean / balanced add METHODS' keywords. A cce method whose loss site stats()
+does not report rewritten is an error ("NOT REWRITTEN").
 Per model x method x activation checkpointing (off; on = model.activation_checkpointing_enable(), called
 gradient_checkpointing_enable before transformers 5.2x; non-reentrant),
 the batch grows 1, 2, 4, ... sequences until torch.OutOfMemoryError (caught; memory freed) or --max-batch.
@@ -170,6 +172,9 @@ TINY = dict(
 )
 
 
+# methods without the pass: stock torch.compile, and Liger-Kernel's fused linear cross-entropy under it (CUDA only)
+PLAIN_METHODS = ("compile", "liger")
+
 COLUMNS = (
     "model",
     "method",
@@ -212,12 +217,38 @@ def build_model(name, args):
         model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=args.attn or attn)
     if args.weights == "bf16":
         model = model.to(torch.bfloat16)
+    if args.method == "liger":
+        apply_liger(model, family)
     return model.train()
+
+
+# Liger-Kernel's patch of each family's model (its fused linear cross-entropy in the causal-LM forward)
+LIGER_PATCH = {
+    "llama": "apply_liger_kernel_to_llama",
+    "qwen2": "apply_liger_kernel_to_qwen2",
+    "gemma2": "apply_liger_kernel_to_gemma2",
+}
+
+
+def apply_liger(model, family):
+    """Liger-Kernel's fused linear cross-entropy alone: its ``apply_liger_kernel_to_<family>`` with every other
+    kernel off (each patch names its own: rope, rms_norm, swiglu / geglu, cross_entropy, ...). It replaces the
+    causal-LM class's forward, which then returns no logits where labels are given (the peer of ``drop_logits``)."""
+    import inspect
+
+    import liger_kernel.transformers as liger
+
+    if family not in LIGER_PATCH:
+        raise ValueError(f"Liger-Kernel has no patch for {family} models")
+    patch = getattr(liger, LIGER_PATCH[family])
+    params = inspect.signature(patch).parameters
+    off = {k: False for k, p in params.items() if isinstance(p.default, bool) and k != "fused_linear_cross_entropy"}
+    patch(**off, fused_linear_cross_entropy=True, model=model)
 
 
 def compile_model(model, method, backends, static, mode=None):
     dynamic = False if static else None
-    if method == "compile":
+    if method in PLAIN_METHODS:  # Liger's patch is on the model (build_model): its compile is stock torch.compile
         return torch.compile(model, dynamic=dynamic, mode=mode)
     import cce_inductor
 
@@ -638,7 +669,9 @@ def driver(args, argv):
 def parse_args(argv):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", default=",".join(MODELS), help=f"comma list of {', '.join(MODELS)}")
-    ap.add_argument("--methods", default="compile,default", help="comma list of compile, default, lean, balanced")
+    ap.add_argument(
+        "--methods", default="compile,default", help="comma list of compile, liger, default, lean, balanced"
+    )
     ap.add_argument("--ckpt", default="off,on", help="activation checkpointing settings: off, on or both")
     ap.add_argument("--batches", default=None, help="batch sizes to try, in order (default 1,2,4,... --max-batch)")
     ap.add_argument("--max-batch", type=int, default=256)
@@ -695,8 +728,8 @@ def parse_args(argv):
         if m not in MODELS:
             ap.error(f"unknown model {m!r}; models: {', '.join(MODELS)}")
     for m in args.methods:
-        if m != "compile" and not H.is_method(m):
-            ap.error(f"unknown method {m!r}; methods: compile, {H.METHOD_NAMES}")
+        if m not in PLAIN_METHODS and not H.is_method(m):
+            ap.error(f"unknown method {m!r}; methods: compile, liger, {H.METHOD_NAMES}")
     if not set(args.ckpt) <= {"off", "on"}:
         ap.error("--ckpt: off, on")
     if args.rounds < 1:
