@@ -133,6 +133,31 @@ MODELS = {
         ),
         "sdpa",
     ),
+    # meta-llama/Llama-3.2-3B config.json (issue 64's model of 3B or more)
+    "llama32-3b": (
+        "llama",
+        dict(
+            hidden_size=3072,
+            intermediate_size=8192,
+            num_hidden_layers=28,
+            num_attention_heads=24,
+            num_key_value_heads=8,
+            head_dim=128,
+            vocab_size=128256,
+            max_position_embeddings=131072,
+            rope_theta=500000.0,
+            rms_norm_eps=1e-5,
+            rope_scaling=dict(
+                rope_type="llama3",
+                factor=32.0,
+                low_freq_factor=1.0,
+                high_freq_factor=4.0,
+                original_max_position_embeddings=8192,
+            ),
+            tie_word_embeddings=True,
+        ),
+        "sdpa",
+    ),
     # google/gemma-2-2b config.json (also transformers' Gemma2Config defaults). Attention softcapping runs only in
     # transformers' eager attention, as Gemma-2 trainers are told to use.
     "gemma2-2b": (
