@@ -63,6 +63,8 @@ Columns (JSON lines; the first line of each run is a header: device, versions, d
     compile_mode  --compile-mode ("reduce-overhead": CUDA graphs, each step marked as a new replay);
     memory_fraction  --memory-fraction (the allocator's cap, a smaller GPU);  lean_after_oom  (cce methods) the
                   op's calls whose balanced buffers did not fit and that ran the lean path (stats()'s count)
+--seqs S1,S2,...: the sequence grows instead, at batch 1 (the longest sequence that fits; one compile and one
+recompile per setting under dynamic shapes, where one invocation per --seq would compile at each).
 Final table, per model and method: the largest batch (of the powers of two tried) that fit without / with
 checkpointing ("≥B (cap)": --max-batch fit; "≥B (not done)": not grown to OOM yet; "OOM" / "error": not even the
 first); step ms at each batch that both this method and compile fit (same checkpointing), with its ratio to
@@ -313,7 +315,12 @@ def training_step(compiled, opt, tokens, device, autocast=True, cuda_graphs=Fals
 # worker: one (model, method)
 # ------------------------------------------------------------------------------------------------------------
 def unit_key(r):
-    return (r["model"], r["method"], r["ckpt"], r["batch"], r.get("round") or 1)
+    """(model, method, ckpt, batch, seq, round): the first five are the setting a row measured (cell_key)."""
+    return (r["model"], r["method"], r["ckpt"], r["batch"], r.get("seq"), r.get("round") or 1)
+
+
+def cell_key(r):
+    return unit_key(r)[:5]
 
 
 def pool_rounds(rows):
@@ -322,7 +329,7 @@ def pool_rounds(rows):
     median, peak_gb the highest, first_step_s and pick the first round's."""
     groups = {}
     for r in sorted(rows, key=lambda r: r.get("round") or 1):
-        groups.setdefault(unit_key(r)[:4], []).append(r)
+        groups.setdefault(cell_key(r), []).append(r)
     pooled = []
     for group in groups.values():
         steps = [t for r in group for t in (r.get("step_ms_all") or [r["step_ms"]])]
@@ -361,7 +368,7 @@ def worker(args):
     slowest, bad = 0.0, 0
     for ckpt in args.ckpt:
         stopped = [r for k, r in done.items() if k[2] == ckpt and (r.get("oom") or r.get("error"))]
-        todo = [b for b in args.batches if (args.model, args.method, ckpt, b, args.round) not in done]
+        todo = [(b, s) for b, s in args.sizes if (args.model, args.method, ckpt, b, s, args.round) not in done]
         if stopped or not todo:
             continue
         try:
@@ -373,8 +380,8 @@ def worker(args):
                 model=args.model,
                 method=args.method,
                 ckpt=ckpt,
-                batch=args.batches[0],
-                seq=args.seq,
+                batch=args.sizes[0][0],
+                seq=args.sizes[0][1],
                 round=args.round,
                 error=f"building the model: {H.err_text(exc)}",
             )
@@ -390,9 +397,12 @@ def worker(args):
         torch._dynamo.reset()
         compiled = None if args.static else compile_model(model, args.method, backends, False, args.compile_mode)
         pick = None
-        for b in todo:
+        for b, seq in todo:
             if H.past_deadline(args.deadline, 1.5 * slowest):
-                print(f"# {args.model} {args.method}: deadline: stopping before ckpt={ckpt} batch={b}", flush=True)
+                print(
+                    f"# {args.model} {args.method}: deadline: stopping before ckpt={ckpt} batch={b} seq={seq}",
+                    flush=True,
+                )
                 return 0
             row = dict(
                 dict.fromkeys(COLUMNS),
@@ -401,8 +411,8 @@ def worker(args):
                 method=args.method,
                 ckpt=ckpt,
                 batch=b,
-                seq=args.seq,
-                tokens=b * args.seq,
+                seq=seq,
+                tokens=b * seq,
                 round=args.round,
                 weights=args.weights,
                 compile_mode=args.compile_mode,
@@ -412,7 +422,7 @@ def worker(args):
             if args.static:
                 torch._dynamo.reset()
                 compiled = compile_model(model, args.method, backends, True, args.compile_mode)
-            tokens = torch.randint(0, vocab, (b, args.seq), device=dev, generator=gen)
+            tokens = torch.randint(0, vocab, (b, seq), device=dev, generator=gen)
 
             step = training_step(
                 compiled,
@@ -443,7 +453,7 @@ def worker(args):
                 row["step_ms_all"] = [round(t, 2) for t in timer.wall_ms]
                 row["host_ms"] = statistics.median(timer.host_ms)  # nothing in the step waits for the device
                 row["host_ms_all"] = [round(t, 2) for t in timer.host_ms]
-                row["tokens_s"] = b * args.seq / (row["step_ms"] / 1e3)
+                row["tokens_s"] = b * seq / (row["step_ms"] / 1e3)
                 row["peak_gb"] = peak.gb
                 row["loss"] = float(losses[-1])
                 if is_cce:  # the calls whose balanced buffers did not fit and that ran the lean path instead
@@ -476,7 +486,7 @@ def worker(args):
 def print_row(r):
     f = H.fmt
     line = (
-        f"  {r['model']} {r['method']:8s} ckpt={r['ckpt']:3s} batch={r['batch']:<4d} first step "
+        f"  {r['model']} {r['method']:8s} ckpt={r['ckpt']:3s} batch={r['batch']:<4d} seq={r.get('seq')} first step "
         f"{f(r.get('first_step_s'), '.1f'):>6s} s  step {f(r.get('step_ms'), '.1f'):>8s} ms "
         f"{f(r.get('tokens_s'), '.0f'):>8s} tok/s  host {f(r.get('host_ms'), '.1f'):>7s} ms  "
         f"peak {f(r.get('peak_gb'), '.2f'):>6s} GB  {r.get('pick') or ''}"
@@ -490,9 +500,10 @@ def print_row(r):
 # driver
 # ------------------------------------------------------------------------------------------------------------
 def summary(rows, args):
-    """The final table: one row per model and method."""
+    """The final table: one row per model and method; with --seqs the growth is the sequence's at batch 1."""
     f = H.fmt
-    fits = {unit_key(r)[:4]: r for r in pool_rounds([r for r in rows if r.get("step_ms")])}
+    grow, tag = ("seq", "s") if args.seqs else ("batch", "b")
+    fits = {cell_key(r): r for r in pool_rounds([r for r in rows if r.get("step_ms")])}
     ended = {
         (r["model"], r["method"], r["ckpt"]): "OOM" if r.get("oom") else "error"
         for r in rows
@@ -506,18 +517,20 @@ def summary(rows, args):
                 continue
             cells = [model, method]
             for ckpt in ("off", "on"):
-                sizes = [r["batch"] for r in mine if r["ckpt"] == ckpt]
+                sizes = [r[grow] for r in mine if r["ckpt"] == ckpt]
                 top = max(sizes) if sizes else 0
                 if (model, method, ckpt) in ended:  # the next batch did not fit (or failed: see the rows)
                     cells.append(f"{top}" if top else ended[(model, method, ckpt)])
                 elif top:
-                    cells.append(f"≥{top}" + (" (cap)" if top >= max(args.batches) else " (not done)"))
+                    cells.append(
+                        f"≥{top}" + (" (cap)" if top >= max(args.sizes)[0 if grow == "batch" else 1] else " (not done)")
+                    )
                 else:
                     cells.append("")
             for ckpt in ("off", "on"):
                 parts = []
-                for r in sorted((r for r in mine if r["ckpt"] == ckpt), key=lambda r: r["batch"]):
-                    base = fits.get((model, "compile", ckpt, r["batch"]))
+                for r in sorted((r for r in mine if r["ckpt"] == ckpt), key=lambda r: r[grow]):
+                    base = fits.get((model, "compile", ckpt, r["batch"], r["seq"]))
                     if base:
                         ratio = "" if method == "compile" else f" ({r['step_ms'] / base['step_ms']:.2f}x)"
                         rounds = (
@@ -525,19 +538,19 @@ def summary(rows, args):
                             if len(r["round_ms"]) < 2
                             else " [rounds " + " / ".join(f"{t:.1f}" for t in r["round_ms"]) + "]"
                         )
-                        parts.append(f"b{r['batch']} {r['step_ms']:.0f}{ratio}{rounds}")
+                        parts.append(f"{tag}{r[grow]} {r['step_ms']:.0f}{ratio}{rounds}")
                 cells.append(", ".join(parts))
             best = max((r["tokens_s"] for r in mine), default=None)
             base_best = max((r["tokens_s"] for k, r in fits.items() if k[:2] == (model, "compile")), default=None)
             cells.append(
                 f(best, ".0f") + (f" ({best / base_best:.2f}x)" if best and base_best and method != "compile" else "")
             )
-            first = sorted((r for r in mine if r["ckpt"] == "off"), key=lambda r: r["batch"])
+            first = sorted((r for r in mine if r["ckpt"] == "off"), key=lambda r: r[grow])
             cell = ""
             if first:
                 r = first[0]
-                base = fits.get((model, "compile", "off", r["batch"]))
-                cell = f"b{r['batch']} {r['first_step_s']:.1f} s"
+                base = fits.get((model, "compile", "off", r["batch"], r["seq"]))
+                cell = f"{tag}{r[grow]} {r['first_step_s']:.1f} s"
                 if base and method != "compile":
                     cell += f" ({r['first_step_s'] / base['first_step_s']:.2f}x)"
             cells.append(cell)
@@ -547,9 +560,9 @@ def summary(rows, args):
         [
             "model",
             "method",
-            "max batch",
-            "max batch (ckpt)",
-            "step ms at common batches (x compile)",
+            f"max {grow}",
+            f"max {grow} (ckpt)",
+            f"step ms at common {grow}s (x compile)",
             "same, ckpt",
             "best tok/s (x compile's best)",
             "first step (x compile)",
@@ -573,7 +586,7 @@ def time_split(rows):
                 r["model"],
                 r["method"],
                 r["ckpt"],
-                r["batch"],
+                f"{r['batch']} x {r['seq']}",
                 f"{r['step_ms']:.1f}",
                 f"{r['host_ms']:.1f}",
                 H.fmt(r.get("kernel_ms"), ".1f"),
@@ -586,7 +599,7 @@ def time_split(rows):
                 "model",
                 "method",
                 "ckpt",
-                "batch",
+                "batch x seq",
                 "step ms",
                 "host ms",
                 "kernel ms (one step)",
@@ -616,6 +629,7 @@ def driver(args, argv):
                     ckpt=args.ckpt,
                     batches=args.batches,
                     seq=args.seq,
+                    seqs=args.seqs,
                     steps=args.steps,
                     min_timed_s=args.min_timed_s,
                     static=args.static,
@@ -662,7 +676,7 @@ def driver(args, argv):
         for r in H.latest(H.read_rows(args.out), unit_key)
         if r.get("model") in args.models
         and r.get("method") in args.methods
-        and r.get("seq") in (args.seq, None)
+        and r.get("seq") in {s for _, s in args.sizes} | {None}
         and r.get("weights", "fp32-autocast") == args.weights
     ]
     ended = {(r["model"], r["method"], r["ckpt"]) for r in rows if r.get("oom") or r.get("error")}
@@ -673,7 +687,7 @@ def driver(args, argv):
         for meth in args.methods
         for ck in args.ckpt
         if (m, meth, ck) not in ended
-        and any((m, meth, ck, b, k) not in have for b in args.batches for k in range(1, args.rounds + 1))
+        and any((m, meth, ck, b, s, k) not in have for b, s in args.sizes for k in range(1, args.rounds + 1))
     ]
     bad = [r for r in rows if "NOT REWRITTEN" in str(r.get("error", ""))]
     print()
@@ -701,6 +715,11 @@ def parse_args(argv):
     ap.add_argument("--batches", default=None, help="batch sizes to try, in order (default 1,2,4,... --max-batch)")
     ap.add_argument("--max-batch", type=int, default=256)
     ap.add_argument("--seq", type=int, default=None, help="tokens per sequence (default 2048)")
+    ap.add_argument(
+        "--seqs",
+        default=None,
+        help="sequence lengths to try at batch 1, in order, in place of --batches: the longest sequence that fits",
+    )
     ap.add_argument("--steps", type=int, default=None, help="timed steps per batch, at least (default 5)")
     ap.add_argument(
         "--min-timed-s",
@@ -759,12 +778,17 @@ def parse_args(argv):
         ap.error("--ckpt: off, on")
     if args.rounds < 1:
         ap.error("--rounds: at least 1")
+    if args.seqs and args.batches:
+        ap.error("--seqs grows the sequence at batch 1: give it or --batches, not both")
     if args.batches:
         args.batches = [int(b) for b in args.batches.split(",")]
     else:
         top = 2 if args.tiny else args.max_batch
         args.batches = [2**i for i in range(top.bit_length()) if 2**i <= top]
     args.seq = args.seq or (64 if args.tiny else 2048)
+    args.seqs = [int(x) for x in args.seqs.split(",")] if args.seqs else None
+    # the settings each (model, method, ckpt) grows through until one does not fit: (batch, seq) pairs
+    args.sizes = [(1, x) for x in args.seqs] if args.seqs else [(b, args.seq) for b in args.batches]
     args.steps = args.steps or (1 if args.tiny else 5)
     if args.min_timed_s is None:
         args.min_timed_s = 0.0 if args.tiny else 2.0
