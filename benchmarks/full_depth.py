@@ -562,7 +562,7 @@ def summary(rows, args):
             "method",
             f"max {grow}",
             f"max {grow} (ckpt)",
-            f"step ms at common {grow}s (x compile)",
+            f"step ms at common {'batches' if grow == 'batch' else 'lengths'} (x compile)",
             "same, ckpt",
             "best tok/s (x compile's best)",
             "first step (x compile)",
