@@ -363,6 +363,7 @@ def worker(args):
                 and r.get("method") == args.method
                 and (r.get("round") or 1) == args.round
                 and r.get("weights", "fp32-autocast") == args.weights
+                and (r.get("batch"), r.get("seq")) in args.sizes  # (a growth over other sizes is another run's)
             ):
                 done[unit_key(r)] = r
     slowest, bad = 0.0, 0
