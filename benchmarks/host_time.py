@@ -21,7 +21,8 @@ of 4 lean and 4 default steps. ``--shapes dynamic``: each compiled method is fir
 timed at N under automatic dynamic shapes (what a trainer whose lengths vary gets; the vocabulary grid's dynamic cells).
 
 Reproduce (CUDA):  python benchmarks/host_time.py [--n 4096 --d 768 --v 50257] [--shapes dynamic] [--ignore 50]
-                   [--dtype autocast] [--out results.json]
+                   [--dtype autocast] [--launches] [--out results.json]
+``--launches``: the default's host time per step by Triton kernel (each launch timed on the host) and by aten op.
 CPU smoke run of the harness (the compiled methods only, on the chunked path):  python benchmarks/host_time.py --tiny
 Measured (an H200 host of the device pool, torch 2.11, Triton 3.6, 2026-11-25; engineering log v15): torch.compile
 1.03 ms host / 2.23 ms wall; the lean path through the pass 4.32 / 4.34 (host-bound), its kernels' launch helpers
@@ -107,6 +108,11 @@ def main():
     ap.add_argument("--ignore", type=float, default=0.0, help="%% of the targets set to -100 (at random)")
     ap.add_argument("--out", default=None, help="JSON results (default: print only)")
     ap.add_argument("--trace", default=None, help="directory for torch.profiler traces of the lean and default steps")
+    ap.add_argument(
+        "--launches",
+        action="store_true",
+        help="the default's host time per step split by Triton kernel (its launches' host time) and by aten op",
+    )
     ap.add_argument("--tiny", action="store_true", help="CPU smoke run: N 256, D 64, V 1001, compiled methods only")
     args = ap.parse_args()
     torch.manual_seed(0)
@@ -151,6 +157,8 @@ def main():
             results[f"{name} timeline (us)"] = timeline(steps[name], device=dev)
     if not args.tiny and args.dtype == "bf16":  # the helpers are timed on bf16 operands
         kernel_helpers(results, train_step, e, c, t, n, dev)
+    if args.launches:
+        results["default launches"] = launch_breakdown(steps["default"], dev)
     if args.trace:
         from torch.profiler import ProfilerActivity, profile
 
@@ -175,6 +183,56 @@ def main():
         print(f"{name}, compiled, one step (median us):")
         for seg, us in results[f"{name} timeline (us)"].items():
             print(f"  {seg:40s} {us:8.0f}")
+    if args.launches:
+        print("default, compiled, host time per step (us): Triton launches by kernel, then aten ops (self CPU time)")
+        for kind in ("triton", "aten"):
+            for name, calls, us in results["default launches"][kind]:
+                print(f"  {kind:6s} {name[:48]:48s} {calls:6.1f} calls {us:8.1f} us")
+
+
+def launch_breakdown(step, device, reps=20, top=20):
+    """Per step of ``step``, the host time of each Triton kernel's launches (``JITFunction.run`` timed around every
+    call: the binder, the argument specialisation and the driver's launch) and the self CPU time of each aten op
+    under torch.profiler (the launches of cuBLAS and torch's own kernels inside them): where the op's host time
+    goes, kernel by kernel.  Returns ``{"triton": [[name, calls, us], ...], "aten": [...]}`` per step, costliest
+    first."""
+    import collections
+
+    from torch.profiler import ProfilerActivity, profile
+    from triton.runtime.jit import JITFunction
+
+    spent = collections.defaultdict(lambda: [0, 0.0])
+    run = JITFunction.run
+
+    def timed_run(self, *args, **kwargs):
+        began = time.perf_counter()
+        try:
+            return run(self, *args, **kwargs)
+        finally:
+            entry = spent[getattr(self.fn, "__name__", repr(self.fn))]
+            entry[0] += 1
+            entry[1] += time.perf_counter() - began
+
+    step()  # warm: the first call of each kernel compiles
+    H.sync(device)
+    JITFunction.run = timed_run
+    try:
+        for _ in range(reps):
+            step()
+        H.sync(device)
+    finally:
+        JITFunction.run = run
+    triton_rows = sorted(([k, n / reps, 1e6 * t / reps] for k, (n, t) in spent.items()), key=lambda r: -r[2])
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(reps):
+            step()
+        H.sync(device)
+    aten = [
+        [a.key, a.count / reps, a.self_cpu_time_total / reps]
+        for a in prof.key_averages()
+        if a.key.startswith(("aten::", "cuda", "cu"))
+    ]
+    return {"triton": triton_rows[:top], "aten": sorted(aten, key=lambda r: -r[2])[:top]}
 
 
 def kernel_helpers(results, train_step, e, c, t, n, dev):
