@@ -250,19 +250,7 @@ def emit_fused_loss(graph: fx.Graph, record: Record, decision: Decision, rows, w
         options=decision.options,
         compute_dtype=decision.compute_dtype,
     )
-    if site.class_weight is not None or site.argmax_users:
-        call = ops.lean_call(
-            rows,
-            weight,
-            site.targets,
-            bias,
-            full_lse=bool(site.lse_users),
-            class_weights=site.class_weight,
-            argmax=site.argmax_round,
-            **common,
-        )
-        return [_emit_ext(graph, site, call)]
-    if decision.path == "balanced":
+    if decision.path == "balanced" and site.class_weight is None and not site.argmax_users:
         fused = balanced_op.balanced_call(
             rows,
             weight,
@@ -276,9 +264,17 @@ def emit_fused_loss(graph: fx.Graph, record: Record, decision: Decision, rows, w
             **common,
         ).emit(graph)
         return [graph.call_function(operator.getitem, (fused, 0))]
-    fused = ops.lean_call(rows, weight, site.targets, bias, full_lse=bool(site.lse_users), **common).emit(graph)
-    _feed_lse_users(graph, site, fused)
-    return [graph.call_function(operator.getitem, (fused, 0))]
+    call = ops.lean_call(
+        rows,
+        weight,
+        site.targets,
+        bias,
+        full_lse=bool(site.lse_users),
+        class_weights=site.class_weight,
+        argmax=site.argmax_round,
+        **common,
+    )
+    return [_emit_lean(graph, site, call)]
 
 
 def _feed_lse_users(graph: fx.Graph, site: Site, fused: fx.Node) -> None:
@@ -292,8 +288,9 @@ def _feed_lse_users(graph: fx.Graph, site: Site, fused: fx.Node) -> None:
         graph.erase_node(user)
 
 
-def _emit_ext(graph: fx.Graph, site: Site, call: ops.OpCall) -> fx.Node:
-    """The op with class weights and / or the argmax (module docstring): the lse and argmax users take its outputs."""
+def _emit_lean(graph: fx.Graph, site: Site, call: ops.OpCall) -> fx.Node:
+    """The lean op (with class weights and / or the argmax where the site has them, module docstring): the lse and
+    argmax users take its outputs; the loss is its output 0."""
     fused = call.emit(graph)
     _feed_lse_users(graph, site, fused)
     if site.argmax_users:
