@@ -135,31 +135,6 @@ MODELS = {
         ),
         "sdpa",
     ),
-    # meta-llama/Llama-3.2-3B config.json (issue 64's model of 3B or more)
-    "llama32-3b": (
-        "llama",
-        dict(
-            hidden_size=3072,
-            intermediate_size=8192,
-            num_hidden_layers=28,
-            num_attention_heads=24,
-            num_key_value_heads=8,
-            head_dim=128,
-            vocab_size=128256,
-            max_position_embeddings=131072,
-            rope_theta=500000.0,
-            rms_norm_eps=1e-5,
-            rope_scaling=dict(
-                rope_type="llama3",
-                factor=32.0,
-                low_freq_factor=1.0,
-                high_freq_factor=4.0,
-                original_max_position_embeddings=8192,
-            ),
-            tie_word_embeddings=True,
-        ),
-        "sdpa",
-    ),
     # google/gemma-2-2b config.json (also transformers' Gemma2Config defaults). Attention softcapping runs only in
     # transformers' eager attention, as Gemma-2 trainers are told to use.
     "gemma2-2b": (
@@ -184,6 +159,18 @@ MODELS = {
         "eager",
     ),
 }
+# meta-llama/Llama-3.2-3B config.json (issue 64's model of 3B or more): Llama-3.2-1B's but for its sizes
+MODELS["llama32-3b"] = (
+    "llama",
+    dict(
+        MODELS["llama32-1b"][1],
+        hidden_size=3072,
+        num_hidden_layers=28,
+        num_attention_heads=24,
+        head_dim=128,
+    ),
+    "sdpa",
+)
 TINY = dict(
     gpt2=dict(n_embd=64, n_layer=2, n_head=4, vocab_size=1001, n_positions=64),
     other=dict(
