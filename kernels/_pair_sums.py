@@ -129,11 +129,12 @@ def pair_product(
     bm, bn, bk = tune["BLOCK_M"], tune["BLOCK_N"], tune["BLOCK_K"]
     tune["num_stages"] = _launch.fit_num_stages(tune["num_stages"], bm, bn, bk, a.element_size())
     grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn),)
+    hi_desc = _launch.descriptor(hi, [bm, bn])
     _pair_product_kernel[grid](
         _launch.descriptor(a, [bk, bm]),
         _launch.descriptor(b, [bk, bn]),
-        _launch.descriptor(hi, [bm, bn]),
-        _launch.descriptor(hi if lo is None else lo, [bm, bn]),
+        hi_desc,
+        hi_desc if lo is None else _launch.descriptor(lo, [bm, bn]),  # (without lo the kernel never reads it)
         num_counted if num_counted is not None else hi,
         poison if poison is not None else hi,
         m,
