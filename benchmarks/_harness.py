@@ -29,6 +29,7 @@ import statistics
 import subprocess
 import sys
 import time
+import traceback
 import warnings
 
 import torch
@@ -406,9 +407,11 @@ def fatal_cuda(exc):
 
 
 def err_text(exc):
-    if is_oom(exc):
-        return "OutOfMemoryError"
     text = str(exc).strip()
+    if is_oom(exc):  # the allocation that failed and the frame that asked for it: the op's own, or the model's
+        frames = traceback.extract_tb(exc.__traceback__)
+        where = f" at {os.path.basename(frames[-1].filename)}:{frames[-1].lineno}" if frames else ""
+        return f"OutOfMemoryError: {text.splitlines()[0][:160] if text else ''}{where}"
     return f"{type(exc).__name__}: {text.splitlines()[0][:300]}" if text else type(exc).__name__
 
 

@@ -28,6 +28,7 @@ batch, is started that would end past it).
 
 Methods: compile = torch.compile(model); liger = the same over the model with Liger-Kernel's fused linear
 cross-entropy alone (``apply_liger_kernel_to_<family>``, every other kernel off; CUDA; no GPT-2 patch);
+liger-eager = Liger's patch without torch.compile (where its kernels fail under Inductor);
 default = torch.compile(model, backend=cce_inductor.make_backend(drop_logits=True)) (HF models return their
 logits: the pass needs that opt-in); lean / balanced add METHODS' keywords. A cce method whose loss site stats()
 does not report rewritten is an error ("NOT REWRITTEN").
@@ -187,7 +188,7 @@ TINY = dict(
 
 
 # methods without the pass: stock torch.compile, and Liger-Kernel's fused linear cross-entropy under it (CUDA only)
-PLAIN_METHODS = ("compile", "liger")
+PLAIN_METHODS = ("compile", "liger", "liger-eager")
 
 COLUMNS = (
     "model",
@@ -231,7 +232,7 @@ def build_model(name, args):
         model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=args.attn or attn)
     if args.weights == "bf16":
         model = model.to(torch.bfloat16)
-    if args.method == "liger":
+    if args.method.startswith("liger"):
         apply_liger(model, family)
     return model.train()
 
@@ -262,6 +263,8 @@ def apply_liger(model, family):
 
 def compile_model(model, method, backends, static, mode=None):
     dynamic = False if static else None
+    if method == "liger-eager":
+        return model
     if method in PLAIN_METHODS:  # Liger's patch is on the model (build_model): its compile is stock torch.compile
         return torch.compile(model, dynamic=dynamic, mode=mode)
     import cce_inductor
@@ -283,7 +286,8 @@ def enable_checkpointing(model):
 def training_step(compiled, opt, tokens, device, autocast=True, cuda_graphs=False):
     """One whole step as a trainer runs it: the forward (under bf16 autocast for fp32 parameters), backward, AdamW,
     zero_grad; returns the loss (detached).  ``cuda_graphs`` (``mode="reduce-overhead"``): each step begins a new
-    replay of the recorded graphs, as a training loop tells Inductor's CUDA graph trees."""
+    replay of the recorded graphs, as a training loop tells Inductor's CUDA graph trees; the loss returned is a
+    copy, since the next replay overwrites the graph's own output."""
 
     def step():
         if cuda_graphs:
@@ -293,7 +297,7 @@ def training_step(compiled, opt, tokens, device, autocast=True, cuda_graphs=Fals
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-        return loss.detach()
+        return loss.detach().clone() if cuda_graphs else loss.detach()
 
     return step
 
@@ -384,9 +388,13 @@ def worker(args):
         gen = torch.Generator(device=dev).manual_seed(args.seed)
         torch._dynamo.reset()
         compiled = None if args.static else compile_model(model, args.method, backends, False, args.compile_mode)
-        pick = None
+        pick, last, ran = None, 0.0, 0
         for b, seq in todo:
-            if H.past_deadline(args.deadline, 1.5 * slowest):
+            # the next size's cost: a compile (static shapes; dynamic: the first size, then the recompile of the
+            # second) is the slowest seen so far; later dynamic sizes reuse the graph and cost about the last
+            # one's timed steps
+            expect = slowest if args.static or ran < 2 else last
+            if H.past_deadline(args.deadline, 1.5 * expect):
                 print(
                     f"# {args.model} {args.method}: deadline: stopping before ckpt={ckpt} batch={b} seq={seq}",
                     flush=True,
@@ -444,6 +452,7 @@ def worker(args):
                 row["tokens_s"] = b * seq / (row["step_ms"] / 1e3)
                 row["peak_gb"] = peak.gb
                 row["loss"] = float(losses[-1])
+                row["losses"] = [round(float(x), 5) for x in losses]  # step by step: runs of one seed compare
                 if is_cce:  # the calls whose balanced buffers did not fit and that ran the lean path instead
                     row["lean_after_oom"] = cce_inductor.stats()["balanced_rows"]["lean_after_oom"]
                 if args.kernels:  # after the peak is read: the profiler's buffers are not the step's memory
@@ -457,7 +466,9 @@ def worker(args):
             opt.zero_grad(set_to_none=True)
             H.free(dev)
             row["wall_s"] = round(time.time() - began, 1)
-            slowest = max(slowest, time.time() - began)
+            wall, ran = time.time() - began, ran + 1
+            slowest = max(slowest, wall)
+            last = wall - (row["first_step_s"] or 0.0)  # without its first step: a later size compiles nothing
             H.append_row(args.out, row)
             print_row(row)
             if failed:
@@ -697,7 +708,9 @@ def parse_args(argv):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", default=",".join(MODELS), help=f"comma list of {', '.join(MODELS)}")
     ap.add_argument(
-        "--methods", default="compile,default", help="comma list of compile, liger, default, lean, balanced"
+        "--methods",
+        default="compile,default",
+        help="comma list of compile, liger, liger-eager, default, lean, balanced",
     )
     ap.add_argument("--ckpt", default="off,on", help="activation checkpointing settings: off, on or both")
     ap.add_argument("--batches", default=None, help="batch sizes to try, in order (default 1,2,4,... --max-batch)")
@@ -761,7 +774,7 @@ def parse_args(argv):
             ap.error(f"unknown model {m!r}; models: {', '.join(MODELS)}")
     for m in args.methods:
         if m not in PLAIN_METHODS and not H.is_method(m):
-            ap.error(f"unknown method {m!r}; methods: compile, liger, {H.METHOD_NAMES}")
+            ap.error(f"unknown method {m!r}; methods: {', '.join(PLAIN_METHODS)}, {H.METHOD_NAMES}")
     if not set(args.ckpt) <= {"off", "on"}:
         ap.error("--ckpt: off, on")
     if args.rounds < 1:
