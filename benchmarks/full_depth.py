@@ -28,7 +28,9 @@ batch, is started that would end past it).
 
 Methods: compile = torch.compile(model); liger = the same over the model with Liger-Kernel's fused linear
 cross-entropy alone (``apply_liger_kernel_to_<family>``, every other kernel off; CUDA; no GPT-2 patch);
-liger-eager = Liger's patch without torch.compile (where its kernels fail under Inductor);
+liger-eager = Liger's patch without torch.compile; liger-break = Liger's patch under torch.compile with its loss
+kept out of the graph (``torch.compiler.disable``: a graph break, the rest compiled) -- both for where its kernels
+fail inside Inductor's graph (an illegal memory access, Liger-Kernel issue 916);
 default = torch.compile(model, backend=cce_inductor.make_backend(drop_logits=True)) (HF models return their
 logits: the pass needs that opt-in); lean / balanced add METHODS' keywords. A cce method whose loss site stats()
 does not report rewritten is an error ("NOT REWRITTEN").
@@ -188,7 +190,7 @@ TINY = dict(
 
 
 # methods without the pass: stock torch.compile, and Liger-Kernel's fused linear cross-entropy under it (CUDA only)
-PLAIN_METHODS = ("compile", "liger", "liger-eager")
+PLAIN_METHODS = ("compile", "liger", "liger-eager", "liger-break")
 
 COLUMNS = (
     "model",
@@ -233,7 +235,7 @@ def build_model(name, args):
     if args.weights == "bf16":
         model = model.to(torch.bfloat16)
     if args.method.startswith("liger"):
-        apply_liger(model, family)
+        apply_liger(model, family, outside_graph=args.method == "liger-break")
     return model.train()
 
 
@@ -245,10 +247,13 @@ LIGER_PATCH = {
 }
 
 
-def apply_liger(model, family):
+def apply_liger(model, family, outside_graph=False):
     """Liger-Kernel's fused linear cross-entropy alone: its ``apply_liger_kernel_to_<family>`` with every other
     kernel off (each patch names its own: rope, rms_norm, swiglu / geglu, cross_entropy, ...). It replaces the
-    causal-LM class's forward, which then returns no logits where labels are given (the peer of ``drop_logits``)."""
+    causal-LM class's forward, which then returns no logits where labels are given (the peer of ``drop_logits``).
+    ``outside_graph``: the patched forward's loss (``LigerForCausalLMLoss``, looked up in its module at each call)
+    runs under ``torch.compiler.disable``, so Dynamo breaks the graph there and Liger's kernels run as in eager."""
+    import importlib
     import inspect
 
     import liger_kernel.transformers as liger
@@ -259,6 +264,9 @@ def apply_liger(model, family):
     params = inspect.signature(patch).parameters
     off = {k: False for k, p in params.items() if isinstance(p.default, bool) and k != "fused_linear_cross_entropy"}
     patch(**off, fused_linear_cross_entropy=True, model=model)
+    if outside_graph:
+        forward_module = importlib.import_module(f"liger_kernel.transformers.model.{family}")
+        forward_module.LigerForCausalLMLoss = torch.compiler.disable(forward_module.LigerForCausalLMLoss)
 
 
 def compile_model(model, method, backends, static, mode=None):
@@ -710,7 +718,7 @@ def parse_args(argv):
     ap.add_argument(
         "--methods",
         default="compile,default",
-        help="comma list of compile, liger, liger-eager, default, lean, balanced",
+        help="comma list of compile, liger, liger-eager, liger-break, default, lean, balanced",
     )
     ap.add_argument("--ckpt", default="off,on", help="activation checkpointing settings: off, on or both")
     ap.add_argument("--batches", default=None, help="batch sizes to try, in order (default 1,2,4,... --max-batch)")
