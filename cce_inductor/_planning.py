@@ -3,8 +3,7 @@ products multiply, handed to ``kernels.backward`` as explicit arguments. The lay
 memory model (``cce_inductor.paths``) share live with the kernels, in ``kernels/_layout.py``.
 
 The G block is ``_layout.block_width`` wide, and up to ``max_widen`` times wider again where the row-skipping
-products would otherwise wait on the host (:func:`row_skipping_widen`), or where a caller asks (``block_widen``: a
-longer K for each product, at the cost of a wider G block).
+products would otherwise wait on the host (:func:`row_skipping_widen`).
 """
 
 from __future__ import annotations
@@ -23,15 +22,13 @@ def row_skipping_widen(counted_hint: float, max_widen: int = 4) -> int:
     return max(1, min(max_widen, math.ceil(0.5 / max(counted_hint, 1e-6))))
 
 
-def g_block_widen(*, triton_products: bool, counted_hint: float | None, one_row_chunk: bool, block_widen: int) -> int:
-    """How many times wider than ``_layout.block_width``'s base a backward's G block is: the caller's ``block_widen``,
-    and for the row-skipping products at least their :func:`row_skipping_widen`
-    after an earlier call's ``counted_hint`` (one row chunk only: several keep the narrow block, or their dC sums
-    would grow)."""
-    if triton_products:
-        skipping = row_skipping_widen(counted_hint) if counted_hint is not None and one_row_chunk else 1
-        return max(skipping, block_widen)
-    return block_widen
+def g_block_widen(*, triton_products: bool, counted_hint: float | None, one_row_chunk: bool) -> int:
+    """How many times wider than ``_layout.block_width``'s base a backward's G block is: for the row-skipping
+    products their :func:`row_skipping_widen` after an earlier call's ``counted_hint`` (one row chunk only: several
+    keep the narrow block, or their dC sums would grow); 1 for cuBLAS's products."""
+    if triton_products and counted_hint is not None and one_row_chunk:
+        return row_skipping_widen(counted_hint)
+    return 1
 
 
 class BackwardPlan(NamedTuple):
@@ -50,15 +47,13 @@ def backward_plan(
     products: str,
     backward_row_chunk: int,
     counted_hint: float | None = None,
-    block_widen: int = 1,
     row_skipping: bool = True,
     layout: dict | None = None,
 ) -> BackwardPlan:
     """The lean backward's plan for ``rows`` x ``vocab``. ``products``: ``"cublas"``, ``"triton"`` or
     ``"counted_prefix"`` (as decided per call by ``cce_inductor._counted_share``); ``row_skipping``: whether the
     row-skipping kernels can read these operands (``kernels.row_skipping_ok``; else cuBLAS runs). ``counted_hint``
-    sizes the counted prefix, or (row-skipping products) widens a single row chunk's block. ``block_widen``: a
-    wider block asked for (:func:`g_block_widen`)."""
+    sizes the counted prefix, or (row-skipping products) widens a single row chunk's block (:func:`g_block_widen`)."""
     row_chunk = min(rows, backward_row_chunk or rows) if rows else 0
     if not row_skipping:
         kind = "cublas"
@@ -71,7 +66,6 @@ def backward_plan(
         triton_products=kind == "triton",
         counted_hint=hint,
         one_row_chunk=rows <= row_chunk,
-        block_widen=block_widen,
     )
     width = _layout.block_width(rows, row_chunk, vocab, widen, layout)
     return BackwardPlan(row_chunk, width, kind, hint)

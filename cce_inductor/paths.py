@@ -168,20 +168,20 @@ def gradient_bytes(f: HeadFacts) -> int:
     return (f.rows * f.e_bytes + f.vocab * f.c_bytes) * f.hidden
 
 
-def lean_block_width(f: HeadFacts, backward_row_chunk: int = 8192, widen: int = 1) -> int:
-    """The lean backward's G block columns on a GPU (:func:`cce_inductor._layout.block_width`, the launches' own
-    rule): 4096, wider where N < 8192 is one row chunk (the same bytes), times ``widen``, at most V."""
-    return _layout.block_width(f.rows, backward_row_chunk, f.vocab, widen, _LEAN_LAYOUT)
+def lean_block_width(f: HeadFacts, backward_row_chunk: int = 8192) -> int:
+    """The lean backward's G block columns on a GPU (``kernels/_layout.py``'s ``block_width``, the launches' own
+    rule) for cuBLAS's products: 4096, wider where N < 8192 is one row chunk (the same bytes), at most V."""
+    return _layout.block_width(f.rows, backward_row_chunk, f.vocab, 1, _LEAN_LAYOUT)
 
 
-def lean_peak(f: HeadFacts, backward_row_chunk: int = 8192, widen: int = 1, counted_prefix: bool = False) -> int:
+def lean_peak(f: HeadFacts, backward_row_chunk: int = 8192, *, counted_prefix: bool = False) -> int:
     """The backward's: the gradients, one G block (``R x W``, R the row chunk, W :func:`lean_block_width`), dE in
     fp32 (the gradient itself where it is fp32) and, past one row chunk or with the ``counted_prefix`` products (their
     cuBLAS part's sums), one vocabulary chunk of dC in fp32 (``kernels/_backward.py``); under autocast E converted to
     the products' dtype with its compacted copy, one vocabulary chunk of C and a block of C's target rows (module
     docstring). Or the forward's, where more: under autocast the inputs' converted copies, for the call."""
     rows = min(f.rows, backward_row_chunk or f.rows)
-    width = lean_block_width(f, backward_row_chunk, widen)
+    width = lean_block_width(f, backward_row_chunk)
     b = f.element_size
     dc_sums = width * f.hidden * 4 if f.rows > rows or counted_prefix else 0
     # dE's fp32 sums: the gradient itself where it is fp32, but not on the counted-prefix calls, which sum it in

@@ -280,11 +280,12 @@ def test_products_read_only_the_g_positions_stored(device, need_bias, monkeypatc
     bias gradient sums G's rows, and for cuBLAS over every row).  G's buffer is filled with NaN before each block,
     so a product reading an unstored position would put NaN into dE / dC: the gradients stay the fp64 reference's,
     whatever the products and the hint (a prefix shorter and longer than the counted rows, the row-skipping
-    products' widened blocks, the budget's widened blocks over every row and over a counted prefix)."""
+    products' widened blocks, over one row chunk and several)."""
     device_ok(device)
     tuning = _backward._TUNING[TUNING_KEY]
-    # several vocabulary chunks, the 4x widened blocks too: chunks one block_v wide and no small-N widening (the
-    # interpreter's block_v 32: blocks of 32, 64, 128 of V 170; a GPU's 256: 256 .. 1024 of V 2600)
+    # several vocabulary chunks, the row-skipping products' 4x widened blocks too: chunks one block_v wide and
+    # no small-N widening (the interpreter's block_v 32: blocks of 32, 64, 128 of V 170; a GPU's 256: 256 .. 1024
+    # of V 2600)
     monkeypatch.setitem(LEAN_LAYOUT, "block_cols", tuning["block_v"])
     monkeypatch.setitem(LEAN_LAYOUT, "block_rows", 0)
     n, v, d = (300, 2600, 64) if TUNING_KEY == "gpu" else (90, 170, 24)
@@ -298,19 +299,16 @@ def test_products_read_only_the_g_positions_stored(device, need_bias, monkeypatc
     block = _backward_launch._block
     monkeypatch.setattr(_backward_launch, "_block", lambda buf, rows, cols: block(buf.fill_(float("nan")), rows, cols))
     several = n // 3 + 1  # a row chunk that cuts the rows in three (dC summed in fp32 over them)
-    for products, hint, widen, row_chunk in (
-        ("cublas", None, 1, 0),
-        ("triton", None, 1, 0),
-        ("triton", 0.1, 1, 0),
-        ("triton", 0.3, 1, 0),
-        ("cublas", 0.0, 1, 0),
-        ("cublas", 0.1, 1, 0),
-        ("cublas", 0.5, 1, 0),
-        ("cublas", None, 4, 0),
-        ("cublas", 0.1, 2, 0),
-        ("cublas", 0.5, 4, 0),
-        ("cublas", 0.1, 2, several),
-        ("triton", 0.1, 2, several),
+    for products, hint, row_chunk in (
+        ("cublas", None, 0),
+        ("triton", None, 0),
+        ("triton", 0.1, 0),  # 4x wider
+        ("triton", 0.3, 0),  # 2x wider
+        ("cublas", 0.0, 0),
+        ("cublas", 0.1, 0),
+        ("cublas", 0.5, 0),
+        ("cublas", 0.1, several),
+        ("triton", 0.1, several),
     ):
         got = kbackward(
             e,
@@ -326,11 +324,10 @@ def test_products_read_only_the_g_positions_stored(device, need_bias, monkeypatc
             need_c=True,
             need_bias=need_bias,
             counted_hint=hint,
-            block_widen=widen,
         )
         for x, r in zip(got, ref):
             if r is not None:
-                assert rel(x, r) < 1e-5, (products, hint, widen, row_chunk)
+                assert rel(x, r) < 1e-5, (products, hint, row_chunk)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -392,9 +389,8 @@ def test_wider_head_past_the_products_range_poisons_ignored_rows(device):
 def test_row_skipping_widen_and_block_width():
     """The row-skipping products' G block after calls that counted as little as ``hint`` of their rows:
     ``ceil(0.5 / hint)`` times wider (at least half a narrow block's counted entries), 1 to 4 times; only where the
-    rows are one row chunk, and at most V.  The budget's widening (``block_widen``) applies to every product (cuBLAS
-    over every row or over a counted prefix, the row-skipping products: the wider of the two), one row chunk or
-    several."""
+    rows are one row chunk, and at most V.  cuBLAS's products (over every row or a counted prefix) keep the narrow
+    block."""
     hints = (1.0, 0.5, 0.4, 1 / 3, 0.25, 0.17, 0.125, 0.1, 0.0)
     assert [_planning.row_skipping_widen(h) for h in hints] == [1, 1, 2, 2, 2, 3, 4, 4, 4]
     gpu = _layout.LEAN_LAYOUT["gpu"]
@@ -408,47 +404,29 @@ def test_row_skipping_widen_and_block_width():
     assert width(16384, 8192, 256000) == 4096
     assert width(8192, 8192, 10000, 4) == 10000
 
-    def widen(triton=False, hint=None, one=True, budget=4):
-        return _planning.g_block_widen(triton_products=triton, counted_hint=hint, one_row_chunk=one, block_widen=budget)
+    def widen(triton=False, hint=None, one=True):
+        return _planning.g_block_widen(triton_products=triton, counted_hint=hint, one_row_chunk=one)
 
-    # the row-skipping products: the wider of their own widening (one row chunk, after an earlier call) and the budget's
-    assert widen(triton=True, hint=0.1, budget=1) == 4 and widen(triton=True, hint=0.4, budget=1) == 2
-    assert widen(triton=True, hint=0.4, budget=4) == 4 and widen(triton=True, hint=0.1, budget=2) == 4
-    assert widen(triton=True, hint=0.1, one=False, budget=1) == 1  # several row chunks: the budget's block only
-    assert widen(triton=True, hint=0.1, one=False, budget=2) == 2
-    assert widen(triton=True, budget=1) == 1 and widen(triton=True) == 4  # no earlier call: the budget's
-    assert widen() == 4 and widen(one=False) == 4 and widen(budget=2) == 2  # cuBLAS over every row: the budget's
-    assert widen(hint=0.3, budget=2) == 2  # the counted prefix too (a caller's widening)
+    # the row-skipping products: their own widening, over one row chunk after an earlier call
+    assert widen(triton=True, hint=0.1) == 4 and widen(triton=True, hint=0.4) == 2
+    assert widen(triton=True, hint=0.1, one=False) == 1  # several row chunks: the narrow block
+    assert widen(triton=True) == 1  # no earlier call
+    assert widen() == 1 and widen(hint=0.1) == 1  # cuBLAS over every row, or over a counted prefix
 
 
 def test_memory_model_block_width_is_the_plans():
     """``paths.lean_block_width`` (the memory model) is the width the op's plan hands the kernels on a GPU
-    (``_planning.backward_plan``, cuBLAS products over every row): the two agree on every batch size, row chunk,
-    vocabulary and widening the model covers."""
+    (``_planning.backward_plan``, cuBLAS products over every row): the two agree on every batch size, row chunk and
+    vocabulary."""
     gpu = _layout.LEAN_LAYOUT["gpu"]
     for rows in (1, 300, 2048, 4096, 8191, 8192, 8193, 16384, 40000):
         for row_chunk in (8192, 1024, 0):
             for vocab in (5000, 32000, 50257, 256000):
-                for widen in (1, 2, 4):
-                    facts = paths.HeadFacts(
-                        rows=rows,
-                        hidden=64,
-                        vocab=vocab,
-                        element_size=2,
-                        kernels=True,
-                        reduction="mean",
-                        needs_grad=True,
-                    )
-                    plan = _planning.backward_plan(
-                        rows,
-                        vocab,
-                        products="cublas",
-                        backward_row_chunk=row_chunk,
-                        block_widen=widen,
-                        layout=gpu,
-                    )
-                    want = plan.block_width
-                    assert paths.lean_block_width(facts, row_chunk, widen) == want, (rows, row_chunk, vocab, widen)
+                facts = paths.HeadFacts(
+                    rows=rows, hidden=64, vocab=vocab, element_size=2, kernels=True, reduction="mean", needs_grad=True
+                )
+                plan = _planning.backward_plan(rows, vocab, products="cublas", backward_row_chunk=row_chunk, layout=gpu)
+                assert paths.lean_block_width(facts, row_chunk) == plan.block_width, (rows, row_chunk, vocab)
 
 
 def test_products_read_g_in_blocks_the_recompute_stores_whole():

@@ -96,7 +96,7 @@ def mean_grad_rows(targets):
     return valid.float() / valid.sum().clamp(min=1).float()
 
 
-def plan_for(e, c, opts=None, *, counted_hint=None, block_widen=1):
+def plan_for(e, c, opts=None, *, counted_hint=None):
     """The kernels' backward plan for ``opts`` (:class:`CCEOptions`): ``products`` "auto" / "cublas" with a
     ``counted_hint`` is the counted prefix, without one cuBLAS over every row; "triton" the row-skipping products
     (widened by the hint where given)."""
@@ -108,7 +108,6 @@ def plan_for(e, c, opts=None, *, counted_hint=None, block_widen=1):
         products=products,
         backward_row_chunk=opts.backward_row_chunk,
         counted_hint=counted_hint,
-        block_widen=block_widen,
         row_skipping=K.row_skipping_ok(e, c),
     )
 
@@ -124,7 +123,6 @@ def backward(
     softcap,
     opts=None,
     counted_hint=None,
-    block_widen=1,
     ignore_index=IGNORE,
     need_e=True,
     need_c=True,
@@ -132,7 +130,7 @@ def backward(
     **more,
 ):
     """``K.backward`` with the plan of ``opts`` (:func:`plan_for`)."""
-    plan = plan_for(e, c, opts, counted_hint=counted_hint, block_widen=block_widen)
+    plan = plan_for(e, c, opts, counted_hint=counted_hint)
     return K.backward(
         e,
         c,
