@@ -25,6 +25,7 @@ from tests.support.kernels import (
     device_ok,
     eager_grads,
     mean_grad_rows,
+    plan_for,
     reference,
     rel,
     requires_cuda,
@@ -280,7 +281,7 @@ def test_products_read_only_the_g_positions_stored(device, need_bias, monkeypatc
     bias gradient sums G's rows, and for cuBLAS over every row).  G's buffer is filled with NaN before each block,
     so a product reading an unstored position would put NaN into dE / dC: the gradients stay the fp64 reference's,
     whatever the products and the hint (a prefix shorter and longer than the counted rows, the row-skipping
-    products' widened blocks, over one row chunk and several)."""
+    products' widened blocks, cuBLAS's over a short batch's wider blocks, over one row chunk and several)."""
     device_ok(device)
     tuning = _backward._TUNING[TUNING_KEY]
     # several vocabulary chunks, the row-skipping products' 4x widened blocks too: chunks one block_v wide and
@@ -299,17 +300,25 @@ def test_products_read_only_the_g_positions_stored(device, need_bias, monkeypatc
     block = _backward_launch._block
     monkeypatch.setattr(_backward_launch, "_block", lambda buf, rows, cols: block(buf.fill_(float("nan")), rows, cols))
     several = n // 3 + 1  # a row chunk that cuts the rows in three (dC summed in fp32 over them)
-    for products, hint, row_chunk in (
-        ("cublas", None, 0),
-        ("triton", None, 0),
-        ("triton", 0.1, 0),  # 4x wider
-        ("triton", 0.3, 0),  # 2x wider
-        ("cublas", 0.0, 0),
-        ("cublas", 0.1, 0),
-        ("cublas", 0.5, 0),
-        ("cublas", 0.1, several),
-        ("triton", 0.1, several),
+    # short: cuBLAS's products over a block that many times wider, as a batch short of block_rows gets it
+    for products, hint, row_chunk, short in (
+        ("cublas", None, 0, 1),
+        ("triton", None, 0, 1),
+        ("triton", 0.1, 0, 1),  # 4x wider: the row-skipping products' own widening
+        ("triton", 0.3, 0, 1),  # 2x wider
+        ("cublas", 0.0, 0, 1),
+        ("cublas", 0.1, 0, 1),
+        ("cublas", 0.5, 0, 1),
+        ("cublas", None, 0, 4),
+        ("cublas", 0.1, 0, 2),
+        ("cublas", 0.5, 0, 4),
+        ("cublas", 0.1, several, 1),
+        ("triton", 0.1, several, 1),
     ):
+        monkeypatch.setitem(LEAN_LAYOUT, "block_rows", short * n if short > 1 else 0)
+        opts = CCEOptions(products=products, backward_row_chunk=row_chunk)
+        if short > 1:
+            assert plan_for(e, c, opts, counted_hint=hint).block_width == short * tuning["block_v"]
         got = kbackward(
             e,
             c,
@@ -319,7 +328,7 @@ def test_products_read_only_the_g_positions_stored(device, need_bias, monkeypatc
             g,
             softcap=None,
             ignore_index=IGNORE,
-            opts=CCEOptions(products=products, backward_row_chunk=row_chunk),
+            opts=opts,
             need_e=True,
             need_c=True,
             need_bias=need_bias,
@@ -327,7 +336,7 @@ def test_products_read_only_the_g_positions_stored(device, need_bias, monkeypatc
         )
         for x, r in zip(got, ref):
             if r is not None:
-                assert rel(x, r) < 1e-5, (products, hint, row_chunk)
+                assert rel(x, r) < 1e-5, (products, hint, row_chunk, short)
 
 
 @pytest.mark.parametrize("device", DEVICES)
