@@ -84,6 +84,9 @@ class HeadFacts:
     per_row_outputs: bool = False  # token log-probs, entropy, chunked heads fused with reduction "none"
     returned_logits: bool = False  # the logits are graph outputs too (torch.compile holds more; the rewrite does not)
     softcapped: bool = False  # the loss reads softcapped logits (with returned logits torch.compile holds one more)
+    # how the graph scales the loss after the cross-entropy where that is not by a power of two (its upstream
+    # gradient then rounds a plain 16-bit dC sum once more, past the error budget); "" where it does not
+    loss_scale: str = ""
     # bytes per element of the hidden states / the head as stored, where not element_size (autocast: fp32 inputs,
     # 16-bit products); each gradient is returned in its input's dtype. 0: element_size.
     e_element_size: int = 0
@@ -395,7 +398,7 @@ def _choose(f: HeadFacts, path: str, scratch_mb: int, exact: bool) -> PathChoice
         note = "" if path == "auto" and not scratch_mb else " (a balanced path was asked for)"
         return PathChoice("lean", f"lean path: {why_not}{note}")
     if path == "balanced" or scratch_mb:
-        plan = balanced_plan(f, scratch_mb, plain_sum=False if exact else None)
+        plan = balanced_plan(f, scratch_mb, plain_sum=False if exact or f.loss_scale else None)
         why = "forced: path='balanced'" if path == "balanced" else f"asked for by scratch_mb={scratch_mb}"
         return _balanced_choice(f, plan, f"balanced path ({why})")
     if exact:
@@ -412,7 +415,7 @@ def _choose(f: HeadFacts, path: str, scratch_mb: int, exact: bool) -> PathChoice
         )
     if f.rows < _MIN_BALANCED_ROWS:
         return PathChoice("lean", f"lean path: {f.rows} rows are too few for the balanced path's chunks")
-    return _balanced_choice(f, balanced_plan(f), "balanced path")
+    return _balanced_choice(f, balanced_plan(f, plain_sum=False if f.loss_scale else None), "balanced path")
 
 
 def _balanced_choice(f: HeadFacts, plan: BalancedPlan, head: str) -> PathChoice:
@@ -426,6 +429,11 @@ def _balanced_choice(f: HeadFacts, plan: BalancedPlan, head: str) -> PathChoice:
         )
     else:
         sums = "dC summed as a 16-bit pair (a V x D remainder, exact at any number of chunks)"
+        if f.loss_scale:
+            sums += (
+                f": the loss is scaled after the cross-entropy ({f.loss_scale}), and a plain 16-bit sum scaled by an "
+                "upstream gradient that is not a power of two rounds once more, past 1.35x torch.compile's dC error"
+            )
     overhead = plan.peak - gradient_bytes(f)
     ratio = overhead / max(compile_overhead(f), 1)
     target = _CONVERTED_OVERHEAD_SHARE if _converted_bytes(f) else _OVERHEAD_SHARE

@@ -688,3 +688,19 @@ def test_memory_model_under_autocast_matches_the_measured_peaks():
     assert abs(paths.balanced_peak(facts, 2**30) / mib / 4200 - 1) < 0.01
     # at 1x, v37's peak held all N target rows (N D (4 + 2)) where the peak now holds E's compacted rows (N D 2)
     assert paths.lean_peak(facts, 8192) == 2484 * mib - 8192 * 4096 * 6 + 8192 * 4096 * 2
+
+
+@pytest.mark.parametrize("head, n", [("gpt2", 8192), ("llama3", 8192), ("gemma2", 32768)])
+def test_a_loss_scaled_after_the_cross_entropy_gets_the_pair(head, n):
+    """A loss the graph scales after the cross-entropy by something that is not a power of two (Hugging Face's
+    ``sum / num_items_in_batch``): its upstream gradient would round a plain 16-bit dC sum once more, past the error
+    budget, so dC is summed as the exact pair, forced balanced or not, and stats() says why; the plain sum's plan
+    is unchanged where the loss is not scaled."""
+    facts = _facts(head, n)
+    scaled = dataclasses.replace(facts, loss_scale="truediv (truediv) by num_items_in_batch")
+    for path in ("auto", "balanced"):
+        choice = paths.choose(scaled, path)
+        assert choice.path == "balanced" and not choice.plain_sum, choice.reason
+        assert "scaled after the cross-entropy (truediv (truediv) by num_items_in_batch)" in choice.reason
+    assert paths.choose(scaled, "auto").scratch_bytes == paths.balanced_plan(facts, plain_sum=False).scratch_bytes
+    assert paths.choose(facts).plain_sum == paths.balanced_plan(facts).plain_sum

@@ -16,6 +16,7 @@ calls into this module.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable
 
 import torch.fx as fx
@@ -25,7 +26,21 @@ from ..options import CCEOptions
 from .chunked_heads import chunk_groups
 from .head_chain import NoMatch
 from .sites import Decision, Record, Site, lazy_recipe, op_compute_dtype, operands, retire, why_not
-from .spellings import MATMUL, example_value, matches, requires_grad
+from .spellings import (
+    ADD,
+    DIV,
+    IDENTITY_VIEW,
+    MATMUL,
+    MUL,
+    NEG,
+    RESHAPE,
+    SUB,
+    TO_DTYPE,
+    example_value,
+    matches,
+    requires_grad,
+    short,
+)
 
 # A form's emitter: given the record, its decision and the call's operands (rows (M, D), weight (V, D), bias), emit
 # the fused call and return the node that takes each replaced loss's place, one per site of ``decision.sites``.
@@ -198,6 +213,43 @@ def describe_site(site: Site, escaping_as: str) -> str:
     return ", ".join(parts)
 
 
+# What the loss's upstream gradient passes through unchanged in scale (the walk below follows them)
+_SCALE_KEEPING = ADD | SUB | NEG | TO_DTYPE | RESHAPE | IDENTITY_VIEW
+
+
+def loss_scale(loss: fx.Node) -> str:
+    """How the graph scales ``loss`` on its way to the outputs where that is not by a power of two: a product or
+    quotient by another number, or by a tensor or symbolic size (not specialised here: Hugging Face's
+    ``loss / num_items_in_batch``), named for ``stats()``; "" where there is none (sums with other terms, casts and
+    views keep the scale; other uses, a logged ``exp(loss)`` say, are not followed)."""
+    todo, seen = [loss], set()
+    while todo:
+        node = todo.pop()
+        for user in node.users:
+            if user in seen:
+                continue
+            seen.add(user)
+            if matches(user, MUL) or matches(user, DIV):
+                others = [a for a in user.args if a is not node]
+                exact = len(others) == 1 and _power_of_two(others[0]) and (matches(user, MUL) or user.args[0] is node)
+                if not exact:
+                    other = others[0] if len(others) == 1 else tuple(others)
+                    by = other.name if isinstance(other, fx.Node) else repr(other) if others else "itself"
+                    return f"{short(user)} by {by}"
+            elif not (matches(user, _SCALE_KEEPING) or user.op == "call_method" and user.target in ("float", "sum")):
+                continue
+            todo.append(user)
+    return ""
+
+
+def _power_of_two(value) -> bool:
+    """A Python number that is +-2^k (a tensor or a symbolic size: unknown, False)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value == 0:
+        return False
+    mantissa, _ = math.frexp(abs(value))
+    return mantissa == 0.5
+
+
 def choose_path(site: Site, options: CCEOptions, *, per_row_outputs: bool = False) -> paths.PathChoice:
     """The path of this site (:func:`cce_inductor.paths.choose`) from the shapes Dynamo traced (a dynamic batch: the
     size it was traced with). What requires grad is known here: Dynamo traced the graph with it, and guards on it (the
@@ -224,6 +276,7 @@ def choose_path(site: Site, options: CCEOptions, *, per_row_outputs: bool = Fals
         per_row_outputs=per_row_outputs,
         returned_logits=bool(site.escaping),
         softcapped=site.softcap is not None,
+        loss_scale=loss_scale(site.cross_entropy),
         **stored,
     )
     choice = paths.choose_for(facts, options)

@@ -53,6 +53,8 @@ LOGSUMEXP = functions(torch.logsumexp) | methods("logsumexp")
 MUL = functions(operator.mul, torch.mul) | methods("mul")
 DIV = functions(operator.truediv, torch.div, torch.true_divide) | methods("div", "true_divide")
 SUB = functions(operator.sub, torch.sub) | methods("sub")
+ADD = functions(operator.add, torch.add) | methods("add")
+NEG = functions(operator.neg, torch.neg) | methods("neg")
 GRAD_MODE = functions(torch._C._set_grad_enabled)
 # An autocast region inside the compiled code: `_enter_autocast(device_type, dtype, enabled, cache_enabled)` returns the
 # context `_exit_autocast(context)` closes.

@@ -1233,6 +1233,43 @@ class TestEinsumHeads(PatternTestCase):
             self.run_pass(vd, rand_hidden(B * T, D), rand_labels(B * T), params=[weight], options=options)
             self.run_pass(dv, rand_hidden(B * T, D), rand_labels(B * T), params=[weight_dv], options=options)
 
+    def test_a_loss_scaled_after_the_cross_entropy_gets_the_exact_pair(self):
+        """A bf16 head whose loss the graph scales after the cross-entropy (Hugging Face's ``sum /
+        num_items_in_batch``, a weight of 0.7): its upstream gradient would round the balanced path's plain 16-bit dC
+        sum once more, past the error budget, so the site sums dC as the exact pair and stats() names the scale; a
+        power of two (and a sum with another term) keeps the plain sum."""
+        weight = rand_weight(V, D).bfloat16().detach().requires_grad_()
+
+        def by_count(hidden, labels, count):
+            return F.cross_entropy(F.linear(hidden, weight).float(), labels, reduction="sum") / count
+
+        def by_weight(hidden, labels):
+            return F.cross_entropy(F.linear(hidden, weight).float(), labels) * 0.7
+
+        def by_power_of_two(hidden, labels):
+            return (F.cross_entropy(F.linear(hidden, weight).float(), labels) + 1.0) / 4
+
+        count = torch.tensor(float(B * T + 3))
+        for fn, extra, scale in (
+            (by_count, (count,), "by l_count_"),
+            (by_weight, (), "by 0.7"),
+            (by_power_of_two, (), None),
+        ):
+            cce_inductor.reset_stats()
+            hidden = rand_hidden(B * T, D).bfloat16().detach().requires_grad_()
+            self.run_pass(
+                fn, hidden, rand_labels(B * T), *extra, params=[weight], options=BALANCED, atol=2e-2, rtol=2e-2
+            )
+            (site,) = cce_inductor.stats()["sites"]
+            self.assertEqual(site["path"], "balanced")
+            if scale is None:
+                self.assertIn("in its own 16-bit dtype", site["reason"])
+                self.assertNotIn("scaled after the cross-entropy", site["reason"])
+            else:
+                self.assertIn("as a 16-bit pair", site["reason"])
+                self.assertIn("the loss is scaled after the cross-entropy (", site["reason"])
+                self.assertIn(scale, site["reason"])
+
     def test_einsum_that_is_not_a_head_is_refused_by_name(self):
         weight = torch.randn(V, D, 2, requires_grad=True)
 
