@@ -109,3 +109,27 @@ def test_hf_through_inductor(family):
     with inductor_caches_off():
         _assert_same_training_step(model, compiled, dict(input_ids=input_ids, labels=labels), atol=1e-4, rtol=1e-3)
     assert cce_inductor.stats()["rewritten"] == 1
+
+
+def test_hf_num_items_in_batch_sums_a_bf16_dc_as_the_pair():
+    """Hugging Face's loss given ``num_items_in_batch`` (the Trainer's) is ``cross_entropy(..., reduction="sum") /
+    num_items_in_batch``: an upstream gradient that is not a power of two, which would round the balanced path's
+    plain 16-bit dC sum once more, past the error budget. A bf16 model's site sums dC as the exact pair there and
+    stats() names the division; the same model without it (the mean) keeps the plain sum."""
+    model = hf_model("llama").to(torch.bfloat16)
+    input_ids, labels = hf_batch()
+    num_items = (labels[:, 1:] != -100).sum() + 5
+    for inputs, scaled in (
+        (dict(input_ids=input_ids, labels=labels, num_items_in_batch=num_items), True),
+        (dict(input_ids=input_ids, labels=labels), False),
+    ):
+        torch._dynamo.reset()
+        cce_inductor.reset_stats()
+        capture = PassCapture(CCEOptions(drop_logits=True, path="balanced"))
+        torch.compile(model, backend=capture)(**inputs).loss.backward()
+        (site,) = cce_inductor.stats()["sites"]
+        assert site["path"] == "balanced", site["reason"]
+        assert ("as a 16-bit pair" in site["reason"]) == scaled, site["reason"]
+        assert ("scaled after the cross-entropy (" in site["reason"]) == scaled, site["reason"]
+        assert ("(truediv) by num_items_in_batch)" in site["reason"]) == scaled, site["reason"]
+        assert ("in its own 16-bit dtype" in site["reason"]) == (not scaled), site["reason"]
