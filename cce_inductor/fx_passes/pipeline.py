@@ -38,6 +38,7 @@ from .spellings import (
     TO_DTYPE,
     example_value,
     matches,
+    methods,
     requires_grad,
     short,
 )
@@ -214,7 +215,7 @@ def describe_site(site: Site, escaping_as: str) -> str:
 
 
 # What the loss's upstream gradient passes through unchanged in scale (the walk below follows them)
-_SCALE_KEEPING = ADD | SUB | NEG | TO_DTYPE | RESHAPE | IDENTITY_VIEW
+_SCALE_KEEPING = ADD | SUB | NEG | TO_DTYPE | RESHAPE | IDENTITY_VIEW | methods("float", "sum", "mean")
 
 
 def loss_scale(loss: fx.Node) -> str:
@@ -236,7 +237,7 @@ def loss_scale(loss: fx.Node) -> str:
                     other = others[0] if len(others) == 1 else tuple(others)
                     by = other.name if isinstance(other, fx.Node) else repr(other) if others else "itself"
                     return f"{short(user)} by {by}"
-            elif not (matches(user, _SCALE_KEEPING) or user.op == "call_method" and user.target in ("float", "sum")):
+            elif not matches(user, _SCALE_KEEPING):
                 continue
             todo.append(user)
     return ""
