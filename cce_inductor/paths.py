@@ -84,9 +84,7 @@ class HeadFacts:
     per_row_outputs: bool = False  # token log-probs, entropy, chunked heads fused with reduction "none"
     returned_logits: bool = False  # the logits are graph outputs too (torch.compile holds more; the rewrite does not)
     softcapped: bool = False  # the loss reads softcapped logits (with returned logits torch.compile holds one more)
-    # how the graph scales the loss after the cross-entropy where that is not by a power of two (its upstream
-    # gradient then rounds a plain 16-bit dC sum once more, past the error budget); "" where it does not
-    loss_scale: str = ""
+    loss_scale: str = ""  # the graph's scale of the loss after the cross-entropy, where not a power of two
     # bytes per element of the hidden states / the head as stored, where not element_size (autocast: fp32 inputs,
     # 16-bit products); each gradient is returned in its input's dtype. 0: element_size.
     e_element_size: int = 0
@@ -308,12 +306,15 @@ def balanced_plan(f: HeadFacts, scratch_mb: int = 0, plain_sum: bool | None = No
     * else as a 16-bit pair (exact at any number of chunks, for the pair product's epilogue), the largest scratch
       within the target, but chunks of at least ``_MIN_CHUNK_ROWS`` rows: each chunk reads and writes the pair;
     * where neither fits, speed first: the plain sum over 2 chunks (the pair's epilogue reads and writes ``V x D``
-      pairs every chunk, a cost that grows as the chunks shrink); ``within_target`` False (stats() says so).
+      pairs every chunk, a cost that grows as the chunks shrink); ``within_target`` False (stats() says so);
+    * the pair where the graph scales the loss by anything but a power of two (``f.loss_scale``): the op's backward
+      would round a plain sum once more by that upstream gradient, past the error budget.
 
     An fp32 dC (fp32 heads, autocast's fp32 weights) is its own fp32 sum at any number of chunks: the largest scratch
     within the target, chunks of at least ``_MIN_CHUNK_ROWS`` rows. ``scratch_mb`` (> 0) sets the scratch; a plain sum
     then still takes at most 2 chunks."""
     most = _layout.PLAIN_SUM_MAX_CHUNKS
+    plain_sum = False if plain_sum is None and f.loss_scale else plain_sum
     sixteen = f.c_bytes == 2
     if scratch_mb:
         scratch = scratch_mb * 2**20
@@ -363,11 +364,8 @@ def choose(
     lean path's record explains where it is decided per call. ``exact``: gradients at no more than torch.compile's
     error (the lean path; a forced balanced path sums a 16-bit dC as a pair)."""
     choice = _choose(f, path, scratch_mb, exact)
-    if choice.path == "lean" and f.kernels and f.needs_grad:
-        return dataclasses.replace(
-            choice,
-            reason=choice.reason + (_products_note(f, backward_row_chunk) if products == "auto" else ""),
-        )
+    if choice.path == "lean" and f.kernels and f.needs_grad and products == "auto":
+        return dataclasses.replace(choice, reason=choice.reason + _products_note(f, backward_row_chunk))
     return choice
 
 
@@ -398,7 +396,7 @@ def _choose(f: HeadFacts, path: str, scratch_mb: int, exact: bool) -> PathChoice
         note = "" if path == "auto" and not scratch_mb else " (a balanced path was asked for)"
         return PathChoice("lean", f"lean path: {why_not}{note}")
     if path == "balanced" or scratch_mb:
-        plan = balanced_plan(f, scratch_mb, plain_sum=False if exact or f.loss_scale else None)
+        plan = balanced_plan(f, scratch_mb, plain_sum=False if exact else None)
         why = "forced: path='balanced'" if path == "balanced" else f"asked for by scratch_mb={scratch_mb}"
         return _balanced_choice(f, plan, f"balanced path ({why})")
     if exact:
@@ -415,7 +413,7 @@ def _choose(f: HeadFacts, path: str, scratch_mb: int, exact: bool) -> PathChoice
         )
     if f.rows < _MIN_BALANCED_ROWS:
         return PathChoice("lean", f"lean path: {f.rows} rows are too few for the balanced path's chunks")
-    return _balanced_choice(f, balanced_plan(f, plain_sum=False if f.loss_scale else None), "balanced path")
+    return _balanced_choice(f, balanced_plan(f), "balanced path")
 
 
 def _balanced_choice(f: HeadFacts, plan: BalancedPlan, head: str) -> PathChoice:
@@ -429,11 +427,8 @@ def _balanced_choice(f: HeadFacts, plan: BalancedPlan, head: str) -> PathChoice:
         )
     else:
         sums = "dC summed as a 16-bit pair (a V x D remainder, exact at any number of chunks)"
-        if f.loss_scale:
-            sums += (
-                f": the loss is scaled after the cross-entropy ({f.loss_scale}), and a plain 16-bit sum scaled by an "
-                "upstream gradient that is not a power of two rounds once more, past 1.35x torch.compile's dC error"
-            )
+        if f.loss_scale:  # (balanced_plan)
+            sums += f": the loss is scaled after the cross-entropy ({f.loss_scale}), past a plain sum's error budget"
     overhead = plan.peak - gradient_bytes(f)
     ratio = overhead / max(compile_overhead(f), 1)
     target = _CONVERTED_OVERHEAD_SHARE if _converted_bytes(f) else _OVERHEAD_SHARE
@@ -485,10 +480,9 @@ def _host_bound_note(f: HeadFacts, path: Path = "lean") -> str:
         return ""
     if path == "balanced":
         return (
-            f"; at this size ({macs:.1e} multiply-adds per logits product) the step may wait on the host's "
-            "launch work: the balanced head alone can take longer to launch than to run, and whole steps this "
-            "small wait on the host, their time against torch.compile's varying from one process to the next "
-            "with the GPU's work equal (docs/performance.md)"
+            f"; at this size ({macs:.1e} multiply-adds per logits product) the step may wait on the host's launch "
+            "work: the balanced head alone can take longer to launch than to run, and whole steps this small wait on "
+            "the host, their time against torch.compile's varying between processes with the GPU's work equal"
         )
     return (
         f"; at this size ({macs:.1e} multiply-adds per logits product) the step likely waits on the host's "

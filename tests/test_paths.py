@@ -703,4 +703,5 @@ def test_a_loss_scaled_after_the_cross_entropy_gets_the_pair(head, n):
         assert choice.path == "balanced" and not choice.plain_sum, choice.reason
         assert "scaled after the cross-entropy (truediv (truediv) by num_items_in_batch)" in choice.reason
     assert paths.choose(scaled, "auto").scratch_bytes == paths.balanced_plan(facts, plain_sum=False).scratch_bytes
+    assert paths.balanced_plan(scaled) == paths.balanced_plan(facts, plain_sum=False)  # (the plan's own rule)
     assert paths.choose(facts).plain_sum == paths.balanced_plan(facts).plain_sum

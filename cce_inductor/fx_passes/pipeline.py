@@ -29,6 +29,7 @@ from .sites import Decision, Record, Site, lazy_recipe, op_compute_dtype, operan
 from .spellings import (
     ADD,
     DIV,
+    DTYPE_METHODS,
     IDENTITY_VIEW,
     MATMUL,
     MUL,
@@ -215,7 +216,7 @@ def describe_site(site: Site, escaping_as: str) -> str:
 
 
 # What the loss's upstream gradient passes through unchanged in scale (the walk below follows them)
-_SCALE_KEEPING = ADD | SUB | NEG | TO_DTYPE | RESHAPE | IDENTITY_VIEW | methods("float", "sum", "mean")
+_SCALE_KEEPING = ADD | SUB | NEG | TO_DTYPE | RESHAPE | IDENTITY_VIEW | methods(*DTYPE_METHODS, "sum", "mean")
 
 
 def loss_scale(loss: fx.Node) -> str:
