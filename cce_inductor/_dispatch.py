@@ -298,9 +298,11 @@ def loss_and_grads(
     need_bias: bool,
     compute_dtype: torch.dtype | None = None,
     products: str = "auto",
+    grad_scale: Tensor | None = None,
 ):
     """The balanced path: ``(loss, dE, dC, dbias, dE_lo, dC_lo)`` of a "mean" / "sum" loss, the gradients those of the
-    loss itself (upstream gradient 1), each in its input's dtype as ``kernels.loss_and_grads`` returns them (an fp32
+    loss itself (upstream gradient 1; with ``grad_scale``, a 0-dim fp32 tensor, those of ``grad_scale * loss``, G
+    scaled before its rounding), each in its input's dtype as ``kernels.loss_and_grads`` returns them (an fp32
     gradient whole, a 16-bit one as a pair, a 16-bit dC with ``plain_sum`` alone; dbias in fp32; None where not asked
     for). The kernels go through row chunks of ``chunk_rows`` rows (``paths.BalancedPlan``); the chunked path runs its
     forward and backward back to back in the accumulation dtype and rounds the result the same way. Targets outside
@@ -338,6 +340,7 @@ def loss_and_grads(
                 plain_sum=plain_sum,
                 counted_prefix_rows=prefix,
                 observe_counted=share.observe if products == "auto" else None,
+                grad_scale=grad_scale,
             )
         )
     _checks.check_target_range(targets, c.shape[0], ignore_index)
@@ -351,7 +354,7 @@ def loss_and_grads(
     valid = targets != ignore_index
     row_loss = _loss.row_losses(lse, target_logit, logit_sum, valid, label_smoothing, c.shape[0], acc)
     loss = _loss.reduce_rows(row_loss, valid, reduction)
-    grad_rows = _loss.grad_rows(torch.ones((), dtype=acc, device=e.device), valid, reduction, acc)
+    grad_rows = _loss.grad_rows(_upstream(grad_scale, e.device), valid, reduction, acc)
     grad_e, grad_c, grad_bias = _chunked.backward(
         e,
         c,
@@ -372,11 +375,12 @@ def loss_and_grads(
 
 def lean_loss_and_grads(
     e, c, targets, bias, *, softcap, ignore_index, reduction, label_smoothing, need_e, need_c, need_bias, compute_dtype,
-    options, plain_sum: bool,
+    options, plain_sum: bool, grad_scale: Tensor | None = None,
 ):  # fmt: skip
     """:func:`loss_and_grads`' results computed by the lean path, forward then backward at upstream gradient 1 (its
     memory: one G block, no scratch of logits), in the same layout: each gradient the lean path's, rounded once, and
-    a 16-bit pair's remainder 0 (none for a ``plain_sum`` dC). ``options``: a ``CCEOptions`` (the backward's)."""
+    a 16-bit pair's remainder 0 (none for a ``plain_sum`` dC), at upstream gradient ``grad_scale`` as there.
+    ``options``: a ``CCEOptions`` (the backward's)."""
     e_cd, c_cd, bias_cd = in_compute_dtype(e, c, bias, compute_dtype)
     check_target_range(e_cd, targets, c.shape[0], ignore_index)
     lse, target_logit, logit_sum, _ = forward(
@@ -387,7 +391,7 @@ def lean_loss_and_grads(
     acc = _chunked.accumulation_dtype(compute_dtype or e.dtype)
     row_loss = _loss.row_losses(lse, target_logit, logit_sum, valid, label_smoothing, c.shape[0], acc)
     loss = _loss.reduce_rows(row_loss, valid, reduction)
-    grad_rows = _loss.grad_rows(torch.ones((), dtype=acc, device=e.device), valid, reduction, acc)
+    grad_rows = _loss.grad_rows(_upstream(grad_scale, e.device), valid, reduction, acc)
     grad_e, grad_c, grad_bias = backward(
         e, c, targets, bias, lse, grad_rows, softcap=softcap, ignore_index=ignore_index, options=options,
         need_e=need_e, need_c=need_c, need_bias=need_bias, label_smoothing=label_smoothing,
@@ -397,6 +401,11 @@ def lean_loss_and_grads(
     grad_e_lo = torch.zeros_like(grad_e) if grad_e is not None and e.dtype in sixteen else None
     grad_c_lo = torch.zeros_like(grad_c) if grad_c is not None and c.dtype in sixteen and not plain_sum else None
     return loss, grad_e, grad_c, grad_bias, grad_e_lo, grad_c_lo
+
+
+def _upstream(grad_scale: Tensor | None, device: torch.device) -> Tensor:
+    """The upstream gradient the balanced path's gradients are computed at: ``grad_scale``, else 1."""
+    return torch.ones((), dtype=torch.float32, device=device) if grad_scale is None else grad_scale
 
 
 def _as_stored(grad: Tensor | None, dtype: torch.dtype, plain_sum: bool = False) -> tuple[Tensor | None, Tensor | None]:

@@ -6,7 +6,11 @@ gradients, computed with its own gradients (three matmuls), and the keyword help
                           gradient 1, in one pass over row chunks (``cce_inductor.kernels.loss_and_grads``)
 
 Its autograd formula scales the gradients by the loss's upstream gradient in plain aten, which Inductor fuses into
-the compiled backward and writes in place. The lean op and the conventions the two share (``compute_dtype``, the
+the compiled backward and writes in place. Where the graph scales the loss after the cross-entropy (Hugging Face's
+``sum / num_items_in_batch``), the pass passes that scale as ``grad_scale``: the gradients are computed at it (G
+carries it before its one rounding) and the backward multiplies them by ``grad_loss / grad_scale``, 1 where the
+graph's own gradient arrives, so a 16-bit gradient is not rounded a second time (the error budget of a plain 16-bit
+sum holds at upstream gradient 1 only). The lean op and the conventions the two share (``compute_dtype``, the
 options string, :class:`ops.OpCall`) are ``ops.py``'s.
 """
 
@@ -37,6 +41,7 @@ def linear_cross_entropy_with_grads_op(
     returned_logits: bool,
     compute_dtype: torch.dtype | None = None,
     plain_sum: bool = False,
+    grad_scale: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Returns ``(loss, grad_e, grad_c, grad_bias, grad_e_lo, grad_c_lo)``: the loss (reduction "mean" or "sum") and its
     own gradients (upstream gradient 1), each in its input's dtype: an fp32 gradient whole, a 16-bit one as the pair
@@ -48,7 +53,9 @@ def linear_cross_entropy_with_grads_op(
     (``kernels/_balanced.py``: row chunks of logits in a scratch of ``options.scratch_mb``, or planned here for the
     rows of the call, ``paths.balanced_plan``, with the site's ``plain_sum``); elsewhere the chunked path's forward and
     backward back to back. ``returned_logits``: the site's graph also returns the logits (``paths.HeadFacts``), which
-    raises the memory target as it raised it when the pass planned this site. ``compute_dtype``: module docstring."""
+    raises the memory target as it raised it when the pass planned this site. ``compute_dtype``, ``grad_scale`` (a
+    0-dim tensor, the upstream gradient the graph is expected to pass to the loss; not differentiated): module
+    docstring."""
     diagnostics.count_execution("linear_cross_entropy")
     if reduction not in ("mean", "sum"):
         raise ValueError(f"linear_cross_entropy_with_grads computes reductions 'mean' and 'sum', got {reduction!r}")
@@ -79,6 +86,7 @@ def linear_cross_entropy_with_grads_op(
             need_c=need_c,
             need_bias=need_bias,
             compute_dtype=compute_dtype,
+            grad_scale=None if grad_scale is None else expected_upstream(grad_scale, e.device),
         )
         try:
             result = _dispatch.loss_and_grads(
@@ -125,6 +133,7 @@ def _(
     returned_logits,
     compute_dtype=None,
     plain_sum=False,
+    grad_scale=None,
 ):
     _checks.check_inputs(e, c, targets, bias, compute_dtype)
     acc = _chunked.accumulation_dtype(compute_dtype or e.dtype)
@@ -161,6 +170,7 @@ def balanced_call(
     returned_logits: bool = False,
     compute_dtype: torch.dtype | None = None,
     plain_sum: bool = False,
+    grad_scale=None,
 ) -> OpCall:
     """A call of ``linear_cross_entropy_with_grads`` (its docstring has the arguments)."""
     return OpCall(
@@ -180,8 +190,15 @@ def balanced_call(
             need_bias,
             returned_logits,
         ),
-        _set(compute_dtype=compute_dtype, plain_sum=plain_sum),
+        _set(compute_dtype=compute_dtype, plain_sum=plain_sum, grad_scale=grad_scale),
     )
+
+
+def expected_upstream(grad_scale: Tensor, device: torch.device) -> Tensor:
+    """``grad_scale`` as the gradients are computed at it: fp32 on ``device``; 1 where it is 0 or not finite (a
+    gradient computed at 0 could not be scaled back; eager's own inf / NaN then come from the backward's product)."""
+    scale = grad_scale.detach().to(device=device, dtype=torch.float32)
+    return torch.where(torch.isfinite(scale) & (scale != 0), scale, 1.0)
 
 
 def _setup_context_with_grads(ctx, inputs, output) -> None:
@@ -190,7 +207,8 @@ def _setup_context_with_grads(ctx, inputs, output) -> None:
     ctx.mark_non_differentiable(grad_e, grad_c, grad_bias, grad_e_lo, grad_c_lo)
     # no zero tensors for the gradient outputs' (absent) upstream gradients: dC's would be a V x D fill
     ctx.set_materialize_grads(False)
-    ctx.save_for_backward(grad_e, grad_c, grad_bias, grad_e_lo, grad_c_lo)
+    grad_scale = inputs[_GRAD_SCALE]
+    ctx.save_for_backward(grad_e, grad_c, grad_bias, grad_e_lo, grad_c_lo, grad_scale)
     ctx.computed = inputs[9:12]  # need_e, need_c, need_bias: which of them hold a gradient
     ctx.dtypes = (e.dtype, c.dtype, None if bias is None else bias.dtype)
 
@@ -206,11 +224,18 @@ def _scaled(grad: Tensor, lo: Tensor | None, grad_loss: Tensor, dtype: torch.dty
     return (grad.float() * grad_loss + lo.float() * grad_loss).to(dtype)
 
 
+# grad_scale's position among the op's inputs
+_GRAD_SCALE = 15
+
+
 def _backward_with_grads(ctx, grad_loss, *_):
-    """Each gradient scaled by the loss's upstream gradient and rounded once (:func:`_scaled`)."""
+    """Each gradient scaled by the loss's upstream gradient (over ``grad_scale``, where given) and rounded once
+    (:func:`_scaled`)."""
     if grad_loss is None:  # (grads are not materialised) nothing flows back into the loss
         return (None,) * len(ctx.needs_input_grad)
-    grad_e, grad_c, grad_bias, grad_e_lo, grad_c_lo = ctx.saved_tensors
+    grad_e, grad_c, grad_bias, grad_e_lo, grad_c_lo, grad_scale = ctx.saved_tensors
+    if grad_scale is not None:  # the gradients were computed at grad_scale (module docstring)
+        grad_loss = grad_loss / expected_upstream(grad_scale, grad_loss.device)
     grads = []
     for needed, computed, grad, lo, dtype in zip(
         (ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[3]),

@@ -84,7 +84,9 @@ class HeadFacts:
     per_row_outputs: bool = False  # token log-probs, entropy, chunked heads fused with reduction "none"
     returned_logits: bool = False  # the logits are graph outputs too (torch.compile holds more; the rewrite does not)
     softcapped: bool = False  # the loss reads softcapped logits (with returned logits torch.compile holds one more)
-    loss_scale: str = ""  # the graph's scale of the loss after the cross-entropy, where not a power of two
+    # the graph's scale of the loss after the cross-entropy, where not a power of two and not one the op can be given
+    # (``fx_passes/upstream.py``: then its gradients are computed at it, and the plain sum's budget holds)
+    loss_scale: str = ""
     # bytes per element of the hidden states / the head as stored, where not element_size (autocast: fp32 inputs,
     # 16-bit products); each gradient is returned in its input's dtype. 0: element_size.
     e_element_size: int = 0
@@ -307,8 +309,9 @@ def balanced_plan(f: HeadFacts, scratch_mb: int = 0, plain_sum: bool | None = No
       within the target, but chunks of at least ``_MIN_CHUNK_ROWS`` rows: each chunk reads and writes the pair;
     * where neither fits, speed first: the plain sum over 2 chunks (the pair's epilogue reads and writes ``V x D``
       pairs every chunk, a cost that grows as the chunks shrink); ``within_target`` False (stats() says so);
-    * the pair where the graph scales the loss by anything but a power of two (``f.loss_scale``): the op's backward
-      would round a plain sum once more by that upstream gradient, past the error budget.
+    * the pair where the graph scales the loss by anything but a power of two in a way the op cannot be given
+      (``f.loss_scale``): the op's backward would round a plain sum once more by that upstream gradient, past the
+      error budget.
 
     An fp32 dC (fp32 heads, autocast's fp32 weights) is its own fp32 sum at any number of chunks: the largest scratch
     within the target, chunks of at least ``_MIN_CHUNK_ROWS`` rows. ``scratch_mb`` (> 0) sets the scratch; a plain sum

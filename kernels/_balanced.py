@@ -15,7 +15,9 @@ Per row n (x = E[n] . C[v] rounded to the products' dtype, as torch.compile's ma
     row_loss   = lse - (1 - eps) z[n, t_n] - eps / V sum_v z[n, v]      (0 at ignored rows; eps: label smoothing)
     loss       = sum_n row_loss / #counted   (mean; #counted a device tensor)   |   sum_n row_loss   (sum)
     G[n, v]    = (exp(z - lse) - (1 - eps) [v == t_n] - eps / V) * (1 - (z / s)^2) * row_scale
-                 row_scale = 1 / #counted (mean) | 1 (sum);  ignored rows: G = 0 (NaN where eager has NaN: below)
+                 row_scale = (1 / #counted (mean) | 1 (sum)) * g;  ignored rows: G = 0 (NaN where eager has NaN:
+                 below); g: the upstream gradient the caller expects (``grad_scale``, else 1), carried by G before
+                 its one rounding so that a 16-bit sum rounds as at g = 1
     dE = G @ C,   dC = G^T @ E,   dbias = sum_n G[n, :]
 
 Chunk / grid layout
@@ -172,9 +174,9 @@ def _softmax_grad_in_place_kernel(
     ``split`` on from ``Tail[row0 + row]`` where ``TAIL``), writes its loss (unscaled, 0 if ignored) to
     ``RowLoss[row0 + row]`` and overwrites the row of ``S`` with its scaled softmax gradient, 0 in its padding
     columns up to ``stride_row`` (and the tail's columns of ``Tail`` with theirs).  ``RowScale``: a one-element fp32
-    device tensor (1 / #counted or 1), so the mean needs no host sync.  ``SKIP_BLOCK`` > 0 (rows compacted, counted
-    ones first): rows from ``NumCounted`` (the chunk's count, a device-side int32) rounded up to a multiple of it on
-    are not touched (the products skip them)."""
+    device tensor (1 / #counted or 1, times the caller's ``grad_scale``), so the mean needs no host sync.
+    ``SKIP_BLOCK`` > 0 (rows compacted, counted ones first): rows from ``NumCounted`` (the chunk's count, a
+    device-side int32) rounded up to a multiple of it on are not touched (the products skip them)."""
     row = tl.program_id(0)
     if SKIP_BLOCK > 0:
         if row >= tl.cdiv(tl.maximum(tl.load(NumCounted), 0), SKIP_BLOCK) * SKIP_BLOCK:

@@ -111,6 +111,7 @@ def loss_and_grads(
     counted_prefix_rows=None,
     observe_counted=None,
     plain_sum=False,
+    grad_scale=None,
 ) -> LossAndGrads:
     """Launch helper: :class:`LossAndGrads` of ``cross_entropy(softcap(e @ c.T + bias), targets)`` for reduction
     "mean" or "sum", ``chunk_rows`` rows at a time through one scratch of logits (module docstring).
@@ -121,7 +122,9 @@ def loss_and_grads(
     and the rows (``cce_inductor/_counted_share.py``).  ``plain_sum``: a 16-bit dC is summed in its own dtype, one
     rounding a chunk, over at most ``PLAIN_SUM_MAX_CHUNKS`` chunks (``chunk_rows >= N / 2``; with a counted prefix
     the chunks are laid out so, ``_layout.balanced_chunks``), and returned without a remainder (``grad_c_lo``
-    None); else as the pair (module docstring)."""
+    None); else as the pair (module docstring).  ``grad_scale`` (a 0-dim fp32 device tensor, finite and nonzero):
+    the gradients are those of ``grad_scale * loss``, each rounded as at upstream gradient 1 (G carries the factor
+    before its one rounding); the loss itself is not scaled."""
     if reduction not in ("mean", "sum"):
         raise ValueError(f"the balanced path computes reductions 'mean' and 'sum', got {reduction!r}")
     tune = _launch.tuning(_TUNING)
@@ -141,6 +144,8 @@ def loss_and_grads(
     )
     if observe_counted is not None:
         observe_counted(num_counted, n)
+    if grad_scale is not None:
+        row_scale = row_scale * grad_scale
 
     pitch = triton.cdiv(v, ROW_ALIGN) * ROW_ALIGN  # whatever V is, no product sees an odd leading dimension
     split = v - v % ROW_ALIGN  # the vocabulary's aligned part; its tail (fewer than 64 entries) goes apart (below)

@@ -660,6 +660,41 @@ def test_balanced_op_runs_the_lean_path_where_its_buffers_cannot_be_allocated(dt
         assert not lo.any()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("fallback", [False, True], ids=["balanced", "lean_after_oom"])
+def test_balanced_op_computes_its_gradients_at_grad_scale(dtype, fallback, monkeypatch):
+    """``grad_scale`` (the loss's scale after the cross-entropy, which the pass reads from the graph): the op's
+    gradients are those of ``grad_scale * loss``, the loss itself unscaled, so that the backward at that upstream
+    gradient returns them as they are (bit for bit: no rounding more), and at another its product by ``grad_loss /
+    grad_scale``; a ``grad_scale`` of 0 or inf computes at 1. The same on the lean path the op falls back to."""
+    e, c, t, b = make_balanced_inputs(23, 40, 8, dtype, bias=True)
+    leaves = [x.detach().requires_grad_() for x in (e, c, b)]
+    if fallback:
+        monkeypatch.setattr(ops._dispatch, "loss_and_grads", _out_of_memory)
+
+    def run(scale):
+        return balanced_op.balanced_call(
+            *leaves[:2], t, leaves[2], softcap=3.0, options=CCEOptions().encode(), need_e=True, need_c=True,
+            need_bias=True, plain_sum=True, grad_scale=scale,
+        )()  # fmt: skip
+
+    scale = torch.tensor(0.7)
+    at_one, at_scale = run(None), run(scale)
+    assert torch.equal(at_scale[0], at_one[0])
+    pair = dtype == torch.bfloat16  # dE a pair, dC the plain sum, dbias fp32
+    own = [(at_scale[1].float() + at_scale[4].float()).to(dtype) if pair else at_scale[1], at_scale[2], at_scale[3]]
+    for got, want in zip(torch.autograd.grad(at_scale[0], leaves, scale, retain_graph=True), own):
+        assert torch.equal(got, want.to(got.dtype))
+    for got, want in zip(torch.autograd.grad(at_scale[0], leaves, 2 * scale, retain_graph=True), own):
+        assert torch.equal(got, 2 * want.to(got.dtype))
+    tol = 2.0**-7 if pair else 1e-6
+    for got, want in zip(torch.autograd.grad(at_scale[0], leaves, torch.tensor(0.3)), at_one[1:4]):
+        assert rel_err(got.float(), 0.3 * want.float()) <= tol
+    for degenerate in (torch.tensor(0.0), torch.tensor(float("inf"))):
+        for got, want in zip(run(degenerate), at_one):
+            assert torch.equal(got, want)
+
+
 def test_balanced_op_falls_back_through_the_pass_and_raises_other_errors(monkeypatch, no_inductor_caches):
     """Compiled (the pass's balanced site): the fallback's loss and gradients are eager's; an error that is not an
     allocation failure is raised as it is."""

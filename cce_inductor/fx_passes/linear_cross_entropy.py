@@ -75,6 +75,7 @@ from .spellings import (
     requires_grad,
     short,
 )
+from .upstream import emit_grad_scale
 
 FORM = "linear_cross_entropy"
 _CE_SIGNATURE = inspect.signature(F.cross_entropy)
@@ -261,6 +262,7 @@ def emit_fused_loss(graph: fx.Graph, record: Record, decision: Decision, rows, w
             need_bias=site.bias is not None and requires_grad(site.bias),
             returned_logits=bool(site.escaping),
             plain_sum=decision.plain_sum,
+            grad_scale=emit_grad_scale(graph, decision.grad_scale, example_value(site.hidden).device),
             **common,
         ).emit(graph)
         return [graph.call_function(operator.getitem, (fused, 0))]

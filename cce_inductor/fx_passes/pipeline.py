@@ -16,7 +16,6 @@ calls into this module.
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Callable
 
 import torch.fx as fx
@@ -26,23 +25,8 @@ from ..options import CCEOptions
 from .chunked_heads import chunk_groups
 from .head_chain import NoMatch
 from .sites import Decision, Record, Site, lazy_recipe, op_compute_dtype, operands, retire, why_not
-from .spellings import (
-    ADD,
-    DIV,
-    DTYPE_METHODS,
-    IDENTITY_VIEW,
-    MATMUL,
-    MUL,
-    NEG,
-    RESHAPE,
-    SUB,
-    TO_DTYPE,
-    example_value,
-    matches,
-    methods,
-    requires_grad,
-    short,
-)
+from .spellings import MATMUL, example_value, matches, requires_grad
+from .upstream import UpstreamGradient, upstream_gradient
 
 # A form's emitter: given the record, its decision and the call's operands (rows (M, D), weight (V, D), bias), emit
 # the fused call and return the node that takes each replaced loss's place, one per site of ``decision.sites``.
@@ -91,14 +75,18 @@ def _by_head(group: list[tuple[Record, str]], options: CCEOptions) -> list[tuple
     for record, escaping_as in group:
         site = record.site
         extended = site.class_weight is not None or bool(site.argmax_users)
-        choice = choose_path(site, options, per_row_outputs=bool(chunks) or extended)
+        upstream = upstream_gradient(site.cross_entropy, site.insert_before or site.cross_entropy)
+        choice = choose_path(site, options, per_row_outputs=bool(chunks) or extended, upstream=upstream)
         reason = f"{describe_site(site, escaping_as)}{merged}; {choice.reason}"
+        grad_scale = upstream.steps if choice.path == "balanced" and not chunks else ()
+        if grad_scale:
+            reason += f"; its gradients computed at the loss's scale after the cross-entropy ({upstream.named})"
         if chunks:  # one call over every chunk, on the first's decision: operands in the logits' dtype
             form, replaced, compute_dtype = "chunked_heads", chunks if site is chunks[0] else (), None
         else:
             form, replaced, compute_dtype = record.form, (site,), op_compute_dtype(site)
         decision = Decision(
-            True, reason, choice.path, form, replaced, escaping_as, compute_dtype, choice.plain_sum, encoded
+            True, reason, choice.path, form, replaced, escaping_as, compute_dtype, choice.plain_sum, encoded, grad_scale
         )
         decided.append((record, decision))
     return decided
@@ -215,51 +203,17 @@ def describe_site(site: Site, escaping_as: str) -> str:
     return ", ".join(parts)
 
 
-# What the loss's upstream gradient passes through unchanged in scale (the walk below follows them)
-_SCALE_KEEPING = ADD | SUB | NEG | TO_DTYPE | RESHAPE | IDENTITY_VIEW | methods(*DTYPE_METHODS, "sum", "mean")
-
-
-def loss_scale(loss: fx.Node) -> str:
-    """How the graph scales ``loss`` on its way to the outputs where that is not by a power of two: a product or
-    quotient by another number, or by a tensor or symbolic size (not specialised here: Hugging Face's
-    ``loss / num_items_in_batch``), named for ``stats()``; "" where there is none (sums with other terms, casts and
-    views keep the scale; other uses, a logged ``exp(loss)`` say, are not followed)."""
-    todo, seen = [loss], set()
-    while todo:
-        node = todo.pop()
-        for user in node.users:
-            if user in seen:
-                continue
-            seen.add(user)
-            if matches(user, MUL) or matches(user, DIV):
-                others = [a for a in user.args if a is not node]
-                exact = len(others) == 1 and _power_of_two(others[0]) and (matches(user, MUL) or user.args[0] is node)
-                if not exact:
-                    other = others[0] if len(others) == 1 else tuple(others)
-                    by = other.name if isinstance(other, fx.Node) else repr(other) if others else "itself"
-                    return f"{short(user)} by {by}"
-            elif not matches(user, _SCALE_KEEPING):
-                continue
-            todo.append(user)
-    return ""
-
-
-def _power_of_two(value) -> bool:
-    """A Python number that is +-2^k (a tensor or a symbolic size: unknown, False)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value == 0:
-        return False
-    mantissa, _ = math.frexp(abs(value))
-    return mantissa == 0.5
-
-
-def choose_path(site: Site, options: CCEOptions, *, per_row_outputs: bool = False) -> paths.PathChoice:
+def choose_path(
+    site: Site, options: CCEOptions, *, per_row_outputs: bool = False, upstream: UpstreamGradient | None = None
+) -> paths.PathChoice:
     """The path of this site (:func:`cce_inductor.paths.choose`) from the shapes Dynamo traced (a dynamic batch: the
     size it was traced with). What requires grad is known here: Dynamo traced the graph with it, and guards on it (the
     loss itself: a head computed with grad whose loss is taken under no_grad needs no gradient). Logits the graph
     returns (``site.escaping``) count in torch.compile's estimated peak: it must materialise them, the rewrite
     returns them lazily or drops them. Operands stored wider than the logits (autocast's fp32 hidden states or head)
     reach the op as stored (:func:`replace`): their gradients, and the op's converted copies, count at their
-    widths, as the op counts them when it sizes its scratch at run time."""
+    widths, as the op counts them when it sizes its scratch at run time. ``upstream``: the graph's scale of the loss
+    (``upstream.py``); one the op cannot be given (``unknown``) makes a 16-bit dC the exact pair."""
     logits, hidden = example_value(site.chain[-1]), example_value(site.hidden)
     stored = (
         paths.storage_facts(hidden.dtype, example_value(site.weight).dtype, site.compute_dtype)
@@ -278,7 +232,7 @@ def choose_path(site: Site, options: CCEOptions, *, per_row_outputs: bool = Fals
         per_row_outputs=per_row_outputs,
         returned_logits=bool(site.escaping),
         softcapped=site.softcap is not None,
-        loss_scale=loss_scale(site.cross_entropy),
+        loss_scale=upstream.unknown if upstream is not None else "",
         **stored,
     )
     choice = paths.choose_for(facts, options)

@@ -95,6 +95,7 @@ class Decision:
     compute_dtype: torch.dtype | None = None  # the op's compute_dtype: the operands reach it as stored
     plain_sum: bool = False  # the balanced path sums dC in its own 16-bit dtype
     options: str = ""  # CCEOptions.encode(): the op's options argument
+    grad_scale: tuple = ()  # the balanced op's upstream gradient, as ``upstream.UpstreamGradient.steps`` (else none)
 
 
 def why_not(exc: Exception) -> str:

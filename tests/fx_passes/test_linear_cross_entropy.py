@@ -1233,11 +1233,13 @@ class TestEinsumHeads(PatternTestCase):
             self.run_pass(vd, rand_hidden(B * T, D), rand_labels(B * T), params=[weight], options=options)
             self.run_pass(dv, rand_hidden(B * T, D), rand_labels(B * T), params=[weight_dv], options=options)
 
-    def test_a_loss_scaled_after_the_cross_entropy_gets_the_exact_pair(self):
+    def test_a_loss_scaled_after_the_cross_entropy_has_its_gradients_computed_at_the_scale(self):
         """A bf16 head whose loss the graph scales after the cross-entropy (Hugging Face's ``sum /
-        num_items_in_batch``, a weight of 0.7): its upstream gradient would round the balanced path's plain 16-bit dC
-        sum once more, past the error budget, so the site sums dC as the exact pair and stats() names the scale; a
-        power of two (and a sum with another term) keeps the plain sum."""
+        num_items_in_batch``, a weight of 0.7, a count then a weight, a count the graph takes after the loss): the
+        balanced op is given the scale as ``grad_scale``, formed as autograd forms the loss's gradient (a factor
+        computed after the loss computed again before the call), so that its plain 16-bit dC sum is rounded as at
+        upstream gradient 1 (its error budget) and kept; stats() names the scale. A power of two (and a sum with
+        another term) is no scale."""
         weight = rand_weight(V, D).bfloat16().detach().requires_grad_()
 
         def by_count(hidden, labels, count):
@@ -1246,13 +1248,22 @@ class TestEinsumHeads(PatternTestCase):
         def by_weight(hidden, labels):
             return F.cross_entropy(F.linear(hidden, weight).float(), labels) * 0.7
 
+        def by_count_and_weight(hidden, labels, count):
+            return (F.cross_entropy(F.linear(hidden, weight).float(), labels, reduction="sum") / count + 1.0) * 0.7
+
+        def counted_after(hidden, labels):
+            loss = F.cross_entropy(F.linear(hidden, weight).float(), labels, reduction="sum")
+            return loss / (labels != -100).sum().float()
+
         def by_power_of_two(hidden, labels):
             return (F.cross_entropy(F.linear(hidden, weight).float(), labels) + 1.0) / 4
 
         count = torch.tensor(float(B * T + 3))
         for fn, extra, scale in (
-            (by_count, (count,), "by l_count_"),
-            (by_weight, (), "by 0.7"),
+            (by_count, (count,), "(truediv) by l_count_"),
+            (by_weight, (), "(mul) by 0.7"),
+            (by_count_and_weight, (count,), "(truediv) by l_count_, mul (mul) by 0.7"),
+            (counted_after, (), "(truediv) by float_2"),
             (by_power_of_two, (), None),
         ):
             cce_inductor.reset_stats()
@@ -1262,13 +1273,76 @@ class TestEinsumHeads(PatternTestCase):
             )
             (site,) = cce_inductor.stats()["sites"]
             self.assertEqual(site["path"], "balanced")
-            if scale is None:
-                self.assertIn("in its own 16-bit dtype", site["reason"])
-                self.assertNotIn("scaled after the cross-entropy", site["reason"])
-            else:
-                self.assertIn("as a 16-bit pair", site["reason"])
-                self.assertIn("the loss is scaled after the cross-entropy (", site["reason"])
+            self.assertIn("in its own 16-bit dtype", site["reason"])
+            self.assertNotIn("scaled after the cross-entropy (", site["reason"])
+            self.assertEqual(scale is not None, "computed at the loss's scale after the cross-entropy" in site["reason"])
+            if scale is not None:
                 self.assertIn(scale, site["reason"])
+
+    def test_the_grad_scale_is_formed_in_the_graph_as_autograd_forms_the_gradient(self):
+        """The graph the balanced op gets for ``cross_entropy(..., reduction="sum") / count * 0.7``: ``grad_scale =
+        ones() * 0.7 / count``, the outermost factor first, before the call."""
+        weight = rand_weight(V, D).bfloat16().detach().requires_grad_()
+
+        def f(hidden, labels, count):
+            return F.cross_entropy(F.linear(hidden, weight).float(), labels, reduction="sum") / count * 0.7
+
+        hidden = rand_hidden(B * T, D).bfloat16().detach().requires_grad_()
+        cap = self.run_pass(
+            f, hidden, rand_labels(B * T), torch.tensor(17.0), params=[weight], options=BALANCED, atol=2e-2, rtol=2e-2
+        )
+        self.assertExpectedInline(
+            cap.after[0],
+            """\
+def forward(self, L_count_ : torch.Tensor, L_hidden_ : torch.Tensor, L_labels_ : torch.Tensor, L_weight_ : torch.Tensor):
+    l_count_ = L_count_
+    l_hidden_ = L_hidden_
+    l_labels_ = L_labels_
+    l_weight_ = L_weight_
+    ones = torch.ones((), dtype = torch.float32, device = device(type='cpu'))
+    mul_1 = ones * 0.7
+    truediv_1 = mul_1 / l_count_
+    linear_cross_entropy_with_grads_default = torch.ops.cce_inductor.linear_cross_entropy_with_grads.default(l_hidden_, l_weight_, l_labels_, None, None, -100, 'sum', 0.0, 'exact=False;products=auto;backward_row_chunk=8192;path=auto;scratch_mb=1', True, True, False, False, plain_sum = True, grad_scale = truediv_1)
+    getitem = linear_cross_entropy_with_grads_default[0]
+    truediv = getitem / l_count_
+    mul = truediv * 0.7
+    return (mul,)""",
+        )
+
+    def test_a_scale_the_op_cannot_be_given_gets_the_exact_pair(self):
+        """Where the loss's gradient cannot be formed before the call (its uses branch, a factor needs a gradient, a
+        factor is computed from the loss itself), the site sums dC as the exact pair and stats() names the scale."""
+        weight = rand_weight(V, D).bfloat16().detach().requires_grad_()
+        learned = torch.tensor(0.7, requires_grad=True)
+
+        def branching(hidden, labels, count):
+            loss = F.cross_entropy(F.linear(hidden, weight).float(), labels, reduction="sum")
+            return loss / count + loss * 0.3
+
+        def learned_weight(hidden, labels, count):
+            return F.cross_entropy(F.linear(hidden, weight).float(), labels) * learned
+
+        def by_itself(hidden, labels, count):
+            loss = F.cross_entropy(F.linear(hidden, weight).float(), labels, reduction="sum")
+            return loss / loss.detach()
+
+        count = torch.tensor(float(B * T + 3))
+        for fn, params, scale in (
+            (branching, [weight], "by l_count_"),
+            (learned_weight, [weight, learned], "by l_learned_"),
+            (by_itself, [weight], "(truediv) by detach"),
+        ):
+            cce_inductor.reset_stats()
+            hidden = rand_hidden(B * T, D).bfloat16().detach().requires_grad_()
+            self.run_pass(
+                fn, hidden, rand_labels(B * T), count, params=params, options=BALANCED, atol=2e-2, rtol=2e-2
+            )
+            (site,) = cce_inductor.stats()["sites"]
+            self.assertEqual(site["path"], "balanced")
+            self.assertIn("as a 16-bit pair", site["reason"])
+            self.assertIn("the loss is scaled after the cross-entropy (", site["reason"])
+            self.assertIn(scale, site["reason"])
+            self.assertNotIn("computed at the loss's scale", site["reason"])
 
     def test_einsum_that_is_not_a_head_is_refused_by_name(self):
         weight = torch.randn(V, D, 2, requires_grad=True)

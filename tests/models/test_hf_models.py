@@ -111,11 +111,12 @@ def test_hf_through_inductor(family):
     assert cce_inductor.stats()["rewritten"] == 1
 
 
-def test_hf_num_items_in_batch_sums_a_bf16_dc_as_the_pair():
+def test_hf_num_items_in_batch_computes_the_gradients_at_its_scale():
     """Hugging Face's loss given ``num_items_in_batch`` (the Trainer's) is ``cross_entropy(..., reduction="sum") /
     num_items_in_batch``: an upstream gradient that is not a power of two, which would round the balanced path's
-    plain 16-bit dC sum once more, past the error budget. A bf16 model's site sums dC as the exact pair there and
-    stats() names the division; the same model without it (the mean) keeps the plain sum."""
+    plain 16-bit dC sum once more, past the error budget. A bf16 model's site is given the division as its
+    ``grad_scale`` and keeps the plain sum, and stats() names it; the same model without it (the mean) has none. The
+    training step's parity with eager: ``test_hf_num_items_in_batch_and_logits_to_keep``."""
     model = hf_model("llama").to(torch.bfloat16)
     input_ids, labels = hf_batch()
     num_items = (labels[:, 1:] != -100).sum() + 5
@@ -129,7 +130,7 @@ def test_hf_num_items_in_batch_sums_a_bf16_dc_as_the_pair():
         torch.compile(model, backend=capture)(**inputs).loss.backward()
         (site,) = cce_inductor.stats()["sites"]
         assert site["path"] == "balanced", site["reason"]
-        assert ("as a 16-bit pair" in site["reason"]) == scaled, site["reason"]
-        assert ("scaled after the cross-entropy (" in site["reason"]) == scaled, site["reason"]
+        assert "in its own 16-bit dtype" in site["reason"], site["reason"]
+        assert ("computed at the loss's scale after the cross-entropy (" in site["reason"]) == scaled, site["reason"]
         assert ("(truediv) by num_items_in_batch)" in site["reason"]) == scaled, site["reason"]
-        assert ("in its own 16-bit dtype" in site["reason"]) == (not scaled), site["reason"]
+        assert "grad_scale" in capture.after[0] if scaled else "grad_scale" not in capture.after[0]
