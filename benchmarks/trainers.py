@@ -211,7 +211,9 @@ def train_once(args, batch, outdir, peak):
 
     model = build_model(
         args.model,
-        argparse.Namespace(tiny=args.tiny, seed=args.seed, device=args.device, attn=None, weights="fp32-autocast"),
+        argparse.Namespace(
+            tiny=args.tiny, seed=args.seed, device=args.device, attn=None, weights="fp32-autocast", method=args.method
+        ),
     )  # fp32 master weights: TrainingArguments(bf16=True) runs the forward under autocast
     if args.client == "peft":
         import peft

@@ -303,7 +303,7 @@ def loss_and_grads(
     """The balanced path: ``(loss, dE, dC, dbias, dE_lo, dC_lo)`` of a "mean" / "sum" loss, the gradients those of the
     loss itself (upstream gradient 1; with ``grad_scale``, a 0-dim fp32 tensor, those of ``grad_scale * loss``, G
     scaled before its rounding), each in its input's dtype as ``kernels.loss_and_grads`` returns them (an fp32
-    gradient whole, a 16-bit one as a pair, a 16-bit dC with ``plain_sum`` alone; dbias in fp32; None where not asked
+    gradient whole, a 16-bit one as a pair, but with ``plain_sum`` alone; dbias in fp32; None where not asked
     for). The kernels go through row chunks of ``chunk_rows`` rows (``paths.BalancedPlan``); the chunked path runs its
     forward and backward back to back in the accumulation dtype and rounds the result the same way. Targets outside
     ``[0, V)`` that are not ``ignore_index`` fail as in eager (:func:`check_target_range`). ``compute_dtype``: the
@@ -338,6 +338,7 @@ def loss_and_grads(
                 compute_dtype=compute_dtype,
                 chunk_rows=chunk_rows,
                 plain_sum=plain_sum,
+                de_pair=not plain_sum,
                 counted_prefix_rows=prefix,
                 observe_counted=share.observe if products == "auto" else None,
                 grad_scale=grad_scale,
@@ -369,7 +370,9 @@ def loss_and_grads(
         label_smoothing=label_smoothing,
         in_accumulation_dtype=True,
     )
-    (grad_e, grad_e_lo), (grad_c, grad_c_lo) = _as_stored(grad_e, stored[0]), _as_stored(grad_c, stored[1], plain_sum)
+    (grad_e, grad_e_lo), (grad_c, grad_c_lo) = (
+        _as_stored(g, dtype, plain_sum) for g, dtype in zip((grad_e, grad_c), stored)
+    )
     return loss, grad_e, grad_c, grad_bias, grad_e_lo, grad_c_lo
 
 
@@ -379,7 +382,7 @@ def lean_loss_and_grads(
 ):  # fmt: skip
     """:func:`loss_and_grads`' results computed by the lean path, forward then backward at upstream gradient 1 (its
     memory: one G block, no scratch of logits), in the same layout: each gradient the lean path's, rounded once, and
-    a 16-bit pair's remainder 0 (none for a ``plain_sum`` dC), at upstream gradient ``grad_scale`` as there.
+    a 16-bit pair's remainder 0 (none with ``plain_sum``), at upstream gradient ``grad_scale`` as there.
     ``options``: a ``CCEOptions`` (the backward's)."""
     e_cd, c_cd, bias_cd = in_compute_dtype(e, c, bias, compute_dtype)
     check_target_range(e_cd, targets, c.shape[0], ignore_index)
@@ -398,7 +401,7 @@ def lean_loss_and_grads(
         compute_dtype=compute_dtype,
     )  # fmt: skip
     sixteen = (torch.bfloat16, torch.float16)
-    grad_e_lo = torch.zeros_like(grad_e) if grad_e is not None and e.dtype in sixteen else None
+    grad_e_lo = torch.zeros_like(grad_e) if grad_e is not None and e.dtype in sixteen and not plain_sum else None
     grad_c_lo = torch.zeros_like(grad_c) if grad_c is not None and c.dtype in sixteen and not plain_sum else None
     return loss, grad_e, grad_c, grad_bias, grad_e_lo, grad_c_lo
 

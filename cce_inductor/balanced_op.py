@@ -45,9 +45,10 @@ def linear_cross_entropy_with_grads_op(
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Returns ``(loss, grad_e, grad_c, grad_bias, grad_e_lo, grad_c_lo)``: the loss (reduction "mean" or "sum") and its
     own gradients (upstream gradient 1), each in its input's dtype: an fp32 gradient whole, a 16-bit one as the pair
-    ``(grad, grad_lo)`` whose sum carries ~16 mantissa bits (``kernels/_pair_sums.py``), but a 16-bit dC with
-    ``plain_sum`` (the site's ``paths.BalancedPlan``: summed in its own dtype over at most two row chunks) alone; dbias
-    in the accumulation dtype; what is not asked for (or an fp32 gradient's ``lo``) an empty tensor. The autograd
+    ``(grad, grad_lo)`` whose sum carries ~16 mantissa bits (``kernels/_pair_sums.py``), but with ``plain_sum`` (the
+    site's ``paths.BalancedPlan``) each alone: a 16-bit dC summed in its own dtype over at most two row chunks, a
+    16-bit dE rounded once (each of its rows is one chunk's product, as torch.compile's); dbias in the accumulation
+    dtype; what is not asked for (or an fp32 gradient's ``lo``) an empty tensor. The autograd
     formula rounds ``grad_loss * (grad + grad_lo)`` once to the input's dtype, in the gradient's own buffer where
     Inductor compiles it (a saved tensor only the backward reads is a donated buffer). On CUDA the balanced kernels
     (``kernels/_balanced.py``: row chunks of logits in a scratch of ``options.scratch_mb``, or planned here for the
@@ -111,7 +112,7 @@ def linear_cross_entropy_with_grads_op(
         out(need_e, grad_e, e),
         out(need_c, grad_c, c),
         out(need_bias, grad_bias, e).to(acc),
-        out(need_e, grad_e_lo, e),
+        out(need_e and not plain_sum, grad_e_lo, e),
         out(need_c, grad_c_lo, c),
     )
 
@@ -143,7 +144,7 @@ def _(
         grad_e,
         grad_c,
         grad_bias.to(acc),
-        torch.empty_like(grad_e) if _pair(need_e, e) else e.new_empty(0),
+        torch.empty_like(grad_e) if _pair(need_e, e) and not plain_sum else e.new_empty(0),
         torch.empty_like(grad_c) if _pair(need_c, c) and not plain_sum else c.new_empty(0),
     )
 

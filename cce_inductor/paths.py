@@ -206,13 +206,16 @@ def lean_peak(f: HeadFacts, backward_row_chunk: int = 8192, *, counted_prefix: b
 
 def balanced_peak(f: HeadFacts, scratch_bytes: int, plain_sum: bool = False) -> int:
     """The balanced path's peak (``kernels/_balanced.py``): the gradients in their inputs' dtypes, dC over the
-    scratch's padded rows; a 16-bit dE's remainder (the pair's ``lo``) and its fp32 rows of one chunk; a 16-bit dC's
-    remainder unless it is a ``plain_sum`` (summed in its own dtype); the scratch; the inputs' converted copies
-    under autocast. The backward scales the gradients in place (Inductor, donated buffers), so it adds nothing."""
+    scratch's padded rows; the 16-bit gradients' remainders (the pairs' ``lo``) unless they are a ``plain_sum`` (dC
+    summed in its own dtype, dE rounded once); a 16-bit dE's fp32 rows of one chunk (the pair's; else where V's tail
+    is a second product or the rows are compacted, counted in every case: the share that compacts them moves from
+    call to call); the scratch; the inputs' converted copies under autocast. The backward scales the gradients in
+    place (Inductor, donated buffers), so it adds nothing."""
     rows = chunk_rows(scratch_bytes, f.vocab, f.element_size, f.rows) if scratch_bytes else 0
     pitch = scratch_row_pitch(f.vocab)
     gradients = (f.rows * f.e_bytes + pitch * f.c_bytes) * f.hidden
-    de_extra = (f.rows * f.hidden * f.e_bytes + rows * f.hidden * 4) if f.e_bytes != 4 else 0
+    de_remainder = f.rows * f.hidden * f.e_bytes if not plain_sum else 0
+    de_extra = (de_remainder + rows * f.hidden * 4) if f.e_bytes != 4 else 0
     dc_remainder = pitch * f.hidden * f.c_bytes if f.c_bytes != 4 and not plain_sum else 0
     return gradients + de_extra + dc_remainder + scratch_bytes + _converted_bytes(f)
 

@@ -21,8 +21,9 @@ from ._balanced import _TUNING, _softmax_grad_in_place_kernel
 class LossAndGrads(NamedTuple):
     """The loss (fp32 scalar) and its gradients, each in its input's dtype: an fp32 gradient is the fp32 sum itself;
     a 16-bit one is the pair ``(hi, lo)`` (``_pair_sums``), ``hi`` the sum rounded once and ``lo`` the remainder (the
-    backward rounds ``g * (hi + lo)`` once).  dbias is fp32.  A gradient not asked for is None (dbias also without a
-    bias; a ``lo`` for an fp32 gradient)."""
+    backward rounds ``g * (hi + lo)`` once), but a dC summed as the plain sum (``plain_sum``) and a dE without
+    ``de_pair`` are ``hi`` alone.  dbias is fp32.  A gradient not asked for is None (dbias also without a bias; a
+    ``lo`` for an fp32 gradient or a plain one)."""
 
     loss: torch.Tensor
     grad_e: torch.Tensor | None
@@ -111,6 +112,7 @@ def loss_and_grads(
     counted_prefix_rows=None,
     observe_counted=None,
     plain_sum=False,
+    de_pair=True,
     grad_scale=None,
 ) -> LossAndGrads:
     """Launch helper: :class:`LossAndGrads` of ``cross_entropy(softcap(e @ c.T + bias), targets)`` for reduction
@@ -122,9 +124,12 @@ def loss_and_grads(
     and the rows (``cce_inductor/_counted_share.py``).  ``plain_sum``: a 16-bit dC is summed in its own dtype, one
     rounding a chunk, over at most ``PLAIN_SUM_MAX_CHUNKS`` chunks (``chunk_rows >= N / 2``; with a counted prefix
     the chunks are laid out so, ``_layout.balanced_chunks``), and returned without a remainder (``grad_c_lo``
-    None); else as the pair (module docstring).  ``grad_scale`` (a 0-dim fp32 device tensor, finite and nonzero):
-    the gradients are those of ``grad_scale * loss``, each rounded as at upstream gradient 1 (G carries the factor
-    before its one rounding); the loss itself is not scaled."""
+    None); else as the pair (module docstring).  ``de_pair``: a 16-bit dE as the pair too, else rounded once, as
+    torch.compile's product rounds it (``grad_e_lo`` None).  Each row of dE is one chunk's sum: its remainder only
+    keeps ``g * dE`` rounded once for an upstream gradient g that is not a power of two, which ``grad_scale``
+    otherwise stands for.  ``grad_scale`` (a 0-dim fp32 device tensor, finite and nonzero): the gradients are those of
+    ``grad_scale * loss``, each rounded as at upstream gradient 1 (G carries the factor before its one rounding); the
+    loss itself is not scaled."""
     if reduction not in ("mean", "sum"):
         raise ValueError(f"the balanced path computes reductions 'mean' and 'sum', got {reduction!r}")
     tune = _launch.tuning(_TUNING)
@@ -149,7 +154,8 @@ def loss_and_grads(
 
     pitch = triton.cdiv(v, ROW_ALIGN) * ROW_ALIGN  # whatever V is, no product sees an odd leading dimension
     split = v - v % ROW_ALIGN  # the vocabulary's aligned part; its tail (fewer than 64 entries) goes apart (below)
-    e_pair, c_pair = _sixteen_bit(e.dtype), _sixteen_bit(c.dtype)
+    e_pair = _sixteen_bit(e.dtype) and de_pair
+    c_pair = _sixteen_bit(c.dtype)
     plain_sum = bool(plain_sum) and c_pair and need_c  # (an fp32 dC is its own fp32 sum at any number of chunks)
     c_pair = c_pair and not plain_sum
     grad_e, grad_e_lo = _gradient((n, d), e.dtype, device, e_pair) if need_e else (None, None)
@@ -251,8 +257,12 @@ def _chunks(
         targets, e_poison = compacted.targets, compacted.e_poison
     scratch = torch.empty(rows_per_chunk * pitch, dtype=dtype, device=device)
     chunk_logits = scratch.view(rows_per_chunk, pitch)
-    # a 16-bit dE is complete after its chunk: its fp32 rows are split into the pair there
-    de_rows32 = torch.empty((rows_per_chunk, d), dtype=torch.float32, device=device) if grad_e_lo is not None else None
+    # a 16-bit dE is complete after its chunk: its fp32 rows are split into the pair there, or rounded once into dE
+    # where it is not one cuBLAS product written in place (the vocabulary's tail a second product, rows compacted,
+    # fp32 products on the interpreter)
+    de32 = grad_e is not None and grad_e.dtype != torch.float32
+    de32 = de32 and (grad_e_lo is not None or counted_prefix_rows is not None or split < v or ops.upcast)
+    de_rows32 = torch.empty((rows_per_chunk, d), dtype=torch.float32, device=device) if de32 else None
     if compacted is not None:
         # the chunk's rows of E gathered in compacted order: in the first half of dE's fp32 rows, which are written
         # only after dC's product has read them (below), so the gather costs no memory where dE is wanted
@@ -361,9 +371,10 @@ def _dc_chunk(grad_c, grad_c_lo, padded, e_rows, ops: _Operands, v, *, first: bo
 
 def _de_chunk(grad_e, grad_e_lo, de_rows32, padded, ops: _Operands, tail, v, split, r0, rows, count, compacted):
     """The chunk's rows of dE, whole (the aligned part of V, then the tail's; past the prefix the counted rows' row
-    blocks, the others their poison), put into the pair at their rows (compacted: their original rows) or, for an
-    fp32 dE, written in place."""
-    de_rows = de_rows32[:rows] if grad_e_lo is not None else grad_e[r0 : r0 + rows]
+    blocks, the others their poison), in ``de_rows32`` put into the pair (or rounded once into dE) at their rows
+    (compacted: their original rows); without it written in place."""
+    de_rows = de_rows32[:rows] if de_rows32 is not None else grad_e[r0 : r0 + rows]
+    out_dtype = ops.out_dtype if de_rows.dtype == torch.float32 else {}  # (16-bit in place: cuBLAS rounds once)
     if count is not None:
         _products.grad_products(
             padded[:, :v],
@@ -376,12 +387,14 @@ def _de_chunk(grad_e, grad_e_lo, de_rows32, padded, ops: _Operands, tail, v, spl
     else:
         grad = padded.float() if ops.upcast else padded
         if split:
-            _launch.product_into(de_rows, grad[:, :split], ops.c_mm[:split], accumulate=False, **ops.out_dtype)
+            _launch.product_into(de_rows, grad[:, :split], ops.c_mm[:split], accumulate=False, **out_dtype)
         if tail is not None:
             grad_tail = tail[r0 : r0 + rows, : v - split]
             grad_tail = grad_tail.float() if ops.upcast else grad_tail
-            _launch.product_into(de_rows, grad_tail, ops.c_mm[split:], accumulate=split > 0, **ops.out_dtype)
+            _launch.product_into(de_rows, grad_tail, ops.c_mm[split:], accumulate=split > 0, **out_dtype)
     if compacted is not None:
         _pair_sums.split_rows_into(de_rows, grad_e, grad_e_lo, compacted.row_order[r0 : r0 + rows])
     elif grad_e_lo is not None:
         _pair_sums.split_pair(de_rows, grad_e[r0 : r0 + rows], grad_e_lo[r0 : r0 + rows])
+    elif de_rows32 is not None:
+        grad_e[r0 : r0 + rows].copy_(de_rows)

@@ -160,23 +160,27 @@ def split_pair(x32: torch.Tensor, hi: torch.Tensor, lo: torch.Tensor) -> None:
 
 
 @triton.jit
-def _split_rows_kernel(X32, Hi, Lo, RowIndex, D, stride_x, stride_out, ROUND_RNE: tl.constexpr, BLOCK: tl.constexpr):
-    """Row ``program_id(0)`` of X32 split into the pair at row ``RowIndex[row]`` of hi / lo, ``BLOCK`` columns per
-    program ``program_id(1)``."""
+def _split_rows_kernel(
+    X32, Hi, Lo, RowIndex, D, stride_x, stride_out, HAS_LO: tl.constexpr, ROUND_RNE: tl.constexpr, BLOCK: tl.constexpr
+):
+    """Row ``program_id(0)`` of X32 split into the pair at row ``RowIndex[row]`` of hi / lo (without ``HAS_LO``:
+    rounded once into hi), ``BLOCK`` columns per program ``program_id(1)``."""
     row = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < D
     x = tl.load(X32 + row.to(tl.int64) * stride_x + cols, mask=mask, other=0.0)
     out_row = tl.load(RowIndex + row).to(tl.int64) * stride_out
     hi = _round_rne(x, Hi.dtype.element_ty, ROUND_RNE)
-    lo = _round_rne(x - hi.to(tl.float32), Hi.dtype.element_ty, ROUND_RNE)
     tl.store(Hi + out_row + cols, hi, mask=mask)
-    tl.store(Lo + out_row + cols, lo, mask=mask)
+    if HAS_LO:
+        lo = _round_rne(x - hi.to(tl.float32), Hi.dtype.element_ty, ROUND_RNE)
+        tl.store(Lo + out_row + cols, lo, mask=mask)
 
 
-def split_rows_into(x32: torch.Tensor, hi: torch.Tensor, lo: torch.Tensor, row_index: torch.Tensor) -> None:
+def split_rows_into(x32: torch.Tensor, hi: torch.Tensor, lo: torch.Tensor | None, row_index: torch.Tensor) -> None:
     """Launch helper: :func:`split_pair` of each row ``p`` of ``x32`` (fp32, rows x D) into row ``row_index[p]`` of
-    ``hi`` / ``lo`` (one 16-bit dtype, contiguous rows): a chunk's rows computed in compacted order put back."""
+    ``hi`` / ``lo`` (one 16-bit dtype, contiguous rows; ``lo`` None: rounded once into ``hi``): a chunk's rows
+    computed in compacted order put back."""
     rows, d = x32.shape
     if rows == 0:
         return
@@ -184,11 +188,12 @@ def split_rows_into(x32: torch.Tensor, hi: torch.Tensor, lo: torch.Tensor, row_i
     _split_rows_kernel[(rows, triton.cdiv(d, block))](
         x32,
         hi,
-        lo,
+        lo if lo is not None else hi,
         row_index,
         d,
         x32.stride(0),
         hi.stride(0),
+        HAS_LO=lo is not None,
         ROUND_RNE=_launch.INTERPRET and hi.dtype == torch.bfloat16,
         BLOCK=block if not _launch.INTERPRET else 64,
         num_warps=4,

@@ -1275,7 +1275,9 @@ class TestEinsumHeads(PatternTestCase):
             self.assertEqual(site["path"], "balanced")
             self.assertIn("in its own 16-bit dtype", site["reason"])
             self.assertNotIn("scaled after the cross-entropy (", site["reason"])
-            self.assertEqual(scale is not None, "computed at the loss's scale after the cross-entropy" in site["reason"])
+            self.assertEqual(
+                scale is not None, "computed at the loss's scale after the cross-entropy" in site["reason"]
+            )
             if scale is not None:
                 self.assertIn(scale, site["reason"])
 
@@ -1334,9 +1336,7 @@ def forward(self, L_count_ : torch.Tensor, L_hidden_ : torch.Tensor, L_labels_ :
         ):
             cce_inductor.reset_stats()
             hidden = rand_hidden(B * T, D).bfloat16().detach().requires_grad_()
-            self.run_pass(
-                fn, hidden, rand_labels(B * T), count, params=params, options=BALANCED, atol=2e-2, rtol=2e-2
-            )
+            self.run_pass(fn, hidden, rand_labels(B * T), count, params=params, options=BALANCED, atol=2e-2, rtol=2e-2)
             (site,) = cce_inductor.stats()["sites"]
             self.assertEqual(site["path"], "balanced")
             self.assertIn("as a 16-bit pair", site["reason"])
