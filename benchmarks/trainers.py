@@ -37,6 +37,8 @@ that would end past 480 s, a worker still running then is killed, its batch unre
     python benchmarks/trainers.py --clients peft --models qwen25-0.5b --batches 8,16,32,64 --steps 6 --resume
     python benchmarks/trainers.py --clients trainer --models qwen25-0.5b --methods stock,cce --batches 4 \
         --compile-mode reduce-overhead --out $OUT/ro.jsonl                          # CUDA graphs (TrainingArguments)
+    python benchmarks/trainers.py --clients trainer --models qwen25-0.5b --methods stock,cce --batches 16 \
+        --weights bf16 --out $OUT/bf16.jsonl       # bf16 weights: 16-bit gradients (plain sums at the loss's scale)
     python benchmarks/trainers.py --report                                          # the tables of --out, no run
     python benchmarks/trainers.py --device cpu --tiny --clients trainer --models llama32-1b   # CPU smoke, ~2 min
     python benchmarks/trainers.py --device cpu --tiny --clients titan --models llama32-1b     # CPU smoke, ~3 min
@@ -212,9 +214,9 @@ def train_once(args, batch, outdir, peak):
     model = build_model(
         args.model,
         argparse.Namespace(
-            tiny=args.tiny, seed=args.seed, device=args.device, attn=None, weights="fp32-autocast", method=args.method
+            tiny=args.tiny, seed=args.seed, device=args.device, attn=None, weights=args.weights, method=args.method
         ),
-    )  # fp32 master weights: TrainingArguments(bf16=True) runs the forward under autocast
+    )  # fp32 master weights: TrainingArguments(bf16=True) runs the forward under autocast (--weights bf16: bf16 ones)
     if args.client == "peft":
         import peft
 
@@ -448,6 +450,7 @@ def worker(args):
         command=os.environ.get("TRAINERS_BENCH_COMMAND", ""),
         tiny=args.tiny,
         compile_mode=args.compile_mode,
+        weights=args.weights,
         config="tiny" if args.tiny else dict(FD_MODELS[args.model][1]),
     )
     if args.client == "titan":
@@ -766,6 +769,14 @@ def parse_args(argv):
         "--compile-mode",
         default=None,
         help='TrainingArguments.torch_compile_mode, e.g. "reduce-overhead" (CUDA graphs); default: none',
+    )
+    ap.add_argument(
+        "--weights",
+        choices=("fp32-autocast", "bf16"),
+        default="fp32-autocast",
+        help="the model's weights: fp32 under the Trainer's bf16 autocast (default), or bf16 themselves (their "
+        "gradients 16-bit: the balanced path's plain sums, computed at num_items_in_batch's scale); rows do not key "
+        "on it: give each its own --out",
     )
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     for name in ("--client", "--model", "--method", "--until"):  # the worker's unit; the driver's deadline

@@ -742,6 +742,10 @@ def test_opcheck_bf16_de_remainder_only_without_a_plain_sum():
         torch.library.opcheck(
             torch.ops.cce_inductor.linear_cross_entropy_with_grads.default, (*args, False, None, plain_sum)
         )
+        torch.library.opcheck(
+            torch.ops.cce_inductor.linear_cross_entropy_with_grads.default,
+            (*args, False, None, plain_sum, torch.tensor(0.7)),
+        )
         out = torch.ops.cce_inductor.linear_cross_entropy_with_grads(*args, False, None, plain_sum)
         assert out[4].shape == ((0,) if plain_sum else e.shape), plain_sum
 

@@ -110,7 +110,11 @@ def _followed(user: fx.Node) -> bool:
 
 def _factor(user: fx.Node, node: fx.Node) -> tuple[str, Any, str] | None:
     """``(op, factor, name)`` where ``user`` scales ``node`` by other than a power of two (``op`` "?" where it is no
-    plain product or quotient of it: ``x / loss``, ``loss * loss``, a rounding mode, an ``alpha``), else None."""
+    plain product or quotient of it: ``x / loss``, ``loss * loss``, a rounding mode, an ``alpha``, a broadcast of the
+    loss to several elements, whose sum would multiply its gradient), else None."""
+    meta = example_value(user)
+    if isinstance(meta, torch.Tensor) and meta.numel() != 1:
+        return "?", None, f"{short(user)} broadcasts the loss to {tuple(meta.shape)}"
     if not (matches(user, _SCALING_MUL) or matches(user, _SCALING_DIV)):
         alpha = user.kwargs.get("alpha", 1)
         return None if _power_of_two(alpha) else ("?", alpha, f"{short(user)} by alpha={alpha!r}")

@@ -1313,7 +1313,8 @@ def forward(self, L_count_ : torch.Tensor, L_hidden_ : torch.Tensor, L_labels_ :
 
     def test_a_scale_the_op_cannot_be_given_gets_the_exact_pair(self):
         """Where the loss's gradient cannot be formed before the call (its uses branch, a factor needs a gradient, a
-        factor is computed from the loss itself), the site sums dC as the exact pair and stats() names the scale."""
+        factor is computed from the loss itself, the loss is broadcast before a sum), the site sums dC as the exact
+        pair and stats() names the scale."""
         weight = rand_weight(V, D).bfloat16().detach().requires_grad_()
         learned = torch.tensor(0.7, requires_grad=True)
 
@@ -1328,11 +1329,16 @@ def forward(self, L_count_ : torch.Tensor, L_hidden_ : torch.Tensor, L_labels_ :
             loss = F.cross_entropy(F.linear(hidden, weight).float(), labels, reduction="sum")
             return loss / loss.detach()
 
+        def broadcast(hidden, labels, count):  # (its sum's gradient to the loss is 3)
+            loss = F.cross_entropy(F.linear(hidden, weight).float(), labels, reduction="sum")
+            return (loss + torch.zeros(3)).sum() / count
+
         count = torch.tensor(float(B * T + 3))
         for fn, params, scale in (
             (branching, [weight], "by l_count_"),
             (learned_weight, [weight, learned], "by l_learned_"),
             (by_itself, [weight], "(truediv) by detach"),
+            (broadcast, [weight], "broadcasts the loss to (3,)"),
         ):
             cce_inductor.reset_stats()
             hidden = rand_hidden(B * T, D).bfloat16().detach().requires_grad_()
