@@ -84,9 +84,7 @@ class HeadFacts:
     per_row_outputs: bool = False  # token log-probs, entropy, chunked heads fused with reduction "none"
     returned_logits: bool = False  # the logits are graph outputs too (torch.compile holds more; the rewrite does not)
     softcapped: bool = False  # the loss reads softcapped logits (with returned logits torch.compile holds one more)
-    # the graph's scale of the loss after the cross-entropy, where not a power of two and not one the op can be given
-    # (``fx_passes/upstream.py``: then its gradients are computed at it, and the plain sum's budget holds)
-    loss_scale: str = ""
+    loss_scale: str = ""  # the loss's scale after the cross-entropy that the op cannot be given (fx_passes/upstream.py)
     # bytes per element of the hidden states / the head as stored, where not element_size (autocast: fp32 inputs,
     # 16-bit products); each gradient is returned in its input's dtype. 0: element_size.
     e_element_size: int = 0
@@ -206,16 +204,13 @@ def lean_peak(f: HeadFacts, backward_row_chunk: int = 8192, *, counted_prefix: b
 
 def balanced_peak(f: HeadFacts, scratch_bytes: int, plain_sum: bool = False) -> int:
     """The balanced path's peak (``kernels/_balanced.py``): the gradients in their inputs' dtypes, dC over the
-    scratch's padded rows; the 16-bit gradients' remainders (the pairs' ``lo``) unless they are a ``plain_sum`` (dC
-    summed in its own dtype, dE rounded once); a 16-bit dE's fp32 rows of one chunk (the pair's; else where V's tail
-    is a second product or the rows are compacted, counted in every case: the share that compacts them moves from
-    call to call); the scratch; the inputs' converted copies under autocast. The backward scales the gradients in
-    place (Inductor, donated buffers), so it adds nothing."""
+    scratch's padded rows; the 16-bit gradients' remainders (the pairs' ``lo``) unless a ``plain_sum``; a 16-bit
+    dE's fp32 rows of one chunk (always counted: compacted rows and V's tail hold them too); the scratch; the inputs'
+    converted copies under autocast. The backward scales the gradients in place (Inductor, donated buffers)."""
     rows = chunk_rows(scratch_bytes, f.vocab, f.element_size, f.rows) if scratch_bytes else 0
     pitch = scratch_row_pitch(f.vocab)
     gradients = (f.rows * f.e_bytes + pitch * f.c_bytes) * f.hidden
-    de_remainder = f.rows * f.hidden * f.e_bytes if not plain_sum else 0
-    de_extra = (de_remainder + rows * f.hidden * 4) if f.e_bytes != 4 else 0
+    de_extra = (f.rows * f.hidden * f.e_bytes * (not plain_sum) + rows * f.hidden * 4) if f.e_bytes != 4 else 0
     dc_remainder = pitch * f.hidden * f.c_bytes if f.c_bytes != 4 and not plain_sum else 0
     return gradients + de_extra + dc_remainder + scratch_bytes + _converted_bytes(f)
 
@@ -312,9 +307,8 @@ def balanced_plan(f: HeadFacts, scratch_mb: int = 0, plain_sum: bool | None = No
       within the target, but chunks of at least ``_MIN_CHUNK_ROWS`` rows: each chunk reads and writes the pair;
     * where neither fits, speed first: the plain sum over 2 chunks (the pair's epilogue reads and writes ``V x D``
       pairs every chunk, a cost that grows as the chunks shrink); ``within_target`` False (stats() says so);
-    * the pair where the graph scales the loss by anything but a power of two in a way the op cannot be given
-      (``f.loss_scale``): the op's backward would round a plain sum once more by that upstream gradient, past the
-      error budget.
+    * the pair where the graph scales the loss in a way the op cannot be given (``f.loss_scale``): the backward
+      would round a plain sum once more by that upstream gradient, past the error budget.
 
     An fp32 dC (fp32 heads, autocast's fp32 weights) is its own fp32 sum at any number of chunks: the largest scratch
     within the target, chunks of at least ``_MIN_CHUNK_ROWS`` rows. ``scratch_mb`` (> 0) sets the scratch; a plain sum

@@ -257,12 +257,7 @@ def _chunks(
         targets, e_poison = compacted.targets, compacted.e_poison
     scratch = torch.empty(rows_per_chunk * pitch, dtype=dtype, device=device)
     chunk_logits = scratch.view(rows_per_chunk, pitch)
-    # a 16-bit dE is complete after its chunk: its fp32 rows are split into the pair there, or rounded once into dE
-    # where it is not one cuBLAS product written in place (the vocabulary's tail a second product, rows compacted,
-    # fp32 products on the interpreter)
-    de32 = grad_e is not None and grad_e.dtype != torch.float32
-    de32 = de32 and (grad_e_lo is not None or counted_prefix_rows is not None or split < v or ops.upcast)
-    de_rows32 = torch.empty((rows_per_chunk, d), dtype=torch.float32, device=device) if de32 else None
+    de_rows32 = _de_rows32(grad_e, grad_e_lo, rows_per_chunk, counted_prefix_rows is not None or split < v, ops)
     if compacted is not None:
         # the chunk's rows of E gathered in compacted order: in the first half of dE's fp32 rows, which are written
         # only after dC's product has read them (below), so the gather costs no memory where dE is wanted
@@ -340,6 +335,17 @@ def _chunks(
         if grad_bias is not None:
             grad = padded.float() if ops.upcast else padded
             grad_bias += grad[:, :v].sum(dim=0, dtype=torch.float32)
+
+
+def _de_rows32(grad_e, grad_e_lo, rows_per_chunk, not_one_product: bool, ops: _Operands):
+    """A 16-bit dE is complete after its chunk: its fp32 rows are split into the pair there, or rounded once into dE
+    where it is not one cuBLAS product written in place (``not_one_product``: the vocabulary's tail a second product,
+    rows compacted; fp32 products on the interpreter). None where neither."""
+    if grad_e is None or grad_e.dtype == torch.float32:
+        return None
+    if grad_e_lo is None and not not_one_product and not ops.upcast:
+        return None
+    return torch.empty((rows_per_chunk, grad_e.shape[1]), dtype=torch.float32, device=grad_e.device)
 
 
 def _dc_chunk(grad_c, grad_c_lo, padded, e_rows, ops: _Operands, v, *, first: bool, count, poison) -> None:
