@@ -6,7 +6,8 @@ The machinery every pass shares, as Inductor keeps ``pattern_matcher.py`` apart 
 * ``head_chain.py``: the walk from what a loss reads back to the linear head (row views, upcasts, scale, softcap);
 * ``added_bias.py``: a bias added to the head's product on its own, which the walk takes as the head's bias;
 * ``sites.py``: a matched site, the record and the decision made of it (plain data), the graph edits they share;
-* ``pipeline.py``: the stages after ``find_*``: ``decide`` (records -> decisions) and ``replace`` (a decision's edit).
+* ``pipeline.py``: the stages after ``find_*``: ``decide`` (records -> decisions) and ``replace`` (a decision's edit);
+* ``upstream.py``: the loss's scale after the cross-entropy, which the balanced op computes its gradients at.
 
 The matched forms, each module's docstring showing the graph it matches, each with a ``find_*`` (graph -> records)
 and an ``emit_*`` of its fused call (registered below for ``pipeline.replace``):
