@@ -1281,6 +1281,31 @@ class TestEinsumHeads(PatternTestCase):
             if scale is not None:
                 self.assertIn(scale, site["reason"])
 
+    def test_a_symbolic_count_is_a_scale_the_op_is_given(self):
+        """``sum / n`` with ``n`` a Python int that Dynamo makes symbolic (``dynamic=True``): the SymInt is a factor
+        of ``grad_scale`` like a tensor count; loss and gradients as eager's for every count the graph serves."""
+        weight = rand_weight(V, D).bfloat16().detach().requires_grad_()
+
+        def f(hidden, labels, n):
+            return F.cross_entropy(F.linear(hidden, weight).float(), labels, reduction="sum") / n
+
+        torch._dynamo.reset()
+        cce_inductor.reset_stats()
+        compiled = torch.compile(f, backend=cce_inductor.make_backend(BALANCED), dynamic=True)
+        for n in (5, 7):
+            hidden = rand_hidden(B * T, D).bfloat16().detach().requires_grad_()
+            labels = rand_labels(B * T)
+            got = compiled(hidden, labels, n)
+            got_grads = torch.autograd.grad(got, [hidden, weight])
+            want = f(hidden, labels, n)
+            for mine, theirs in zip((got, *got_grads), (want, *torch.autograd.grad(want, [hidden, weight]))):
+                torch.testing.assert_close(mine, theirs, atol=2e-2, rtol=2e-2)
+        (site,) = cce_inductor.stats()["sites"]
+        self.assertEqual(site["path"], "balanced")
+        self.assertIn(
+            "computed at the loss's scale after the cross-entropy (truediv (truediv) by l_n_)", site["reason"]
+        )
+
     def test_the_grad_scale_is_formed_in_the_graph_as_autograd_forms_the_gradient(self):
         """The graph the balanced op gets for ``cross_entropy(..., reduction="sum") / count * 0.7``: ``grad_scale =
         ones() * 0.7 / count``, the outermost factor first, before the call."""
