@@ -74,13 +74,12 @@ def upstream_gradient(loss: fx.Node, before: fx.Node) -> UpstreamGradient:
     """What the graph scales ``loss``'s gradient by (module docstring); factor nodes must come before ``before``
     (where the fused call goes). Other uses (a logged ``exp(loss)``, a ``detach``) are not followed."""
     position = {node: i for i, node in enumerate(loss.graph.nodes)}
-    factors: list[tuple[str, Any, str]] = []  # (op, factor, what stats() calls it), from the loss outwards
-    why_not, todo, seen = "", [loss], set()
+    factors: list[tuple[str, Any, str, tuple]] = []  # (op, factor, its name for stats(), to compute again), outwards
+    why_not, branches, todo, seen = "", False, [loss], set()
     while todo:
         node = todo.pop()
         followed = [user for user in node.users if _followed(user)]
-        if len(followed) > 1 or any(user in seen for user in followed):
-            why_not = why_not or "the loss's uses branch"
+        branches = branches or len(followed) > 1 or any(user in seen for user in followed)
         for user in followed:
             if user in seen:
                 continue
@@ -91,13 +90,15 @@ def upstream_gradient(loss: fx.Node, before: fx.Node) -> UpstreamGradient:
                 continue
             op, value, named = factor
             again = _recomputed(value, position, position[before])
-            if not why_not and (again is None or not _representable(value)):
-                why_not = f"{named} is not a number or a 0-dim tensor computed before the loss"
+            if op == "?":
+                why_not = why_not or named
+            elif again is None or not _representable(value):
+                why_not = why_not or f"{named}: not a number or a 0-dim tensor computed before the loss without grad"
             factors.append((op, value, named, again or ()))
     if not factors:
         return UpstreamGradient()
-    if why_not:
-        return UpstreamGradient(unknown=factors[0][2])
+    if why_not or branches:
+        return UpstreamGradient(unknown=why_not or f"{factors[0][2]}; the loss's uses branch")
     return UpstreamGradient(
         steps=tuple((op, value, again) for op, value, _, again in reversed(factors)),
         named=", ".join(named for _, _, named, _ in factors),
