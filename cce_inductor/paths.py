@@ -297,6 +297,7 @@ def _largest_scratch_within(f: HeadFacts, limit: int, plain_sum: bool) -> int:
     return min(want, room)
 
 
+@functools.lru_cache(maxsize=256)  # (the op plans every call, before its first launch)
 def balanced_plan(f: HeadFacts, scratch_mb: int = 0, plain_sum: bool | None = None) -> BalancedPlan:
     """The balanced path's plan for these facts (the pass asks at the batch it traced, the op at each call's).
     ``plain_sum``: the site's choice (the op's argument), or None to choose here. The rule, fastest first, within

@@ -143,6 +143,15 @@ def loss_and_grads(
     if compact and not row_skipping_ok(e, c, compute_dtype=compute_dtype, need_bias=need_bias):
         raise ValueError("cce_inductor: the balanced path cannot skip rows for these operands (row_skipping_ok)")
     targets = targets.contiguous()
+    pitch = triton.cdiv(v, ROW_ALIGN) * ROW_ALIGN  # whatever V is, no product sees an odd leading dimension
+    split = v - v % ROW_ALIGN  # the vocabulary's aligned part; its tail (fewer than 64 entries) goes apart (below)
+    ops = _operands(e, c, bias, dtype)
+    scratch = torch.empty(rows_per_chunk * pitch, dtype=dtype, device=device)
+    # the first chunk's logits first: the GPU starts on the call's largest kernel while the host launches the rest
+    # (the count, the poison), which the row kernel needs only after it
+    first_logits = n > 0 and split > 0 and not compact
+    if first_logits:
+        torch.mm(ops.e[:rows_per_chunk], ops.c[:split].T, out=scratch.view(rows_per_chunk, pitch)[:, :split])
     # row_scale: 1 / #counted (inf when no row counts; then every row is ignored: G = 0) or 1
     num_counted, row_scale = _targets.count_targets(
         targets, ignore_index, mean=reduction == "mean", check_vocab=v if check_range else None
@@ -152,8 +161,6 @@ def loss_and_grads(
     if grad_scale is not None:
         row_scale = row_scale * grad_scale
 
-    pitch = triton.cdiv(v, ROW_ALIGN) * ROW_ALIGN  # whatever V is, no product sees an odd leading dimension
-    split = v - v % ROW_ALIGN  # the vocabulary's aligned part; its tail (fewer than 64 entries) goes apart (below)
     e_pair = _sixteen_bit(e.dtype) and de_pair
     c_pair = _sixteen_bit(c.dtype)
     plain_sum = bool(plain_sum) and c_pair and need_c  # (an fp32 dC is its own fp32 sum at any number of chunks)
@@ -170,10 +177,11 @@ def loss_and_grads(
                 buffer.zero_()
     else:
         _chunks(
-            e, c, targets, bias, grad_e, grad_e_lo, grad_c, grad_c_lo, grad_bias, row_loss, row_scale,
+            ops, scratch, targets, grad_e, grad_e_lo, grad_c, grad_c_lo, grad_bias, row_loss, row_scale,
             softcap=softcap, ignore_index=ignore_index, label_smoothing=label_smoothing, dtype=dtype,
             rows_per_chunk=rows_per_chunk, pitch=pitch, split=split, tune=tune,
             counted_prefix_rows=counted_prefix_rows if compact else None, plain_sum=plain_sum,
+            first_logits=first_logits,
         )  # fmt: skip
     if need_c:
         grad_c = grad_c[:v]
@@ -239,15 +247,15 @@ def _operands(e, c, bias, dtype) -> _Operands:
 
 
 def _chunks(
-    e, c, targets, bias, grad_e, grad_e_lo, grad_c, grad_c_lo, grad_bias, row_loss, row_scale, *,
+    ops, scratch, targets, grad_e, grad_e_lo, grad_c, grad_c_lo, grad_bias, row_loss, row_scale, *,
     softcap, ignore_index, label_smoothing, dtype, rows_per_chunk, pitch, split, tune, counted_prefix_rows,
-    plain_sum,
+    plain_sum, first_logits,
 ):  # fmt: skip
-    """The row chunks of :func:`loss_and_grads` (module docstring), writing the gradients' buffers and ``row_loss``."""
-    n, d = e.shape
-    v = c.shape[0]
-    device = e.device
-    ops = _operands(e, c, bias, dtype)
+    """The row chunks of :func:`loss_and_grads` (module docstring), writing the gradients' buffers and ``row_loss``;
+    ``first_logits``: the first chunk's aligned logits are in ``scratch`` already."""
+    n, d = ops.e.shape
+    v = ops.c.shape[0]
+    device = ops.e.device
     # eager's NaN pattern of ignored rows, computed once for every chunk (the row kernel adds the two)
     e_poison, c_poison = _launch.nonfinite_rows(ops.e), _launch.weight_poison(ops.c, ops.bias)
     prefix, layout = _layout.balanced_chunks(n, rows_per_chunk, counted_prefix_rows, plain_sum)
@@ -255,7 +263,6 @@ def _chunks(
     if counted_prefix_rows is not None:
         compacted = _Compacted.of(targets, ignore_index, e_poison, c_poison, prefix, n, rows_per_chunk)
         targets, e_poison = compacted.targets, compacted.e_poison
-    scratch = torch.empty(rows_per_chunk * pitch, dtype=dtype, device=device)
     chunk_logits = scratch.view(rows_per_chunk, pitch)
     de_rows32 = _de_rows32(grad_e, grad_e_lo, rows_per_chunk, counted_prefix_rows is not None or split < v, ops)
     if compacted is not None:
@@ -291,7 +298,8 @@ def _chunks(
         if count is not None:  # every column at once (Triton has no alignment to keep): no tail buffer
             _products.logits_product(padded[:, :v], e_rows, ops.c, count)
         else:
-            if split:  # rounded to the products' dtype, as torch.compile's matmul rounds them
+            # rounded to the products' dtype, as torch.compile's matmul rounds them
+            if split and not (first_logits and i == 0):
                 torch.mm(e_rows, ops.c[:split].T, out=padded[:, :split])
             if chunk_tail and compacted is not None:
                 torch.mm(e_rows, ops.c[split:].T, out=tail[r0 : r0 + rows, : v - split])
@@ -314,7 +322,7 @@ def _chunks(
             float(softcap) if softcap is not None else 1.0,
             1.0 - label_smoothing,
             label_smoothing / v,
-            HAS_BIAS=bias is not None,
+            HAS_BIAS=ops.bias is not None,
             HAS_SOFTCAP=softcap is not None,
             LOGIT_SUM=label_smoothing != 0.0,
             ROUND_RNE=_launch.INTERPRET and dtype == torch.bfloat16,

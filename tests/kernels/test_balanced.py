@@ -216,6 +216,30 @@ def test_need_flags_and_empty_batch(device):
         K.loss_and_grads(e, c, t, b, softcap=None, ignore_index=IGNORE, reduction="none", chunk_rows=14)
 
 
+def test_first_chunks_logits_launched_before_the_count(monkeypatch):
+    """The call's first kernel is its first chunk's logits product (the GPU starts on its largest kernel while the
+    host launches the count and the poison); a call whose rows are compacted needs the count first."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from cce_inductor.kernels import _targets
+
+    events = []
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.aten.mm.default or func is torch.ops.aten.mm.out:
+                events.append("mm")
+            return func(*args, **(kwargs or {}))
+
+    count = _targets.count_targets
+    monkeypatch.setattr(_targets, "count_targets", lambda *a, **k: events.append("count") or count(*a, **k))
+    e, c, t, _ = make_balanced_inputs(20, 70, 16, torch.float32, ignore="none")
+    with Record():
+        got = K.loss_and_grads(e, c, t, None, softcap=None, ignore_index=IGNORE, reduction="mean", chunk_rows=14)
+    assert events[:2] == ["mm", "count"]
+    torch.testing.assert_close(got.loss, reference(e, c, t, None)[0].float(), rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_poisoned_ignored_row_gets_eagers_nan_pattern(device):
     """Eager's gradient of an ignored row whose logits hold a NaN is NaN in the whole row (its log-sum-exp is NaN),
