@@ -293,6 +293,7 @@ def loss_and_grads(
     label_smoothing: float,
     chunk_rows: int,
     plain_sum: bool,
+    de_pair: bool,
     need_e: bool,
     need_c: bool,
     need_bias: bool,
@@ -303,12 +304,13 @@ def loss_and_grads(
     """The balanced path: ``(loss, dE, dC, dbias, dE_lo, dC_lo)`` of a "mean" / "sum" loss, the gradients those of the
     loss itself (upstream gradient 1; with ``grad_scale``, a 0-dim fp32 tensor, those of ``grad_scale * loss``, G
     scaled before its rounding), each in its input's dtype as ``kernels.loss_and_grads`` returns them (an fp32
-    gradient whole, a 16-bit one as a pair, but with ``plain_sum`` alone; dbias in fp32; None where not asked
-    for). The kernels go through row chunks of ``chunk_rows`` rows (``paths.BalancedPlan``); the chunked path runs its
-    forward and backward back to back in the accumulation dtype and rounds the result the same way. Targets outside
-    ``[0, V)`` that are not ``ignore_index`` fail as in eager (:func:`check_target_range`). ``compute_dtype``: the
-    products' dtype where it is not the inputs' (autocast). ``products`` (``CCEOptions.products``): whether the kernels
-    skip ignored rows, decided per call from the share of rows earlier calls of this head counted
+    gradient whole, a 16-bit one as a pair, but dC with ``plain_sum`` and dE without ``de_pair`` alone; dbias in
+    fp32; None where not asked for). The kernels go through row chunks of ``chunk_rows`` rows
+    (``paths.BalancedPlan``); the chunked path runs its forward and backward back to back in the accumulation dtype
+    and rounds the result the same way. Targets outside ``[0, V)`` that are not ``ignore_index`` fail as in eager
+    (:func:`check_target_range`). ``compute_dtype``: the products' dtype where it is not the inputs' (autocast).
+    ``products`` (``CCEOptions.products``): whether the kernels skip ignored rows, decided per call from the share of
+    rows earlier calls of this head counted
     (``_counted_share.balanced_prefix``)."""
     dtype = compute_dtype or e.dtype
     if uses_kernels(e.device, dtype):
@@ -338,7 +340,7 @@ def loss_and_grads(
                 compute_dtype=compute_dtype,
                 chunk_rows=chunk_rows,
                 plain_sum=plain_sum,
-                de_pair=not plain_sum,
+                de_pair=de_pair,
                 counted_prefix_rows=prefix,
                 observe_counted=share.observe if products == "auto" else None,
                 grad_scale=grad_scale,
@@ -370,19 +372,19 @@ def loss_and_grads(
         label_smoothing=label_smoothing,
         in_accumulation_dtype=True,
     )
-    (grad_e, grad_e_lo), (grad_c, grad_c_lo) = (
-        _as_stored(g, dtype, plain_sum) for g, dtype in zip((grad_e, grad_c), stored)
-    )
+    grad_e, grad_e_lo = _as_stored(grad_e, stored[0], alone=not de_pair)
+    grad_c, grad_c_lo = _as_stored(grad_c, stored[1], alone=plain_sum)
     return loss, grad_e, grad_c, grad_bias, grad_e_lo, grad_c_lo
 
 
 def lean_loss_and_grads(
     e, c, targets, bias, *, softcap, ignore_index, reduction, label_smoothing, need_e, need_c, need_bias, compute_dtype,
-    options, plain_sum: bool, grad_scale: Tensor | None = None,
+    options, plain_sum: bool, de_pair: bool, grad_scale: Tensor | None = None,
 ):  # fmt: skip
     """:func:`loss_and_grads`' results computed by the lean path, forward then backward at upstream gradient 1 (its
     memory: one G block, no scratch of logits), in the same layout: each gradient the lean path's, rounded once, and
-    a 16-bit pair's remainder 0 (none with ``plain_sum``), at upstream gradient ``grad_scale`` as there.
+    a 16-bit pair's remainder 0 (none for dC with ``plain_sum``, for dE without ``de_pair``), at upstream gradient
+    ``grad_scale`` as there.
     ``options``: a ``CCEOptions`` (the backward's)."""
     e_cd, c_cd, bias_cd = in_compute_dtype(e, c, bias, compute_dtype)
     check_target_range(e_cd, targets, c.shape[0], ignore_index)
@@ -401,7 +403,7 @@ def lean_loss_and_grads(
         compute_dtype=compute_dtype,
     )  # fmt: skip
     sixteen = (torch.bfloat16, torch.float16)
-    grad_e_lo = torch.zeros_like(grad_e) if grad_e is not None and e.dtype in sixteen and not plain_sum else None
+    grad_e_lo = torch.zeros_like(grad_e) if grad_e is not None and e.dtype in sixteen and de_pair else None
     grad_c_lo = torch.zeros_like(grad_c) if grad_c is not None and c.dtype in sixteen and not plain_sum else None
     return loss, grad_e, grad_c, grad_bias, grad_e_lo, grad_c_lo
 
@@ -411,13 +413,13 @@ def _upstream(grad_scale: Tensor | None, device: torch.device) -> Tensor:
     return torch.ones((), dtype=torch.float32, device=device) if grad_scale is None else grad_scale
 
 
-def _as_stored(grad: Tensor | None, dtype: torch.dtype, plain_sum: bool = False) -> tuple[Tensor | None, Tensor | None]:
+def _as_stored(grad: Tensor | None, dtype: torch.dtype, *, alone: bool) -> tuple[Tensor | None, Tensor | None]:
     """A gradient summed in the accumulation dtype as the balanced op returns it in ``dtype``: as it is in fp32 /
     fp64 (rounded to fp32 from fp64 only where stored in fp32), a 16-bit pair ``(round(x), round(x - round(x)))``,
-    or with ``plain_sum`` a 16-bit gradient alone, rounded once."""
+    or ``alone`` a 16-bit gradient rounded once."""
     if grad is None:
         return None, None
-    if dtype.itemsize >= 4 or plain_sum:
+    if dtype.itemsize >= 4 or alone:
         return grad.to(dtype), None
     hi = grad.to(dtype)
     return hi, (grad - hi.to(grad.dtype)).to(dtype)

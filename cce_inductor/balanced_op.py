@@ -42,12 +42,15 @@ def linear_cross_entropy_with_grads_op(
     compute_dtype: torch.dtype | None = None,
     plain_sum: bool = False,
     grad_scale: Tensor | None = None,
+    de_pair: bool = True,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Returns ``(loss, grad_e, grad_c, grad_bias, grad_e_lo, grad_c_lo)``: the loss (reduction "mean" or "sum") and its
     own gradients (upstream gradient 1), each in its input's dtype: an fp32 gradient whole, a 16-bit one as the pair
     ``(grad, grad_lo)`` whose sum carries ~16 mantissa bits (``kernels/_pair_sums.py``), but with ``plain_sum`` (the
     site's ``paths.BalancedPlan``) each alone: a 16-bit dC summed in its own dtype over at most two row chunks, a
-    16-bit dE rounded once (each of its rows is one chunk's product, as torch.compile's); dbias in the accumulation
+    16-bit dE rounded once (each of its rows is one chunk's product, as torch.compile's); without ``de_pair`` (the
+    site's plan: neither ``exact`` nor a scale the op cannot be given) dE alone also where dC is the pair; dbias in the
+    accumulation
     dtype; what is not asked for (or an fp32 gradient's ``lo``) an empty tensor. The autograd
     formula rounds ``grad_loss * (grad + grad_lo)`` once to the input's dtype, in the gradient's own buffer where
     Inductor compiles it (a saved tensor only the backward reads is a donated buffer). On CUDA the balanced kernels
@@ -77,7 +80,8 @@ def linear_cross_entropy_with_grads_op(
             **paths.storage_facts(e.dtype, c.dtype, dtype),
         )
         decoded = CCEOptions.decode(options)
-        plan = paths.balanced_plan(facts, decoded.scratch_mb, plain_sum=plain_sum)
+        plan = paths.balanced_plan(facts, decoded.scratch_mb, plain_sum=plain_sum, de_pair=de_pair)
+        e_pair = de_pair and not plan.plain_sum
         common = dict(
             softcap=softcap,
             ignore_index=ignore_index,
@@ -91,15 +95,15 @@ def linear_cross_entropy_with_grads_op(
         )
         try:
             result = _dispatch.loss_and_grads(
-                e, c, targets, bias, chunk_rows=plan.chunk_rows, plain_sum=plan.plain_sum, products=decoded.products,
-                **common,
+                e, c, targets, bias, chunk_rows=plan.chunk_rows, plain_sum=plan.plain_sum, de_pair=e_pair,
+                products=decoded.products, **common,
             )  # fmt: skip
         except torch.OutOfMemoryError:
             result = None  # (the traceback holds the failed call's buffers: the fallback runs after it is gone)
         if result is None:  # the lean path's memory where the balanced path's buffers could not be allocated
             diagnostics.count_balanced_rows("lean_after_oom")
             result = _dispatch.lean_loss_and_grads(
-                e, c, targets, bias, options=decoded, plain_sum=plan.plain_sum, **common
+                e, c, targets, bias, options=decoded, plain_sum=plan.plain_sum, de_pair=e_pair, **common
             )
         loss, grad_e, grad_c, grad_bias, grad_e_lo, grad_c_lo = result
     acc = _chunked.accumulation_dtype(dtype)
@@ -112,7 +116,7 @@ def linear_cross_entropy_with_grads_op(
         out(need_e, grad_e, e),
         out(need_c, grad_c, c),
         out(need_bias, grad_bias, e).to(acc),
-        out(need_e and not plain_sum, grad_e_lo, e),
+        out(need_e and de_pair and not plain_sum, grad_e_lo, e),
         out(need_c, grad_c_lo, c),
     )
 
@@ -135,6 +139,7 @@ def _(
     compute_dtype=None,
     plain_sum=False,
     grad_scale=None,
+    de_pair=True,
 ):
     _checks.check_inputs(e, c, targets, bias, compute_dtype)
     acc = _chunked.accumulation_dtype(compute_dtype or e.dtype)
@@ -144,7 +149,7 @@ def _(
         grad_e,
         grad_c,
         grad_bias.to(acc),
-        torch.empty_like(grad_e) if _pair(need_e, e) and not plain_sum else e.new_empty(0),
+        torch.empty_like(grad_e) if _pair(need_e, e) and de_pair and not plain_sum else e.new_empty(0),
         torch.empty_like(grad_c) if _pair(need_c, c) and not plain_sum else c.new_empty(0),
     )
 
@@ -172,6 +177,7 @@ def balanced_call(
     compute_dtype: torch.dtype | None = None,
     plain_sum: bool = False,
     grad_scale=None,
+    de_pair: bool = True,
 ) -> OpCall:
     """A call of ``linear_cross_entropy_with_grads`` (its docstring has the arguments)."""
     return OpCall(
@@ -191,7 +197,9 @@ def balanced_call(
             need_bias,
             returned_logits,
         ),
-        _set(compute_dtype=compute_dtype, plain_sum=plain_sum, grad_scale=grad_scale),
+        # de_pair only where dC is the pair, and only when False (its default, the exact pair, otherwise)
+        _set(compute_dtype=compute_dtype, plain_sum=plain_sum, grad_scale=grad_scale)
+        | ({} if plain_sum or de_pair else {"de_pair": False}),
     )
 
 

@@ -105,6 +105,7 @@ def linear_cross_entropy(
             need_c=need_c,
             need_bias=need_bias,
             plain_sum=choice.plain_sum,
+            de_pair=choice.de_pair,
             **common,
         )()[0]
     loss = lean_call(rows, c, targets, bias, class_weights=class_weights, **common)()[0]

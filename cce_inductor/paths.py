@@ -119,6 +119,7 @@ class PathChoice:
     reason: str  # one sentence for stats(): why this path
     scratch_bytes: int = 0  # the balanced path's scratch (0 for lean)
     plain_sum: bool = False  # the balanced path sums a 16-bit dC in its own dtype (BalancedPlan)
+    de_pair: bool = False  # ... and, where dC is the pair, a 16-bit dE as the pair too (BalancedPlan)
 
 
 # torch.compile's bytes per logit beyond the input's width where the graph also returns the logits: of the three bf16
@@ -202,15 +203,17 @@ def lean_peak(f: HeadFacts, backward_row_chunk: int = 8192, *, counted_prefix: b
     return max(backward, _converted_bytes(f))
 
 
-def balanced_peak(f: HeadFacts, scratch_bytes: int, plain_sum: bool = False) -> int:
+def balanced_peak(f: HeadFacts, scratch_bytes: int, plain_sum: bool = False, de_pair: bool = True) -> int:
     """The balanced path's peak (``kernels/_balanced.py``): the gradients in their inputs' dtypes, dC over the
-    scratch's padded rows; the 16-bit gradients' remainders (the pairs' ``lo``) unless a ``plain_sum``; a 16-bit
-    dE's fp32 rows of one chunk (always counted: compacted rows and V's tail hold them too); the scratch; the inputs'
-    converted copies under autocast. The backward scales the gradients in place (Inductor, donated buffers)."""
+    scratch's padded rows; a 16-bit dC's remainder (the pair's ``lo``) unless a ``plain_sum``, a 16-bit dE's where
+    dC is the pair and ``de_pair``; a 16-bit dE's fp32 rows of one chunk (always counted: compacted rows and V's
+    tail hold them too); the scratch; the inputs' converted copies under autocast. The backward scales the gradients
+    in place (Inductor, donated buffers)."""
     rows = chunk_rows(scratch_bytes, f.vocab, f.element_size, f.rows) if scratch_bytes else 0
     pitch = scratch_row_pitch(f.vocab)
     gradients = (f.rows * f.e_bytes + pitch * f.c_bytes) * f.hidden
-    de_extra = (f.rows * f.hidden * f.e_bytes * (not plain_sum) + rows * f.hidden * 4) if f.e_bytes != 4 else 0
+    de_remainder = f.rows * f.hidden * f.e_bytes if de_pair and not plain_sum else 0
+    de_extra = de_remainder + rows * f.hidden * 4 if f.e_bytes != 4 else 0
     dc_remainder = pitch * f.hidden * f.c_bytes if f.c_bytes != 4 and not plain_sum else 0
     return gradients + de_extra + dc_remainder + scratch_bytes + _converted_bytes(f)
 
@@ -258,7 +261,8 @@ class BalancedPlan:
     """How the balanced path runs a head: its scratch, the rows per chunk that scratch gives, and how a 16-bit dC is
     summed over the chunks: ``plain_sum`` in its own dtype (one rounding a chunk, no remainder bytes, at most
     ``_layout.PLAIN_SUM_MAX_CHUNKS`` chunks), else as a 16-bit pair (a remainder of ``V x D`` 16-bit elements,
-    exact at any number of chunks). An fp32 dC is its own sum either way."""
+    exact at any number of chunks). An fp32 dC is its own sum either way. ``de_pair``: where dC is the pair, a 16-bit
+    dE is one too (else rounded once: each of its rows is one chunk's sum, as torch.compile's product rounds it)."""
 
     scratch_bytes: int
     chunk_rows: int
@@ -266,13 +270,15 @@ class BalancedPlan:
     plain_sum: bool
     peak: int  # est. bytes (:func:`balanced_peak`)
     within_target: bool  # the peak within the gradients plus :func:`overhead_target`
+    de_pair: bool = False
 
 
-def _plan(f: HeadFacts, scratch_bytes: int, plain_sum: bool) -> BalancedPlan:
+def _plan(f: HeadFacts, scratch_bytes: int, plain_sum: bool, de_pair: bool) -> BalancedPlan:
     rows = chunk_rows(scratch_bytes, f.vocab, f.element_size, f.rows)
-    peak = balanced_peak(f, scratch_bytes, plain_sum)
+    de_pair = de_pair and not plain_sum and f.e_bytes == 2
+    peak = balanced_peak(f, scratch_bytes, plain_sum, de_pair)
     within = peak <= gradient_bytes(f) + overhead_target(f)
-    return BalancedPlan(scratch_bytes, rows, -(-max(f.rows, 1) // rows), plain_sum, peak, within)
+    return BalancedPlan(scratch_bytes, rows, -(-max(f.rows, 1) // rows), plain_sum, peak, within, de_pair)
 
 
 def _scratch_of_chunks(f: HeadFacts, chunks: int) -> int:
@@ -284,13 +290,13 @@ def _scratch_of_chunks(f: HeadFacts, chunks: int) -> int:
     return rows * scratch_row_pitch(f.vocab) * f.element_size
 
 
-def _largest_scratch_within(f: HeadFacts, limit: int, plain_sum: bool) -> int:
+def _largest_scratch_within(f: HeadFacts, limit: int, plain_sum: bool, de_pair: bool) -> int:
     """The largest scratch (at most ``_MAX_SCRATCH_BYTES``, all rows) whose peak fits ``limit``; 0 where not even
     ``_MIN_CHUNK_ROWS`` rows (or all rows, if fewer) fit."""
     row_bytes = scratch_row_pitch(f.vocab) * f.element_size
     # per scratch byte, a 16-bit dE's fp32 rows of the chunk grow too
     per_byte = 1 + (f.hidden * 4 / row_bytes if f.e_bytes != 4 else 0)
-    room = int((limit - balanced_peak(f, 0, plain_sum)) / per_byte)
+    room = int((limit - balanced_peak(f, 0, plain_sum, de_pair)) / per_byte)
     want = min(_MAX_SCRATCH_BYTES, max(f.rows, 1) * row_bytes)
     if room < min(_MIN_CHUNK_ROWS, max(f.rows, 1)) * row_bytes:
         return 0
@@ -298,9 +304,14 @@ def _largest_scratch_within(f: HeadFacts, limit: int, plain_sum: bool) -> int:
 
 
 @functools.lru_cache(maxsize=256)  # (the op plans every call, before its first launch)
-def balanced_plan(f: HeadFacts, scratch_mb: int = 0, plain_sum: bool | None = None) -> BalancedPlan:
+def balanced_plan(
+    f: HeadFacts, scratch_mb: int = 0, plain_sum: bool | None = None, de_pair: bool = False
+) -> BalancedPlan:
     """The balanced path's plan for these facts (the pass asks at the batch it traced, the op at each call's).
-    ``plain_sum``: the site's choice (the op's argument), or None to choose here. The rule, fastest first, within
+    ``plain_sum``: the site's choice (the op's argument), or None to choose here. ``de_pair``: where dC is the pair,
+    a 16-bit dE is one too (``exact``; a scale the op cannot be given, ``f.loss_scale``, asks for it here): its rows
+    are each one chunk's sum, rounded once, as torch.compile's, at the upstream gradient they are computed at, and
+    only another would round them twice. The rule, fastest first, within
     the memory target (the gradients plus :func:`overhead_target`) and a scratch of at most ``_MAX_SCRATCH_BYTES``:
 
     * a 16-bit dC summed in its own dtype over 1, else 2 chunks (``PLAIN_SUM_MAX_CHUNKS``: the error budget);
@@ -316,24 +327,25 @@ def balanced_plan(f: HeadFacts, scratch_mb: int = 0, plain_sum: bool | None = No
     then still takes at most 2 chunks."""
     most = _layout.PLAIN_SUM_MAX_CHUNKS
     plain_sum = False if plain_sum is None and f.loss_scale else plain_sum
+    de_pair = de_pair or bool(f.loss_scale)
     sixteen = f.c_bytes == 2
     if scratch_mb:
         scratch = scratch_mb * 2**20
         fits_plain = -(-max(f.rows, 1) // chunk_rows(scratch, f.vocab, f.element_size, f.rows)) <= most
         plain = sixteen and (fits_plain if plain_sum is None else plain_sum)
-        return _plan(f, scratch if fits_plain or not plain else _scratch_of_chunks(f, most), plain)
+        return _plan(f, scratch if fits_plain or not plain else _scratch_of_chunks(f, most), plain, de_pair)
     limit = gradient_bytes(f) + overhead_target(f)
     floor = min(_MIN_CHUNK_ROWS, max(f.rows, 1)) * scratch_row_pitch(f.vocab) * f.element_size
-    sums = _plan(f, max(_largest_scratch_within(f, limit, False), floor), False)  # fp32 sums, or the pair
+    sums = _plan(f, max(_largest_scratch_within(f, limit, False, de_pair), floor), False, de_pair)  # fp32, or the pair
     if not sixteen or plain_sum is False:
         return sums
     for chunks in range(1, most + 1):
-        plan = _plan(f, _scratch_of_chunks(f, chunks), True)
+        plan = _plan(f, _scratch_of_chunks(f, chunks), True, False)
         if plan.within_target and plan.scratch_bytes <= _MAX_SCRATCH_BYTES:
             return plan
     if plain_sum is None and sums.within_target:
         return sums
-    return _plan(f, _scratch_of_chunks(f, most), True)
+    return _plan(f, _scratch_of_chunks(f, most), True, False)
 
 
 def _mib(n: int) -> str:
@@ -397,7 +409,7 @@ def _choose(f: HeadFacts, path: str, scratch_mb: int, exact: bool) -> PathChoice
         note = "" if path == "auto" and not scratch_mb else " (a balanced path was asked for)"
         return PathChoice("lean", f"lean path: {why_not}{note}")
     if path == "balanced" or scratch_mb:
-        plan = balanced_plan(f, scratch_mb, plain_sum=False if exact else None)
+        plan = balanced_plan(f, scratch_mb, plain_sum=False if exact else None, de_pair=exact)
         why = "forced: path='balanced'" if path == "balanced" else f"asked for by scratch_mb={scratch_mb}"
         return _balanced_choice(f, plan, f"balanced path ({why})")
     if exact:
@@ -428,6 +440,8 @@ def _balanced_choice(f: HeadFacts, plan: BalancedPlan, head: str) -> PathChoice:
         )
     else:
         sums = "dC summed as a 16-bit pair (a V x D remainder, exact at any number of chunks)"
+        if f.e_bytes == 2:
+            sums += ", dE as a pair too" if plan.de_pair else ", dE rounded once (each row one chunk's sum)"
         if f.loss_scale:  # (balanced_plan)
             sums += f": the loss is scaled after the cross-entropy ({f.loss_scale}), past a plain sum's error budget"
     overhead = plan.peak - gradient_bytes(f)
@@ -453,6 +467,7 @@ def _balanced_choice(f: HeadFacts, plan: BalancedPlan, head: str) -> PathChoice:
         + _host_bound_note(f, "balanced"),
         plan.scratch_bytes,
         plan.plain_sum,
+        plan.de_pair,
     )
 
 

@@ -750,6 +750,22 @@ def test_opcheck_bf16_de_remainder_only_without_a_plain_sum():
         assert out[4].shape == ((0,) if plain_sum else e.shape), plain_sum
 
 
+def test_de_without_its_remainder_where_dc_is_a_pair_for_memory():
+    """``de_pair=False`` (the site's dC a pair for memory, not for ``exact`` or a scale the op cannot be given): dE
+    leaves without its remainder, the fake impl agrees, and dE is the pair's ``hi`` (both round the same sum once);
+    dC stays the pair."""
+    e, c, t, _ = make_balanced_inputs(12, 40, 8, torch.bfloat16)
+    options = CCEOptions(scratch_mb=1).encode()
+    args = (e.requires_grad_(), c.requires_grad_(), t, None, None, IGNORE, "mean", 0.0, options, True, True, False)
+    op = torch.ops.cce_inductor.linear_cross_entropy_with_grads.default
+    torch.library.opcheck(op, (*args, False, None, False, None, False))
+    torch.library.opcheck(op, (*args, False, None, False, torch.tensor(0.7), False))
+    rounded, pair = op(*args, False, None, False, None, False), op(*args, False, None, False)
+    assert rounded[4].shape == (0,) and pair[4].shape == e.shape
+    assert torch.equal(rounded[1], pair[1])
+    assert torch.equal(rounded[2], pair[2]) and torch.equal(rounded[5], pair[5]) and rounded[5].shape == c.shape
+
+
 @pytest.mark.parametrize("grad_loss", [0.7, 1e-3])
 def test_balanced_de_error_within_its_budget_at_any_upstream_gradient(grad_loss):
     """bf16 dE against fp64 at an upstream gradient that is not a power of two: rounded once at that gradient (the

@@ -101,16 +101,16 @@ PLANS = {
     ("gpt2-medium", 32768, "bf16"): ("pair", 4, True),  # 0.19x
     ("v62421", 32768, "bf16"): ("pair", 4, True),  # 0.19x
     ("v65535", 32768, "bf16"): ("pair", 4, True),  # 0.18x
-    ("v65536", 32768, "bf16"): ("pair", 6, True),  # 0.30x
+    ("v65536", 32768, "bf16"): ("pair", 5, True),  # 0.30x
     ("qwen25-0.5b", 32768, "bf16"): ("pair", 10, True),  # 0.14x
-    ("llama2", 32768, "bf16"): ("plain", 2, False),  # 0.76x
-    ("phi35", 32768, "bf16"): ("pair", 12, True),  # 0.30x
+    ("llama2", 32768, "bf16"): ("pair", 8, True),  # 0.30x (dE rounded once; the plain sum 0.76x before)
+    ("phi35", 32768, "bf16"): ("pair", 6, True),  # 0.30x
     ("gemma2", 32768, "bf16"): ("pair", 16, True),  # 0.14x
     ("llama3", 32768, "bf16"): ("pair", 8, True),  # 0.29x
     ("qwen25-7b", 32768, "bf16"): ("pair", 10, True),  # 0.25x
     ("v100277", 32768, "bf16"): ("pair", 7, True),  # 0.17x
-    ("mistral-nemo", 32768, "bf16"): ("pair", 11, True),  # 0.30x
-    ("deepseek-v3", 32768, "bf16"): ("plain", 2, False),  # 0.61x
+    ("mistral-nemo", 32768, "bf16"): ("pair", 8, True),  # 0.29x
+    ("deepseek-v3", 32768, "bf16"): ("pair", 15, True),  # 0.30x (dE rounded once; the plain sum 0.61x before)
 }
 
 
@@ -135,8 +135,9 @@ def test_default_plan_table(head, n, dtype):
     got = "fp32" if facts.c_bytes == 4 else "plain" if plan.plain_sum else "pair"
     assert (got, plan.chunks, plan.within_target) == (mode, chunks, within)
     assert plan.chunks == -(-n // plan.chunk_rows) and plan.peak == paths.balanced_peak(
-        facts, plan.scratch_bytes, plan.plain_sum
+        facts, plan.scratch_bytes, plan.plain_sum, plan.de_pair
     )
+    assert not plan.de_pair  # (no exact, no unseen scale: dE rounded once whatever dC's sum)
     target = paths.gradient_bytes(facts) + paths.overhead_target(facts)
     assert (plan.peak <= target) == within
     if plan.plain_sum:
@@ -700,8 +701,26 @@ def test_a_loss_scaled_after_the_cross_entropy_gets_the_pair(head, n):
     scaled = dataclasses.replace(facts, loss_scale="truediv (truediv) by num_items_in_batch")
     for path in ("auto", "balanced"):
         choice = paths.choose(scaled, path)
-        assert choice.path == "balanced" and not choice.plain_sum, choice.reason
+        assert choice.path == "balanced" and not choice.plain_sum and choice.de_pair, choice.reason
         assert "scaled after the cross-entropy (truediv (truediv) by num_items_in_batch)" in choice.reason
-    assert paths.choose(scaled, "auto").scratch_bytes == paths.balanced_plan(facts, plain_sum=False).scratch_bytes
-    assert paths.balanced_plan(scaled) == paths.balanced_plan(facts, plain_sum=False)  # (the plan's own rule)
+        assert "dE as a pair too" in choice.reason
+    pairs = paths.balanced_plan(facts, plain_sum=False, de_pair=True)
+    assert paths.choose(scaled, "auto").scratch_bytes == pairs.scratch_bytes
+    assert paths.balanced_plan(scaled) == pairs  # (the plan's own rule)
     assert paths.choose(facts).plain_sum == paths.balanced_plan(facts).plain_sum
+
+
+@pytest.mark.parametrize("head", ["gpt2", "llama3", "gemma2"])
+def test_de_is_a_pair_only_for_exact_or_an_unseen_scale(head):
+    """Where dC is the pair for memory (N 32768), dE is rounded once: no ``N x D`` remainder in the plan's peak, and
+    the scratch may grow by it; ``exact`` on the forced balanced path keeps dE as the pair too, and says so."""
+    facts = _facts(head, 32768)
+    plan = paths.balanced_plan(facts)
+    assert not plan.plain_sum and not plan.de_pair
+    pairs = paths.balanced_plan(facts, plain_sum=False, de_pair=True)
+    assert pairs.de_pair and pairs.scratch_bytes <= plan.scratch_bytes
+    remainder = facts.rows * facts.hidden * 2
+    assert paths.balanced_peak(facts, plan.scratch_bytes, False, True) - plan.peak == remainder
+    assert "dE rounded once" in paths.choose(facts).reason
+    exact = paths.choose(facts, "balanced", 0, 8192, "auto", True)
+    assert exact.path == "balanced" and exact.de_pair and not exact.plain_sum and "dE as a pair too" in exact.reason

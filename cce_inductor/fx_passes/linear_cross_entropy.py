@@ -262,6 +262,7 @@ def emit_fused_loss(graph: fx.Graph, record: Record, decision: Decision, rows, w
             need_bias=site.bias is not None and requires_grad(site.bias),
             returned_logits=bool(site.escaping),
             plain_sum=decision.plain_sum,
+            de_pair=decision.de_pair,
             grad_scale=emit_grad_scale(graph, decision.grad_scale, example_value(site.hidden).device),
             **common,
         ).emit(graph)

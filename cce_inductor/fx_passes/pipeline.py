@@ -86,8 +86,9 @@ def _by_head(group: list[tuple[Record, str]], options: CCEOptions) -> list[tuple
         else:
             form, replaced, compute_dtype = record.form, (site,), op_compute_dtype(site)
         decision = Decision(
-            True, reason, choice.path, form, replaced, escaping_as, compute_dtype, choice.plain_sum, encoded, grad_scale
-        )
+            True, reason, choice.path, form, replaced, escaping_as, compute_dtype, choice.plain_sum, encoded,
+            grad_scale, choice.de_pair,
+        )  # fmt: skip
         decided.append((record, decision))
     return decided
 

@@ -96,6 +96,7 @@ class Decision:
     plain_sum: bool = False  # the balanced path sums dC in its own 16-bit dtype
     options: str = ""  # CCEOptions.encode(): the op's options argument
     grad_scale: tuple = ()  # the balanced op's upstream gradient, as ``upstream.UpstreamGradient.steps`` (else none)
+    de_pair: bool = False  # where dC is the balanced path's pair, a 16-bit dE is one too (``paths.BalancedPlan``)
 
 
 def why_not(exc: Exception) -> str:

@@ -1372,9 +1372,32 @@ def forward(self, L_count_ : torch.Tensor, L_hidden_ : torch.Tensor, L_labels_ :
             (site,) = cce_inductor.stats()["sites"]
             self.assertEqual(site["path"], "balanced")
             self.assertIn("as a 16-bit pair", site["reason"])
+            self.assertIn("dE as a pair too", site["reason"])
             self.assertIn("the loss is scaled after the cross-entropy (", site["reason"])
             self.assertIn(scale, site["reason"])
             self.assertNotIn("computed at the loss's scale", site["reason"])
+
+    def test_a_pair_for_memory_rounds_de_once(self):
+        """Where dC is the pair because the plain sum's two chunks do not fit (here a 1 MiB scratch holds 128 of 512
+        rows) and nothing scales the loss, dE leaves the op rounded once (each of its rows one chunk's sum, as
+        torch.compile's product): the call says ``de_pair = False`` and stats() says so; loss and gradients as
+        eager's."""
+        v, n = 4096, 512
+        weight = rand_weight(v, D).bfloat16().detach().requires_grad_()
+
+        def f(hidden, labels):
+            return F.cross_entropy(F.linear(hidden, weight).float(), labels)
+
+        cce_inductor.reset_stats()
+        hidden = rand_hidden(n, D).bfloat16().detach().requires_grad_()
+        labels = torch.randint(0, v, (n,))
+        cap = self.run_pass(f, hidden, labels, params=[weight], options=BALANCED, atol=2e-2, rtol=2e-2)
+        (site,) = cce_inductor.stats()["sites"]
+        self.assertIn("4 row chunks of 128 rows", site["reason"])
+        self.assertIn("as a 16-bit pair", site["reason"])
+        self.assertIn("dE rounded once", site["reason"])
+        self.assertIn("de_pair = False)", cap.after[0])
+        self.assertNotIn("plain_sum", cap.after[0])
 
     def test_einsum_that_is_not_a_head_is_refused_by_name(self):
         weight = torch.randn(V, D, 2, requires_grad=True)
