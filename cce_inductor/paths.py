@@ -7,31 +7,13 @@ The two paths (``docs/design.md``; kernels in ``kernels/``):
   logits block by block. Four matmuls of ``N x V x D``; memory above the gradients: one G block and dE's fp32 sums.
 * **balanced** (``balanced_op``): the gradients are computed with the loss, row chunk by row chunk, through a
   scratch of logits, and the backward only scales them, in place. Three matmuls, as torch.compile does; memory: the
-  scratch and the gradients, a 16-bit dE beside the 16-bit remainder of its sum, a 16-bit dC summed in its own dtype
-  over at most two chunks (one rounding a chunk: the error budget) or beside its remainder.
+  scratch and the gradients, a 16-bit dC summed in its own dtype over at most two chunks (one rounding a chunk: the
+  error budget) or beside its remainder, a 16-bit dE rounded once (beside its remainder for ``exact`` or a scale the
+  op cannot be given).
 
-The memory model, bytes above the inputs, gradients included (``b`` the products' element size; the gradients in
-their inputs' dtypes, ``LB`` their bytes; under autocast ``X`` the inputs' copies in the products' dtype, held for
-one call; ``benchmarks/`` compares it with measured peaks, ``tests/test_paths.py`` holds it to the kernels' layout):
-
-    torch.compile  N V b + LB            (the logits, saved for its backward, and the gradients)
-                   + N V 4 where the logits are also graph outputs (Hugging Face models return them; the rewrite
-                   returns them lazily or drops them), + N V b more where they are softcapped too: at the peak of
-                   such graphs the allocator holds three 16-bit logits-sized blocks, four with a softcap
-                   (docs/design.md's memory model); for fp32 inputs b + 4 = 8 stays under three blocks' 12, so the
-                   budget errs lean
-    lean           LB + R W b + N D 4 (dE's fp32 sums; where dE is fp32 it is its own sums, but on counted-prefix
-                   calls) (+ N D b + W D b + max(N D b, T D (4 + b)) under autocast: E and one vocabulary chunk of C
-                   converted, and the larger of E's compacted rows (E converted) and a block of T = min(N, 1024) of
-                   C's target rows converted, which live one after the other; X alone in the forward)
-                   (+ W D 4 where N > R, or on
-                   calls that take the counted-prefix products: their fp32 dC sums, cce_inductor/_counted_share.py);
-                   R = min(N, backward_row_chunk), W = min(V, 4096 * max(1, 8192 // N)) where R = N, else 4096
-                   (where the row-skipping products run alone over one row chunk, their own widening may take the
-                   block up to 4x: not in lean_peak)
-    balanced       (N + P) D g + S + X         (g each gradient's own bytes; S the scratch, R its rows, P = V
-                   + N D 2 + 4 R D             rounded up to 64)  a 16-bit dE: its remainder, one chunk's fp32 rows
-                   + P D 2                     a 16-bit dC summed as a pair (not as a plain 16-bit sum)
+The memory model, bytes above the inputs, gradients included, one function a path (:func:`compile_peak`,
+:func:`lean_peak`, :func:`balanced_peak`; the formulas in ``docs/design.md``, "How the default picks a path";
+``benchmarks/`` compares them with measured peaks, ``tests/test_paths.py`` holds them to the kernels' layout).
 
 The default (``path="auto"``, :func:`choose`) is speed first with an explicit error budget: the balanced path
 wherever it computes the loss on the kernels, planned by :func:`balanced_plan` against the memory target
@@ -124,8 +106,8 @@ class PathChoice:
 
 # torch.compile's bytes per logit beyond the input's width where the graph also returns the logits: of the three bf16
 # logits-sized blocks the allocator holds at the step's peak (the model graph's logits, the gradient of the loss
-# graph's upcast, one allocated outside Python code: 6.0 bytes per logit in all; module docstring), the two beyond
-# the one the loss-only code holds too.
+# graph's upcast, one allocated outside Python code: 6.0 bytes per logit in all; docs/design.md's memory model), the
+# two beyond the one the loss-only code holds too.
 _RETURNED_LOGITS_EXTRA_BYTES = 4
 
 
