@@ -237,6 +237,7 @@ def test_dispatch_hands_the_balanced_kernels_the_counted_prefix(monkeypatch, ask
         label_smoothing=0.0,
         chunk_rows=256,
         plain_sum=False,
+        de_pair=True,
         need_e=True,
         need_c=True,
         need_bias=False,
