@@ -352,6 +352,26 @@ def test_row_skipping_matches_fp64_and_every_row(
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("prefix", [None, SKIP], ids=["every_row", "compacted"])
+@pytest.mark.parametrize("v", [70, 130])
+def test_pair_dc_beside_de_rounded_once(device, prefix, v):
+    """dC as the pair with dE rounded once (``de_pair=False``: the default's pair plans since dE's remainder went
+    where no unseen scale needs it), every row or compacted: dE is the pair's ``hi`` (both round the same fp32 rows
+    once; V not a multiple of 64, so that on the GPU too both go through fp32 rows, where an aligned V's dE is
+    cuBLAS's own 16-bit product), dC and its remainder and the loss are the pair route's, bit for bit."""
+    device_ok(device)
+    e, c, t, _ = make_balanced_inputs(100, v, 16, torch.bfloat16, device, ignore="none")
+    t = _ignore_share(t, 0.5)
+    kw = dict(softcap=None, ignore_index=IGNORE, reduction="mean", chunk_rows=2 * SKIP, need_bias=False)
+    rounded = K.loss_and_grads(e, c, t, None, counted_prefix_rows=prefix, de_pair=False, **kw)
+    pair = K.loss_and_grads(e, c, t, None, counted_prefix_rows=prefix, de_pair=True, **kw)
+    assert rounded.grad_e_lo is None and pair.grad_e_lo is not None and rounded.grad_c_lo is not None
+    assert torch.equal(rounded.grad_e, pair.grad_e)
+    assert torch.equal(rounded.grad_c, pair.grad_c) and torch.equal(rounded.grad_c_lo, pair.grad_c_lo)
+    assert torch.equal(rounded.loss, pair.loss)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("poisoned", ["ignored", "counted", "weight"])
 @pytest.mark.parametrize("plain_sum", [False, True], ids=["pair", "plain"])
 def test_row_skipping_keeps_eagers_nan_pattern(device, poisoned, plain_sum):
