@@ -50,9 +50,8 @@ def linear_cross_entropy_with_grads_op(
     site's ``paths.BalancedPlan``) each alone: a 16-bit dC summed in its own dtype over at most two row chunks, a
     16-bit dE rounded once (each of its rows is one chunk's product, as torch.compile's); without ``de_pair`` (the
     site's plan: neither ``exact`` nor a scale the op cannot be given) dE alone also where dC is the pair; dbias in the
-    accumulation
-    dtype; what is not asked for (or an fp32 gradient's ``lo``) an empty tensor. The autograd
-    formula rounds ``grad_loss * (grad + grad_lo)`` once to the input's dtype, in the gradient's own buffer where
+    accumulation dtype; what is not asked for (or an fp32 gradient's ``lo``) an empty tensor. The autograd formula
+    rounds ``grad_loss * (grad + grad_lo)`` once to the input's dtype, in the gradient's own buffer where
     Inductor compiles it (a saved tensor only the backward reads is a donated buffer). On CUDA the balanced kernels
     (``kernels/_balanced.py``: row chunks of logits in a scratch of ``options.scratch_mb``, or planned here for the
     rows of the call, ``paths.balanced_plan``, with the site's ``plain_sum``); elsewhere the chunked path's forward and
