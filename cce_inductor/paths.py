@@ -11,14 +11,12 @@ The two paths (``docs/design.md``; kernels in ``kernels/``):
   error budget) or beside its remainder, a 16-bit dE rounded once (beside its remainder for ``exact`` or a scale the
   op cannot be given).
 
-The memory model, bytes above the inputs, gradients included, one function a path (:func:`compile_peak`,
-:func:`lean_peak`, :func:`balanced_peak`; the formulas in ``docs/design.md``, "How the default picks a path";
-``benchmarks/`` compares them with measured peaks, ``tests/test_paths.py`` holds them to the kernels' layout).
-
-The default (``path="auto"``, :func:`choose`) is speed first with an explicit error budget: the balanced path
-wherever it computes the loss on the kernels, planned by :func:`balanced_plan` against the memory target
-(:func:`overhead_target`); the lean path for the forms only it computes, ``exact=True``, the chunked PyTorch path and
-tiny batches (docs/design.md, "How the default picks a path"). ``path="lean"`` / ``"balanced"`` force a path.
+The memory model, bytes above the inputs, gradients included: :func:`compile_peak`, :func:`lean_peak`,
+:func:`balanced_peak` (formulas in ``docs/design.md``, "How the default picks a path"; ``tests/test_paths.py`` holds
+them to the kernels' layout). The default (``path="auto"``, :func:`choose`) is speed first with an explicit error
+budget: the balanced path wherever it computes the loss on the kernels, planned by :func:`balanced_plan` against the
+memory target (:func:`overhead_target`); the lean path for the forms only it computes, ``exact=True``, the chunked
+PyTorch path and tiny batches. ``path="lean"`` / ``"balanced"`` force a path.
 """
 
 from __future__ import annotations
@@ -33,10 +31,14 @@ Path = Literal["lean", "balanced"]
 
 # The lean backward's G block as the kernels lay it out on a GPU (the memory model is about GPUs).
 _LEAN_LAYOUT = _layout.LEAN_LAYOUT["gpu"]
-# The balanced path's scratch: at least this many rows per chunk where dC's sums (an fp32 gradient, a 16-bit pair)
-# are read and written by every chunk's product (smaller chunks make those products memory bound), at most this many
-# bytes (a scratch past it buys little time and would raise a whole step's peak).
+# The balanced path's scratch: at least _MIN_CHUNK_ROWS rows per chunk where dC's sums (an fp32 gradient, a 16-bit
+# pair) are read and written by every chunk's product (smaller chunks make those products memory bound), and a pair
+# taken for memory at least _MIN_PAIR_CHUNK_ROWS (its epilogue's share of a chunk's time falls as 1 / rows, whatever
+# V is: shorter, the plain sum's speed goes first); at most _MAX_SCRATCH_BYTES, or _SUMS_CHUNK_ROWS rows where those
+# are more bytes (a wide vocabulary); a scratch past both buys little time and would raise a whole step's peak.
 _MIN_CHUNK_ROWS = 2048
+_MIN_PAIR_CHUNK_ROWS = 4096
+_SUMS_CHUNK_ROWS = 8192
 _MAX_SCRATCH_BYTES = 1 << 30
 # The default's memory target (issue 62): the balanced path's peak above the gradients' own bytes within this share
 # of torch.compile's; under autocast the inputs' converted copies plus this smaller share (overhead_target).
@@ -44,10 +46,8 @@ _OVERHEAD_SHARE = 0.3
 _CONVERTED_OVERHEAD_SHARE = 0.15
 # Below this many rows a chunk loop is not worth it (and the scratch would be tiny): lean.
 _MIN_BALANCED_ROWS = 256
-# Below this many multiply-adds per logits product (N V D), a lean fwd + bwd on the kernels waits on the host's
-# launch work (~25 Triton / cuBLAS launches and the layers around the op), not on the GPU: GPT-2's and GPT-2
-# medium's heads at N 4096 lie below it, Qwen2.5-0.5B's (GPU-bound) above (measured; the figures are in docs/).
-# stats() says so where the default keeps such a head on the lean path.
+# Below this many multiply-adds per logits product (N V D), a fwd + bwd on the kernels waits on the host's launch
+# work, not on the GPU (GPT-2's heads at N 4096 below it, Qwen2.5-0.5B's above; docs/): stats() says so.
 _HOST_BOUND_MACS = 3e11
 
 
@@ -131,11 +131,9 @@ def compile_peak(f: HeadFacts, padded: bool = False) -> int:
     return f.rows * f.vocab * per_logit + gradient_bytes(f)
 
 
-# torch.compile's bytes per logit in the loss-only graph of a 16-bit head whose V is not a multiple of 8 elements
-# (Inductor pads its products): 4, as most such heads held them (docs/design.md, "Unaligned vocabularies"). The 4
-# bytes are two 16-bit N x V buffers: the padded logits, overwritten by their gradient, and a second, padded copy
-# of that gradient for the weight's gradient product; where Inductor's timing of that product (pad_mm, on the
-# device) leaves it unpadded there is no second copy and 2 bytes a logit. The pass cannot see which: it counts 4.
+# torch.compile's bytes per logit in the loss-only graph of a 16-bit head whose V is not a multiple of 8 (Inductor
+# pads its products): the padded logits, overwritten by their gradient, and a padded copy of that gradient for the
+# weight's product, which pad_mm may leave unpadded (2 bytes); the pass cannot see which (docs/design.md).
 _PADDED_LOGIT_BYTES = 4
 
 
@@ -272,14 +270,19 @@ def _scratch_of_chunks(f: HeadFacts, chunks: int) -> int:
     return rows * scratch_row_pitch(f.vocab) * f.element_size
 
 
+def _scratch_cap(f: HeadFacts) -> int:
+    """The most scratch the plan takes: ``_MAX_SCRATCH_BYTES``, or ``_SUMS_CHUNK_ROWS`` rows where those are more."""
+    return max(_MAX_SCRATCH_BYTES, _SUMS_CHUNK_ROWS * scratch_row_pitch(f.vocab) * f.element_size)
+
+
 def _largest_scratch_within(f: HeadFacts, limit: int, plain_sum: bool, de_pair: bool) -> int:
-    """The largest scratch (at most ``_MAX_SCRATCH_BYTES``, all rows) whose peak fits ``limit``; 0 where not even
+    """The largest scratch (at most :func:`_scratch_cap`, all rows) whose peak fits ``limit``; 0 where not even
     ``_MIN_CHUNK_ROWS`` rows (or all rows, if fewer) fit."""
     row_bytes = scratch_row_pitch(f.vocab) * f.element_size
     # per scratch byte, a 16-bit dE's fp32 rows of the chunk grow too
     per_byte = 1 + (f.hidden * 4 / row_bytes if f.e_bytes != 4 else 0)
     room = int((limit - balanced_peak(f, 0, plain_sum, de_pair)) / per_byte)
-    want = min(_MAX_SCRATCH_BYTES, max(f.rows, 1) * row_bytes)
+    want = min(_scratch_cap(f), max(f.rows, 1) * row_bytes)
     if room < min(_MIN_CHUNK_ROWS, max(f.rows, 1)) * row_bytes:
         return 0
     return min(want, room)
@@ -294,13 +297,13 @@ def balanced_plan(
     a 16-bit dE is one too (``exact``; a scale the op cannot be given, ``f.loss_scale``, asks for it here): its rows
     are each one chunk's sum, rounded once, as torch.compile's, at the upstream gradient they are computed at, and
     only another would round them twice. The rule, fastest first, within
-    the memory target (the gradients plus :func:`overhead_target`) and a scratch of at most ``_MAX_SCRATCH_BYTES``:
+    the memory target (the gradients plus :func:`overhead_target`) and a scratch of at most :func:`_scratch_cap`:
 
     * a 16-bit dC summed in its own dtype over 1, else 2 chunks (``PLAIN_SUM_MAX_CHUNKS``: the error budget);
     * else as a 16-bit pair (exact at any number of chunks, for the pair product's epilogue), the largest scratch
-      within the target, but chunks of at least ``_MIN_CHUNK_ROWS`` rows: each chunk reads and writes the pair;
-    * where neither fits, speed first: the plain sum over 2 chunks (the pair's epilogue reads and writes ``V x D``
-      pairs every chunk, a cost that grows as the chunks shrink); ``within_target`` False (stats() says so);
+      within the target, where that gives chunks of at least ``_MIN_PAIR_CHUNK_ROWS`` rows;
+    * else speed first: the plain sum over 2 chunks (the pair's epilogue reads and writes ``V x D`` pairs every
+      chunk, a share of its time that grows as the chunks shrink); ``within_target`` False (stats() says so);
     * the pair where the graph scales the loss in a way the op cannot be given (``f.loss_scale``): the backward
       would round a plain sum once more by that upstream gradient, past the error budget.
 
@@ -323,9 +326,9 @@ def balanced_plan(
         return sums
     for chunks in range(1, most + 1):
         plan = _plan(f, _scratch_of_chunks(f, chunks), True, False)
-        if plan.within_target and plan.scratch_bytes <= _MAX_SCRATCH_BYTES:
+        if plan.within_target and plan.scratch_bytes <= _scratch_cap(f):
             return plan
-    if plain_sum is None and sums.within_target:
+    if plain_sum is None and sums.within_target and sums.chunk_rows >= min(_MIN_PAIR_CHUNK_ROWS, max(f.rows, 1)):
         return sums
     return _plan(f, _scratch_of_chunks(f, most), True, False)
 
@@ -429,16 +432,14 @@ def _balanced_choice(f: HeadFacts, plan: BalancedPlan, head: str) -> PathChoice:
     overhead = plan.peak - gradient_bytes(f)
     ratio = overhead / max(compile_overhead(f), 1)
     target = _CONVERTED_OVERHEAD_SHARE if _converted_bytes(f) else _OVERHEAD_SHARE
-    over = (
-        ""
-        if plan.within_target
-        else (
+    over = " (over the memory target: the pair in chunks of at least 2048 rows)"
+    if plan.plain_sum:
+        over = (
             " (over the memory target, speed first: more chunks would put dC's 16-bit sum past the error budget, and "
-            "the pair, with its V x D remainder, is past the target too)"
-            if plan.plain_sum
-            else " (over the memory target: the pair in chunks of at least 2048 rows)"
+            "the pair, with its V x D remainder, is past the target too or within it only in chunks of under "
+            f"{_MIN_PAIR_CHUNK_ROWS} rows)"
         )
-    )
+    over = "" if plan.within_target else over
     return PathChoice(
         "balanced",
         f"{head}: three matmuls, {plan.chunks} row chunk{'s' if plan.chunks > 1 else ''} of {plan.chunk_rows} rows "
