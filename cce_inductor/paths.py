@@ -133,7 +133,8 @@ def compile_peak(f: HeadFacts, padded: bool = False) -> int:
 
 # torch.compile's bytes per logit in the loss-only graph of a 16-bit head whose V is not a multiple of 8 (Inductor
 # pads its products): the padded logits, overwritten by their gradient, and a padded copy of that gradient for the
-# weight's product, which pad_mm may leave unpadded (2 bytes); the pass cannot see which (docs/design.md).
+# weight's product, which pad_mm may leave unpadded (2 bytes); the pass cannot see which, and counts the 4 most such
+# heads held (docs/design.md, "Unaligned vocabularies").
 _PADDED_LOGIT_BYTES = 4
 
 
