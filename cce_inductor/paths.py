@@ -192,6 +192,7 @@ def balanced_peak(f: HeadFacts, scratch_bytes: int, plain_sum: bool = False, de_
     in place (Inductor, donated buffers)."""
     rows = chunk_rows(scratch_bytes, f.vocab, f.element_size, f.rows) if scratch_bytes else 0
     pitch = scratch_row_pitch(f.vocab)
+    scratch_bytes = rows * pitch * f.element_size  # what the kernels allocate of it: whole rows
     gradients = (f.rows * f.e_bytes + pitch * f.c_bytes) * f.hidden
     de_remainder = f.rows * f.hidden * f.e_bytes if de_pair and not plain_sum else 0
     de_extra = de_remainder + rows * f.hidden * 4 if f.e_bytes != 4 else 0
@@ -226,11 +227,11 @@ def chunk_rows(scratch_bytes: int, vocab: int, element_size: int, rows: int) -> 
     (no short last chunk: each chunk reads and writes dC's sums whatever its rows), a multiple of 128 once
     >= 128 (whole matmul tiles); at least 1, at most ``max(rows, 1)``."""
     fit = max(1, scratch_bytes // (scratch_row_pitch(vocab) * element_size))
-    if fit >= 128:
-        fit -= fit % 128
     rows = max(rows, 1)
     if fit >= rows:
         return rows
+    if fit >= 128:
+        fit -= fit % 128
     even = -(-rows // -(-rows // fit))  # ceil(rows / number of chunks) <= fit
     if fit >= 128:
         even = min(fit, -(-even // 128) * 128)
@@ -245,7 +246,7 @@ class BalancedPlan:
     exact at any number of chunks). An fp32 dC is its own sum either way. ``de_pair``: where dC is the pair, a 16-bit
     dE is one too (else rounded once: each of its rows is one chunk's sum, as torch.compile's product rounds it)."""
 
-    scratch_bytes: int
+    scratch_bytes: int  # what the kernels allocate: ``chunk_rows`` padded rows
     chunk_rows: int
     chunks: int
     plain_sum: bool
@@ -256,10 +257,11 @@ class BalancedPlan:
 
 def _plan(f: HeadFacts, scratch_bytes: int, plain_sum: bool, de_pair: bool) -> BalancedPlan:
     rows = chunk_rows(scratch_bytes, f.vocab, f.element_size, f.rows)
+    allocated = rows * scratch_row_pitch(f.vocab) * f.element_size  # (the kernels' scratch: whole rows of it)
     de_pair = de_pair and not plain_sum and f.e_bytes == 2
     peak = balanced_peak(f, scratch_bytes, plain_sum, de_pair)
     within = peak <= gradient_bytes(f) + overhead_target(f)
-    return BalancedPlan(scratch_bytes, rows, -(-max(f.rows, 1) // rows), plain_sum, peak, within, de_pair)
+    return BalancedPlan(allocated, rows, -(-max(f.rows, 1) // rows), plain_sum, peak, within, de_pair)
 
 
 def _scratch_of_chunks(f: HeadFacts, chunks: int) -> int:
@@ -335,7 +337,7 @@ def balanced_plan(
 
 
 def _mib(n: int) -> str:
-    return f"{n / 2**20:.0f} MiB"
+    return f"{n / 2**20:.0f} MiB" if n >= 2**20 else f"{n / 2**10:.0f} KiB"
 
 
 def lean_only_reason(f: HeadFacts) -> str | None:
