@@ -159,50 +159,93 @@ def _recompute_grad_kernel(
         first_vblock = (tile // group_tiles) * GROUP_V
         group_width = tl.minimum(vblocks - first_vblock, GROUP_V)
         in_group = tile % group_tiles
-        _grad_tile(
+        row_block = in_group // group_width
+        vocab_block = first_vblock + in_group % group_width
+        # one BLOCK_N x BLOCK_V tile of G whose row block holds counted rows
+        pos, in_chunk, rows, cols, g_rows, mask = _tile_rows(
+            RowOrder, row_block, vocab_block, n_rows, width, stride_g, COMPACT_G, BLOCK_N, BLOCK_V
+        )
+        col0 = vocab_block * BLOCK_V
+        g_offs = g_rows[:, None] + cols[None, :]
+        vocab_ids = tl.minimum(vocab_start + cols, V - 1).to(tl.int64)
+        # Ignored rows of this block (past the count) get 0, or NaN where eager has it (the kernel's docstring): as
+        # lse = +inf + poison, so that no tile-sized term stays live across the logit loop.  Counted rows get their
+        # NaNs from their own logits.
+        poison = tl.where(pos < num_counted, 0.0, tl.load(RowPoison + rows, mask=in_chunk, other=0.0))
+
+        grad_row = tl.load(GradRows + rows, mask=in_chunk, other=0.0)
+        grad_p = grad_row
+        if HAS_LSE_GRAD:
+            grad_p += tl.load(GradLse + rows, mask=in_chunk, other=0.0)
+        has_grad = (grad_p != 0.0) | (grad_row != 0.0)
+        grad_entropy = grad_row  # (unused without HAS_ENTROPY_GRAD)
+        mean_logit = grad_row
+        if HAS_ENTROPY_GRAD:
+            grad_entropy = tl.load(GradEntropy + rows, mask=in_chunk, other=0.0)
+            mean_logit = tl.load(MeanLogit + rows, mask=in_chunk, other=0.0)
+            has_grad = has_grad | (grad_entropy != 0.0)
+        # a row with no gradient gets p = exp(z - inf) = 0: its G is 0 (NaN where z is NaN / +inf, as in eager)
+        lse = tl.where(has_grad, tl.load(Lse + rows, mask=in_chunk, other=0.0), float("inf")) + poison
+        logits = logit_tile(
             E,
             C,
             Bias,
-            Lse,
-            GradRows,
-            GradLse,
-            GradEntropy,
-            MeanLogit,
-            Targets,
-            TargetLogit,
-            RowOrder,
-            RowPoison,
-            G,
-            in_group // group_width,
-            first_vblock + in_group % group_width,
-            num_counted,
-            n_rows,
-            width,
-            vocab_start,
-            V,
+            rows,
+            vocab_ids,
+            row_block * BLOCK_N,
+            vocab_start + col0,
             D,
             stride_en,
             stride_ed,
             stride_cv,
             stride_cd,
-            stride_g,
             softcap,
-            target_weight,
-            uniform,
             HAS_BIAS,
             HAS_SOFTCAP,
-            HAS_LSE_GRAD,
-            HAS_ENTROPY_GRAD,
-            COMPACT_G,
             TMA,
             UPCAST,
             DOT_PRECISION,
             EVEN_D,
-            EVEN_TILE,
             BLOCK_N,
             BLOCK_V,
             BLOCK_D,
         )
+        grad = softmax_grad(
+            logits,
+            lse[:, None],
+            grad_p[:, None],
+            grad_entropy[:, None],
+            mean_logit[:, None],
+            (grad_row * uniform)[:, None],
+            softcap,
+            HAS_SOFTCAP,
+            HAS_ENTROPY_GRAD,
+        )
+        grad_hi = grad.to(G.dtype.element_ty)
+        if EVEN_TILE:  # (the masked store of a full tile costs registers the softcap's epilogue needs)
+            tl.store(G + g_offs, grad_hi)
+        else:
+            tl.store(G + g_offs, grad_hi, mask=mask)
+
+        # The target entries of this tile, overwritten with their one-hot term from the row's target logit (a per-row
+        # vector: comparing every column with the target kept a tile-sized mask live and spilled registers).
+        target = tl.load(Targets + rows, mask=in_chunk, other=-1) - vocab_start
+        hit = in_chunk & (target >= col0) & (target < col0 + BLOCK_V) & (target < width)
+        target_logit = tl.load(TargetLogit + rows, mask=hit, other=0.0)
+        at_target = softmax_grad(
+            target_logit,
+            lse,
+            grad_p,
+            grad_entropy,
+            mean_logit,
+            grad_row * (target_weight + uniform),
+            softcap,
+            HAS_SOFTCAP,
+            HAS_ENTROPY_GRAD,
+        )
+        at_target_hi = at_target.to(G.dtype.element_ty)
+        tl.debug_barrier()  # the tile's stores above land first
+        tl.store(G + g_rows + target, at_target_hi, mask=hit)
     # G of an ignored row: 0, or NaN where eager's 0 * NaN puts it: everywhere in a row with a NaN logit (its
     # log-sum-exp is NaN), i.e. where that row of E, or any of C / bias, is not finite.
     first = pid + tl.maximum(tl.cdiv(counted_tiles - pid, num_programs), 0) * num_programs
@@ -238,135 +281,3 @@ def _tile_rows(
     g_rows = (pos.to(tl.int64) if COMPACT_G else rows) * stride_g
     mask = in_chunk[:, None] & (cols < width)[None, :]
     return pos, in_chunk, rows, cols, g_rows, mask
-
-
-@triton.jit
-def _grad_tile(
-    E,
-    C,
-    Bias,
-    Lse,
-    GradRows,
-    GradLse,
-    GradEntropy,
-    MeanLogit,
-    Targets,
-    TargetLogit,
-    RowOrder,
-    RowPoison,
-    G,
-    row_block,
-    vocab_block,
-    num_counted,
-    n_rows,
-    width,
-    vocab_start,
-    V,
-    D,
-    stride_en,
-    stride_ed,
-    stride_cv,
-    stride_cd,
-    stride_g,
-    softcap,
-    target_weight,
-    uniform,
-    HAS_BIAS: tl.constexpr,
-    HAS_SOFTCAP: tl.constexpr,
-    HAS_LSE_GRAD: tl.constexpr,
-    HAS_ENTROPY_GRAD: tl.constexpr,
-    COMPACT_G: tl.constexpr,
-    TMA: tl.constexpr,
-    UPCAST: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-    EVEN_D: tl.constexpr,
-    EVEN_TILE: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_V: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-):
-    """One ``BLOCK_N x BLOCK_V`` tile of G whose row block holds counted rows (see the kernel)."""
-    pos, in_chunk, rows, cols, g_rows, mask = _tile_rows(
-        RowOrder, row_block, vocab_block, n_rows, width, stride_g, COMPACT_G, BLOCK_N, BLOCK_V
-    )
-    col0 = vocab_block * BLOCK_V
-    g_offs = g_rows[:, None] + cols[None, :]
-    vocab_ids = tl.minimum(vocab_start + cols, V - 1).to(tl.int64)
-    # Ignored rows of this block (past the count) get 0, or NaN where eager has it (the kernel's docstring): as
-    # lse = +inf + poison, so that no tile-sized term stays live across the logit loop.  Counted rows get their
-    # NaNs from their own logits.
-    poison = tl.where(pos < num_counted, 0.0, tl.load(RowPoison + rows, mask=in_chunk, other=0.0))
-
-    grad_row = tl.load(GradRows + rows, mask=in_chunk, other=0.0)
-    grad_p = grad_row
-    if HAS_LSE_GRAD:
-        grad_p += tl.load(GradLse + rows, mask=in_chunk, other=0.0)
-    has_grad = (grad_p != 0.0) | (grad_row != 0.0)
-    grad_entropy = grad_row  # (unused without HAS_ENTROPY_GRAD)
-    mean_logit = grad_row
-    if HAS_ENTROPY_GRAD:
-        grad_entropy = tl.load(GradEntropy + rows, mask=in_chunk, other=0.0)
-        mean_logit = tl.load(MeanLogit + rows, mask=in_chunk, other=0.0)
-        has_grad = has_grad | (grad_entropy != 0.0)
-    # a row with no gradient gets p = exp(z - inf) = 0: its G is 0 (NaN where z is NaN / +inf, as in eager)
-    lse = tl.where(has_grad, tl.load(Lse + rows, mask=in_chunk, other=0.0), float("inf")) + poison
-    logits = logit_tile(
-        E,
-        C,
-        Bias,
-        rows,
-        vocab_ids,
-        row_block * BLOCK_N,
-        vocab_start + col0,
-        D,
-        stride_en,
-        stride_ed,
-        stride_cv,
-        stride_cd,
-        softcap,
-        HAS_BIAS,
-        HAS_SOFTCAP,
-        TMA,
-        UPCAST,
-        DOT_PRECISION,
-        EVEN_D,
-        BLOCK_N,
-        BLOCK_V,
-        BLOCK_D,
-    )
-    grad = softmax_grad(
-        logits,
-        lse[:, None],
-        grad_p[:, None],
-        grad_entropy[:, None],
-        mean_logit[:, None],
-        (grad_row * uniform)[:, None],
-        softcap,
-        HAS_SOFTCAP,
-        HAS_ENTROPY_GRAD,
-    )
-    grad_hi = grad.to(G.dtype.element_ty)
-    if EVEN_TILE:  # (the masked store of a full tile costs registers the softcap's epilogue needs)
-        tl.store(G + g_offs, grad_hi)
-    else:
-        tl.store(G + g_offs, grad_hi, mask=mask)
-
-    # The target entries of this tile, overwritten with their one-hot term from the row's target logit (a per-row
-    # vector: comparing every column with the target kept a tile-sized mask live and spilled registers).
-    target = tl.load(Targets + rows, mask=in_chunk, other=-1) - vocab_start
-    hit = in_chunk & (target >= col0) & (target < col0 + BLOCK_V) & (target < width)
-    target_logit = tl.load(TargetLogit + rows, mask=hit, other=0.0)
-    at_target = softmax_grad(
-        target_logit,
-        lse,
-        grad_p,
-        grad_entropy,
-        mean_logit,
-        grad_row * (target_weight + uniform),
-        softcap,
-        HAS_SOFTCAP,
-        HAS_ENTROPY_GRAD,
-    )
-    at_target_hi = at_target.to(G.dtype.element_ty)
-    tl.debug_barrier()  # the tile's stores above land first
-    tl.store(G + g_rows + target, at_target_hi, mask=hit)

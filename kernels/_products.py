@@ -84,91 +84,6 @@ def _grouped_tile(pid, num_m, num_n, GROUP_M: tl.constexpr):
 
 
 @triton.jit
-def _grad_e_tile(
-    pid,
-    g_desc,
-    c_desc,
-    DE,
-    RowOrder,
-    NumCounted,
-    RowPoison,
-    n_rows,
-    width,
-    D,
-    stride_de,
-    ACCUMULATE: tl.constexpr,
-    UPCAST: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr,
-):
-    """``DE[row_order[p]] (+)= G[p] @ C[chunk]`` for tile ``pid`` (descriptors over G and the C chunk)."""
-    pid_m, pid_n = _grouped_tile(pid, tl.cdiv(n_rows, BLOCK_M), tl.cdiv(D, BLOCK_N), GROUP_M)
-    pos = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    in_chunk = pos < n_rows
-    rows = tl.load(RowOrder + pos, mask=in_chunk, other=0).to(tl.int64)
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    out_mask = in_chunk[:, None] & (cols < D)[None, :]
-    out_ptrs = DE + rows[:, None] * stride_de + cols[None, :]
-    if pid_m * BLOCK_M >= tl.load(NumCounted):
-        if not ACCUMULATE:
-            poison = tl.load(RowPoison + rows, mask=in_chunk, other=0.0)
-            tl.store(out_ptrs, poison[:, None] + tl.zeros((BLOCK_M, BLOCK_N), tl.float32), mask=out_mask)
-    else:
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k0 in range(0, width, BLOCK_K):
-            a = g_desc.load([pid_m * BLOCK_M, k0])
-            b = c_desc.load([k0, pid_n * BLOCK_N])
-            acc = dot(a, b, acc, UPCAST, DOT_PRECISION)
-        if ACCUMULATE:
-            acc += tl.load(out_ptrs, mask=out_mask, other=0.0)
-        tl.store(out_ptrs, acc, mask=out_mask)
-
-
-@triton.jit
-def _grad_c_tile(
-    pid,
-    g_desc,
-    e_desc,
-    DC,
-    AccIn,
-    NumCounted,
-    IgnoredPoison,
-    width,
-    D,
-    stride_dc,
-    stride_acc,
-    ACCUMULATE: tl.constexpr,
-    UPCAST: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr,
-):
-    """``DC[chunk] = (AccIn[chunk] +) G[:K'].T @ Ec[:K'] + ignored_poison`` for tile ``pid`` (descriptors over G
-    and Ec; AccIn is DC itself, or the fp32 sums of a product over earlier rows); the K loop runs unmasked to the
-    count rounded up to ``BLOCK_K`` (module docstring)."""
-    pid_m, pid_n = _grouped_tile(pid, tl.cdiv(width, BLOCK_M), tl.cdiv(D, BLOCK_N), GROUP_M)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, tl.load(NumCounted), BLOCK_K):
-        a = g_desc.load([k0, pid_m * BLOCK_M])
-        b = e_desc.load([k0, pid_n * BLOCK_N])
-        acc = dot(tl.trans(a), b, acc, UPCAST, DOT_PRECISION)
-    acc += tl.load(IgnoredPoison)
-    vocab = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    out_mask = (vocab < width)[:, None] & (cols < D)[None, :]
-    out_ptrs = DC + vocab.to(tl.int64)[:, None] * stride_dc + cols[None, :]
-    if ACCUMULATE:
-        acc_ptrs = AccIn + vocab.to(tl.int64)[:, None] * stride_acc + cols[None, :]
-        acc += tl.load(acc_ptrs, mask=out_mask, other=0.0).to(tl.float32)
-    tl.store(out_ptrs, acc.to(DC.dtype.element_ty), mask=out_mask)
-
-
-@triton.jit
 def _grad_products_kernel(
     ge_desc,
     c_desc,
@@ -204,49 +119,47 @@ def _grad_products_kernel(
     backward at >= 50% ignored rows waits on the host's launches)."""
     pid = tl.program_id(0)
     if pid < e_tiles:
-        if HAS_E:
-            _grad_e_tile(
-                pid,
-                ge_desc,
-                c_desc,
-                DE,
-                RowOrder,
-                NumCounted,
-                RowPoison,
-                n_rows,
-                width,
-                D,
-                stride_de,
-                ACCUMULATE_E,
-                UPCAST,
-                DOT_PRECISION,
-                BLOCK_M,
-                BLOCK_N,
-                BLOCK_K,
-                GROUP_M,
-            )
+        if HAS_E:  # DE[row_order[p]] (+)= G[p] @ C[chunk] (descriptors over G and the C chunk)
+            pid_m, pid_n = _grouped_tile(pid, tl.cdiv(n_rows, BLOCK_M), tl.cdiv(D, BLOCK_N), GROUP_M)
+            pos = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+            in_chunk = pos < n_rows
+            rows = tl.load(RowOrder + pos, mask=in_chunk, other=0).to(tl.int64)
+            cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+            de_mask = in_chunk[:, None] & (cols < D)[None, :]
+            de_ptrs = DE + rows[:, None] * stride_de + cols[None, :]
+            if pid_m * BLOCK_M >= tl.load(NumCounted):
+                if not ACCUMULATE_E:
+                    poison = tl.load(RowPoison + rows, mask=in_chunk, other=0.0)
+                    tl.store(de_ptrs, poison[:, None] + tl.zeros((BLOCK_M, BLOCK_N), tl.float32), mask=de_mask)
+            else:
+                acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+                for k0 in range(0, width, BLOCK_K):
+                    a = ge_desc.load([pid_m * BLOCK_M, k0])
+                    b = c_desc.load([k0, pid_n * BLOCK_N])
+                    acc = dot(a, b, acc, UPCAST, DOT_PRECISION)
+                if ACCUMULATE_E:
+                    acc += tl.load(de_ptrs, mask=de_mask, other=0.0)
+                tl.store(de_ptrs, acc, mask=de_mask)
     else:
+        # DC[chunk] = (AccIn[chunk] +) G[:K'].T @ Ec[:K'] + ignored_poison (descriptors over G and Ec; AccIn is DC
+        # itself, or the fp32 sums of a product over earlier rows); the K loop runs unmasked to the count rounded up
+        # to BLOCK_K (module docstring)
         if HAS_C:
-            _grad_c_tile(
-                pid - e_tiles,
-                gc_desc,
-                e_desc,
-                DC,
-                AccIn,
-                NumCounted,
-                IgnoredPoison,
-                width,
-                D,
-                stride_dc,
-                stride_acc,
-                ACCUMULATE_C,
-                UPCAST,
-                DOT_PRECISION,
-                BLOCK_M,
-                BLOCK_N,
-                BLOCK_K,
-                GROUP_M,
-            )
+            pid_m, pid_n = _grouped_tile(pid - e_tiles, tl.cdiv(width, BLOCK_M), tl.cdiv(D, BLOCK_N), GROUP_M)
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for k0 in range(0, tl.load(NumCounted), BLOCK_K):
+                a = gc_desc.load([k0, pid_m * BLOCK_M])
+                b = e_desc.load([k0, pid_n * BLOCK_N])
+                acc = dot(tl.trans(a), b, acc, UPCAST, DOT_PRECISION)
+            acc += tl.load(IgnoredPoison)
+            vocab = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+            cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+            dc_mask = (vocab < width)[:, None] & (cols < D)[None, :]
+            dc_ptrs = DC + vocab.to(tl.int64)[:, None] * stride_dc + cols[None, :]
+            if ACCUMULATE_C:
+                acc_ptrs = AccIn + vocab.to(tl.int64)[:, None] * stride_acc + cols[None, :]
+                acc += tl.load(acc_ptrs, mask=dc_mask, other=0.0).to(tl.float32)
+            tl.store(dc_ptrs, acc.to(DC.dtype.element_ty), mask=dc_mask)
 
 
 @triton.jit
