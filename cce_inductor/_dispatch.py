@@ -152,34 +152,11 @@ def forward(
     too (the chunked path always computes them; the kernels skip them otherwise, leaving 0). ``argmax_out``: an int64
     ``(N,)`` tensor filled with each row's argmax over the logits rounded to ``argmax_round`` (``torch.argmax``'s
     ties; with the kernels, 0 at rows not computed)."""
+    kw = dict(softcap=softcap, ignore_index=ignore_index, logit_sum=logit_sum, mean_logit=mean_logit)
+    kw.update(argmax_out=argmax_out, argmax_round=argmax_round)
     if uses_kernels(e.device, e.dtype) and e.shape[0] > 0:
-        return tuple(
-            triton_kernels().forward(
-                e,
-                c,
-                targets,
-                bias,
-                softcap=softcap,
-                ignore_index=ignore_index,
-                logit_sum=logit_sum,
-                mean_logit=mean_logit,
-                every_row=every_row,
-                argmax_out=argmax_out,
-                argmax_round=argmax_round,
-            )
-        )
-    return _chunked.forward(
-        e,
-        c,
-        targets,
-        bias,
-        softcap=softcap,
-        ignore_index=ignore_index,
-        logit_sum=logit_sum,
-        mean_logit=mean_logit,
-        argmax_out=argmax_out,
-        argmax_round=argmax_round,
-    )
+        return tuple(triton_kernels().forward(e, c, targets, bias, every_row=every_row, **kw))
+    return _chunked.forward(e, c, targets, bias, **kw)
 
 
 def backward(
@@ -210,6 +187,8 @@ def backward(
     head a vocabulary chunk at a time; the gradients keep the inputs' dtypes."""
     de_dtype, dc_dtype, db_dtype = e.dtype, c.dtype, None if bias is None else bias.dtype
     dtype = compute_dtype or e.dtype
+    common = dict(softcap=softcap, need_e=need_e, need_c=need_c, need_bias=need_bias, label_smoothing=label_smoothing)
+    common.update(grad_lse=grad_lse, grad_entropy=grad_entropy, mean_logit=mean_logit)
     if compute_dtype is not None and not uses_kernels(e.device, dtype):
         e, c, bias = in_compute_dtype(e, c, bias, compute_dtype)
     elif compute_dtype is not None:
@@ -237,47 +216,14 @@ def backward(
             row_skipping=can_skip,
         )
         grads = kernels.backward(
-            e,
-            c,
-            targets,
-            bias,
-            lse.float(),
-            grad_rows.float(),
-            softcap=softcap,
-            ignore_index=ignore_index,
-            need_e=need_e,
-            need_c=need_c,
-            need_bias=need_bias,
-            label_smoothing=label_smoothing,
-            grad_lse=grad_lse,
-            grad_entropy=grad_entropy,
-            mean_logit=mean_logit,
-            **plan._asdict(),
-            observe_counted=share.observe if options.products == "auto" and not every_row else None,
-            de_dtype=de_dtype,
-            dc_dtype=dc_dtype,
-            compute_dtype=compute_dtype,
-        )
+            e, c, targets, bias, lse.float(), grad_rows.float(), ignore_index=ignore_index, **common,
+            **plan._asdict(), observe_counted=share.observe if options.products == "auto" and not every_row else None,
+            de_dtype=de_dtype, dc_dtype=dc_dtype, compute_dtype=compute_dtype,
+        )  # fmt: skip
     else:
         # (fp32 stored inputs: the accumulation dtype's gradients are theirs, with no 16-bit rounding between)
         wide = any(dtype is not None and dtype.itemsize > e.dtype.itemsize for dtype in (de_dtype, dc_dtype, db_dtype))
-        grads = _chunked.backward(
-            e,
-            c,
-            targets,
-            bias,
-            lse,
-            grad_rows,
-            softcap=softcap,
-            need_e=need_e,
-            need_c=need_c,
-            need_bias=need_bias,
-            label_smoothing=label_smoothing,
-            grad_lse=grad_lse,
-            grad_entropy=grad_entropy,
-            mean_logit=mean_logit,
-            in_accumulation_dtype=wide,
-        )
+        grads = _chunked.backward(e, c, targets, bias, lse, grad_rows, **common, in_accumulation_dtype=wide)
     return tuple(None if grad is None else grad.to(dtype) for grad, dtype in zip(grads, (de_dtype, dc_dtype, db_dtype)))
 
 
@@ -313,6 +259,7 @@ def loss_and_grads(
     rows earlier calls of this head counted
     (``_counted_share.balanced_prefix``)."""
     dtype = compute_dtype or e.dtype
+    common = dict(softcap=softcap, label_smoothing=label_smoothing, need_e=need_e, need_c=need_c, need_bias=need_bias)
     if uses_kernels(e.device, dtype):
         kernels = triton_kernels()
         share = _counted_share.of_head(e.device, c.shape[0], c.shape[1])
@@ -325,27 +272,12 @@ def loss_and_grads(
             diagnostics.count_balanced_rows("every_row" if prefix is None or prefix >= e.shape[0] else "counted_prefix")
         return tuple(
             kernels.loss_and_grads(
-                e,
-                c,
-                targets,
-                bias,
-                softcap=softcap,
-                ignore_index=ignore_index,
-                reduction=reduction,
-                label_smoothing=label_smoothing,
-                need_e=need_e,
-                need_c=need_c,
-                need_bias=need_bias,
-                check_range=True,
+                e, c, targets, bias, ignore_index=ignore_index, reduction=reduction, check_range=True,
                 compute_dtype=compute_dtype,
-                chunk_rows=chunk_rows,
-                plain_sum=plain_sum,
-                de_pair=de_pair,
-                counted_prefix_rows=prefix,
-                observe_counted=share.observe if products == "auto" else None,
-                grad_scale=grad_scale,
+                chunk_rows=chunk_rows, plain_sum=plain_sum, de_pair=de_pair, counted_prefix_rows=prefix,
+                observe_counted=share.observe if products == "auto" else None, grad_scale=grad_scale, **common,
             )
-        )
+        )  # fmt: skip
     _checks.check_target_range(targets, c.shape[0], ignore_index)
     stored = (e.dtype, c.dtype)
     if compute_dtype is not None:  # autocast's casts, as F.linear makes them
@@ -359,18 +291,7 @@ def loss_and_grads(
     loss = _loss.reduce_rows(row_loss, valid, reduction)
     grad_rows = _loss.grad_rows(_upstream(grad_scale, e.device), valid, reduction, acc)
     grad_e, grad_c, grad_bias = _chunked.backward(
-        e,
-        c,
-        targets,
-        bias,
-        lse,
-        grad_rows,
-        softcap=softcap,
-        need_e=need_e,
-        need_c=need_c,
-        need_bias=need_bias,
-        label_smoothing=label_smoothing,
-        in_accumulation_dtype=True,
+        e, c, targets, bias, lse, grad_rows, **common, in_accumulation_dtype=True
     )
     grad_e, grad_e_lo = _as_stored(grad_e, stored[0], alone=not de_pair)
     grad_c, grad_c_lo = _as_stored(grad_c, stored[1], alone=plain_sum)
