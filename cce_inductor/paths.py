@@ -192,12 +192,11 @@ def balanced_peak(f: HeadFacts, scratch_bytes: int, plain_sum: bool = False, de_
     in place (Inductor, donated buffers)."""
     rows = chunk_rows(scratch_bytes, f.vocab, f.element_size, f.rows) if scratch_bytes else 0
     pitch = scratch_row_pitch(f.vocab)
-    scratch_bytes = rows * pitch * f.element_size  # what the kernels allocate of it: whole rows
     gradients = (f.rows * f.e_bytes + pitch * f.c_bytes) * f.hidden
     de_remainder = f.rows * f.hidden * f.e_bytes if de_pair and not plain_sum else 0
     de_extra = de_remainder + rows * f.hidden * 4 if f.e_bytes != 4 else 0
     dc_remainder = pitch * f.hidden * f.c_bytes if f.c_bytes != 4 and not plain_sum else 0
-    return gradients + de_extra + dc_remainder + scratch_bytes + _converted_bytes(f)
+    return gradients + de_extra + dc_remainder + rows * pitch * f.element_size + _converted_bytes(f)  # (whole rows)
 
 
 def compile_overhead(f: HeadFacts) -> int:
@@ -297,10 +296,9 @@ def balanced_plan(
 ) -> BalancedPlan:
     """The balanced path's plan for these facts (the pass asks at the batch it traced, the op at each call's).
     ``plain_sum``: the site's choice (the op's argument), or None to choose here. ``de_pair``: where dC is the pair,
-    a 16-bit dE is one too (``exact``; a scale the op cannot be given, ``f.loss_scale``, asks for it here): its rows
-    are each one chunk's sum, rounded once, as torch.compile's, at the upstream gradient they are computed at, and
-    only another would round them twice. The rule, fastest first, within
-    the memory target (the gradients plus :func:`overhead_target`) and a scratch of at most :func:`_scratch_cap`:
+    a 16-bit dE is one too (``exact``; a scale the op cannot be given, ``f.loss_scale``, asks for it here; else its
+    rows are each one chunk's sum, rounded once, as torch.compile's). The rule, fastest first, within the memory
+    target (the gradients plus :func:`overhead_target`) and a scratch of at most :func:`_scratch_cap`:
 
     * a 16-bit dC summed in its own dtype over 1, else 2 chunks (``PLAIN_SUM_MAX_CHUNKS``: the error budget);
     * else as a 16-bit pair (exact at any number of chunks, for the pair product's epilogue), the largest scratch
