@@ -55,31 +55,12 @@ from . import _launch
 from ._tile import logit_tile, round_to_tf32, tanh
 
 # Hopper; the interpreter's tiny blocks keep the CPU tests fast.
-# target_rows / target_block_d: _target_logit_kernel's rows and D step per program.
 _TUNING = {
-    "gpu": dict(
-        block_n=128,
-        block_v=256,
-        block_d=64,
-        num_warps=8,
-        num_stages=3,
-        waves=16,
-        tma=True,
-        target_rows=16,
-        target_block_d=256,
-    ),
-    "interpret": dict(
-        block_n=16,
-        block_v=64,
-        block_d=16,
-        num_warps=4,
-        num_stages=1,
-        waves=2,
-        tma=True,
-        target_rows=16,
-        target_block_d=32,
-    ),
+    "gpu": dict(block_n=128, block_v=256, block_d=64, num_warps=8, num_stages=3, waves=16, tma=True),
+    "interpret": dict(block_n=16, block_v=64, block_d=16, num_warps=4, num_stages=1, waves=2, tma=True),
 }
+# _target_logit_kernel's rows and D step per program.
+_TARGET_TUNING = {"gpu": dict(rows=16, block_d=256), "interpret": dict(rows=16, block_d=32)}
 
 
 @triton.jit
@@ -355,8 +336,8 @@ def target_logits(e, c, targets, bias, *, softcap, ignore_index, out=None):
         out = torch.empty((n,), dtype=torch.float32, device=e.device)
     if n == 0:
         return out
-    tune = _launch.tuning(_TUNING)
-    block_n, block_d = tune["target_rows"], tune["target_block_d"]
+    tune = _launch.tuning(_TARGET_TUNING)
+    block_n, block_d = tune["rows"], tune["block_d"]
     _target_logit_kernel[(triton.cdiv(n, block_n),)](
         e,
         c,
