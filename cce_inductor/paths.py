@@ -224,7 +224,7 @@ def scratch_row_pitch(vocab: int) -> int:
 def chunk_rows(scratch_bytes: int, vocab: int, element_size: int, rows: int) -> int:
     """Rows per balanced chunk: as many chunks as the padded rows that fit in ``scratch_bytes`` need, of equal size
     (no short last chunk: each chunk reads and writes dC's sums whatever its rows), a multiple of 128 once
-    >= 128 (whole matmul tiles); at least 1, at most ``max(rows, 1)``."""
+    >= 128 (whole matmul tiles) where the rows take more than one; at least 1, at most ``max(rows, 1)``."""
     fit = max(1, scratch_bytes // (scratch_row_pitch(vocab) * element_size))
     rows = max(rows, 1)
     if fit >= rows:
