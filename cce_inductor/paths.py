@@ -474,10 +474,19 @@ def _fat_note(f: HeadFacts, plan: BalancedPlan) -> str:
 def _host_bound_note(f: HeadFacts, path: Path = "lean") -> str:
     """Where a head is too small for its launches to hide behind its kernels (``_HOST_BOUND_MACS``), what that costs:
     the lean path's ~25 launches up to ~2x torch.compile's time on the head alone; the balanced path's fewer ones
-    less, but a whole step that small waits on the host as well (docs/performance.md)."""
+    less, but a whole step that small waits on the host as well, and below twice the threshold so do its calls that
+    skip half the rows as ignored (docs/performance.md)."""
     macs = f.rows * f.vocab * f.hidden
-    if not f.kernels or macs >= _HOST_BOUND_MACS:
+    if not f.kernels or macs >= 2 * _HOST_BOUND_MACS or (path != "balanced" and macs >= _HOST_BOUND_MACS):
         return ""
+    if path == "balanced" and macs >= _HOST_BOUND_MACS:
+        # the calls that skip ignored rows (the counted prefix) do the GPU work of the counted rows only, with the
+        # launches of every row: half the targets ignored puts such a head below the threshold
+        return (
+            f"; where many targets are ignored (prompt masks), the calls that skip those rows do less GPU work but "
+            f"the same launch work, and at this size ({macs:.1e} multiply-adds per logits product) they may wait on "
+            "the host (docs/performance.md)"
+        )
     if path == "balanced":
         return (
             f"; at this size ({macs:.1e} multiply-adds per logits product) the step may wait on the host's launch "

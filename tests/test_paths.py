@@ -326,6 +326,32 @@ def test_softcapped_returned_logits_count_one_more_block():
     assert "the logits it returns included: 8 bytes per logit" in paths.choose(capped).reason
 
 
+@pytest.mark.parametrize(
+    "head, n, note",
+    [
+        ("gpt2", 4096, "the step may wait on the host's launch work"),  # 1.6e11 multiply-adds: below the threshold
+        ("gpt2", 8192, "the calls that skip those rows do less GPU work but the same launch work"),  # 3.2e11
+        ("qwen25-0.5b", 8192, None),  # 1.1e12: its launches hide behind its kernels, ignored rows or not
+    ],
+)
+def test_stats_say_where_the_balanced_head_waits_on_the_host(head, n, note):
+    """A balanced head too small for its launches to hide behind its kernels says so; so does one below twice that
+    size, whose calls that skip ignored rows do half the GPU work with every launch (GPT-2's head at N 8192 with half
+    the targets ignored: 1.11x torch.compile's time, queued equal to synced, where it is 0.93x with none; H200,
+    engineering log v51). The CPU's chunked path says nothing of it; the lean path has its own note, below the threshold
+    only (it skips no rows of a mean / sum loss by default)."""
+    reason = paths.choose(_facts(head, n)).reason
+    assert reason.startswith("balanced path")
+    for text in (
+        "the step may wait on the host's launch work",
+        "the calls that skip those rows do less GPU work but the same launch work",
+    ):
+        assert (text in reason) == (text == note), reason
+    assert "host" not in paths.choose(_facts(head, n, kernels=False)).reason
+    lean = paths.choose(_facts(head, n), path="lean").reason
+    assert ("the step likely waits on the host's launch work" in lean) == (n == 4096), lean
+
+
 def test_chunk_rows():
     """Rows per balanced chunk: scratch rows are padded to a multiple of 64 elements (V 1000 -> 1024)."""
     assert paths.scratch_row_pitch(1000) == 1024 and paths.scratch_row_pitch(1024) == 1024
