@@ -441,13 +441,14 @@ def _balanced_choice(f: HeadFacts, plan: BalancedPlan, head: str) -> PathChoice:
             f"{_MIN_PAIR_CHUNK_ROWS} rows)"
         )
     over = "" if plan.within_target else over
+    fat = f"; est. peak above torch.compile's {_mib(compile_peak(f))}" if plan.peak > compile_peak(f) else ""
     return PathChoice(
         "balanced",
         f"{head}: three matmuls, {plan.chunks} row chunk{'s' if plan.chunks > 1 else ''} of {plan.chunk_rows} rows "
         f"({_mib(plan.scratch_bytes)} scratch), {sums}; est. peak {_mib(plan.peak)}, {_mib(overhead)} above the "
         f"gradients: {ratio:.2f}x torch.compile's est. {_mib(compile_overhead(f))}{_compile_note(f)} (target {target}x"
         f"{' beside the converted inputs' if _converted_bytes(f) else ''}){over}"
-        + _fat_note(f, plan)
+        + (fat if f.kernels else "")
         + _host_bound_note(f, "balanced"),
         plan.scratch_bytes,
         plan.plain_sum,
@@ -464,38 +465,26 @@ def _compile_note(f: HeadFacts) -> str:
     return ""
 
 
-def _fat_note(f: HeadFacts, plan: BalancedPlan) -> str:
-    compile_bytes = compile_peak(f)
-    if f.kernels and plan.peak > compile_bytes:
-        return f"; est. peak above torch.compile's {_mib(compile_bytes)}"
-    return ""
-
-
 def _host_bound_note(f: HeadFacts, path: Path = "lean") -> str:
     """Where a head is too small for its launches to hide behind its kernels (``_HOST_BOUND_MACS``), what that costs:
     the lean path's ~25 launches up to ~2x torch.compile's time on the head alone; the balanced path's fewer ones
-    less, but a whole step that small waits on the host as well, and below twice the threshold so do its calls that
-    skip half the rows as ignored (docs/performance.md)."""
+    less, but a whole step that small waits on the host as well; below twice the threshold, so do the balanced
+    calls that skip ignored rows (the GPU work of the counted rows, the launches of all: docs/performance.md)."""
     macs = f.rows * f.vocab * f.hidden
-    if not f.kernels or macs >= 2 * _HOST_BOUND_MACS or (path != "balanced" and macs >= _HOST_BOUND_MACS):
+    size = f"at this size ({macs:.1e} multiply-adds per logits product)"
+    if not f.kernels or macs >= (2 if path == "balanced" else 1) * _HOST_BOUND_MACS:
         return ""
-    if path == "balanced" and macs >= _HOST_BOUND_MACS:
-        # the calls that skip ignored rows (the counted prefix) do the GPU work of the counted rows only, with the
-        # launches of every row: half the targets ignored puts such a head below the threshold
+    if path != "balanced":
+        return f"; {size} the step likely waits on the host's launch work, not the GPU: up to ~2x torch.compile's time"
+    if macs >= _HOST_BOUND_MACS:
         return (
-            f"; where many targets are ignored (prompt masks), the calls that skip those rows do less GPU work but "
-            f"the same launch work, and at this size ({macs:.1e} multiply-adds per logits product) they may wait on "
-            "the host (docs/performance.md)"
-        )
-    if path == "balanced":
-        return (
-            f"; at this size ({macs:.1e} multiply-adds per logits product) the step may wait on the host's launch "
-            "work: the balanced head alone can take longer to launch than to run, and whole steps this small wait on "
-            "the host, their time against torch.compile's varying between processes with the GPU's work equal"
+            "; where many targets are ignored (prompt masks), the calls that skip those rows do less GPU work but the "
+            f"same launch work, and {size} they may wait on the host"
         )
     return (
-        f"; at this size ({macs:.1e} multiply-adds per logits product) the step likely waits on the host's "
-        "launch work, not the GPU: up to ~2x torch.compile's time (docs/performance.md)"
+        f"; {size} the step may wait on the host's launch work: the balanced head alone can take longer to launch "
+        "than to run, and whole steps this small wait on the host, their time against torch.compile's varying "
+        "between processes with the GPU's work equal"
     )
 
 
