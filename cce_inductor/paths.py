@@ -477,6 +477,8 @@ def _host_bound_note(f: HeadFacts, path: Path = "lean") -> str:
     if path != "balanced":
         return f"; {size} the step likely waits on the host's launch work, not the GPU: up to ~2x torch.compile's time"
     if macs >= _HOST_BOUND_MACS:
+        if f.e_bytes != 2 or f.c_bytes != 2:  # (rows are skipped for 16-bit inputs in their own dtype only)
+            return ""
         return (
             "; where many targets are ignored (prompt masks), the calls that skip those rows do less GPU work but the "
             f"same launch work, and {size} they may wait on the host"

@@ -332,15 +332,17 @@ def test_softcapped_returned_logits_count_one_more_block():
         ("gpt2", 4096, "the step may wait on the host's launch work"),  # 1.6e11 multiply-adds: below the threshold
         ("gpt2", 8192, "the calls that skip those rows do less GPU work but the same launch work"),  # 3.2e11
         ("qwen25-0.5b", 8192, None),  # 1.1e12: its launches hide behind its kernels, ignored rows or not
+        ("gpt2-autocast", 8192, None),  # fp32 inputs: no row is skipped
     ],
 )
 def test_stats_say_where_the_balanced_head_waits_on_the_host(head, n, note):
     """A balanced head too small for its launches to hide behind its kernels says so; so does one below twice that
-    size, whose calls that skip ignored rows do half the GPU work with every launch (GPT-2's head at N 8192 with half
-    the targets ignored: 1.11x torch.compile's time, queued equal to synced, where it is 0.93x with none; H200,
-    engineering log v51). The CPU's chunked path says nothing of it; the lean path has its own note, below the threshold
-    only (it skips no rows of a mean / sum loss by default)."""
-    reason = paths.choose(_facts(head, n)).reason
+    size whose calls can skip ignored rows (16-bit inputs in their own dtype): they do the GPU work of the counted
+    rows with the launches of all (GPT-2's head at N 8192 with half the targets ignored ran slower than torch.compile,
+    where it runs faster with none: engineering log v51). The CPU's chunked path says nothing of it; the lean path has
+    its own note, below the threshold only (it skips no rows of a mean / sum loss by default)."""
+    head, autocast = head.removesuffix("-autocast"), head.endswith("-autocast")
+    reason = paths.choose(_facts(head, n, **(AUTOCAST if autocast else {}))).reason
     assert reason.startswith("balanced path")
     for text in (
         "the step may wait on the host's launch work",
