@@ -441,14 +441,15 @@ def _balanced_choice(f: HeadFacts, plan: BalancedPlan, head: str) -> PathChoice:
             f"{_MIN_PAIR_CHUNK_ROWS} rows)"
         )
     over = "" if plan.within_target else over
-    fat = f"; est. peak above torch.compile's {_mib(compile_peak(f))}" if plan.peak > compile_peak(f) else ""
+    compile_bytes = compile_peak(f)
+    fat = f"; est. peak above torch.compile's {_mib(compile_bytes)}" if f.kernels and plan.peak > compile_bytes else ""
     return PathChoice(
         "balanced",
         f"{head}: three matmuls, {plan.chunks} row chunk{'s' if plan.chunks > 1 else ''} of {plan.chunk_rows} rows "
         f"({_mib(plan.scratch_bytes)} scratch), {sums}; est. peak {_mib(plan.peak)}, {_mib(overhead)} above the "
         f"gradients: {ratio:.2f}x torch.compile's est. {_mib(compile_overhead(f))}{_compile_note(f)} (target {target}x"
         f"{' beside the converted inputs' if _converted_bytes(f) else ''}){over}"
-        + (fat if f.kernels else "")
+        + fat
         + _host_bound_note(f, "balanced"),
         plan.scratch_bytes,
         plan.plain_sum,
@@ -471,14 +472,13 @@ def _host_bound_note(f: HeadFacts, path: Path = "lean") -> str:
     less, but a whole step that small waits on the host as well; below twice the threshold, so do the balanced
     calls that skip ignored rows (the GPU work of the counted rows, the launches of all: docs/performance.md)."""
     macs = f.rows * f.vocab * f.hidden
-    size = f"at this size ({macs:.1e} multiply-adds per logits product)"
-    if not f.kernels or macs >= (2 if path == "balanced" else 1) * _HOST_BOUND_MACS:
+    skips_rows = path == "balanced" and f.e_bytes == f.c_bytes == 2  # (16-bit inputs in their own dtype only)
+    if not f.kernels or macs >= (2 if skips_rows else 1) * _HOST_BOUND_MACS:
         return ""
+    size = f"at this size ({macs:.1e} multiply-adds per logits product)"
     if path != "balanced":
         return f"; {size} the step likely waits on the host's launch work, not the GPU: up to ~2x torch.compile's time"
     if macs >= _HOST_BOUND_MACS:
-        if f.e_bytes != 2 or f.c_bytes != 2:  # (rows are skipped for 16-bit inputs in their own dtype only)
-            return ""
         return (
             "; where many targets are ignored (prompt masks), the calls that skip those rows do less GPU work but the "
             f"same launch work, and {size} they may wait on the host"
