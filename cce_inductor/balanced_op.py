@@ -122,24 +122,9 @@ def linear_cross_entropy_with_grads_op(
 
 @linear_cross_entropy_with_grads_op.register_fake
 def _(
-    e,
-    c,
-    targets,
-    bias,
-    softcap,
-    ignore_index,
-    reduction,
-    label_smoothing,
-    options,
-    need_e,
-    need_c,
-    need_bias,
-    returned_logits,
-    compute_dtype=None,
-    plain_sum=False,
-    grad_scale=None,
-    de_pair=True,
-):
+    e, c, targets, bias, softcap, ignore_index, reduction, label_smoothing, options, need_e, need_c, need_bias,
+    returned_logits, compute_dtype=None, plain_sum=False, grad_scale=None, de_pair=True,
+):  # fmt: skip
     _checks.check_inputs(e, c, targets, bias, compute_dtype)
     acc = _chunked.accumulation_dtype(compute_dtype or e.dtype)
     grad_e, grad_c, grad_bias = _loss.grad_outputs_fake(e, c, bias, need_e, need_c, need_bias)

@@ -136,21 +136,9 @@ def linear_cross_entropy_op(
 
 @linear_cross_entropy_op.register_fake
 def _(
-    e,
-    c,
-    targets,
-    bias,
-    softcap,
-    ignore_index,
-    reduction,
-    label_smoothing,
-    options,
-    full_lse,
-    entropy,
-    class_weights=None,
-    argmax="",
-    compute_dtype=None,
-):
+    e, c, targets, bias, softcap, ignore_index, reduction, label_smoothing, options, full_lse, entropy,
+    class_weights=None, argmax="", compute_dtype=None,
+):  # fmt: skip
     _checks.check_inputs(e, c, targets, bias, compute_dtype)
     _checks.check_class_weights(class_weights, c)
     dtype = compute_dtype or e.dtype
@@ -253,26 +241,9 @@ def linear_cross_entropy_backward_op(
 
 @linear_cross_entropy_backward_op.register_fake
 def _(
-    grad_loss,
-    e,
-    c,
-    targets,
-    bias,
-    lse,
-    grad_lse,
-    entropy,
-    grad_entropy,
-    softcap,
-    ignore_index,
-    reduction,
-    label_smoothing,
-    options,
-    need_e,
-    need_c,
-    need_bias,
-    class_weights=None,
-    compute_dtype=None,
-):
+    grad_loss, e, c, targets, bias, lse, grad_lse, entropy, grad_entropy, softcap, ignore_index, reduction,
+    label_smoothing, options, need_e, need_c, need_bias, class_weights=None, compute_dtype=None,
+):  # fmt: skip
     return _loss.grad_outputs_fake(e, c, bias, need_e, need_c, need_bias)
 
 

@@ -93,49 +93,15 @@ _TUNING = {
 
 @triton.jit
 def _recompute_grad_kernel(
-    E,
-    C,
-    Bias,
-    Lse,
-    GradRows,
-    GradLse,
-    GradEntropy,
-    MeanLogit,
-    Targets,
-    TargetLogit,
-    RowOrder,
-    NumCounted,
-    RowPoison,
+    E, C, Bias, Lse, GradRows, GradLse, GradEntropy, MeanLogit, Targets, TargetLogit, RowOrder, NumCounted, RowPoison,
     G,
-    n_rows,
-    stored_rows,
-    width,
-    vocab_start,
-    V,
-    D,
-    stride_en,
-    stride_ed,
-    stride_cv,
-    stride_cd,
-    stride_g,
-    softcap,
-    target_weight,
-    uniform,
-    HAS_BIAS: tl.constexpr,
-    HAS_SOFTCAP: tl.constexpr,
-    HAS_LSE_GRAD: tl.constexpr,
-    HAS_ENTROPY_GRAD: tl.constexpr,
-    COMPACT_G: tl.constexpr,
-    TMA: tl.constexpr,
-    UPCAST: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-    EVEN_D: tl.constexpr,
-    EVEN_TILE: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_V: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    GROUP_V: tl.constexpr,
-):
+    n_rows, stored_rows, width, vocab_start, V, D,
+    stride_en, stride_ed, stride_cv, stride_cd, stride_g,
+    softcap, target_weight, uniform,
+    HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_LSE_GRAD: tl.constexpr, HAS_ENTROPY_GRAD: tl.constexpr,
+    COMPACT_G: tl.constexpr, TMA: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, EVEN_D: tl.constexpr,
+    EVEN_TILE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr, GROUP_V: tl.constexpr,
+):  # fmt: skip
     """``G[r, c]`` of one (row chunk, vocabulary chunk) block.  Every pointer but C / Bias starts at the chunk's
     first row; ``RowOrder`` lists the chunk's rows (local indices), counted rows first.  G's row of local row
     ``RowOrder[p]`` is p (``COMPACT_G``, for the ``_products`` kernels) or the row itself (for cuBLAS products).
@@ -187,29 +153,12 @@ def _recompute_grad_kernel(
         # a row with no gradient gets p = exp(z - inf) = 0: its G is 0 (NaN where z is NaN / +inf, as in eager)
         lse = tl.where(has_grad, tl.load(Lse + rows, mask=in_chunk, other=0.0), float("inf")) + poison
         logits = logit_tile(
-            E,
-            C,
-            Bias,
-            rows,
-            vocab_ids,
-            row_block * BLOCK_N,
-            vocab_start + col0,
-            D,
-            stride_en,
-            stride_ed,
-            stride_cv,
-            stride_cd,
+            E, C, Bias,
+            rows, vocab_ids, row_block * BLOCK_N, vocab_start + col0, D,
+            stride_en, stride_ed, stride_cv, stride_cd,
             softcap,
-            HAS_BIAS,
-            HAS_SOFTCAP,
-            TMA,
-            UPCAST,
-            DOT_PRECISION,
-            EVEN_D,
-            BLOCK_N,
-            BLOCK_V,
-            BLOCK_D,
-        )
+            HAS_BIAS, HAS_SOFTCAP, TMA, UPCAST, DOT_PRECISION, EVEN_D, BLOCK_N, BLOCK_V, BLOCK_D,
+        )  # fmt: skip
         grad = softmax_grad(
             logits,
             lse[:, None],
@@ -262,15 +211,10 @@ def _recompute_grad_kernel(
 @triton.jit
 def _tile_rows(
     RowOrder,
-    row_block,
-    vocab_block,
-    n_rows,
-    width,
+    row_block, vocab_block, n_rows, width,
     stride_g,
-    COMPACT_G: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_V: tl.constexpr,
-):
+    COMPACT_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr,
+):  # fmt: skip
     """Where tile (row_block, vocab_block) of a G block lies: its compacted positions, whether they are in the
     chunk, the rows they hold, its columns, G's row offsets (per position with ``COMPACT_G``, else per row) and the
     tile's store mask."""

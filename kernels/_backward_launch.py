@@ -23,31 +23,10 @@ def row_skipping_ok(e: torch.Tensor, c: torch.Tensor) -> bool:
 
 
 def backward(
-    e,
-    c,
-    targets,
-    bias,
-    lse,
-    grad_rows,
-    *,
-    softcap,
-    ignore_index,
-    need_e,
-    need_c,
-    need_bias,
-    row_chunk,
-    block_width,
-    products,
-    counted_hint=None,
-    label_smoothing=0.0,
-    grad_lse=None,
-    grad_entropy=None,
-    mean_logit=None,
-    observe_counted=None,
-    de_dtype=None,
-    dc_dtype=None,
-    compute_dtype=None,
-):
+    e, c, targets, bias, lse, grad_rows, *, softcap, ignore_index, need_e, need_c, need_bias, row_chunk, block_width,
+    products, counted_hint=None, label_smoothing=0.0, grad_lse=None, grad_entropy=None, mean_logit=None,
+    observe_counted=None, de_dtype=None, dc_dtype=None, compute_dtype=None,
+):  # fmt: skip
     """Launch helper: ``(dE | None, dC | None, dbias | None)``; ``grad_rows`` fp32, 0 at ignored rows.  Rows whose
     target is ``ignore_index`` are skipped by the recompute (and by the Triton products) unless ``grad_lse`` (the
     upstream gradient of every row's lse, fp32) or ``grad_entropy`` (that of every row's entropy, with the forward's
@@ -215,22 +194,14 @@ class _LeanCall:
             for r0 in (chunk.r0 for chunk in chunks)
         ]
         self.flags = dict(
-            HAS_BIAS=bias is not None,
-            HAS_SOFTCAP=softcap is not None,
-            HAS_LSE_GRAD=grad_lse is not None,
-            HAS_ENTROPY_GRAD=grad_entropy is not None,
-            COMPACT_G=compact_g,
-            TMA=use_tma,
-            UPCAST=_launch.upcast_dots(dtype),
-            DOT_PRECISION=_launch.dot_precision(dtype),
-            EVEN_D=(d % block_d == 0),
-            BLOCK_N=block_n,
-            BLOCK_V=block_v,
-            BLOCK_D=block_d,
+            HAS_BIAS=bias is not None, HAS_SOFTCAP=softcap is not None, HAS_LSE_GRAD=grad_lse is not None,
+            HAS_ENTROPY_GRAD=grad_entropy is not None, COMPACT_G=compact_g, TMA=use_tma,
+            UPCAST=_launch.upcast_dots(dtype), DOT_PRECISION=_launch.dot_precision(dtype), EVEN_D=(d % block_d == 0),
+            BLOCK_N=block_n, BLOCK_V=block_v, BLOCK_D=block_d,
             GROUP_V=max(1, tune["recompute_group"] // block_v),
             num_warps=tune["num_warps"],
             num_stages=_launch.fit_num_stages(tune["num_stages"], block_n, block_v, block_d, dtype.itemsize),
-        )
+        )  # fmt: skip
         softcap_val = float(softcap) if softcap is not None else 1.0
         self.label_weights = (softcap_val, 1.0 - label_smoothing, label_smoothing / v)
 
@@ -290,32 +261,16 @@ class _LeanCall:
         de_rows = self.de32[chunk.r0 : chunk.r0 + chunk.rows] if need_e else None
         if self.triton_products:
             _products.grad_products(
-                grad,
-                chunk.num_counted,
-                c_chunk=c_chunk,
-                de32=de_rows,
-                row_order=chunk.row_order,
-                row_poison=chunk.row_poison,
-                accumulate_e=v0 > 0,
-                e_compact=chunk.e_compact,
-                dc_chunk=dc_sum,
-                ignored_poison=chunk.ignored_poison,
-                accumulate_c=k > 0,
-            )
+                grad, chunk.num_counted, c_chunk=c_chunk, de32=de_rows, row_order=chunk.row_order,
+                row_poison=chunk.row_poison, accumulate_e=v0 > 0, e_compact=chunk.e_compact, dc_chunk=dc_sum,
+                ignored_poison=chunk.ignored_poison, accumulate_c=k > 0,
+            )  # fmt: skip
             return
         if self.prefix:
             self.tails[k].products(
-                grad,
-                c_chunk_mm,
-                chunk,
-                de_rows,
-                dc_sum if need_c else None,
-                self.dc32[:width] if need_c else None,
-                upcast=self.upcast,
-                first_vocab=v0 == 0,
-                first_rows=k == 0,
-                **self.out_dtype,
-            )
+                grad, c_chunk_mm, chunk, de_rows, dc_sum if need_c else None, self.dc32[:width] if need_c else None,
+                upcast=self.upcast, first_vocab=v0 == 0, first_rows=k == 0, **self.out_dtype,
+            )  # fmt: skip
             return
         upcast, out_dtype = self.upcast, self.out_dtype
         grad_mm = grad.float() if upcast else grad

@@ -115,18 +115,11 @@ _TUNING = {
 
 @triton.jit
 def _load_z(
-    row_ptr,
-    tail_ptr,
+    row_ptr, tail_ptr,
     Bias,
-    cols,
-    mask,
-    split,
-    softcap,
-    HAS_BIAS: tl.constexpr,
-    HAS_SOFTCAP: tl.constexpr,
-    TAIL: tl.constexpr,
-    EVICT: tl.constexpr,
-):
+    cols, mask, split, softcap,
+    HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, TAIL: tl.constexpr, EVICT: tl.constexpr,
+):  # fmt: skip
     """One block of a row's (softcapped) logits in fp32; 0-based past V (callers mask).  With ``TAIL`` the columns
     from ``split`` on come from the row's entries of the tail buffer (``tail_ptr``: its column 0 is ``split``)."""
     if TAIL:
@@ -144,32 +137,13 @@ def _load_z(
 
 @triton.jit
 def _softmax_grad_in_place_kernel(
-    S,
-    Tail,
-    Bias,
-    Targets,
-    EPoison,
-    CPoison,
-    RowScale,
-    RowLoss,
-    NumCounted,
-    row0,
-    V,
-    split,
-    stride_row,
-    stride_tail,
-    ignore_index,
-    softcap,
-    target_weight,
-    uniform,
-    HAS_BIAS: tl.constexpr,
-    HAS_SOFTCAP: tl.constexpr,
-    LOGIT_SUM: tl.constexpr,
-    ROUND_RNE: tl.constexpr,
-    TAIL: tl.constexpr,
-    SKIP_BLOCK: tl.constexpr,
-    BLOCK_V: tl.constexpr,
-):
+    S, Tail, Bias, Targets, EPoison, CPoison, RowScale, RowLoss, NumCounted,
+    row0, V, split,
+    stride_row, stride_tail,
+    ignore_index, softcap, target_weight, uniform,
+    HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, LOGIT_SUM: tl.constexpr, ROUND_RNE: tl.constexpr,
+    TAIL: tl.constexpr, SKIP_BLOCK: tl.constexpr, BLOCK_V: tl.constexpr,
+):  # fmt: skip
     """Row ``program_id(0)`` of the chunk that starts at row ``row0``: reads its logits from ``S`` (columns from
     ``split`` on from ``Tail[row0 + row]`` where ``TAIL``), writes its loss (unscaled, 0 if ignored) to
     ``RowLoss[row0 + row]`` and overwrites the row of ``S`` with its scaled softmax gradient, 0 in its padding

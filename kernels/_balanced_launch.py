@@ -94,27 +94,10 @@ def row_skipping_ok(e, c, *, compute_dtype, need_bias: bool) -> bool:
 
 
 def loss_and_grads(
-    e,
-    c,
-    targets,
-    bias,
-    *,
-    softcap,
-    ignore_index,
-    reduction,
-    label_smoothing=0.0,
-    chunk_rows,
-    compute_dtype=None,
-    need_e=True,
-    need_c=True,
-    need_bias=True,
-    check_range=False,
-    counted_prefix_rows=None,
-    observe_counted=None,
-    plain_sum=False,
-    de_pair=True,
-    grad_scale=None,
-) -> LossAndGrads:
+    e, c, targets, bias, *, softcap, ignore_index, reduction, label_smoothing=0.0, chunk_rows, compute_dtype=None,
+    need_e=True, need_c=True, need_bias=True, check_range=False, counted_prefix_rows=None, observe_counted=None,
+    plain_sum=False, de_pair=True, grad_scale=None,
+) -> LossAndGrads:  # fmt: skip
     """Launch helper: :class:`LossAndGrads` of ``cross_entropy(softcap(e @ c.T + bias), targets)`` for reduction
     "mean" or "sum", ``chunk_rows`` rows at a time through one scratch of logits (module docstring).
     ``compute_dtype``: the dtype the products run in where it is not the inputs' (autocast: fp32 inputs, 16-bit
@@ -304,33 +287,15 @@ def _chunks(
             if chunk_tail and compacted is not None:
                 torch.mm(e_rows, ops.c[split:].T, out=tail[r0 : r0 + rows, : v - split])
         _softmax_grad_in_place_kernel[(rows,)](
-            padded,
-            tail if chunk_tail else padded,
-            ops.bias if ops.bias is not None else row_scale,
-            targets,
-            e_poison,
-            c_poison,
-            row_scale,
-            row_loss,
-            count if count is not None else row_scale,
-            r0,
-            v,
-            split if chunk_tail else v,
-            pitch,
-            ROW_ALIGN,
-            ignore_index,
-            float(softcap) if softcap is not None else 1.0,
-            1.0 - label_smoothing,
-            label_smoothing / v,
-            HAS_BIAS=ops.bias is not None,
-            HAS_SOFTCAP=softcap is not None,
-            LOGIT_SUM=label_smoothing != 0.0,
-            ROUND_RNE=_launch.INTERPRET and dtype == torch.bfloat16,
-            TAIL=chunk_tail,
-            SKIP_BLOCK=_products.skip_block() if count is not None else 0,
-            BLOCK_V=block_v,
+            padded, tail if chunk_tail else padded, ops.bias if ops.bias is not None else row_scale,
+            targets, e_poison, c_poison, row_scale, row_loss, count if count is not None else row_scale,
+            r0, v, split if chunk_tail else v, pitch, ROW_ALIGN, ignore_index,
+            float(softcap) if softcap is not None else 1.0, 1.0 - label_smoothing, label_smoothing / v,
+            HAS_BIAS=ops.bias is not None, HAS_SOFTCAP=softcap is not None, LOGIT_SUM=label_smoothing != 0.0,
+            ROUND_RNE=_launch.INTERPRET and dtype == torch.bfloat16, TAIL=chunk_tail,
+            SKIP_BLOCK=_products.skip_block() if count is not None else 0, BLOCK_V=block_v,
             num_warps=tune["num_warps"],
-        )
+        )  # fmt: skip
         # the scratch now holds G, 0 past V.  dC before dE: dE's product overwrites the gathered rows of E
         if grad_c is not None:
             # compacted: every row's poison enters dC once, with the first chunk whose product adds it (a pair's

@@ -65,41 +65,15 @@ _TARGET_TUNING = {"gpu": dict(rows=16, block_d=256), "interpret": dict(rows=16, 
 
 @triton.jit
 def _lse_forward_kernel(
-    E,
-    C,
-    Bias,
-    RowOrder,
-    NumValid,
-    PartMax,
-    PartSum,
-    PartLogitSum,
-    PartZExp,
-    PartBest,
-    PartBestIndex,
-    N,
-    V,
-    D,
-    stride_en,
-    stride_ed,
-    stride_cv,
-    stride_cd,
-    vblocks_per_split,
-    softcap,
-    HAS_BIAS: tl.constexpr,
-    HAS_SOFTCAP: tl.constexpr,
-    LOGIT_SUM: tl.constexpr,
-    MEAN_LOGIT: tl.constexpr,
-    TMA: tl.constexpr,
-    UPCAST: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-    EVEN_D: tl.constexpr,
-    EVEN_V: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_V: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    ARGMAX: tl.constexpr = False,
+    E, C, Bias, RowOrder, NumValid, PartMax, PartSum, PartLogitSum, PartZExp, PartBest, PartBestIndex,
+    N, V, D,
+    stride_en, stride_ed, stride_cv, stride_cd,
+    vblocks_per_split, softcap,
+    HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, LOGIT_SUM: tl.constexpr, MEAN_LOGIT: tl.constexpr,
+    TMA: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, EVEN_D: tl.constexpr, EVEN_V: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr, ARGMAX: tl.constexpr = False,
     ROUND: tl.constexpr = 0,
-):
+):  # fmt: skip
     row_block = tl.program_id(0)
     split = tl.program_id(1)
     num_valid = tl.load(NumValid)
@@ -126,29 +100,12 @@ def _lse_forward_kernel(
         else:
             vocab_ids = tl.minimum(cols, V - 1).to(tl.int64)  # clamped, never masked: see _tile
         logits = logit_tile(
-            E,
-            C,
-            Bias,
-            rows,
-            vocab_ids,
-            row_block * BLOCK_N,
-            vb * BLOCK_V,
-            D,
-            stride_en,
-            stride_ed,
-            stride_cv,
-            stride_cd,
+            E, C, Bias,
+            rows, vocab_ids, row_block * BLOCK_N, vb * BLOCK_V, D,
+            stride_en, stride_ed, stride_cv, stride_cd,
             softcap,
-            HAS_BIAS,
-            HAS_SOFTCAP,
-            TMA,
-            UPCAST,
-            DOT_PRECISION,
-            EVEN_D,
-            BLOCK_N,
-            BLOCK_V,
-            BLOCK_D,
-        )
+            HAS_BIAS, HAS_SOFTCAP, TMA, UPCAST, DOT_PRECISION, EVEN_D, BLOCK_N, BLOCK_V, BLOCK_D,
+        )  # fmt: skip
         if not EVEN_V:
             in_vocab = (cols < V)[None, :]
             if LOGIT_SUM or MEAN_LOGIT:
@@ -200,26 +157,13 @@ def _fold_argmax(best, best_index, logits, cols, ROUND: tl.constexpr):
 
 @triton.jit
 def _target_logit_kernel(
-    E,
-    C,
-    Bias,
-    Targets,
-    TargetLogit,
-    N,
-    V,
-    D,
-    stride_en,
-    stride_ed,
-    stride_cv,
-    stride_cd,
-    softcap,
-    ignore_index,
-    HAS_BIAS: tl.constexpr,
-    HAS_SOFTCAP: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr,
+    E, C, Bias, Targets, TargetLogit,
+    N, V, D,
+    stride_en, stride_ed, stride_cv, stride_cd,
+    softcap, ignore_index,
+    HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     DOT_PRECISION: tl.constexpr = "ieee",
-):
+):  # fmt: skip
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     in_range = rows < N
     target = tl.load(Targets + rows, mask=in_range, other=ignore_index)
@@ -247,25 +191,12 @@ def _target_logit_kernel(
 
 @triton.jit
 def _combine_kernel(
-    PartMax,
-    PartSum,
-    PartLogitSum,
-    PartZExp,
-    Targets,
-    Lse,
-    LogitSum,
-    MeanLogit,
-    N,
-    num_splits,
-    ignore_index,
-    LOGIT_SUM: tl.constexpr,
-    MEAN_LOGIT: tl.constexpr,
-    BLOCK: tl.constexpr,
-    PartBest=None,
-    PartBestIndex=None,
-    Argmax=None,
+    PartMax, PartSum, PartLogitSum, PartZExp, Targets, Lse, LogitSum, MeanLogit,
+    N, num_splits, ignore_index,
+    LOGIT_SUM: tl.constexpr, MEAN_LOGIT: tl.constexpr, BLOCK: tl.constexpr,
+    PartBest=None, PartBestIndex=None, Argmax=None,
     ARGMAX: tl.constexpr = False,
-):
+):  # fmt: skip
     rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     in_range = rows < N
     valid = in_range & (tl.load(Targets + rows, mask=in_range, other=ignore_index) != ignore_index)
@@ -339,14 +270,7 @@ def target_logits(e, c, targets, bias, *, softcap, ignore_index, out=None):
     tune = _launch.tuning(_TARGET_TUNING)
     block_n, block_d = tune["rows"], tune["block_d"]
     _target_logit_kernel[(triton.cdiv(n, block_n),)](
-        e,
-        c,
-        bias if bias is not None else e,
-        targets,
-        out,
-        n,
-        c.shape[0],
-        d,
+        e, c, bias if bias is not None else e, targets, out, n, c.shape[0], d,
         e.stride(0),
         e.stride(1),
         c.stride(0),
@@ -359,7 +283,7 @@ def target_logits(e, c, targets, bias, *, softcap, ignore_index, out=None):
         BLOCK_D=block_d,
         DOT_PRECISION=_launch.dot_precision(e.dtype),
         num_warps=4,
-    )
+    )  # fmt: skip
     return out
 
 
@@ -367,19 +291,9 @@ _ROUND = {None: 0, torch.float32: 0, torch.float64: 0, torch.bfloat16: 1, torch.
 
 
 def forward(
-    e,
-    c,
-    targets,
-    bias,
-    *,
-    softcap,
-    ignore_index,
-    logit_sum=False,
-    mean_logit=False,
-    every_row=False,
-    argmax_out=None,
+    e, c, targets, bias, *, softcap, ignore_index, logit_sum=False, mean_logit=False, every_row=False, argmax_out=None,
     argmax_round=None,
-):
+):  # fmt: skip
     """Launch helper: :class:`RowStats` ``(lse, target_logit, logit_sum | None, mean_logit | None)``; see the module
     docstring.  ``every_row``: the rows whose target is ``ignore_index`` are computed too (their target logit is that
     of ``ignore_index`` where it lies in ``[0, V)``, else 0).  ``argmax_out``: an int64 ``(N,)`` tensor that receives
@@ -410,43 +324,21 @@ def forward(
         e_op = _launch.descriptor(e.index_select(0, row_order), [block_n, block_d])
         c_op = _launch.descriptor(c, [block_v, block_d])
     _lse_forward_kernel[(row_blocks, splits)](
-        e_op,
-        c_op,
-        bias if bias is not None else e,
-        row_order,
-        num_valid,
-        part[0],
-        part[1],
-        part_logit_sum,
-        part_zexp,
-        part_best,
-        part_best_index,
-        n,
-        v,
-        d,
+        e_op, c_op, bias if bias is not None else e, row_order, num_valid, part[0], part[1], part_logit_sum, part_zexp,
+        part_best, part_best_index, n, v, d,
         e.stride(0),
         e.stride(1),
         c.stride(0),
         c.stride(1),
         vblocks_per_split,
         float(softcap) if softcap is not None else 1.0,
-        HAS_BIAS=bias is not None,
-        HAS_SOFTCAP=softcap is not None,
-        LOGIT_SUM=logit_sum,
-        MEAN_LOGIT=mean_logit,
-        TMA=use_tma,
-        UPCAST=_launch.upcast_dots(e.dtype),
-        DOT_PRECISION=_launch.dot_precision(e.dtype),
-        EVEN_D=(d % block_d == 0),
-        EVEN_V=(v % block_v == 0),
-        BLOCK_N=block_n,
-        BLOCK_V=block_v,
-        BLOCK_D=block_d,
-        ARGMAX=argmax,
-        ROUND=_ROUND[argmax_round],
+        HAS_BIAS=bias is not None, HAS_SOFTCAP=softcap is not None, LOGIT_SUM=logit_sum, MEAN_LOGIT=mean_logit,
+        TMA=use_tma, UPCAST=_launch.upcast_dots(e.dtype), DOT_PRECISION=_launch.dot_precision(e.dtype),
+        EVEN_D=(d % block_d == 0), EVEN_V=(v % block_v == 0), BLOCK_N=block_n, BLOCK_V=block_v, BLOCK_D=block_d,
+        ARGMAX=argmax, ROUND=_ROUND[argmax_round],
         num_warps=tune["num_warps"],
         num_stages=_launch.fit_num_stages(tune["num_stages"], block_n, block_v, block_d, e.element_size()),
-    )
+    )  # fmt: skip
     target_logits(e, c, targets, bias, softcap=softcap, ignore_index=ignore_index, out=target_logit)
     stats = RowStats(lse, target_logit, row_sums, row_means)
     _combine(stats, part, part_logit_sum, part_zexp, part_best, part_best_index, targets, ignore_index, argmax_out)
@@ -458,23 +350,12 @@ def _combine(stats, part, part_logit_sum, part_zexp, part_best, part_best_index,
     splits, n = part.shape[1:]
     combine_block = 256
     _combine_kernel[(triton.cdiv(n, combine_block),)](
-        part[0],
-        part[1],
-        part_logit_sum,
-        part_zexp,
-        targets,
-        stats.lse,
+        part[0], part[1], part_logit_sum, part_zexp, targets, stats.lse,
         stats.logit_sum if stats.logit_sum is not None else stats.lse,
-        stats.mean_logit if stats.mean_logit is not None else stats.lse,
-        n,
-        splits,
-        ignore_index,
-        LOGIT_SUM=stats.logit_sum is not None,
-        MEAN_LOGIT=stats.mean_logit is not None,
-        BLOCK=combine_block,
+        stats.mean_logit if stats.mean_logit is not None else stats.lse, n, splits, ignore_index,
+        LOGIT_SUM=stats.logit_sum is not None, MEAN_LOGIT=stats.mean_logit is not None, BLOCK=combine_block,
         num_warps=4,
-        PartBest=part_best,
-        PartBestIndex=part_best_index,
+        PartBest=part_best, PartBestIndex=part_best_index,
         Argmax=argmax_out if argmax_out is not None else part_best_index,
         ARGMAX=argmax_out is not None,
-    )
+    )  # fmt: skip

@@ -55,27 +55,13 @@ def _round_rne(x, DTYPE: tl.constexpr, ROUND_RNE: tl.constexpr):
 
 @triton.jit
 def _pair_product_kernel(
-    a_desc,
-    b_desc,
-    hi_desc,
-    lo_desc,
-    NumCounted,
-    Poison,
-    M,
-    N,
-    K,
-    ACCUMULATE: tl.constexpr,
-    HAS_LO: tl.constexpr,
-    ROW_BOUND: tl.constexpr,
-    HAS_POISON: tl.constexpr,
-    ROUND_RNE: tl.constexpr,
-    UPCAST: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr,
-):
+    a_desc, b_desc, hi_desc, lo_desc,
+    NumCounted, Poison,
+    M, N, K,
+    ACCUMULATE: tl.constexpr, HAS_LO: tl.constexpr, ROW_BOUND: tl.constexpr, HAS_POISON: tl.constexpr,
+    ROUND_RNE: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):  # fmt: skip
     """``(hi, lo) (+)= A^T @ B (+ poison)`` for tile ``program_id(0)``: A is ``K x M`` (G of one row chunk), B
     ``K x N``; the pair's tiles through the tensor-memory accelerator too (reads past an edge give 0, stores past it
     are dropped).  Without ``HAS_LO``, ``hi (+)= A^T @ B`` rounded once (the plain 16-bit sum).  ``ROW_BOUND``: only
@@ -135,20 +121,12 @@ def pair_product(
         _launch.descriptor(b, [bk, bn]),
         hi_desc,
         hi_desc if lo is None else _launch.descriptor(lo, [bm, bn]),  # (without lo the kernel never reads it)
-        num_counted if num_counted is not None else hi,
-        poison if poison is not None else hi,
-        m,
-        n,
-        k,
-        ACCUMULATE=accumulate,
-        HAS_LO=lo is not None,
-        ROW_BOUND=num_counted is not None,
-        HAS_POISON=poison is not None,
-        ROUND_RNE=_launch.INTERPRET and hi.dtype == torch.bfloat16,
-        UPCAST=_launch.upcast_dots(a.dtype),
+        num_counted if num_counted is not None else hi, poison if poison is not None else hi, m, n, k,
+        ACCUMULATE=accumulate, HAS_LO=lo is not None, ROW_BOUND=num_counted is not None, HAS_POISON=poison is not None,
+        ROUND_RNE=_launch.INTERPRET and hi.dtype == torch.bfloat16, UPCAST=_launch.upcast_dots(a.dtype),
         DOT_PRECISION=_launch.dot_precision(a.dtype),
         **tune,
-    )
+    )  # fmt: skip
 
 
 def split_pair(x32: torch.Tensor, hi: torch.Tensor, lo: torch.Tensor) -> None:

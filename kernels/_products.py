@@ -85,35 +85,19 @@ def _grouped_tile(pid, num_m, num_n, GROUP_M: tl.constexpr):
 
 @triton.jit
 def _grad_products_kernel(
-    ge_desc,
-    c_desc,
+    ge_desc, c_desc,
     DE,
-    RowOrder,
-    RowPoison,
-    gc_desc,
-    e_desc,
+    RowOrder, RowPoison,
+    gc_desc, e_desc,
     DC,
-    AccIn,
-    IgnoredPoison,
-    NumCounted,
-    n_rows,
-    width,
-    D,
-    stride_de,
-    stride_dc,
-    stride_acc,
+    AccIn, IgnoredPoison, NumCounted,
+    n_rows, width, D,
+    stride_de, stride_dc, stride_acc,
     e_tiles,
-    HAS_E: tl.constexpr,
-    HAS_C: tl.constexpr,
-    ACCUMULATE_E: tl.constexpr,
-    ACCUMULATE_C: tl.constexpr,
-    UPCAST: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr,
-):
+    HAS_E: tl.constexpr, HAS_C: tl.constexpr, ACCUMULATE_E: tl.constexpr, ACCUMULATE_C: tl.constexpr,
+    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):  # fmt: skip
     """dE's tiles (programs ``[0, e_tiles)``) and dC's (the rest) of one G block in one launch: the two products
     read the same G and write disjoint outputs, and one launch is one host call fewer per vocabulary chunk (the
     backward at >= 50% ignored rows waits on the host's launches)."""
@@ -164,21 +148,12 @@ def _grad_products_kernel(
 
 @triton.jit
 def _logits_kernel(
-    e_desc,
-    c_desc,
-    s_desc,
+    e_desc, c_desc, s_desc,
     NumCounted,
-    n_rows,
-    width,
-    D,
-    ROUND_RNE: tl.constexpr,
-    UPCAST: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr,
-):
+    n_rows, width, D,
+    ROUND_RNE: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):  # fmt: skip
     """``S[p, :width] = Ec[p] @ C[:width]^T`` rounded to S's dtype, for the row blocks reaching below K (tile
     ``program_id(0)``; descriptors over Ec, C and S): the balanced path's logits over compacted rows."""
     pid_m, pid_n = _grouped_tile(tl.program_id(0), tl.cdiv(n_rows, BLOCK_M), tl.cdiv(width, BLOCK_N), GROUP_M)

@@ -105,19 +105,11 @@ class _PrefixTail(NamedTuple):
         # dc32, which the caller rounds once into dC)
         if has_tail:  # both tails in one launch, after the cuBLAS products (the dC tail adds to their dc32 sums)
             _products.grad_products(
-                grad[h:],
-                self.tail_counted,
-                c_chunk=c_chunk if not upcast else c_chunk.to(grad.dtype),
-                de32=None if de_rows is None else de_rows[h:],
-                row_order=self.tail_ids,
-                row_poison=self.tail_poison,
-                accumulate_e=not first_vocab,
-                e_compact=None if dc_chunk is None else chunk.e_compact[h:],
-                dc_chunk=dc_chunk,
-                ignored_poison=chunk.ignored_poison,
-                accumulate_c=True,
-                acc_in=dc32,
-            )
+                grad[h:], self.tail_counted, c_chunk=c_chunk if not upcast else c_chunk.to(grad.dtype),
+                de32=None if de_rows is None else de_rows[h:], row_order=self.tail_ids, row_poison=self.tail_poison,
+                accumulate_e=not first_vocab, e_compact=None if dc_chunk is None else chunk.e_compact[h:],
+                dc_chunk=dc_chunk, ignored_poison=chunk.ignored_poison, accumulate_c=True, acc_in=dc32,
+            )  # fmt: skip
 
 
 def _target_logits(e, c, targets, bias, softcap, compute_dtype):

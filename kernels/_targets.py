@@ -64,13 +64,8 @@ def count_targets(
     n = targets.shape[0]
     _count_targets_kernel[(1,)](
         targets.contiguous(),
-        out,
-        n,
-        check_vocab if check_vocab is not None else 0,
-        ignore_index,
-        CHECK_RANGE=check_vocab is not None,
-        MEAN=mean,
-        BLOCK=tune["block"],
+        out, n, check_vocab if check_vocab is not None else 0, ignore_index,
+        CHECK_RANGE=check_vocab is not None, MEAN=mean, BLOCK=tune["block"],
         num_warps=tune["num_warps"],
-    )
+    )  # fmt: skip
     return out[0], out[1]

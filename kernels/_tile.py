@@ -67,29 +67,14 @@ def dot(a, b, acc, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr):
 
 @triton.jit
 def logit_tile(
-    E,
-    C,
-    Bias,
-    rows,
-    vocab_ids,
-    row0,
-    col0,
-    D,
-    stride_en,
-    stride_ed,
-    stride_cv,
-    stride_cd,
+    E, C, Bias,
+    rows, vocab_ids, row0, col0, D,
+    stride_en, stride_ed, stride_cv, stride_cd,
     softcap,
-    HAS_BIAS: tl.constexpr,
-    HAS_SOFTCAP: tl.constexpr,
-    TMA: tl.constexpr,
-    UPCAST: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-    EVEN_D: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_V: tl.constexpr,
+    HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, TMA: tl.constexpr, UPCAST: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, EVEN_D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr,
     BLOCK_D: tl.constexpr,
-):
+):  # fmt: skip
     acc = tl.zeros((BLOCK_N, BLOCK_V), dtype=tl.float32)
     if TMA:
         for d0 in range(0, D, BLOCK_D):
