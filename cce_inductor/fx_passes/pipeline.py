@@ -4,10 +4,12 @@ stands apart from the patterns of ``torch/_inductor/fx_passes``.
 Per form (``fx_passes.rewrite_graph`` runs them in turn), three stages, the first two returning plain data::
 
     records   = <form>.find_*(graph)             one ``sites.Record`` per site: the nodes matched, or why not
-    decisions = decide(records, options)         per record: rewrite (the path, the op's arguments) or leave alone
-                                                 (the reason stats() records)
+    decisions = decide(records, options)         per record: rewrite (the path, the op's arguments, the recipes of
+                                                 the logits the graph returns) or leave alone (the reason stats()
+                                                 records)
     replace(graph, record, decision)             the fused call in the site's place: the operands here, the call
-                                                 from the emitter the form registered (``register_replacement``)
+                                                 from the emitter the form registered (``register_replacement``);
+                                                 it matches nothing, so it cannot refuse half-way
 
 The stages call into the forms (``find_*``, ``chunked_heads.chunk_groups``, the registered emitters); no form
 calls into this module.
@@ -18,13 +20,14 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 
+import torch
 import torch.fx as fx
 
 from .. import _dispatch, _dropped_logits, paths
 from ..options import CCEOptions
 from .chunked_heads import chunk_groups
 from .head_chain import NoMatch
-from .sites import Decision, Record, Site, lazy_recipe, op_compute_dtype, operands, retire, why_not
+from .sites import Decision, Escaping, Record, Site, lazy_recipe, op_compute_dtype, operands, retire, why_not
 from .spellings import MATMUL, example_value, matches, requires_grad
 from .upstream import UpstreamGradient, upstream_gradient
 
@@ -47,57 +50,59 @@ def decide(records: list[Record], options: CCEOptions) -> list[tuple[Record, Dec
     stats() records them: the records' order, but a cross_entropy's refusals before its rewrites, which go by head
     (``chunked_heads.chunk_groups``: the chunks of one head become one call)."""
     decided: list[tuple[Record, Decision]] = []
-    by_loss: dict[fx.Node, tuple[Record, str]] = {}  # matched cross_entropy sites, with escaping_as
+    by_loss: dict[fx.Node, tuple[Record, Escaping]] = {}  # matched cross_entropy sites, with their returned logits
     for record in records:
-        escaping_as, why = "", record.refused
+        escaping, why = Escaping(), record.refused
         if record.site is not None:
             try:
-                escaping_as, why = check_escaping(record.site, options), record.dtensor
+                escaping, why = check_escaping(record.site, options), record.dtensor
             except Exception as exc:  # noqa: BLE001
                 why = why_not(exc)
         if why:
             decided.append((record, Decision(False, _REFUSED_AS.get(record.form, "") + why)))
         elif record.form == "linear_cross_entropy":
-            by_loss[record.site.cross_entropy] = (record, escaping_as)
+            by_loss[record.site.cross_entropy] = (record, escaping)
         else:
-            decided.append((record, _lean(record, escaping_as, options)))
+            decided.append((record, _lean(record, escaping, options)))
     for group in chunk_groups([record.site for record, _ in by_loss.values()]):
         decided += _by_head([by_loss[site.cross_entropy] for site in group], options)
     return decided
 
 
-def _by_head(group: list[tuple[Record, str]], options: CCEOptions) -> list[tuple[Record, Decision]]:
+def _by_head(group: list[tuple[Record, Escaping]], options: CCEOptions) -> list[tuple[Record, Decision]]:
     """The decisions of one cross_entropy site, or of the chunks of one head: one call with reduction="none" (per-row
     outputs, the lean path). Class weights and the argmax: the op with them has the lean path only."""
     chunks = tuple(record.site for record, _ in group) if len(group) > 1 else ()
     merged = f"; one call with {len(group) - 1} other chunk(s) of this head" if chunks else ""
     decided, encoded = [], options.encode()
-    for record, escaping_as in group:
+    for record, escaping in group:
         site = record.site
         extended = site.class_weight is not None or bool(site.argmax_users)
         upstream = upstream_gradient(site.cross_entropy, site.insert_before or site.cross_entropy)
-        choice = choose_path(site, options, per_row_outputs=bool(chunks) or extended, upstream=upstream)
-        reason = f"{describe_site(site, escaping_as)}{merged}; {choice.reason}"
+        stored_as = op_compute_dtype(site)
+        choice = choose_path(site, options, stored_as, per_row_outputs=bool(chunks) or extended, upstream=upstream)
+        reason = f"{describe_site(site, escaping.kind)}{merged}; {choice.reason}"
         grad_scale = upstream.steps if choice.path == "balanced" and not chunks else ()
         if grad_scale:
             reason += f"; its gradients computed at the loss's scale after the cross-entropy ({upstream.named})"
         if chunks:  # one call over every chunk, on the first's decision: operands in the logits' dtype
             form, replaced, compute_dtype = "chunked_heads", chunks if site is chunks[0] else (), None
         else:
-            form, replaced, compute_dtype = record.form, (site,), op_compute_dtype(site)
+            form, replaced, compute_dtype = record.form, (site,), stored_as
+        escapings = tuple(escaping for _, escaping in group) if chunks else (escaping,)  # (chunks return no logits)
         decision = Decision(
-            True, reason, choice.path, form, replaced, escaping_as, compute_dtype, choice.plain_sum, encoded,
-            grad_scale, choice.de_pair,
+            True, reason, choice.path, form, replaced, escapings if replaced else (), compute_dtype, choice.plain_sum,
+            encoded, grad_scale, choice.de_pair,
         )  # fmt: skip
         decided.append((record, decision))
     return decided
 
 
-def _lean(record: Record, escaping_as: str, options: CCEOptions) -> Decision:
+def _lean(record: Record, escaping: Escaping, options: CCEOptions) -> Decision:
     """A token log-probs, entropy or tensor-parallel site: the lean path always, and stats() says why (and that a
     balanced path was asked for, where it was)."""
     site = record.site
-    parts = describe_site(site, escaping_as).split(", ")
+    parts = describe_site(site, escaping.kind).split(", ")
     if record.form == "tensor_parallel":  # its loss converts no operand: they reach it in the logits' dtype
         why, compute_dtype = "the vocabulary-parallel loss has no balanced form", None
     else:  # fixed for per-row values: "none", and no id ignored
@@ -106,7 +111,7 @@ def _lean(record: Record, escaping_as: str, options: CCEOptions) -> Decision:
         compute_dtype = op_compute_dtype(site)
     asked = " (a balanced path was asked for)" if options.path == "balanced" or options.scratch_mb else ""
     reason = f"{record.label}: {', '.join(parts)}; lean path: {why}{asked}"
-    return Decision(True, reason, "lean", record.form, (site,), escaping_as, compute_dtype, options=options.encode())
+    return Decision(True, reason, "lean", record.form, (site,), (escaping,), compute_dtype, options=options.encode())
 
 
 def replace(graph: fx.Graph, record: Record, decision: Decision) -> None:
@@ -119,16 +124,17 @@ def replace(graph: fx.Graph, record: Record, decision: Decision) -> None:
     with graph.inserting_before(first.insert_before or first.cross_entropy):
         rows, weight, bias = operands(graph, decision.sites, as_stored=decision.compute_dtype is not None)
         losses = _EMITTERS[decision.replacement](graph, record, decision, rows, weight, bias)
-    for site, loss in zip(decision.sites, losses):
-        retire(graph, site, loss, decision.escaping_as)
+    for site, loss, escaping in zip(decision.sites, losses, decision.escaping, strict=True):
+        retire(graph, site, loss, escaping)
 
 
-def check_escaping(site: Site, options: CCEOptions) -> str:
-    """What the logits the graph returns become, or NoMatch: "lazy" (computed on first use, ``_lazy_logits.py``), "drop"
-    (a placeholder of their shape and dtype that raises on use, ``_dropped_logits.py``: where the user opted in and the
-    shape can be rebuilt from nodes that stay in the graph), "" where the graph returns none."""
+def check_escaping(site: Site, options: CCEOptions) -> Escaping:
+    """What the logits the graph returns become, with the recipe of each, or NoMatch: "lazy" (computed on first use,
+    ``_lazy_logits.py``), "drop" (a placeholder of their shape and dtype that raises on use, ``_dropped_logits.py``:
+    where the user opted in and the shape can be rebuilt from nodes that stay in the graph), "" where the graph
+    returns none."""
     if not site.escaping:
-        return ""
+        return Escaping()
     names = ", ".join(n.name for n in site.escaping)
     if not (options.drop_logits or options.lazy_logits):
         raise NoMatch(
@@ -149,14 +155,13 @@ def check_escaping(site: Site, options: CCEOptions) -> str:
             "logits nor a dropped-logits placeholder can be returned there"
         )
     if options.drop_logits:
-        for node in site.escaping:
-            recipe = _dropped_logits.shape_recipe(node, _dropped_logits.shape_sources(site))
+        recipes = [_dropped_logits.shape_recipe(node, _dropped_logits.shape_sources(site)) for node in site.escaping]
+        for recipe in recipes:
             if isinstance(recipe, str):
                 raise NoMatch(f"the returned logits cannot be replaced by a placeholder: {recipe}")
-        return "drop"
-    for node in site.escaping:
-        lazy_recipe(site, node)  # raises NoMatch where the path cannot be replayed
-    return "lazy"
+        return Escaping("drop", tuple(recipes))
+    # (lazy_recipe raises NoMatch where a path cannot be replayed)
+    return Escaping("lazy", tuple(lazy_recipe(site, node) for node in site.escaping))
 
 
 def _placeholders_run_between_cuda_graphs() -> bool:
@@ -205,7 +210,12 @@ def describe_site(site: Site, escaping_as: str) -> str:
 
 
 def choose_path(
-    site: Site, options: CCEOptions, *, per_row_outputs: bool = False, upstream: UpstreamGradient | None = None
+    site: Site,
+    options: CCEOptions,
+    stored_as: torch.dtype | None,
+    *,
+    per_row_outputs: bool = False,
+    upstream: UpstreamGradient | None = None,
 ) -> paths.PathChoice:
     """The path of this site (:func:`cce_inductor.paths.choose`) from the shapes Dynamo traced (a dynamic batch: the
     size it was traced with). What requires grad is known here: Dynamo traced the graph with it, and guards on it (the
@@ -213,12 +223,13 @@ def choose_path(
     returns (``site.escaping``) count in torch.compile's estimated peak: it must materialise them, the rewrite
     returns them lazily or drops them. Operands stored wider than the logits (autocast's fp32 hidden states or head)
     reach the op as stored (:func:`replace`): their gradients, and the op's converted copies, count at their
-    widths, as the op counts them when it sizes its scratch at run time. ``upstream``: the graph's scale of the loss
-    (``upstream.py``); one the op cannot be given (``unknown``) makes a 16-bit dC the exact pair."""
+    widths, as the op counts them when it sizes its scratch at run time (``stored_as``: the op's ``compute_dtype``,
+    ``sites.op_compute_dtype``). ``upstream``: the graph's scale of the loss (``upstream.py``); one the op cannot be
+    given (``unknown``) makes a 16-bit dC the exact pair."""
     logits, hidden = example_value(site.chain[-1]), example_value(site.hidden)
     stored = (
         paths.storage_facts(hidden.dtype, example_value(site.weight).dtype, site.compute_dtype)
-        if op_compute_dtype(site) is not None
+        if stored_as is not None
         else {}
     )
     facts = _dispatch.head_facts(

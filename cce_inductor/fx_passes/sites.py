@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import operator
+from typing import NamedTuple
 
 import torch
 import torch.fx as fx
@@ -82,6 +83,16 @@ class Record:
     squeezed: bool = False  # token log-probs, entropy: the ids are (..., 1), squeezed for the op
 
 
+class Escaping(NamedTuple):
+    """What a site's returned logits become (``pipeline.check_escaping``): ``kind`` "lazy" (computed on first use),
+    "drop" (a placeholder that raises on use) or "" (the graph returns none), and per returned node (``Site.escaping``)
+    its recipe: the lazy logits' ``(row steps, elementwise steps)`` (:func:`lazy_recipe`) or the placeholder's shape
+    (``_dropped_logits.shape_recipe``). Made while deciding, so that replacing matches nothing."""
+
+    kind: str = ""
+    recipes: tuple = ()
+
+
 @dataclasses.dataclass(frozen=True)
 class Decision:
     """What ``pipeline.decide`` makes of one record: plain data, read by ``pipeline.replace``, recorded in stats()."""
@@ -91,7 +102,7 @@ class Decision:
     path: str = ""  # a rewrite's path: "lean" or "balanced"
     replacement: str = ""  # the form whose registered emitter makes the call
     sites: tuple[Site, ...] = ()  # what the call replaces: the site, or on a head's first chunk every chunk (else none)
-    escaping_as: str = ""  # what the returned logits become (``pipeline.check_escaping``)
+    escaping: tuple[Escaping, ...] = ()  # per site of ``sites``: what its returned logits become
     compute_dtype: torch.dtype | None = None  # the op's compute_dtype: the operands reach it as stored
     plain_sum: bool = False  # the balanced path sums dC in its own 16-bit dtype
     options: str = ""  # CCEOptions.encode(): the op's options argument
@@ -170,9 +181,9 @@ def head_operands(graph: fx.Graph, site: Site, in_logits_dtype: bool = True) -> 
     return weight, bias
 
 
-def retire(graph: fx.Graph, site: Site, loss: fx.Node, escaping_as: str) -> None:
+def retire(graph: fx.Graph, site: Site, loss: fx.Node, escaping: Escaping) -> None:
     """``loss`` (fp32, or fp64 for fp64 logits) takes the place of the site's loss node; the escaping logits become
-    what ``escaping_as`` says: ``lazy_logits`` or ``dropped_logits`` placeholders; the chain goes."""
+    what ``escaping`` says: ``lazy_logits`` or ``dropped_logits`` placeholders, from its recipes; the chain goes."""
     ce = site.cross_entropy
     out_dtype = example_value(ce).dtype
     if out_dtype != torch.float32:
@@ -183,12 +194,11 @@ def retire(graph: fx.Graph, site: Site, loss: fx.Node, escaping_as: str) -> None
 
     if site.escaping:
         output = next(n for n in graph.nodes if n.op == "output")
-        for node in site.escaping:
+        for node, recipe in zip(site.escaping, escaping.recipes, strict=True):
             with graph.inserting_before(output):
-                if escaping_as == "lazy":  # logits computed on first use (cce_inductor/_lazy_logits.py)
-                    placeholder = _emit_lazy(graph, site, node)
-                else:  # drop_logits: a placeholder that raises on use; its shape can be built (check_escaping)
-                    recipe = _dropped_logits.shape_recipe(node, _dropped_logits.shape_sources(site))
+                if escaping.kind == "lazy":  # logits computed on first use (cce_inductor/_lazy_logits.py)
+                    placeholder = _emit_lazy(graph, site, node, *recipe)
+                else:  # drop_logits: a placeholder that raises on use, of the shape its recipe builds
                     placeholder = _dropped_logits.emit(graph, node, site, recipe)
             output.replace_input_with(node, placeholder)
         for node in site.escaping:  # the returned branches (casts, views of the chain) go; the chain goes below
@@ -242,11 +252,10 @@ def lazy_recipe(site: Site, node: fx.Node) -> tuple[list[RowStep], list[tuple]]:
     return row_steps, steps
 
 
-def _emit_lazy(graph: fx.Graph, site: Site, node: fx.Node) -> fx.Node:
-    """``lazy_logits(rows, weight, bias, steps)`` standing for ``node``: the rows are the hidden states in the head's
-    compute dtype with the path's row views replayed on them; every input detached (module docstring of
-    ``cce_inductor._lazy_logits``)."""
-    row_steps, steps = lazy_recipe(site, node)
+def _emit_lazy(graph: fx.Graph, site: Site, node: fx.Node, row_steps: list[RowStep], steps: list[tuple]) -> fx.Node:
+    """``lazy_logits(rows, weight, bias, steps)`` standing for ``node`` (its :func:`lazy_recipe`): the rows are the
+    hidden states in the head's compute dtype with the path's row views replayed on them; every input detached
+    (module docstring of ``cce_inductor._lazy_logits``)."""
     rows = rows_of(graph, dataclasses.replace(site, scale=1.0, row_steps=row_steps))
     weight = site.weight if not site.weight_is_transposed else graph.call_method("t", (site.weight,))
     operands = [graph.call_method("detach", (x,)) if x is not None else None for x in (rows, weight, site.bias)]
