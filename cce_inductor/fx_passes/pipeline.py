@@ -89,10 +89,9 @@ def _by_head(group: list[tuple[Record, Escaping]], options: CCEOptions) -> list[
             form, replaced, compute_dtype = "chunked_heads", chunks if site is chunks[0] else (), None
         else:
             form, replaced, compute_dtype = record.form, (site,), stored_as
-        escapings = tuple(escaping for _, escaping in group) if chunks else (escaping,)  # (chunks return no logits)
         decision = Decision(
-            True, reason, choice.path, form, replaced, escapings if replaced else (), compute_dtype, choice.plain_sum,
-            encoded, grad_scale, choice.de_pair,
+            True, reason, choice.path, form, replaced, escaping, compute_dtype, choice.plain_sum, encoded,
+            grad_scale, choice.de_pair,
         )  # fmt: skip
         decided.append((record, decision))
     return decided
@@ -111,7 +110,7 @@ def _lean(record: Record, escaping: Escaping, options: CCEOptions) -> Decision:
         compute_dtype = op_compute_dtype(site)
     asked = " (a balanced path was asked for)" if options.path == "balanced" or options.scratch_mb else ""
     reason = f"{record.label}: {', '.join(parts)}; lean path: {why}{asked}"
-    return Decision(True, reason, "lean", record.form, (site,), (escaping,), compute_dtype, options=options.encode())
+    return Decision(True, reason, "lean", record.form, (site,), escaping, compute_dtype, options=options.encode())
 
 
 def replace(graph: fx.Graph, record: Record, decision: Decision) -> None:
@@ -124,8 +123,8 @@ def replace(graph: fx.Graph, record: Record, decision: Decision) -> None:
     with graph.inserting_before(first.insert_before or first.cross_entropy):
         rows, weight, bias = operands(graph, decision.sites, as_stored=decision.compute_dtype is not None)
         losses = _EMITTERS[decision.replacement](graph, record, decision, rows, weight, bias)
-    for site, loss, escaping in zip(decision.sites, losses, decision.escaping, strict=True):
-        retire(graph, site, loss, escaping)
+    for site, loss in zip(decision.sites, losses):
+        retire(graph, site, loss, decision.escaping)
 
 
 def check_escaping(site: Site, options: CCEOptions) -> Escaping:

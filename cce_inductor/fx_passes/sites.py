@@ -102,7 +102,7 @@ class Decision:
     path: str = ""  # a rewrite's path: "lean" or "balanced"
     replacement: str = ""  # the form whose registered emitter makes the call
     sites: tuple[Site, ...] = ()  # what the call replaces: the site, or on a head's first chunk every chunk (else none)
-    escaping: tuple[Escaping, ...] = ()  # per site of ``sites``: what its returned logits become
+    escaping: Escaping = Escaping()  # what the returned logits become (a head's chunks return none: chunk_groups)
     compute_dtype: torch.dtype | None = None  # the op's compute_dtype: the operands reach it as stored
     plain_sum: bool = False  # the balanced path sums dC in its own 16-bit dtype
     options: str = ""  # CCEOptions.encode(): the op's options argument
