@@ -35,7 +35,7 @@ is replaced by::
 weights ``w`` (V,) (no label smoothing: eager's weighted smoothing is another formula) the op scales each row's loss;
 with argmax users its fourth output, each row's argmax (``torch.argmax``'s ties, over the logits rounded to the dtype
 they have in the graph), takes the argmax nodes' place, viewed to their shape. Under autocast (fp32 hidden states or
-head, 16-bit logits) the operands go to the op as stored, with ``compute_dtype`` (``sites.op_compute_dtype``).
+head, 16-bit logits) the operands go to the op as stored, with ``compute_dtype`` (``pipeline.op_compute_dtype``).
 
 Every ``cross_entropy`` that is not rewritten gets a reason in :func:`cce_inductor.stats` and the
 ``cce_inductor`` log. The tables below are the whole vocabulary of the matcher. Sites on DTensors belong to

@@ -27,7 +27,7 @@ from .. import _dispatch, _dropped_logits, paths
 from ..options import CCEOptions
 from .chunked_heads import chunk_groups
 from .head_chain import NoMatch
-from .sites import Decision, Escaping, Record, Site, lazy_recipe, op_compute_dtype, operands, retire, why_not
+from .sites import Decision, Escaping, Record, Site, lazy_recipe, operands, retire, why_not
 from .spellings import MATMUL, example_value, matches, requires_grad
 from .upstream import UpstreamGradient, upstream_gradient
 
@@ -127,6 +127,16 @@ def replace(graph: fx.Graph, record: Record, decision: Decision) -> None:
         retire(graph, site, loss, decision.escaping)
 
 
+def op_compute_dtype(site: Site) -> torch.dtype | None:
+    """The fused op's ``compute_dtype``: the logits' dtype where an operand is stored in another (autocast: fp32
+    hidden states or head, 16-bit logits), so that the op converts them for its call only and returns each gradient
+    in its operand's dtype; None where every operand is in the logits' dtype (the graph needs no cast)."""
+    operands = [site.hidden, site.weight] + ([site.bias] if site.bias is not None else [])
+    if all(example_value(node).dtype == site.compute_dtype for node in operands):
+        return None
+    return site.compute_dtype
+
+
 def check_escaping(site: Site, options: CCEOptions) -> Escaping:
     """What the logits the graph returns become, with the recipe of each, or NoMatch: "lazy" (computed on first use,
     ``_lazy_logits.py``), "drop" (a placeholder of their shape and dtype that raises on use, ``_dropped_logits.py``:
@@ -223,7 +233,7 @@ def choose_path(
     returns them lazily or drops them. Operands stored wider than the logits (autocast's fp32 hidden states or head)
     reach the op as stored (:func:`replace`): their gradients, and the op's converted copies, count at their
     widths, as the op counts them when it sizes its scratch at run time (``stored_as``: the op's ``compute_dtype``,
-    ``sites.op_compute_dtype``). ``upstream``: the graph's scale of the loss (``upstream.py``); one the op cannot be
+    ``op_compute_dtype``). ``upstream``: the graph's scale of the loss (``upstream.py``); one the op cannot be
     given (``unknown``) makes a 16-bit dC the exact pair."""
     logits, hidden = example_value(site.chain[-1]), example_value(site.hidden)
     stored = (

@@ -119,21 +119,11 @@ def why_not(exc: Exception) -> str:
 def operands(graph: fx.Graph, group: tuple[Site, ...], as_stored: bool) -> tuple[fx.Node, fx.Node, fx.Node | None]:
     """``(rows, weight, bias)`` of one fused call over ``group`` (one site, or the chunks of one head: their rows
     concatenated): in the logits' dtype, or as stored (``as_stored``: the op gets ``compute_dtype``, see
-    :func:`op_compute_dtype`, and converts them for its call only)."""
+    ``pipeline.op_compute_dtype``, and converts them for its call only)."""
     rows = [rows_of(graph, site, in_logits_dtype=not as_stored) for site in group]
     rows = rows[0] if len(rows) == 1 else graph.call_function(torch.cat, (rows, 0))
     weight, bias = head_operands(graph, group[0], in_logits_dtype=not as_stored)  # the same for every chunk
     return rows, weight, bias
-
-
-def op_compute_dtype(site: Site) -> torch.dtype | None:
-    """The fused op's ``compute_dtype``: the logits' dtype where an operand is stored in another (autocast: fp32
-    hidden states or head, 16-bit logits), so that the op converts them for its call only and returns each gradient
-    in its operand's dtype; None where every operand is in the logits' dtype (the graph needs no cast)."""
-    operands = [site.hidden, site.weight] + ([site.bias] if site.bias is not None else [])
-    if all(example_value(node).dtype == site.compute_dtype for node in operands):
-        return None
-    return site.compute_dtype
 
 
 def cast(graph: fx.Graph, node: fx.Node, dtype: torch.dtype) -> fx.Node:
@@ -151,7 +141,7 @@ def _hidden_size(graph: fx.Graph, hidden: fx.Node) -> int | fx.Node:
 
 def rows_of(graph: fx.Graph, site: Site, in_logits_dtype: bool = True) -> fx.Node:
     """The hidden states as the loss's rows: the chain's row views replayed on them, the scale folded in; in the
-    logits' dtype, or as stored (``in_logits_dtype=False``: :func:`op_compute_dtype`)."""
+    logits' dtype, or as stored (``in_logits_dtype=False``: ``pipeline.op_compute_dtype``)."""
     rows = cast(graph, site.hidden, site.compute_dtype) if in_logits_dtype else site.hidden
     if site.scale != 1.0:
         rows = graph.call_function(operator.mul, (rows, site.scale))
