@@ -81,6 +81,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import statistics
 import sys
 import time
@@ -712,6 +713,10 @@ def driver(args, argv):
     return 1 if bad else 0
 
 
+def _flag_names(argv):
+    return [a.split("=", 1)[0] for a in (argv if argv is not None else sys.argv[1:]) if a.startswith("--")]
+
+
 def parse_args(argv):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", default=",".join(MODELS), help=f"comma list of {', '.join(MODELS)}")
@@ -773,6 +778,12 @@ def parse_args(argv):
     ap.add_argument("--round", type=int, default=1, help=argparse.SUPPRESS)
     ap.add_argument("--deadline", type=float, default=0.0, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.report and args.out and set(_flag_names(argv)) <= {"--report", "--out"}:
+        # --report --out FILE alone: the table of the command that wrote FILE (its models, methods and sizes)
+        header = next((r for r in H.read_rows(args.out) if r.get("kind") == "header"), None)
+        if header:
+            written = H.strip_flags(shlex.split(header["command"])[1:], {"--out", "--budget-s", "--resume"})
+            args = ap.parse_args([*written, "--report", "--out", args.out])
     args.device = "cpu" if args.tiny else "cuda"
     args.models = args.models.split(",")
     args.methods = args.methods.split(",")
