@@ -368,15 +368,25 @@ def mean_run(family: list[dict]) -> dict:
     )
 
 
+def run_spread(family: list[dict], stock_mean: float) -> str:
+    """How far single runs of a family land from one another: the standard deviation of their last-100 mean losses,
+    relative to stock's mean (a wider spread than stock's own says a single run is less predictable, even where the
+    family's mean meets the targets)."""
+    if len(family) < 2:
+        return "-"
+    last = [statistics.fmean(r["losses"][-100:]) for r in family]
+    return f"{100 * statistics.stdev(last) / stock_mean:.2f} % ({len(family)} runs)"
+
+
 def families(runs: list[dict]) -> bool:
     """The noise floor: stock's runs (torch.compile again, eager PyTorch) are one family, each method's runs another.
     Each family's runs averaged step by step (:func:`mean_run`) against stock's, with the issue's three measures,
     and stock's own spread (of its runs' last-100 and held-out losses); True where every family meets the targets."""
     print(
         "| weights | targets ignored | runs | last-100 mean (vs stock's) | largest 50-step running-mean gap "
-        "| held-out (vs stock's) |"
+        "| held-out (vs stock's) | single runs' last-100 means: standard deviation |"
     )
-    print("|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|")
     met = True
     for group in sorted({(r["weights"], r["prompt_mask"]) for r in runs}):
         members = [r for r in runs if (r["weights"], r["prompt_mask"]) == group]
@@ -392,7 +402,7 @@ def families(runs: list[dict]) -> bool:
         print(
             f"| {group[0]} | {100 * group[1]:.0f} % | stock x{len(stock)} | {mean_last:.4f} (spread "
             f"{100 * (max(last) - min(last)) / mean_last:.2f} %) | - | {mean_held:.4f} (spread "
-            f"{100 * (max(held) - min(held)) / mean_held:.2f} %) |"
+            f"{100 * (max(held) - min(held)) / mean_held:.2f} %) | {run_spread(stock, mean_last)} |"
         )
         for method in sorted({r["method"] for r in members} - {"compile", "eager"}):
             family = [r for r in members if r["method"] == method]
@@ -402,7 +412,8 @@ def families(runs: list[dict]) -> bool:
             print(
                 f"| {group[0]} | {100 * group[1]:.0f} % | {method} x{len(family)} | "
                 f"{statistics.fmean(ours['losses'][-100:]):.4f} ({100 * m['last100']:+.2f} %) | "
-                f"{100 * m['running50']:.2f} % | {ours['held_out'][-1][1]:.4f} ({100 * m['held_out']:+.2f} %) |"
+                f"{100 * m['running50']:.2f} % | {ours['held_out'][-1][1]:.4f} ({100 * m['held_out']:+.2f} %) | "
+                f"{run_spread(family, mean_last)} |"
             )
     print("targets, each family's mean run against stock's:", "met" if met else "MISSED")
     return met
