@@ -131,8 +131,8 @@ def op_compute_dtype(site: Site) -> torch.dtype | None:
     """The fused op's ``compute_dtype``: the logits' dtype where an operand is stored in another (autocast: fp32
     hidden states or head, 16-bit logits), so that the op converts them for its call only and returns each gradient
     in its operand's dtype; None where every operand is in the logits' dtype (the graph needs no cast)."""
-    operands = [site.hidden, site.weight] + ([site.bias] if site.bias is not None else [])
-    if all(example_value(node).dtype == site.compute_dtype for node in operands):
+    inputs = [site.hidden, site.weight] + ([site.bias] if site.bias is not None else [])
+    if all(example_value(node).dtype == site.compute_dtype for node in inputs):
         return None
     return site.compute_dtype
 
