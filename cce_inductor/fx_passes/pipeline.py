@@ -164,7 +164,8 @@ def check_escaping(site: Site, options: CCEOptions) -> Escaping:
             "logits nor a dropped-logits placeholder can be returned there"
         )
     if options.drop_logits:
-        recipes = [_dropped_logits.shape_recipe(node, _dropped_logits.shape_sources(site)) for node in site.escaping]
+        sources = _dropped_logits.shape_sources(site)
+        recipes = [_dropped_logits.shape_recipe(node, sources) for node in site.escaping]
         for recipe in recipes:
             if isinstance(recipe, str):
                 raise NoMatch(f"the returned logits cannot be replaced by a placeholder: {recipe}")
