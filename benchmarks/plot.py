@@ -2,7 +2,7 @@
 
     python benchmarks/plot.py ratios benchmarks/results/2026-11-24_h100_heads_v12.json --out /tmp/plots
     python benchmarks/plot.py ratios benchmarks/results/2026-11-24_h*_heads_v12.json --mode fwd
-    python benchmarks/plot.py curves benchmarks/results/2026-12-02_h200_train-e2e-realtext-qwen25-0.5b_v44.json \
+    python benchmarks/plot.py curves benchmarks/results/2026-12-03_h200_train-e2e-realtext-qwen25-0.5b_v54.json \
         --out docs
     python benchmarks/plot.py grid benchmarks/results/2026-11-25_h100_vocab-grid.jsonl --n 8192 --out /tmp/plots
 
@@ -19,7 +19,7 @@ under its bar. One PNG for all the files (named after the first), and the plotte
 
 ``curves``: ``benchmarks/train_e2e.py``'s runs (its results folder, or the combined JSON of one): per weights and
 ignored share, every run's training loss as a running mean over ``--window`` steps with its held-out losses, and
-beside it each run relative to torch.compile's.
+under it each run relative to stock's mean run; runs coloured by family, each family's mean run bold.
 
 The title of each plot names the device, torch and Triton versions the file records.
 """
@@ -176,39 +176,53 @@ def grid(paths: list[str], n: int, ignore: int, shapes: str, out: str) -> str:
 def curves(path: str, window: int, out: str) -> str:
     """Loss curves of ``train_e2e.py`` runs (a results folder or the combined JSON of one): per (weights, ignored
     share) a panel of the training loss's running means over ``window`` steps with the held-out losses as points,
-    and under it each run's running mean relative to stock torch.compile's, with the issue's 1 % band; returns the
-    PNG's path."""
+    and under it each run's running mean relative to stock's (torch.compile and eager, averaged step by step as
+    ``train_e2e.compare`` judges them), with the issue's 1 % band. Runs are coloured by family (stock, each method):
+    single runs thin, each family's mean run bold; returns the PNG's path."""
     import train_e2e
 
     runs = train_e2e.load_runs(path)
     groups = sorted({(r["weights"], r["prompt_mask"]) for r in runs}, key=lambda g: (g[1], g[0] != "bf16"))
+    family_of = {"compile": "stock", "eager": "stock"}
+    names = ["stock"] + sorted({r["method"] for r in runs} - set(family_of))
+    colours = {name: "gray" if name == "stock" else f"C{k}" for k, name in enumerate(names)}
     figure, axes = plt.subplots(2, len(groups), figsize=(5 * len(groups), 7), squeeze=False, sharex=True)
     for column, (weights, mask) in enumerate(groups):
         members = [r for r in runs if (r["weights"], r["prompt_mask"]) == (weights, mask)]
-        base = next(r for r in members if r["method"] == "compile" and not r.get("repeat"))
-        base_mean = train_e2e.running_means(base["losses"], window)
-        top, bottom = axes[0][column], axes[1][column]
+        families = {}
         for run in members:
-            label = run["method"] + (f" (again, {run['repeat']})" if run.get("repeat") else "")
-            stock = run["method"] in ("compile", "eager")
-            style = dict(linewidth=0.9, linestyle="--" if stock else "-", alpha=0.8)
-            mean = train_e2e.running_means(run["losses"], window)
-            steps = range(window, len(run["losses"]) + 1)
-            line = top.plot(steps, mean, label=label, **style)[0]
-            top.plot(*zip(*run["held_out"]), "o", color=line.get_color(), markersize=3)
-            bottom.plot(steps, [100 * (m / b - 1) for m, b in zip(mean, base_mean)], color=line.get_color(), **style)
-        top.set_ylim(min(base_mean) * 0.97, base_mean[min(len(base_mean) - 1, 100)] * 1.05)
+            families.setdefault(family_of.get(run["method"], run["method"]), []).append(run)
+        stock_mean = train_e2e.running_means(train_e2e.mean_run(families["stock"])["losses"], window)
+        top, bottom = axes[0][column], axes[1][column]
+        for name in names:
+            family = families.get(name, [])
+            if not family:
+                continue
+            colour = colours[name]
+            for run in family:
+                mean = train_e2e.running_means(run["losses"], window)
+                steps = range(window, len(run["losses"]) + 1)
+                top.plot(steps, mean, color=colour, linewidth=0.6, alpha=0.35)
+                top.plot(*zip(*run["held_out"]), "o", color=colour, markersize=2.5, alpha=0.6)
+                relative = [100 * (m / b - 1) for m, b in zip(mean, stock_mean)]
+                bottom.plot(steps, relative, color=colour, linewidth=0.6, alpha=0.35)
+            mean = train_e2e.running_means(train_e2e.mean_run(family)["losses"], window)
+            steps = range(window, len(mean) + window)
+            label = f"{name} (mean of {len(family)})" if len(family) > 1 else name
+            top.plot(steps, mean, color=colour, linewidth=1.6, label=label)
+            bottom.plot(steps, [100 * (m / b - 1) for m, b in zip(mean, stock_mean)], color=colour, linewidth=1.6)
+        top.set_ylim(min(stock_mean) * 0.97, stock_mean[min(len(stock_mean) - 1, 100)] * 1.05)
         top.set_title(f"{weights} weights, {100 * mask:.0f}% of targets ignored", fontsize=9)
         top.legend(fontsize=7)
         bottom.axhspan(-1, 1, color="gray", alpha=0.15)
         bottom.set_ylim(-3, 3)
         bottom.set_xlabel("step")
     axes[0][0].set_ylabel(f"training loss, {window}-step mean (points: held-out)")
-    axes[1][0].set_ylabel("vs torch.compile's, %")
+    axes[1][0].set_ylabel("vs stock's mean run, %")
     first = runs[0]
     figure.suptitle(
         f"{first['model']} ({first['parameters'] / 1e6:.0f}M), batch {first['batch']} x {first['seq']} tokens of "
-        f"real text, {first['device']}, torch {first['torch']}",
+        f"real text, {first['device']}, torch {first['torch']}; thin: single runs, bold: each family's mean",
         fontsize=10,
     )
     figure.tight_layout()
