@@ -19,6 +19,7 @@ numbers mean nothing. Nothing here imports from examples/."""
 
 from __future__ import annotations
 
+import collections
 import datetime
 import json
 import math
@@ -391,6 +392,91 @@ def stats_fields(stats):
         executions=stats["executions"],
         summary=stats["summary"],
     )
+
+
+class MemoryHistory:
+    """What holds the memory at a peak or at an out-of-memory error: the CUDA allocator's history recorded over a
+    ``with`` block (``torch.cuda.memory._record_memory_history``, Python stacks), replayed to the moment the most
+    was allocated (:meth:`at_peak`), or the blocks alive now (:meth:`live_now`, inside the ``except`` of an
+    out-of-memory error: the failed call's tensors are still held). Each returns the largest groups of live blocks,
+    a group being one size allocated from one place: ``[count, MiB each, MiB in all, "file:line function <- caller"]``,
+    and first ``["before", ...]``, what was allocated before the block began and still is. Nothing on the CPU."""
+
+    def __init__(self, device, max_entries: int = 2_000_000):
+        self.cuda, self.max_entries = device == "cuda", max_entries
+        self.base = 0
+
+    def __enter__(self):
+        if self.cuda:
+            torch.cuda.synchronize()
+            self.base = torch.cuda.memory_allocated()
+            torch.cuda.memory._record_memory_history(max_entries=self.max_entries, stacks="python")
+        return self
+
+    def __exit__(self, *exc):
+        if self.cuda:
+            torch.cuda.memory._record_memory_history(enabled=None)
+
+    def at_peak(self, top: int = 25):
+        return None if not self.cuda else peak_holders(torch.cuda.memory._snapshot(), self.base, top)
+
+    def live_now(self, top: int = 25):
+        if not self.cuda:
+            return None
+        blocks = [
+            (b["size"], b.get("frames", []))
+            for segment in torch.cuda.memory._snapshot()["segments"]
+            for b in segment["blocks"]
+            if b["state"] == "active_allocated"
+        ]
+        return group_blocks(blocks, top)
+
+
+def allocation_site(frames) -> str:
+    """Where a block was allocated: its innermost Python frame and the one that called it (``frames`` innermost
+    first, as the allocator records them), without the frames of torch's own Python (dispatch, autograd)."""
+    kept = [f for f in frames if "/torch/" not in f["filename"] or "torchinductor" in f["filename"]]
+    return " <- ".join(f"{os.path.basename(f['filename'])}:{f['line']} {f['name']}" for f in kept[:2]) or "?"
+
+
+def group_blocks(blocks, top: int, before: int | None = None):
+    """``blocks``: (bytes, frames) pairs; the ``top`` largest groups of one size from one place (MiB)."""
+    groups = collections.Counter()
+    for size, frames in blocks:
+        groups[(size, allocation_site(frames))] += 1
+    rows = sorted(((n, size, site) for (size, site), n in groups.items()), key=lambda r: -r[0] * r[1])
+    mib = 2**20
+    head = [["before", None, round(before / mib, 1), "allocated before the recording and still alive"]]
+    return (head if before is not None else []) + [
+        [n, round(size / mib, 1), round(n * size / mib, 1), site] for n, size, site in rows[:top]
+    ]
+
+
+def peak_holders(snapshot, base: int, top: int = 25):
+    """Replays the allocator's trace (``snapshot["device_traces"]``, device 0) to the moment the most was allocated
+    and groups the blocks alive then (:func:`group_blocks`); a block freed during the trace but allocated before it
+    began counts against ``base``, what was allocated at its start."""
+    events = snapshot["device_traces"][0] if snapshot.get("device_traces") else []
+    live, before, total = {}, base, base
+    best, best_at = total, -1
+    for i, event in enumerate(events):
+        action = event["action"]
+        if action == "alloc":
+            live[event["addr"]] = event
+            total += event["size"]
+        elif action == "free_completed":
+            if live.pop(event["addr"], None) is None:
+                before -= event["size"]
+            total -= event["size"]
+        if total > best:
+            best, best_at = total, i
+    live, before = {}, base
+    for event in events[: best_at + 1]:
+        if event["action"] == "alloc":
+            live[event["addr"]] = event
+        elif event["action"] == "free_completed" and live.pop(event["addr"], None) is None:
+            before -= event["size"]
+    return group_blocks([(e["size"], e.get("frames", [])) for e in live.values()], top, before)
 
 
 # ------------------------------------------------------------------------------------------------------------

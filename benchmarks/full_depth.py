@@ -66,6 +66,9 @@ Columns (JSON lines; the first line of each run is a header: device, versions, d
     compile_mode  --compile-mode ("reduce-overhead": CUDA graphs, each step marked as a new replay);
     memory_fraction  --memory-fraction (the allocator's cap, a smaller GPU);  lean_after_oom  (cce methods) the
                   op's calls whose balanced buffers did not fit and that ran the lean path (stats()'s count)
+    memory_at_peak / memory_at_oom  with --memory-history: the largest groups of blocks alive where the first and
+                  timed steps allocated the most / when the allocation failed, each [count, MiB each, MiB, where]
+                  (``_harness.MemoryHistory``)
 --seqs S1,S2,...: the sequence grows instead, at batch 1 (the longest sequence that fits; one compile and one
 recompile per setting under dynamic shapes, where one invocation per --seq would compile at each).
 Final table, per model and method: the largest batch (of the powers of two tried) that fit without / with
@@ -438,6 +441,9 @@ def worker(args):
                 cuda_graphs=args.compile_mode == "reduce-overhead" and cuda,
             )
             failed, fatal = False, False
+            history = H.MemoryHistory(dev) if args.memory_history else None
+            if history:
+                history.__enter__()
             try:
                 cce_inductor.reset_stats()
                 first = H.SyncedTimer(dev)
@@ -464,13 +470,20 @@ def worker(args):
                 row["losses"] = [round(float(x), 5) for x in losses]  # step by step: runs of one seed compare
                 if is_cce:  # the calls whose balanced buffers did not fit and that ran the lean path instead
                     row["lean_after_oom"] = cce_inductor.stats()["balanced_rows"]["lean_after_oom"]
+                if history:  # the first step and the timed ones: what is alive where the most is allocated
+                    row["memory_at_peak"] = history.at_peak()
                 if args.kernels:  # after the peak is read: the profiler's buffers are not the step's memory
                     row["kernels"] = H.kernel_breakdown(step, dev, top=args.kernels)
                     row["kernel_ms"] = sum(k[2] for k in row["kernels"])
             except Exception as exc:  # noqa: BLE001 - recorded; OOM ends this setting's growth
                 failed, fatal = True, H.fatal_cuda(exc)  # not the exception: its frames hold the batch's tensors
                 row["oom" if H.is_oom(exc) else "error"] = H.err_text(exc)
+                if history and H.is_oom(exc):  # the failed step's tensors are still held here
+                    row["memory_at_oom"] = history.live_now()
                 bad += "NOT REWRITTEN" in str(exc)
+            finally:
+                if history:
+                    history.__exit__()
             losses = tokens = None
             opt.zero_grad(set_to_none=True)
             H.free(dev)
@@ -765,6 +778,11 @@ def parse_args(argv):
         type=float,
         default=None,
         help="torch.cuda.set_per_process_memory_fraction in each worker: a smaller GPU (the OOM fallback's test)",
+    )
+    ap.add_argument(
+        "--memory-history",
+        action="store_true",
+        help="record the allocator's history over each size's steps: what holds the memory at the peak, or at an OOM",
     )
     ap.add_argument("--out", default=None, help="JSON lines, appended (default $OUT/full_depth.jsonl)")
     ap.add_argument("--resume", action="store_true", help="skip the batches --out already holds")
