@@ -399,7 +399,7 @@ class MemoryHistory:
     ``with`` block (``torch.cuda.memory._record_memory_history``, Python stacks), replayed to the moment the most
     was allocated (:meth:`at_peak`), or the blocks alive now (:meth:`live_now`, inside the ``except`` of an
     out-of-memory error: the failed call's tensors are still held). Each returns the largest groups of live blocks,
-    a group being one size allocated from one place: ``[count, MiB each, MiB in all, "file:line function <- caller"]``,
+    a group being one size allocated from one place: ``[count, MiB each, MiB in all, where]`` (:func:`allocation_site`),
     and first ``["before", ...]``, what was allocated before the block began and still is. Nothing on the CPU."""
 
     def __init__(self, device, max_entries: int = 2_000_000):
@@ -433,10 +433,20 @@ class MemoryHistory:
 
 
 def allocation_site(frames) -> str:
-    """Where a block was allocated: its innermost Python frame and the one that called it (``frames`` innermost
-    first, as the allocator records them), without the frames of torch's own Python (dispatch, autograd)."""
-    kept = [f for f in frames if "/torch/" not in f["filename"] or "torchinductor" in f["filename"]]
-    return " <- ".join(f"{os.path.basename(f['filename'])}:{f['line']} {f['name']}" for f in kept[:2]) or "?"
+    """Where a block was allocated: its innermost Python frame and, where that is torch's own Python (autograd, an
+    autotuner's copies, dispatch), the innermost frame outside it as well (``frames`` innermost first, as the
+    allocator records them; Inductor's generated code counts as outside)."""
+
+    def own(f):
+        return "/torch/" not in f["filename"] or "torchinductor" in f["filename"]
+
+    def name(f):
+        return f"{os.path.basename(f['filename'])}:{f['line']} {f['name']}"
+
+    if not frames:
+        return "?"
+    outside = next((f for f in frames if own(f)), None)
+    return name(frames[0]) if outside is None or outside is frames[0] else f"{name(frames[0])} <- {name(outside)}"
 
 
 def group_blocks(blocks, top: int, before: int | None = None):
