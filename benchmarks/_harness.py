@@ -77,12 +77,24 @@ def resolve_methods(names=None, quiet=False):
 def setup_compile():
     """Inductor's on-disk caches off (a cache hit skips the pass, so stats() would see no site, and a first step
     would not include its compile); room for the recompiles of one process; the global pass off (CCE_INDUCTOR=1)
-    so that plain torch.compile stays plain."""
+    so that plain torch.compile stays plain. ``BENCH_INDUCTOR_CONFIG="name=value,..."``: Inductor config values
+    for a probe, in every method of the run (a value read as a Python literal, else as text); the header records it."""
+    import ast
+
     import torch._dynamo.config as dyn
     import torch._inductor.config as ind
 
     import cce_inductor
 
+    for item in filter(None, os.environ.get("BENCH_INDUCTOR_CONFIG", "").split(",")):
+        name, _, text = item.partition("=")
+        try:
+            value = ast.literal_eval(text)
+        except (ValueError, SyntaxError):
+            value = text
+        if not hasattr(ind, name.strip()):
+            raise SystemExit(f"BENCH_INDUCTOR_CONFIG: Inductor has no config {name.strip()!r}")
+        setattr(ind, name.strip(), value)
     ind.force_disable_caches = True
     warnings.filterwarnings("ignore", message=".*force disabled by torch.compiler.config.force_disable_caches")
     dyn.recompile_limit = max(dyn.recompile_limit, 64)
@@ -543,7 +555,7 @@ def header(device, extra=None):
         **versions(),
         date=datetime.datetime.now().isoformat(timespec="seconds"),
         command=" ".join(shlex.quote(a) for a in sys.argv),
-        env={k: v for k, v in os.environ.items() if k.startswith(("CCE_INDUCTOR", "TORCHINDUCTOR"))},
+        env={k: v for k, v in os.environ.items() if k.startswith(("CCE_INDUCTOR", "TORCHINDUCTOR", "BENCH_INDUCTOR"))},
         **(extra or {}),
     )
 
