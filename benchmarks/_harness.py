@@ -77,24 +77,12 @@ def resolve_methods(names=None, quiet=False):
 def setup_compile():
     """Inductor's on-disk caches off (a cache hit skips the pass, so stats() would see no site, and a first step
     would not include its compile); room for the recompiles of one process; the global pass off (CCE_INDUCTOR=1)
-    so that plain torch.compile stays plain. ``BENCH_INDUCTOR_CONFIG="name=value,..."``: Inductor config values
-    for a probe, in every method of the run (a value read as a Python literal, else as text); the header records it."""
-    import ast
-
+    so that plain torch.compile stays plain."""
     import torch._dynamo.config as dyn
     import torch._inductor.config as ind
 
     import cce_inductor
 
-    for item in filter(None, os.environ.get("BENCH_INDUCTOR_CONFIG", "").split(",")):
-        name, _, text = item.partition("=")
-        try:
-            value = ast.literal_eval(text)
-        except (ValueError, SyntaxError):
-            value = text
-        if not hasattr(ind, name.strip()):
-            raise SystemExit(f"BENCH_INDUCTOR_CONFIG: Inductor has no config {name.strip()!r}")
-        setattr(ind, name.strip(), value)
     ind.force_disable_caches = True
     warnings.filterwarnings("ignore", message=".*force disabled by torch.compiler.config.force_disable_caches")
     dyn.recompile_limit = max(dyn.recompile_limit, 64)
@@ -412,7 +400,8 @@ class MemoryHistory:
     was allocated (:meth:`at_peak`), or the blocks alive now (:meth:`live_now`, inside the ``except`` of an
     out-of-memory error: the failed call's tensors are still held). Each returns the largest groups of live blocks,
     a group being one size allocated from one place: ``[count, MiB each, MiB in all, where]`` (:func:`allocation_site`),
-    and first ``["before", ...]``, what was allocated before the block began and still is. Nothing on the CPU."""
+    and first ``["before", ...]``, what was allocated before the block began and still is (:meth:`at_peak`), or
+    ``["allocated", ...]``, all that is and what the allocator reserves (:meth:`live_now`). Nothing on the CPU."""
 
     def __init__(self, device, max_entries: int = 2_000_000):
         self.cuda, self.max_entries = device == "cuda", max_entries
@@ -435,13 +424,18 @@ class MemoryHistory:
     def live_now(self, top: int = 25):
         if not self.cuda:
             return None
+        segments = torch.cuda.memory._snapshot()["segments"]
         blocks = [
-            (b["size"], b.get("frames", []))
-            for segment in torch.cuda.memory._snapshot()["segments"]
-            for b in segment["blocks"]
-            if b["state"] == "active_allocated"
+            (b["size"], b.get("frames", [])) for s in segments for b in s["blocks"] if b["state"] == "active_allocated"
         ]
-        return group_blocks(blocks, top)
+        reserved = sum(s["total_size"] for s in segments)  # the rest of it: the cache's free blocks (fragments)
+        held = [
+            "allocated",
+            None,
+            round(sum(size for size, _ in blocks) / 2**20, 1),
+            f"of {reserved / 2**20:.1f} MiB reserved",
+        ]
+        return [held] + group_blocks(blocks, top)
 
 
 def allocation_site(frames) -> str:
@@ -555,7 +549,7 @@ def header(device, extra=None):
         **versions(),
         date=datetime.datetime.now().isoformat(timespec="seconds"),
         command=" ".join(shlex.quote(a) for a in sys.argv),
-        env={k: v for k, v in os.environ.items() if k.startswith(("CCE_INDUCTOR", "TORCHINDUCTOR", "BENCH_INDUCTOR"))},
+        env={k: v for k, v in os.environ.items() if k.startswith(("CCE_INDUCTOR", "TORCHINDUCTOR"))},
         **(extra or {}),
     )
 
