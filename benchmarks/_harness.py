@@ -418,6 +418,11 @@ class MemoryHistory:
         if self.cuda:
             torch.cuda.memory._record_memory_history(enabled=None)
 
+    def restart(self):
+        """A new recording from here (turning the history off clears the allocator's trace)."""
+        self.__exit__()
+        return self.__enter__()
+
     def at_peak(self, top: int = 25):
         return None if not self.cuda else peak_holders(torch.cuda.memory._snapshot(), self.base, top)
 

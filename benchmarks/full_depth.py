@@ -66,9 +66,9 @@ Columns (JSON lines; the first line of each run is a header: device, versions, d
     compile_mode  --compile-mode ("reduce-overhead": CUDA graphs, each step marked as a new replay);
     memory_fraction  --memory-fraction (the allocator's cap, a smaller GPU);  lean_after_oom  (cce methods) the
                   op's calls whose balanced buffers did not fit and that ran the lean path (stats()'s count)
-    memory_at_peak / memory_at_oom  with --memory-history: the largest groups of blocks alive where the first and
-                  timed steps allocated the most / when the allocation failed, each [count, MiB each, MiB, where]
-                  (``_harness.MemoryHistory``)
+    memory_at_first_peak, memory_at_peak / memory_at_oom  with --memory-history: the largest groups of blocks
+                  alive where the first step / the timed steps allocated the most / when an allocation failed, each
+                  [count, MiB each, MiB, where] (``_harness.MemoryHistory``)
 --seqs S1,S2,...: the sequence grows instead, at batch 1 (the longest sequence that fits; one compile and one
 recompile per setting under dynamic shapes, where one invocation per --seq would compile at each).
 Final table, per model and method: the largest batch (of the powers of two tried) that fit without / with
@@ -450,6 +450,9 @@ def worker(args):
                 first.start()
                 step()
                 row["first_step_s"] = first.stop() / 1e3
+                if history:  # the first step apart: its compile and first runs, no optimizer state until its end
+                    row["memory_at_first_peak"] = history.at_peak()
+                    history.restart()
                 st = cce_inductor.stats()
                 if st["sites"] or pick is None:  # a (re)compile happened: its site must be as the method says
                     pick = H.checked_pick(st, is_cce)
@@ -470,7 +473,7 @@ def worker(args):
                 row["losses"] = [round(float(x), 5) for x in losses]  # step by step: runs of one seed compare
                 if is_cce:  # the calls whose balanced buffers did not fit and that ran the lean path instead
                     row["lean_after_oom"] = cce_inductor.stats()["balanced_rows"]["lean_after_oom"]
-                if history:  # the first step and the timed ones: what is alive where the most is allocated
+                if history:  # the timed steps: what is alive where the most is allocated
                     row["memory_at_peak"] = history.at_peak()
                 if args.kernels:  # after the peak is read: the profiler's buffers are not the step's memory
                     row["kernels"] = H.kernel_breakdown(step, dev, top=args.kernels)
