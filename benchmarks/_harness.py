@@ -396,32 +396,39 @@ def stats_fields(stats):
 
 class MemoryHistory:
     """What holds the memory at a peak or at an out-of-memory error: the CUDA allocator's history recorded over a
-    ``with`` block (``torch.cuda.memory._record_memory_history``, Python stacks), replayed to the moment the most
-    was allocated (:meth:`at_peak`), or the blocks alive now (:meth:`live_now`, inside the ``except`` of an
-    out-of-memory error: the failed call's tensors are still held). Each returns the largest groups of live blocks,
-    a group being one size allocated from one place: ``[count, MiB each, MiB in all, where]`` (:func:`allocation_site`),
-    and first ``["before", ...]``, what was allocated before the block began and still is (:meth:`at_peak`), or
-    ``["allocated", ...]``, all that is and what the allocator reserves (:meth:`live_now`). Nothing on the CPU."""
+    ``with`` block or from start() to stop() (``torch.cuda.memory._record_memory_history``, Python stacks),
+    replayed to the moment the most was allocated (:meth:`at_peak`), or the blocks alive now (:meth:`live_now`,
+    inside the ``except`` of an out-of-memory error: the failed call's tensors are still held). Each returns the
+    largest groups of live blocks, a group being one size allocated from one place: ``[count, MiB each, MiB in all,
+    where]`` (:func:`allocation_site`), and first ``["before", ...]``, what was allocated before the recording
+    began and still is (:meth:`at_peak`), or ``["allocated", ...]``, all that is and what the allocator reserves
+    (:meth:`live_now`). Nothing on the CPU."""
 
     def __init__(self, device, max_entries: int = 2_000_000):
         self.cuda, self.max_entries = device == "cuda", max_entries
         self.base = 0
 
-    def __enter__(self):
+    def start(self):
         if self.cuda:
             torch.cuda.synchronize()
             self.base = torch.cuda.memory_allocated()
             torch.cuda.memory._record_memory_history(max_entries=self.max_entries, stacks="python")
         return self
 
-    def __exit__(self, *exc):
+    def stop(self):
         if self.cuda:
             torch.cuda.memory._record_memory_history(enabled=None)
+        return self
 
     def restart(self):
         """A new recording from here (turning the history off clears the allocator's trace)."""
-        self.__exit__()
-        return self.__enter__()
+        return self.stop().start()
+
+    def __enter__(self):
+        return self.start()
+
+    def __exit__(self, *exc):
+        self.stop()
 
     def at_peak(self, top: int = 25):
         return None if not self.cuda else peak_holders(torch.cuda.memory._snapshot(), self.base, top)

@@ -441,9 +441,7 @@ def worker(args):
                 cuda_graphs=args.compile_mode == "reduce-overhead" and cuda,
             )
             failed, fatal = False, False
-            history = H.MemoryHistory(dev) if args.memory_history else None
-            if history:
-                history.__enter__()
+            history = H.MemoryHistory(dev).start() if args.memory_history else None
             try:
                 cce_inductor.reset_stats()
                 first = H.SyncedTimer(dev)
@@ -486,7 +484,7 @@ def worker(args):
                 bad += "NOT REWRITTEN" in str(exc)
             finally:
                 if history:
-                    history.__exit__()
+                    history.stop()
             losses = tokens = None
             opt.zero_grad(set_to_none=True)
             H.free(dev)
