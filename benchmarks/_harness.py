@@ -441,13 +441,31 @@ class MemoryHistory:
             (b["size"], b.get("frames", [])) for s in segments for b in s["blocks"] if b["state"] == "active_allocated"
         ]
         reserved = sum(s["total_size"] for s in segments)  # the rest of it: the cache's free blocks (fragments)
+        free = [b["size"] for s in segments for b in s["blocks"] if b["state"] == "inactive"]
         held = [
             "allocated",
             None,
             round(sum(size for size, _ in blocks) / 2**20, 1),
-            f"of {reserved / 2**20:.1f} MiB reserved",
+            f"of {reserved / 2**20:.1f} MiB reserved in {len(segments)} segments; its largest free block"
+            f" {max(free, default=0) / 2**20:.1f} MiB",
         ]
-        return [held] + group_blocks(blocks, top)
+
+        def free_in(s):
+            return sum(b["size"] for b in s["blocks"] if b["state"] == "inactive")
+
+        mib = 2**20  # the segments with the most free bytes: where a cached block is split around a live one
+        split = [
+            [
+                "segment",
+                round(s["total_size"] / mib, 1),
+                round(free_in(s) / mib, 1),
+                "free; live in it: "
+                + ", ".join(f"{b['size'] / mib:.1f}" for b in s["blocks"] if b["state"] == "active_allocated")[:200],
+            ]
+            for s in sorted(segments, key=free_in, reverse=True)[:8]
+            if free_in(s)
+        ]
+        return [held] + split + group_blocks(blocks, top)
 
 
 def allocation_site(frames) -> str:
@@ -474,10 +492,8 @@ def group_blocks(blocks, top: int, before: int | None = None):
         groups[(size, allocation_site(frames))] += 1
     rows = sorted(((n, size, site) for (size, site), n in groups.items()), key=lambda r: -r[0] * r[1])
     mib = 2**20
-    head = [["before", None, round(before / mib, 1), "allocated before the recording and still alive"]]
-    return (head if before is not None else []) + [
-        [n, round(size / mib, 1), round(n * size / mib, 1), site] for n, size, site in rows[:top]
-    ]
+    head = [] if before is None else [["before", None, round(before / mib, 1), "allocated before the recording, alive"]]
+    return head + [[n, round(size / mib, 1), round(n * size / mib, 1), site] for n, size, site in rows[:top]]
 
 
 def peak_holders(snapshot, base: int, top: int = 25):
