@@ -401,8 +401,9 @@ class MemoryHistory:
     inside the ``except`` of an out-of-memory error: the failed call's tensors are still held). Each returns the
     largest groups of live blocks, a group being one size allocated from one place: ``[count, MiB each, MiB in all,
     where]`` (:func:`allocation_site`), and first ``["before", ...]``, what was allocated before the recording
-    began and still is (:meth:`at_peak`), or ``["allocated", ...]``, all that is and what the allocator reserves
-    (:meth:`live_now`). Nothing on the CPU."""
+    began and still is (:meth:`at_peak`), or ``["allocated", ...]``, all that is and what the allocator reserves,
+    then ``["segment", MiB, MiB free, live blocks]`` for the segments with the most free bytes (:meth:`live_now`: a
+    cache whose free memory is split around live blocks fails a request below its free total). Nothing on the CPU."""
 
     def __init__(self, device, max_entries: int = 2_000_000):
         self.cuda, self.max_entries = device == "cuda", max_entries
