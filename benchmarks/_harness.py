@@ -542,7 +542,12 @@ def err_text(exc):
     if is_oom(exc):  # the allocation that failed and the frame that asked for it: the op's own, or the model's
         frames = traceback.extract_tb(exc.__traceback__)
         where = f" at {os.path.basename(frames[-1].filename)}:{frames[-1].lineno}" if frames else ""
-        return f"OutOfMemoryError: {text.splitlines()[0][:160] if text else ''}{where}"
+        # the allocator's own split at that moment: what its cache held free is what a fragmented cache wastes
+        split = re.search(
+            r"([\d.]+ \w+) is allocated by PyTorch, and ([\d.]+ \w+) is reserved by PyTorch but unallocated", text
+        )
+        cache = f" ({split[1]} allocated, {split[2]} reserved but unallocated)" if split else ""
+        return f"OutOfMemoryError: {text.splitlines()[0][:160] if text else ''}{where}{cache}"
     return f"{type(exc).__name__}: {text.splitlines()[0][:300]}" if text else type(exc).__name__
 
 
