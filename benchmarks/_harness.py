@@ -395,8 +395,8 @@ def stats_fields(stats):
 
 
 class MemoryHistory:
-    """What holds the memory at a peak or at an out-of-memory error: the CUDA allocator's history recorded over a
-    ``with`` block or from start() to stop() (``torch.cuda.memory._record_memory_history``, Python stacks),
+    """What holds the memory at a peak or at an out-of-memory error: the CUDA allocator's history recorded from start()
+    to stop() (``torch.cuda.memory._record_memory_history``, Python stacks),
     replayed to the moment the most was allocated (:meth:`at_peak`), or the blocks alive now (:meth:`live_now`,
     inside the ``except`` of an out-of-memory error: the failed call's tensors are still held). Each returns the
     largest groups of live blocks, a group being one size allocated from one place: ``[count, MiB each, MiB in all,
@@ -425,12 +425,6 @@ class MemoryHistory:
         """A new recording from here (turning the history off clears the allocator's trace)."""
         return self.stop().start()
 
-    def __enter__(self):
-        return self.start()
-
-    def __exit__(self, *exc):
-        self.stop()
-
     def at_peak(self, top: int = 25):
         return None if not self.cuda else peak_holders(torch.cuda.memory._snapshot(), self.base, top)
 
@@ -438,33 +432,34 @@ class MemoryHistory:
         if not self.cuda:
             return None
         segments = torch.cuda.memory._snapshot()["segments"]
+        mib = 2**20
+
+        def sizes(segment, state):
+            return [b["size"] for b in segment["blocks"] if b["state"] == state]
+
         blocks = [
             (b["size"], b.get("frames", [])) for s in segments for b in s["blocks"] if b["state"] == "active_allocated"
         ]
         reserved = sum(s["total_size"] for s in segments)  # the rest of it: the cache's free blocks (fragments)
-        free = [b["size"] for s in segments for b in s["blocks"] if b["state"] == "inactive"]
+        largest_free = max((size for s in segments for size in sizes(s, "inactive")), default=0)
         held = [
             "allocated",
             None,
-            round(sum(size for size, _ in blocks) / 2**20, 1),
-            f"of {reserved / 2**20:.1f} MiB reserved in {len(segments)} segments; its largest free block"
-            f" {max(free, default=0) / 2**20:.1f} MiB",
+            round(sum(size for size, _ in blocks) / mib, 1),
+            f"of {reserved / mib:.1f} MiB reserved in {len(segments)} segments; its largest free block"
+            f" {largest_free / mib:.1f} MiB",
         ]
-
-        def free_in(s):
-            return sum(b["size"] for b in s["blocks"] if b["state"] == "inactive")
-
-        mib = 2**20  # the segments with the most free bytes: where a cached block is split around a live one
+        # the segments with the most free bytes: where a cached block is split around a live one
+        by_free = sorted(((sum(sizes(s, "inactive")), s) for s in segments), key=lambda p: -p[0])
         split = [
             [
                 "segment",
                 round(s["total_size"] / mib, 1),
-                round(free_in(s) / mib, 1),
-                "free; live in it: "
-                + ", ".join(f"{b['size'] / mib:.1f}" for b in s["blocks"] if b["state"] == "active_allocated")[:200],
+                round(free / mib, 1),
+                "free; live in it: " + ", ".join(f"{size / mib:.1f}" for size in sizes(s, "active_allocated"))[:200],
             ]
-            for s in sorted(segments, key=free_in, reverse=True)[:8]
-            if free_in(s)
+            for free, s in by_free[:8]
+            if free
         ]
         return [held] + split + group_blocks(blocks, top)
 
