@@ -13,7 +13,9 @@ random data):
 for torch.compile, the pass with each path forced (balanced in one chunk: a 4 GiB scratch), the default, the op
 called eagerly (``cce_inductor.linear_cross_entropy``), and the kernels' launch helpers called directly
 (``kernels._balanced_launch.loss_and_grads``; ``kernels._forward.forward`` +
-``kernels._backward_launch.backward``). Then the
+``kernels._backward_launch.backward``), and the balanced op alone as the default's plan calls it (no autograd, no
+compiled graph), back to back and one call at a time on an idle device (issue 62's host target: its own host time
+against its GPU time). Then the
 lean and the default compiled steps cut into segments by timestamps taken where the op enters and leaves
 ``_dispatch`` (median us): the layers around the kernels' launch helpers (Dynamo, AOTAutograd, the custom op, the
 op's own checks and row losses) against the helpers themselves. ``--trace DIR`` also writes torch.profiler traces
