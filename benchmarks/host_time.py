@@ -194,10 +194,10 @@ def main():
         settings = dict(script="host_time", n=n, d=d, v=v, dtype=args.dtype, shapes=args.shapes, ignore=args.ignore)
         H.write_json(args.out, dict(H.header(dev, settings), results=results))
     print(f"# {device}; N {n}, D {d}, V {v}, {args.dtype}, {args.shapes} shapes")
-    print(f"{'way of calling':28s} {'host ms':>8s} {'wall ms':>8s}")
+    print(f"{'way of calling':34s} {'host ms':>8s} {'wall ms':>8s}")
     for name, r in results.items():
         if "host_ms" in r:
-            print(f"{name:28s} {r['host_ms']:8.2f} {r['wall_ms']:8.2f}")
+            print(f"{name:34s} {r['host_ms']:8.2f} {r['wall_ms']:8.2f}")
     for name in ("lean", "default"):
         print(f"{name}, compiled, one step (median us):")
         for seg, us in results[f"{name} timeline (us)"].items():
