@@ -36,6 +36,7 @@ from __future__ import annotations
 import argparse
 import functools
 import os
+import statistics
 import sys
 import time
 
@@ -53,22 +54,6 @@ from cce_inductor.kernels import _backward_launch, _balanced_launch, _forward  #
 def host_and_wall(step, device="cuda"):
     host_ms, wall_ms = H.host_and_wall_ms(step, device=device)
     return {"host_ms": host_ms, "wall_ms": wall_ms}
-
-
-def one_call_at_a_time(fn, device="cuda", reps=20):
-    """Median host ms of one call issued on an idle device (until it returns) and its wall ms (until the device is
-    done): where the first is at most half the second, the call's host work hides behind its own kernels."""
-    host, wall = [], []
-    for _ in range(reps + 3):
-        H.sync(device)
-        t0 = time.perf_counter()
-        fn()
-        t1 = time.perf_counter()
-        H.sync(device)
-        host.append(t1 - t0)
-        wall.append(time.perf_counter() - t0)
-    host, wall = sorted(host[3:]), sorted(wall[3:])
-    return {"host_ms": 1e3 * host[reps // 2], "wall_ms": 1e3 * wall[reps // 2]}
 
 
 def timeline(step, reps=20, device="cuda"):
@@ -269,14 +254,19 @@ def kernel_helpers(results, train_step, e, c, t, n, dev):
         ),
         dev,
     )
-    # the op alone as the default's plan calls it at this head (a 16-bit dC summed over at most two chunks), no
-    # autograd and no compiled graph around it: the op's own host time against its GPU time, one call at a time
+    # the op alone as the default's plan calls it at GPT-2's head (a 16-bit dC summed over at most two chunks; at
+    # other sizes the pass may take the pair), no autograd and no compiled graph around it: the op's own host time
+    # against its GPU time, calls back to back and one call at a time on an idle device
     op_alone = functools.partial(
         torch.ops.cce_inductor.linear_cross_entropy_with_grads.default,
         ed, cd, t, None, None, -100, "mean", 0.0, CCEOptions().encode(), True, True, False, False, plain_sum=True,
     )  # fmt: skip
     results["the op alone, default plan"] = host_and_wall(op_alone, dev)
-    results["the op alone, one call at a time"] = one_call_at_a_time(op_alone, dev)
+    one_at_a_time = H.synced_calls(op_alone, dev, calls=20, warmup=3)
+    results["the op alone, one call at a time"] = {
+        "host_ms": statistics.median(one_at_a_time.host_ms),
+        "wall_ms": one_at_a_time.median_ms(),
+    }
     lse = _forward.forward(ed, cd, t, None, softcap=None, ignore_index=-100)[0]
     grad_rows = torch.full((n,), 1.0 / n, device=dev)
 
