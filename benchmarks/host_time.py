@@ -34,7 +34,6 @@ called directly 2.89 / 2.90; balanced in one chunk 2.08 / 2.16. benchmarks/resul
 from __future__ import annotations
 
 import argparse
-import functools
 import os
 import statistics
 import sys
@@ -47,7 +46,7 @@ sys.path[:0] = [HERE, os.path.dirname(HERE)]
 import _harness as H  # noqa: E402  (benchmarks/ on the path first)
 
 import cce_inductor  # noqa: E402
-from cce_inductor import CCEOptions, _dispatch, _planning  # noqa: E402
+from cce_inductor import CCEOptions, _dispatch, _planning, balanced_op  # noqa: E402
 from cce_inductor.kernels import _backward_launch, _balanced_launch, _forward  # noqa: E402
 
 
@@ -257,10 +256,9 @@ def kernel_helpers(results, train_step, e, c, t, n, dev):
     # the op alone as the default's plan calls it at GPT-2's head (a 16-bit dC summed over at most two chunks; at
     # other sizes the pass may take the pair), no autograd and no compiled graph around it: the op's own host time
     # against its GPU time, calls back to back and one call at a time on an idle device
-    op_alone = functools.partial(
-        torch.ops.cce_inductor.linear_cross_entropy_with_grads.default,
-        ed, cd, t, None, None, -100, "mean", 0.0, CCEOptions().encode(), True, True, False, False, plain_sum=True,
-    )  # fmt: skip
+    op_alone = balanced_op.balanced_call(
+        ed, cd, t, options=CCEOptions().encode(), need_e=True, need_c=True, need_bias=False, plain_sum=True
+    )  # an OpCall: calling it calls the op
     results["the op alone, default plan"] = host_and_wall(op_alone, dev)
     one_at_a_time = H.synced_calls(op_alone, dev, calls=20, warmup=3)
     results["the op alone, one call at a time"] = {
