@@ -14,7 +14,7 @@ the losses, are replaced by::
     loss_k = split(fused[0], [M_0, .., M_n-1])[k]  reduced as cross_entropy k asked (sum; mean over its counted rows)
 
 so every use of every chunk's loss sees eager's value (reduction "none": per-row outputs, the lean path).
-``pipeline.decide`` groups the sites (:func:`chunk_groups`); :func:`emit_one_call` emits the call.
+``site_facts.read`` groups the sites (:func:`chunk_groups`); :func:`emit_one_call` emits the call.
 """
 
 from __future__ import annotations

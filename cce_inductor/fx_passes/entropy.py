@@ -216,7 +216,7 @@ def emit_entropy(graph: fx.Graph, record: sites.Record, decision: sites.Decision
 
 
 def find_entropy(graph: fx.Graph) -> list[sites.Record]:
-    """Stage 1 (``pipeline``): a record of every entropy of head logits in ``graph`` (with the token log-probs of the
+    """Stage 1: a record of every entropy of head logits in ``graph`` (with the token log-probs of the
     same logits), matched or refused."""
     singles = {term.root: term for node in graph.nodes if (term := entropy_term(node)) is not None}
     split_terms = [term for node in graph.nodes if (term := split_entropy_term(node, singles)) is not None]

@@ -35,13 +35,13 @@ is replaced by::
 weights ``w`` (V,) (no label smoothing: eager's weighted smoothing is another formula) the op scales each row's loss;
 with argmax users its fourth output, each row's argmax (``torch.argmax``'s ties, over the logits rounded to the dtype
 they have in the graph), takes the argmax nodes' place, viewed to their shape. Under autocast (fp32 hidden states or
-head, 16-bit logits) the operands go to the op as stored, with ``compute_dtype`` (``pipeline.op_compute_dtype``).
+head, 16-bit logits) the operands go to the op as stored, with ``compute_dtype`` (``decide.op_compute_dtype``).
 
 Every ``cross_entropy`` that is not rewritten gets a reason in :func:`cce_inductor.stats` and the
 ``cce_inductor`` log. The tables below are the whole vocabulary of the matcher. Sites on DTensors belong to
 ``tensor_parallel.py``, which reuses :func:`match_site` with its own loss call. The walk from the loss back to the
-head is ``head_chain.py``'s, the decision and the operands ``pipeline.py``'s; this module is the ``cross_entropy``
-pattern itself (:func:`find_cross_entropy`) and its call (:func:`emit_fused_loss`).
+head is ``head_chain.py``'s, the decision ``decide.py``'s, the operands ``replace.py``'s; this module is the
+``cross_entropy`` pattern itself (:func:`find_cross_entropy`) and its call (:func:`emit_fused_loss`).
 """
 
 from __future__ import annotations
@@ -57,7 +57,8 @@ import torch.nn.functional as F
 
 from .. import _checks, balanced_op, ops
 from .head_chain import NoMatch, private_chain, upcast_target, walk_logits
-from .sites import Decision, Record, Site, lazy_recipe, rows_of, why_not
+from .replace import rows_of
+from .sites import Decision, Record, Site, why_not
 from .spellings import (
     CROSS_ENTROPY,
     FLATTEN,
@@ -72,7 +73,6 @@ from .spellings import (
     is_row_logsumexp,
     matches,
     methods,
-    requires_grad,
     short,
 )
 from .upstream import emit_grad_scale
@@ -242,7 +242,7 @@ def _argmax_users(chain: list[fx.Node]) -> tuple[list[fx.Node], str]:
 
 def emit_fused_loss(graph: fx.Graph, record: Record, decision: Decision, rows, weight, bias) -> list[fx.Node]:
     """The fused call of one site (module docstring), on the path ``decision`` took; the loss in its place."""
-    site = record.site
+    site, facts = record.site, record.facts
     common = dict(
         softcap=site.softcap,
         ignore_index=site.ignore_index,
@@ -257,13 +257,13 @@ def emit_fused_loss(graph: fx.Graph, record: Record, decision: Decision, rows, w
             weight,
             site.targets,
             bias,
-            need_e=requires_grad(site.hidden),
-            need_c=requires_grad(site.weight),
-            need_bias=site.bias is not None and requires_grad(site.bias),
+            need_e=facts.operand_grads[0],
+            need_c=facts.operand_grads[1],
+            need_bias=facts.operand_grads[2],
             returned_logits=bool(site.escaping),
             plain_sum=decision.plain_sum,
             de_pair=decision.de_pair,
-            grad_scale=emit_grad_scale(graph, decision.grad_scale, example_value(site.hidden).device),
+            grad_scale=emit_grad_scale(graph, decision.grad_scale, facts.device),
             **common,
         ).emit(graph)
         return [graph.call_function(operator.getitem, (fused, 0))]
@@ -277,7 +277,7 @@ def emit_fused_loss(graph: fx.Graph, record: Record, decision: Decision, rows, w
         argmax=site.argmax_round,
         **common,
     )
-    return [_emit_lean(graph, site, call)]
+    return [_emit_lean(graph, record, call)]
 
 
 def _feed_lse_users(graph: fx.Graph, site: Site, fused: fx.Node) -> None:
@@ -291,17 +291,17 @@ def _feed_lse_users(graph: fx.Graph, site: Site, fused: fx.Node) -> None:
         graph.erase_node(user)
 
 
-def _emit_lean(graph: fx.Graph, site: Site, call: ops.OpCall) -> fx.Node:
+def _emit_lean(graph: fx.Graph, record: Record, call: ops.OpCall) -> fx.Node:
     """The lean op (with class weights and / or the argmax where the site has them, module docstring): the lse and
     argmax users take its outputs; the loss is its output 0."""
+    site = record.site
     fused = call.emit(graph)
     _feed_lse_users(graph, site, fused)
     if site.argmax_users:
         argmax = graph.call_function(operator.getitem, (fused, 3))
-        for user in site.argmax_users:
+        for user, row_steps in zip(site.argmax_users, record.facts.argmax_rows, strict=True):
             # the rows as the argmax's input has them: the row views up to it, replayed on the hidden states
-            row_steps, _ = lazy_recipe(site, call_arg(user, 0, "input"))
-            rows_there = rows_of(graph, dataclasses.replace(site, scale=1.0, row_steps=row_steps))
+            rows_there = rows_of(graph, dataclasses.replace(site, scale=1.0, row_steps=list(row_steps)))
             leading = graph.call_function(operator.getitem, (graph.call_method("size", (rows_there,)), slice(None, -1)))
             value = graph.call_method("view", (argmax, leading))
             if call_arg(user, 2, "keepdim", False):
@@ -324,7 +324,7 @@ def cross_entropy_input(ce: fx.Node) -> Any:
 
 
 def find_cross_entropy(graph: fx.Graph) -> list[Record]:
-    """Stage 1 (``pipeline``): a record of every ``cross_entropy`` on plain tensors in ``graph``, matched or refused.
+    """Stage 1: a record of every ``cross_entropy`` on plain tensors in ``graph``, matched or refused.
     Sites whose logits are DTensors are ``tensor_parallel.py``'s."""
     losses = [
         n for n in graph.nodes if matches(n, CROSS_ENTROPY) and not is_dtensor(example_value(cross_entropy_input(n)))

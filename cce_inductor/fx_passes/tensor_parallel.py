@@ -18,7 +18,7 @@ is replaced by::
     loss = dtensor_linear_cross_entropy(rows, weight, targets, bias=..., softcap=..., ignore_index=..., reduction=...,
                                         options=options.encode())
 
-The site is matched by ``linear_cross_entropy.match_site`` and replaced by ``pipeline.replace``; only the checks of
+The site is matched by ``linear_cross_entropy.match_site`` and replaced by ``replace.replace``; only the checks of
 the parallel layout (:func:`find_dtensor_sites`) and the loss call (:func:`emit_vocab_parallel_loss`) are this
 module's. Sites on plain tensors are left to ``linear_cross_entropy.py``.
 """
@@ -90,7 +90,7 @@ def _tensor_parallel_reason(site: sites.Site) -> str | None:
 
 
 def find_dtensor_sites(graph: fx.Graph) -> list[sites.Record]:
-    """Stage 1 (``pipeline``): a record of every DTensor site ``linear(h, W: Shard(0)) -> [no-op redistribute] ->
+    """Stage 1: a record of every DTensor site ``linear(h, W: Shard(0)) -> [no-op redistribute] ->
     views -> [softcap] -> cross_entropy`` in ``graph``, matched or refused. Where there is one, the no-op
     redistributes go first (they change no value, and the walk to the head does not pass them)."""
     losses = [

@@ -312,7 +312,7 @@ def emit_token_log_probs(
 
 
 def find_token_log_probs(graph: fx.Graph) -> list[sites.Record]:
-    """Stage 1 (``pipeline``): a record of every per-token log-probs spelling over head logits in ``graph``, matched or
+    """Stage 1: a record of every per-token log-probs spelling over head logits in ``graph``, matched or
     refused."""
     spellings = [
         found

@@ -1,71 +1,52 @@
-"""The pass's machinery: a one-way pipeline over the records the forms find, as Inductor's ``pattern_matcher.py``
-stands apart from the patterns of ``torch/_inductor/fx_passes``.
+"""Stage 3 of the pass: a decision per record, from the record alone (its site's nodes are names here, its facts
+the graph's): rewrite, with the path and the op's arguments, or leave alone, with the reason stats() records.
 
-Per form (``fx_passes.rewrite_graph`` runs them in turn), three stages, the first two returning plain data::
+::
 
-    records   = <form>.find_*(graph)             one ``sites.Record`` per site: the nodes matched, or why not
-    decisions = decide(records, options)         per record: rewrite (the path, the op's arguments, the recipes of
-                                                 the logits the graph returns) or leave alone (the reason stats()
-                                                 records)
-    replace(graph, record, decision)             the fused call in the site's place: the operands here, the call
-                                                 from the emitter the form registered (``register_replacement``);
-                                                 it matches nothing, so it cannot refuse half-way
+    refused by find_* or site_facts        -> left alone, the reason
+    returned logits (check_escaping)       -> "lazy" / "drop" with their recipes, or left alone
+    cross_entropy, by head (head_call)     -> the path of paths.choose (lean | balanced), one call per head
+    entropy, token log-probs, DTensor head -> the lean path
 
-The stages call into the forms (``find_*``, ``chunked_heads.chunk_groups``, the registered emitters); no form
-calls into this module.
+Nothing here walks or edits a graph.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
 
 import torch
-import torch.fx as fx
 
 from .. import _dispatch, _dropped_logits, paths
 from ..options import CCEOptions
-from .chunked_heads import chunk_groups
 from .head_chain import NoMatch
-from .sites import Decision, Escaping, Record, Site, lazy_recipe, operands, retire, why_not
-from .spellings import MATMUL, example_value, matches, requires_grad
-from .upstream import UpstreamGradient, upstream_gradient
-
-# A form's emitter: given the record, its decision and the call's operands (rows (M, D), weight (V, D), bias), emit
-# the fused call and return the node that takes each replaced loss's place, one per site of ``decision.sites``.
-Emitter = Callable[[fx.Graph, Record, Decision, fx.Node, fx.Node, fx.Node | None], list[fx.Node]]
-_EMITTERS: dict[str, Emitter] = {}
+from .sites import Decision, Escaping, Record, Site, SiteFacts, why_not
 
 # What stats() puts before the reason a site of these forms is left alone.
 _REFUSED_AS = {"token_log_probs": "token log-probs: ", "entropy": "entropy: "}
 
 
-def register_replacement(form: str, emitter: Emitter) -> None:
-    """``emitter`` makes the fused call of every rewrite decided for ``form`` (once per form, at import)."""
-    _EMITTERS[form] = emitter
-
-
 def decide(records: list[Record], options: CCEOptions) -> list[tuple[Record, Decision]]:
-    """Stage 2: a decision for each record of one form's ``find_*``, in the order :func:`replace` applies them and
+    """A decision for each record of one form (after ``site_facts.read``), in the order ``replace`` applies them and
     stats() records them: the records' order, but a cross_entropy's refusals before its rewrites, which go by head
-    (``chunked_heads.chunk_groups``: the chunks of one head become one call)."""
+    (``SiteFacts.head_call``: the chunks of one head become one call)."""
     decided: list[tuple[Record, Decision]] = []
-    by_loss: dict[fx.Node, tuple[Record, Escaping]] = {}  # matched cross_entropy sites, with their returned logits
+    by_call: dict[int, list[tuple[Record, Escaping]]] = {}
     for record in records:
         escaping, why = Escaping(), record.refused
-        if record.site is not None:
+        if not why:
             try:
-                escaping, why = check_escaping(record.site, options), record.dtensor
+                escaping, why = check_escaping(record.site, record.facts, options), record.dtensor
             except Exception as exc:  # noqa: BLE001
                 why = why_not(exc)
         if why:
             decided.append((record, Decision(False, _REFUSED_AS.get(record.form, "") + why)))
         elif record.form == "linear_cross_entropy":
-            by_loss[record.site.cross_entropy] = (record, escaping)
+            by_call.setdefault(record.facts.head_call, []).append((record, escaping))
         else:
             decided.append((record, _lean(record, escaping, options)))
-    for group in chunk_groups([record.site for record, _ in by_loss.values()]):
-        decided += _by_head([by_loss[site.cross_entropy] for site in group], options)
+    for call in sorted(by_call):
+        decided += _by_head(by_call[call], options)
     return decided
 
 
@@ -76,15 +57,14 @@ def _by_head(group: list[tuple[Record, Escaping]], options: CCEOptions) -> list[
     merged = f"; one call with {len(group) - 1} other chunk(s) of this head" if chunks else ""
     decided, encoded = [], options.encode()
     for record, escaping in group:
-        site = record.site
+        site, facts = record.site, record.facts
         extended = site.class_weight is not None or bool(site.argmax_users)
-        upstream = upstream_gradient(site.cross_entropy, site.insert_before or site.cross_entropy)
-        stored_as = op_compute_dtype(site)
-        choice = choose_path(site, options, stored_as, per_row_outputs=bool(chunks) or extended, upstream=upstream)
-        reason = f"{describe_site(site, escaping.kind)}{merged}; {choice.reason}"
-        grad_scale = upstream.steps if choice.path == "balanced" and not chunks else ()
+        stored_as = op_compute_dtype(site, facts)
+        choice = choose_path(site, facts, options, stored_as, per_row_outputs=bool(chunks) or extended)
+        reason = f"{describe_site(site, facts, escaping.kind)}{merged}; {choice.reason}"
+        grad_scale = facts.upstream.steps if choice.path == "balanced" and not chunks else ()
         if grad_scale:
-            reason += f"; its gradients computed at the loss's scale after the cross-entropy ({upstream.named})"
+            reason += f"; its gradients computed at the loss's scale after the cross-entropy ({facts.upstream.named})"
         if chunks:  # one call over every chunk, on the first's decision: operands in the logits' dtype
             form, replaced, compute_dtype = "chunked_heads", chunks if site is chunks[0] else (), None
         else:
@@ -101,47 +81,32 @@ def _lean(record: Record, escaping: Escaping, options: CCEOptions) -> Decision:
     """A token log-probs, entropy or tensor-parallel site: the lean path always, and stats() says why (and that a
     balanced path was asked for, where it was)."""
     site = record.site
-    parts = describe_site(site, escaping.kind).split(", ")
+    parts = describe_site(site, record.facts, escaping.kind).split(", ")
     if record.form == "tensor_parallel":  # its loss converts no operand: they reach it in the logits' dtype
         why, compute_dtype = "the vocabulary-parallel loss has no balanced form", None
     else:  # fixed for per-row values: "none", and no id ignored
         parts = [part for part in parts if not part.startswith(("reduction=", "ignore_index="))]
         why = "per-row outputs (the balanced path computes 'mean' and 'sum' losses)"
-        compute_dtype = op_compute_dtype(site)
+        compute_dtype = op_compute_dtype(site, record.facts)
     asked = " (a balanced path was asked for)" if options.path == "balanced" or options.scratch_mb else ""
     reason = f"{record.label}: {', '.join(parts)}; lean path: {why}{asked}"
     return Decision(True, reason, "lean", record.form, (site,), escaping, compute_dtype, options=options.encode())
 
 
-def replace(graph: fx.Graph, record: Record, decision: Decision) -> None:
-    """Stage 3: the decided call in place of the sites of ``decision``: their operands (:func:`sites.operands`), the
-    call from the form's emitter, then each site's loss retired (``sites.retire``). Nothing where the site is left
-    alone, or is a chunk that its head's first chunk's call replaces."""
-    if not decision.sites:
-        return
-    first = decision.sites[0]
-    with graph.inserting_before(first.insert_before or first.cross_entropy):
-        rows, weight, bias = operands(graph, decision.sites, as_stored=decision.compute_dtype is not None)
-        losses = _EMITTERS[decision.replacement](graph, record, decision, rows, weight, bias)
-    for site, loss in zip(decision.sites, losses):
-        retire(graph, site, loss, decision.escaping)
-
-
-def op_compute_dtype(site: Site) -> torch.dtype | None:
+def op_compute_dtype(site: Site, facts: SiteFacts) -> torch.dtype | None:
     """The fused op's ``compute_dtype``: the logits' dtype where an operand is stored in another (autocast: fp32
     hidden states or head, 16-bit logits), so that the op converts them for its call only and returns each gradient
     in its operand's dtype; None where every operand is in the logits' dtype (the graph needs no cast)."""
-    inputs = [site.hidden, site.weight] + ([site.bias] if site.bias is not None else [])
-    if all(example_value(node).dtype == site.compute_dtype for node in inputs):
+    if all(dtype == site.compute_dtype for dtype in facts.stored_dtypes):
         return None
     return site.compute_dtype
 
 
-def check_escaping(site: Site, options: CCEOptions) -> Escaping:
-    """What the logits the graph returns become, with the recipe of each, or NoMatch: "lazy" (computed on first use,
-    ``_lazy_logits.py``), "drop" (a placeholder of their shape and dtype that raises on use, ``_dropped_logits.py``:
-    where the user opted in and the shape can be rebuilt from nodes that stay in the graph), "" where the graph
-    returns none."""
+def check_escaping(site: Site, facts: SiteFacts, options: CCEOptions) -> Escaping:
+    """What the logits the graph returns become, with the recipe of each (read with the site's facts), or NoMatch:
+    "lazy" (computed on first use, ``_lazy_logits.py``), "drop" (a placeholder of their shape and dtype that raises
+    on use, ``_dropped_logits.py``: where the user opted in and the shape can be rebuilt from nodes that stay in the
+    graph), "" where the graph returns none."""
     if not site.escaping:
         return Escaping()
     names = ", ".join(n.name for n in site.escaping)
@@ -163,15 +128,10 @@ def check_escaping(site: Site, options: CCEOptions) -> Escaping:
             "so the op that returns them would be recorded in the graph, which returns plain tensors: neither lazy "
             "logits nor a dropped-logits placeholder can be returned there"
         )
-    if options.drop_logits:
-        sources = _dropped_logits.shape_sources(site)
-        recipes = [_dropped_logits.shape_recipe(node, sources) for node in site.escaping]
-        for recipe in recipes:
-            if isinstance(recipe, str):
-                raise NoMatch(f"the returned logits cannot be replaced by a placeholder: {recipe}")
-        return Escaping("drop", tuple(recipes))
-    # (lazy_recipe raises NoMatch where a path cannot be replayed)
-    return Escaping("lazy", tuple(lazy_recipe(site, node) for node in site.escaping))
+    kind, recipes = ("drop", facts.drop) if options.drop_logits else ("lazy", facts.lazy)
+    if isinstance(recipes, str):  # why the recipes could not be made
+        raise NoMatch(recipes)
+    return Escaping(kind, recipes)
 
 
 def _placeholders_run_between_cuda_graphs() -> bool:
@@ -193,8 +153,8 @@ def _compiling_with_cuda_graphs() -> bool:
     return bool(inductor_config.triton.cudagraphs)
 
 
-def describe_site(site: Site, escaping_as: str) -> str:
-    parts = [f"{site.head.name}: {'matmul' if matches(site.head, MATMUL) else 'linear'}"]
+def describe_site(site: Site, facts: SiteFacts, escaping_as: str) -> str:
+    parts = [f"{site.head.name}: {facts.head_kind}"]
     if site.bias is not None:
         parts.append("bias")
     if site.scale != 1.0:
@@ -221,52 +181,48 @@ def describe_site(site: Site, escaping_as: str) -> str:
 
 def choose_path(
     site: Site,
+    facts: SiteFacts,
     options: CCEOptions,
     stored_as: torch.dtype | None,
     *,
     per_row_outputs: bool = False,
-    upstream: UpstreamGradient | None = None,
 ) -> paths.PathChoice:
     """The path of this site (:func:`cce_inductor.paths.choose`) from the shapes Dynamo traced (a dynamic batch: the
     size it was traced with). What requires grad is known here: Dynamo traced the graph with it, and guards on it (the
     loss itself: a head computed with grad whose loss is taken under no_grad needs no gradient). Logits the graph
     returns (``site.escaping``) count in torch.compile's estimated peak: it must materialise them, the rewrite
     returns them lazily or drops them. Operands stored wider than the logits (autocast's fp32 hidden states or head)
-    reach the op as stored (:func:`replace`): their gradients, and the op's converted copies, count at their
-    widths, as the op counts them when it sizes its scratch at run time (``stored_as``: the op's ``compute_dtype``,
-    ``op_compute_dtype``). ``upstream``: the graph's scale of the loss (``upstream.py``); one the op cannot be
-    given (``unknown``) makes a 16-bit dC the exact pair."""
-    logits, hidden = example_value(site.chain[-1]), example_value(site.hidden)
-    stored = (
-        paths.storage_facts(hidden.dtype, example_value(site.weight).dtype, site.compute_dtype)
-        if stored_as is not None
-        else {}
-    )
-    facts = _dispatch.head_facts(
-        logits.shape[0],
-        hidden.shape[-1],
-        logits.shape[-1],
+    reach the op as stored (``replace``): their gradients, and the op's converted copies, count at their widths, as
+    the op counts them when it sizes its scratch at run time (``stored_as``: the op's ``compute_dtype``,
+    :func:`op_compute_dtype`). ``facts.upstream``: the graph's scale of the loss (``upstream.py``); one the op cannot
+    be given (``unknown``) makes a 16-bit dC the exact pair."""
+    hidden_dtype, weight_dtype = facts.stored_dtypes[:2]
+    stored = paths.storage_facts(hidden_dtype, weight_dtype, site.compute_dtype) if stored_as is not None else {}
+    head = _dispatch.head_facts(
+        facts.rows,
+        facts.hidden_size,
+        facts.vocab,
         site.compute_dtype,
-        hidden.device,
+        facts.device,
         site.reduction,
-        needs_grad=requires_grad(site.cross_entropy),
+        needs_grad=facts.needs_grad,
         lse_reused=bool(site.lse_users),
         per_row_outputs=per_row_outputs,
         returned_logits=bool(site.escaping),
         softcapped=site.softcap is not None,
-        loss_scale=upstream.unknown if upstream is not None else "",
+        loss_scale=facts.upstream.unknown,
         **stored,
     )
-    choice = paths.choose_for(facts, options)
-    missing = _dispatch.no_kernels_note(hidden.device, site.compute_dtype)
+    choice = paths.choose_for(head, options)
+    missing = _dispatch.no_kernels_note(facts.device, site.compute_dtype)
     if missing:
         choice = dataclasses.replace(choice, reason=choice.reason + missing)
-    if isinstance(logits.shape[0], int):
+    if isinstance(facts.rows, int):
         return choice
     # a symbolic batch: the path holds for every batch this graph serves, the estimates were made at one of them
-    traced = "a typical batch" if _dispatch.size_hint(logits.shape[0]) is None else "the batch it was traced with"
+    traced = "a typical batch" if _dispatch.size_hint(facts.rows) is None else "the batch it was traced with"
     return dataclasses.replace(
         choice,
-        reason=f"{choice.reason}; the batch is symbolic: chosen for {facts.rows} rows "
+        reason=f"{choice.reason}; the batch is symbolic: chosen for {head.rows} rows "
         f"({traced}), and kept for every batch this graph serves",
     )
