@@ -15,6 +15,7 @@ The machinery every form shares, as Inductor keeps ``pattern_matcher.py`` apart 
 * ``head_chain.py``: the walk from what a loss reads back to the linear head (row views, upcasts, scale, softcap);
 * ``added_bias.py``: a bias added to the head's product on its own, which the walk takes as the head's bias;
 * ``upstream.py``: the loss's scale after the cross-entropy, which the balanced op computes its gradients at;
+* ``scored_rows.py``: what the two RL forms share: a site over every row of the logits, one id per row, and its call;
 * ``sites.py``: the data the stages hand on; ``site_facts.py``, ``decide.py``, ``replace.py``: stages 2-4.
 
 The matched forms, each module's docstring showing the graph it matches, each a ``find_*`` (graph -> records) and

@@ -42,8 +42,8 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from . import head_chain, sites
+from . import scored_rows as sr
 from . import spellings as sp
-from . import token_log_probs as tlp
 
 SOFTMAX = sp.functions(F.softmax, torch.softmax) | sp.methods("softmax")
 EXP = sp.functions(torch.exp) | sp.methods("exp")
@@ -72,13 +72,13 @@ def _row_sum_input(node: fx.Node) -> fx.Node | None:
 def _factor(node) -> tuple[str, fx.Node | None, list[fx.Node]]:
     """What one factor of the product is: ``("p", logits, nodes)`` for softmax(logits) or exp(log_softmax(logits)),
     ``("logp", logits, nodes)`` for log_softmax(logits), ``("z", node, [])`` for anything else."""
-    if sp.matches(node, SOFTMAX) and tlp.is_row_softmax(node):
+    if sp.matches(node, SOFTMAX) and sr.is_row_softmax(node):
         return "p", sp.call_arg(node, 0, "input"), [node]
-    if sp.matches(node, sp.LOG_SOFTMAX) and tlp.is_row_softmax(node):
+    if sp.matches(node, sp.LOG_SOFTMAX) and sr.is_row_softmax(node):
         return "logp", sp.call_arg(node, 0, "input"), [node]
     if sp.matches(node, EXP) and len(node.args) == 1 and not node.kwargs:
         inner = node.args[0]
-        if sp.matches(inner, sp.LOG_SOFTMAX) and tlp.is_row_softmax(inner):
+        if sp.matches(inner, sp.LOG_SOFTMAX) and sr.is_row_softmax(inner):
             return "p", sp.call_arg(inner, 0, "input"), [node, inner]
     return "z", node, []
 
@@ -164,7 +164,7 @@ def _token_gathers(chain: list[fx.Node]) -> list[fx.Node]:
             for log_probs in chain[i].users
             if sp.matches(log_probs, sp.LOG_SOFTMAX)
             for gather in log_probs.users
-            if sp.matches(gather, tlp.GATHER)
+            if sp.matches(gather, sr.GATHER)
         ]
         if i and not (sp.matches(chain[i], _ROW_ORDER_KEEPING) or head_chain.upcast_target(chain[i]) is not None):
             break
@@ -179,14 +179,14 @@ def _match(term: EntropyTerm, terms_on_logits: int) -> sites.Record:
         raise head_chain.NoMatch("log-probs of several id tensors gathered from the same logits")
     inner, log_probs_node, index, squeezed = list(term.nodes), None, None, False
     if gathers:
-        log_softmax, _, index, squeeze = tlp.gathered_log_probs(gathers[0])
+        log_softmax, _, index, squeeze = sr.gathered_log_probs(gathers[0])
         log_probs_node = squeeze if squeeze is not None else gathers[0]
         squeezed = squeeze is not None
         inner += [node for node in (log_softmax, gathers[0], squeeze) if node is not None and node not in inner]
     replaced = [term.root] + ([log_probs_node] if log_probs_node is not None else [])
-    site = tlp.scored_rows_site(term.logits, inner, replaced, index)
+    site = sr.scored_rows_site(term.logits, inner, replaced, index)
     label = f"entropy and token log-probs of {index.name}" if index is not None else "entropy"
-    dtensor = tlp.dtensor_refusal(site, "entropy")
+    dtensor = sr.dtensor_refusal(site, "entropy")
     return sites.Record(
         FORM, term.root, site, dtensor=dtensor, label=label, log_probs=log_probs_node, squeezed=squeezed
     )
@@ -205,10 +205,10 @@ def emit_entropy(graph: fx.Graph, record: sites.Record, decision: sites.Decision
         ids = graph.call_method("new_zeros", (rows, leading), {"dtype": torch.int64})
     else:
         ids = graph.call_method("squeeze", (site.targets, -1)) if record.squeezed else site.targets
-    fused = tlp.fused_token_call(graph, site, decision, rows, weight, ids, bias, entropy=True)
+    fused = sr.fused_token_call(graph, site, decision, rows, weight, ids, bias, entropy=True)
     values = {record.node: graph.call_method("view", (graph.call_function(operator.getitem, (fused, 2)), leading))}
     if record.log_probs is not None:
-        values[record.log_probs] = tlp.log_probs_of(graph, fused, ids)
+        values[record.log_probs] = sr.log_probs_of(graph, fused, ids)
     for node, value in values.items():
         if node is not site.cross_entropy:
             node.replace_all_uses_with(_cast(graph, value, node))
