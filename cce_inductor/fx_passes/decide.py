@@ -20,7 +20,7 @@ import torch
 from .. import _dispatch, _dropped_logits, paths
 from ..options import CCEOptions
 from .head_chain import NoMatch
-from .sites import Decision, Escaping, Record, Site, SiteFacts, why_not
+from .sites import CROSS_ENTROPY_FORM, Decision, Escaping, Record, Site, SiteFacts, why_not
 
 # What stats() puts before the reason a site of these forms is left alone.
 _REFUSED_AS = {"token_log_probs": "token log-probs: ", "entropy": "entropy: "}
@@ -41,7 +41,7 @@ def decide(records: list[Record], options: CCEOptions) -> list[tuple[Record, Dec
                 why = why_not(exc)
         if why:
             decided.append((record, Decision(False, _REFUSED_AS.get(record.form, "") + why)))
-        elif record.form == "linear_cross_entropy":
+        elif record.form == CROSS_ENTROPY_FORM:
             by_call.setdefault(record.facts.head_call, []).append((record, escaping))
         else:
             decided.append((record, _lean(record, escaping, options)))

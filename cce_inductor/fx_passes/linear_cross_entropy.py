@@ -58,7 +58,7 @@ import torch.nn.functional as F
 from .. import _checks, balanced_op, ops
 from .head_chain import NoMatch, private_chain, upcast_target, walk_logits
 from .replace import rows_of
-from .sites import Decision, Record, Site, why_not
+from .sites import CROSS_ENTROPY_FORM, Decision, Record, Site, why_not
 from .spellings import (
     CROSS_ENTROPY,
     FLATTEN,
@@ -77,7 +77,7 @@ from .spellings import (
 )
 from .upstream import emit_grad_scale
 
-FORM = "linear_cross_entropy"
+FORM = CROSS_ENTROPY_FORM
 _CE_SIGNATURE = inspect.signature(F.cross_entropy)
 
 

@@ -23,8 +23,7 @@ import torch.fx as fx
 from .. import _dropped_logits
 from .chunked_heads import chunk_groups
 from .head_chain import NoMatch, RowStep, _row_step, branch_path, upcast_target
-from .linear_cross_entropy import FORM as CROSS_ENTROPY_FORM
-from .sites import Record, Site, SiteFacts, why_not
+from .sites import CROSS_ENTROPY_FORM, Record, Site, SiteFacts, why_not
 from .spellings import (
     DIV,
     FLATTEN,

@@ -22,6 +22,9 @@ import torch.fx as fx
 from .head_chain import NoMatch, RowStep
 from .upstream import UpstreamGradient
 
+# The form whose sites may take the balanced path and share one call per head: stages 2 and 3 treat it apart.
+CROSS_ENTROPY_FORM = "linear_cross_entropy"
+
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class Site:
