@@ -14,7 +14,7 @@ the losses, are replaced by::
     loss_k = split(fused[0], [M_0, .., M_n-1])[k]  reduced as cross_entropy k asked (sum; mean over its counted rows)
 
 so every use of every chunk's loss sees eager's value (reduction "none": per-row outputs, the lean path).
-``site_facts.read`` groups the sites (:func:`chunk_groups`); :func:`emit_one_call` emits the call.
+``site_facts.read`` groups the sites (``site_facts.chunk_groups``); :func:`emit_one_call` emits the call.
 """
 
 from __future__ import annotations
@@ -25,68 +25,10 @@ import torch
 import torch.fx as fx
 
 from .. import ops
-from .graph_facts import mutated_tensor, storage_roots
-from .sites import Decision, Record, Site
-from .spellings import GRAD_MODE, example_value, matches
+from .sites import Decision, Record
+from .spellings import example_value
 
 FORM = "chunked_heads"
-
-
-def _chunk_key(site: Site) -> tuple | None:
-    if site.escaping or site.lse_users or site.argmax_users or site.class_weight is not None:
-        return None
-    return (
-        site.weight,
-        site.weight_is_transposed,
-        site.bias,
-        site.scale,
-        site.softcap,
-        site.ignore_index,
-        site.label_smoothing,
-        site.compute_dtype,
-    )
-
-
-def chunk_groups(sites: list[Site]) -> list[list[Site]]:
-    """Sites grouped for one call each: same head and settings, and every operand computed before the first loss
-    of the group (the call goes there)."""
-    groups: dict = {}
-    singles = []
-    for site in sites:
-        key = _chunk_key(site)
-        if key is None:
-            singles.append([site])
-        else:
-            groups.setdefault(key, []).append(site)
-    result = singles
-    for group in groups.values():
-        if len(group) == 1:
-            result.append(group)
-            continue
-        position = {node: i for i, node in enumerate(group[0].cross_entropy.graph.nodes)}
-        group.sort(key=lambda site: position[site.cross_entropy])
-        operands = [
-            n for site in group for n in (site.hidden, site.targets, site.weight, site.bias) if isinstance(n, fx.Node)
-        ]
-        first = group[0].cross_entropy
-        if all(position[n] < position[first] for n in operands) and not _changed_between(group[0], group[-1], operands):
-            result.append(group)
-        else:
-            result.extend([site] for site in group)
-    return result
-
-
-def _changed_between(first: Site, last: Site, operands: list[fx.Node]) -> bool:
-    """Whether, between the group's first and last loss, an operand is updated in place or grad mode switches: the
-    one call runs at the first loss, so every loss must read what it would have read there."""
-    roots = set().union(*(storage_roots(n) for n in operands))
-    node = first.cross_entropy.next
-    while node is not last.cross_entropy:
-        mutated = mutated_tensor(node)
-        if matches(node, GRAD_MODE) or (mutated is not None and storage_roots(mutated) & roots):
-            return True
-        node = node.next
-    return False
 
 
 def _row_count(graph: fx.Graph, targets: fx.Node) -> int | fx.Node:

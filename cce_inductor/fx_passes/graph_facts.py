@@ -1,6 +1,6 @@
 """What an FX node does to storage, as the matchers must know it: which tensor an in-place node writes, what a
 tensor may be a view of, and whether a node is a 2-D transpose. Pattern-free graph facts, shared by the matched
-forms (``head_chain.py``'s walk, ``chunked_heads.py``'s grouping, ``sites.py``'s head operands)."""
+forms (``head_chain.py``'s walk, ``site_facts.py``'s grouping of a head's chunks, ``replace.py``'s head operands)."""
 
 from __future__ import annotations
 

@@ -9,6 +9,7 @@ site is described come from here, and so do the recipes of what can only be rebu
     upstream_gradient(loss, ...)                       the loss's gradient scale in the graph (a cross_entropy's)
     lazy_recipe(site, argmax input)[0]                 the rows an argmax user reads
     chunk_groups(sites)                                the cross_entropy sites of one head that become one call
+                                                       (``chunked_heads.py``)
 
 A site whose facts cannot be read is left alone, with the reason (``sites.why_not``).
 """
@@ -21,13 +22,14 @@ import torch
 import torch.fx as fx
 
 from .. import _dropped_logits
-from .chunked_heads import chunk_groups
+from .graph_facts import mutated_tensor, storage_roots
 from .head_chain import NoMatch, RowStep, _row_step, branch_path, upcast_target
 from .sites import CROSS_ENTROPY_FORM, Record, Site, SiteFacts, why_not
 from .spellings import (
     DIV,
     FLATTEN,
     GETITEM,
+    GRAD_MODE,
     MATMUL,
     MUL,
     RESHAPE,
@@ -62,6 +64,63 @@ def read(records: list[Record]) -> list[Record]:
         else record
         for record in read_records
     ]
+
+
+def _chunk_key(site: Site) -> tuple | None:
+    if site.escaping or site.lse_users or site.argmax_users or site.class_weight is not None:
+        return None
+    return (
+        site.weight,
+        site.weight_is_transposed,
+        site.bias,
+        site.scale,
+        site.softcap,
+        site.ignore_index,
+        site.label_smoothing,
+        site.compute_dtype,
+    )
+
+
+def chunk_groups(sites: list[Site]) -> list[list[Site]]:
+    """Sites grouped for one call each (``chunked_heads.py``): same head and settings, and every operand computed
+    before the first loss of the group (the call goes there)."""
+    groups: dict = {}
+    singles = []
+    for site in sites:
+        key = _chunk_key(site)
+        if key is None:
+            singles.append([site])
+        else:
+            groups.setdefault(key, []).append(site)
+    result = singles
+    for group in groups.values():
+        if len(group) == 1:
+            result.append(group)
+            continue
+        position = {node: i for i, node in enumerate(group[0].cross_entropy.graph.nodes)}
+        group.sort(key=lambda site: position[site.cross_entropy])
+        operands = [
+            n for site in group for n in (site.hidden, site.targets, site.weight, site.bias) if isinstance(n, fx.Node)
+        ]
+        first = group[0].cross_entropy
+        if all(position[n] < position[first] for n in operands) and not _changed_between(group[0], group[-1], operands):
+            result.append(group)
+        else:
+            result.extend([site] for site in group)
+    return result
+
+
+def _changed_between(first: Site, last: Site, operands: list[fx.Node]) -> bool:
+    """Whether, between the group's first and last loss, an operand is updated in place or grad mode switches: the
+    one call runs at the first loss, so every loss must read what it would have read there."""
+    roots = set().union(*(storage_roots(n) for n in operands))
+    node = first.cross_entropy.next
+    while node is not last.cross_entropy:
+        mutated = mutated_tensor(node)
+        if matches(node, GRAD_MODE) or (mutated is not None and storage_roots(mutated) & roots):
+            return True
+        node = node.next
+    return False
 
 
 def _with_facts(record: Record) -> Record:
