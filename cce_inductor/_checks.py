@@ -100,13 +100,22 @@ def check_target_range(targets: Tensor, vocab: int, ignore_index: int) -> None:
     """Out-of-range targets are an error as in eager PyTorch: an IndexError on CPU, a device-side assert on CUDA
     and under torch.compile (a Python branch on a tensor would be a host sync / a graph break there)."""
     out_of_range = (targets != ignore_index) & ((targets < 0) | (targets >= vocab))
-    if targets.device.type == "cuda" or torch.compiler.is_compiling():
+    if targets.device.type == "cuda" or _traced(targets):
         torch._assert_async(
             ~out_of_range.any(), "cce_inductor: target out of bounds (not ignore_index and not in [0, V))"
         )
     elif out_of_range.any():
         bad = int(targets[out_of_range][0])
         raise IndexError(f"Target {bad} is out of bounds.")
+
+
+def _traced(tensor: Tensor) -> bool:
+    """Whether ``tensor``'s values are unknown here (compile, export, AOTAutograd tracing a function the graph calls,
+    as the vocabulary-parallel loss is): ``torch.compiler.is_compiling()``, which not every supported torch release
+    sets while AOTAutograd traces, or a fake tensor."""
+    from torch._subclasses.fake_tensor import is_fake  # private: its home since torch 2.1
+
+    return torch.compiler.is_compiling() or is_fake(tensor)
 
 
 def check_public_args(e: Tensor, c: Tensor, targets: Tensor, *, softcap: float | None, reduction: str) -> None:

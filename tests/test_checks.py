@@ -59,6 +59,18 @@ def test_target_out_of_range_is_index_error(bad):
         lce(e, c, t)
 
 
+def test_target_range_check_on_traced_targets_is_a_device_assert():
+    """Where the targets' values are unknown (a fake tensor: AOTAutograd tracing the vocabulary-parallel loss, which
+    some torch releases trace without ``torch.compiler.is_compiling()`` set), the range check is an async assert, not
+    a Python branch on their values (which would raise a data-dependent error and fail the compile)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        targets = torch.randint(0, 10, (8,))
+        assert not torch.compiler.is_compiling()
+        _checks.check_target_range(targets, 10, -100)  # a Python branch here raises DataDependentOutputException
+
+
 def test_target_equal_to_ignore_index_is_fine_even_out_of_vocab():
     e, c, t, _ = _small()
     t = t.clone()
