@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor
+from torch._subclasses.fake_tensor import is_fake  # private; imported by torch itself, so free here
 
 REDUCTIONS = ("none", "mean", "sum")
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -113,8 +114,6 @@ def _traced(tensor: Tensor) -> bool:
     """Whether ``tensor``'s values are unknown here (compile, export, AOTAutograd tracing a function the graph calls,
     as the vocabulary-parallel loss is): ``torch.compiler.is_compiling()``, which not every supported torch release
     sets while AOTAutograd traces, or a fake tensor."""
-    from torch._subclasses.fake_tensor import is_fake  # private: its home since torch 2.1
-
     return torch.compiler.is_compiling() or is_fake(tensor)
 
 
